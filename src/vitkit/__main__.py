@@ -1,0 +1,5 @@
+import sys
+
+from vitkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,120 @@
+"""vitkit's own format: a folder with ``model.safetensors`` and ``config.json``.
+
+``config.json`` holds the model config, the preprocessing, class names and provenance::
+
+    {"format": "vitkit", "version": 1, "model": {...}, "preprocess": {...},
+     "class_names": [...] | null, "provenance": {...}}
+
+Weights are plain safetensors (no pickle anywhere). Writes are atomic: files go to a temporary folder
+that replaces the target in one rename, so a crash never leaves a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
+from vitkit.data.preprocess import Preprocess
+from vitkit.errors import CheckpointError
+from vitkit.models.vit import VisionTransformer, ViTConfig
+
+FORMAT = "vitkit"
+VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+def looks_like(path: Path) -> bool:
+    cfg = path / CONFIG
+    if not (path.is_dir() and cfg.is_file()):
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def load(path: Path) -> Checkpoint:
+    cfg_path, w_path = path / CONFIG, path / WEIGHTS
+    try:
+        meta = json.loads(cfg_path.read_text())
+        cfg = ViTConfig.from_dict(meta["model"])
+        preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
+    except FileNotFoundError:
+        raise CheckpointError(f"{cfg_path}: no such file") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({e})") from None
+    if not w_path.is_file():
+        raise CheckpointError(f"{w_path}: no such file")
+    try:
+        state = load_file(str(w_path))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{w_path}: unreadable safetensors file ({e})") from None
+    return Checkpoint(
+        cfg,
+        state,
+        CheckpointMeta(
+            format=FORMAT,
+            source=str(path),
+            preprocess=preprocess,
+            class_names=meta.get("class_names"),
+            provenance=meta.get("provenance") or {},
+        ),
+    )
+
+
+def save(
+    model: VisionTransformer,
+    path: str | os.PathLike[str],
+    *,
+    preprocess: Preprocess | None = None,
+    class_names: list[str] | None = None,
+    provenance: dict[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` as a vitkit folder, atomically (an existing folder is replaced in one rename)."""
+    out = Path(path)
+    if class_names is not None and len(class_names) != model.cfg.num_classes:
+        raise CheckpointError(f"{len(class_names)} class names for a model with {model.cfg.num_classes} classes")
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": model.cfg.to_dict(),
+        "preprocess": (preprocess or Preprocess(image_size=model.cfg.image_size)).to_dict(),
+        "class_names": class_names,
+        "provenance": provenance or {},
+    }
+    state = state_dict_tensors(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file(state, str(tmp / WEIGHTS))
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first and removed only afterwards."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+
+
+def state_dict_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}

@@ -1,0 +1,220 @@
+"""The ``vitkit`` command line. Each subcommand is a thin layer over the public Python API.
+
+Errors in the user's input (files, options, checkpoints) end with one line on stderr naming the cause,
+and exit status 2; no tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+from vitkit.errors import VitkitError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("vitkit predict: error: ... (see --help)")."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    """ "224" -> (224, 224); "224x320" -> (224, 320)."""
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)") from None
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)")
+    return parts[0], parts[1]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+# ---- info ---------------------------------------------------------------------------------------------
+
+
+def _add_info(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "info",
+        help="architecture, parameter table, GMACs/GFLOPs of a variant or checkpoint",
+        description="Show a model's configuration, a per-component parameter table, and the compute of one "
+        "forward pass (GMACs, and GFLOPs at 2 FLOPs per multiply-add) at a given resolution.",
+    )
+    p.add_argument("model", help="a variant name such as B/16, or a checkpoint path")
+    p.add_argument("--image-size", type=_image_size, help="resolution, e.g. 384 or 224x320 (default: model's)")
+    p.add_argument("--num-classes", type=int, help="number of classes of the head (default: 1000 / checkpoint's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_info)
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from vitkit.models.cost import cost_table
+
+    model, source = _model_for_info(args)
+    cfg = model.cfg
+    rows = cost_table(model, args.image_size)
+    total_params = sum(r.params for r in rows)
+    total_macs = sum(r.macs for r in rows)
+    size = args.image_size or cfg.image_size
+    gh, gw = size[0] // model.stem_stride, size[1] // model.stem_stride
+    summary = {
+        "model": cfg.name or source,
+        "image_size": list(size),
+        "tokens": gh * gw + cfg.num_prefix_tokens,
+        "config": cfg.to_dict(),
+        "components": [{"component": r.component, "params": r.params, "macs": r.macs} for r in rows],
+        "params": total_params,
+        "gmacs": total_macs / 1e9,
+        "gflops": 2 * total_macs / 1e9,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{summary['model']}: image {size[0]}x{size[1]}, {gh}x{gw} patches -> {summary['tokens']} tokens")
+    print(
+        f"  width {cfg.hidden_size}, depth {cfg.depth}, heads {cfg.num_heads}, MLP {cfg.mlp_dim}, "
+        f"patch {cfg.patch_size}, classifier {cfg.classifier}, pos-emb {cfg.pos_embed}, GELU {cfg.gelu}, "
+        f"classes {cfg.num_classes}" + (f", pre-logits {cfg.representation_size}" if cfg.representation_size else "")
+    )
+    print(f"  {'component':<28}{'params':>16}{'GMACs':>12}")
+    for r in rows:
+        print(f"  {r.component:<28}{r.params:>16,}{r.macs / 1e9:>12.4g}")
+    print(f"  {'total':<28}{total_params:>16,}{total_macs / 1e9:>12.4g}")
+    print(f"  {total_macs / 1e9:.4g} GMACs = {2 * total_macs / 1e9:.4g} GFLOPs per image (2 FLOPs per multiply-add)")
+    return 0
+
+
+def _model_for_info(args: argparse.Namespace) -> tuple[Any, str]:
+    import torch
+
+    from vitkit.checkpoints import read_checkpoint
+    from vitkit.models import create_model
+    from vitkit.models.vit import VisionTransformer
+
+    overrides: dict[str, Any] = {}
+    if args.num_classes is not None:
+        overrides["num_classes"] = args.num_classes
+    if os.path.exists(args.model):
+        cfg = read_checkpoint(args.model).cfg
+        with torch.device("meta"):
+            model = create_model(cfg, **overrides)
+        return model, args.model
+    if args.image_size:
+        overrides["image_size"] = args.image_size
+    with torch.device("meta"):  # shapes only: no memory, no init cost, even for H/14
+        model = create_model(args.model, **overrides)
+    assert isinstance(model, VisionTransformer)
+    return model, args.model
+
+
+# ---- predict ------------------------------------------------------------------------------------------
+
+
+def _add_predict(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "predict",
+        help="top-k labels for images with a checkpoint",
+        description="Classify images with any supported checkpoint. Preprocessing (resize, mean/std) is "
+        "taken from the checkpoint; labels from its class names when it has them.",
+    )
+    p.add_argument("images", nargs="+", help="image files (any format Pillow reads)")
+    p.add_argument("--checkpoint", "-c", required=True, help="checkpoint path (file or folder)")
+    p.add_argument("--format", help="checkpoint format, if detection should be overridden")
+    p.add_argument("--top-k", type=_positive_int, default=5, help="how many labels per image (default 5)")
+    p.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward pass")
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    p.set_defaults(func=cmd_predict)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from vitkit.checkpoints import load_checkpoint
+    from vitkit.data.preprocess import load_image
+
+    loaded = load_checkpoint(args.checkpoint, format=args.format)
+    model, pre = loaded.model, loaded.meta.preprocess
+    if model.cfg.num_classes <= 0:
+        raise VitkitError(f"{args.checkpoint}: the model has no classification head; nothing to predict")
+    images = [load_image(path) for path in args.images]  # fail on a bad file before any compute
+    k = min(args.top_k, model.cfg.num_classes)
+    batches = range(0, len(images), args.batch_size)
+    results = []
+    with torch.inference_mode():
+        for start in tqdm(batches, desc="predict", unit="batch", disable=len(batches) < 2, file=sys.stderr):
+            x = torch.stack([pre.to_tensor(img) for img in images[start : start + args.batch_size]])
+            probs = model(x).float().softmax(dim=-1)
+            top_p, top_i = probs.topk(k, dim=-1)
+            for j in range(x.shape[0]):
+                pairs = [(loaded.label(int(i)), float(p)) for p, i in zip(top_p[j], top_i[j], strict=True)]
+                results.append((args.images[start + j], pairs))
+    for path, pairs in results:
+        if args.json:
+            print(json.dumps({"image": path, "top": [{"label": lab, "prob": p} for lab, p in pairs]}))
+        else:
+            print(path)
+            for rank, (lab, p) in enumerate(pairs, 1):
+                print(f"  {rank}. {lab:<40} {p:7.2%}")
+    return 0
+
+
+# ---- entry point --------------------------------------------------------------------------------------
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_info, _add_predict]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vitkit import __version__
+
+    parser = _Parser(
+        prog="vitkit",
+        description="Vision Transformers (Dosovitskiy et al., ICLR 2021): train, fine-tune, evaluate, analyse, "
+        "convert. Run 'vitkit COMMAND --help' for each command.",
+    )
+    parser.add_argument("--version", action="version", version=f"vitkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args))
+    except VitkitError as e:
+        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        print(f"vitkit {args.command}: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"vitkit {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: image decoding and preprocessing, datasets, augmentation."""
