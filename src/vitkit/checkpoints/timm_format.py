@@ -23,10 +23,14 @@ Semantics, from timm's ``vision_transformer.py``:
 
 A timm hub folder is ``config.json`` (``architecture``, ``model_args``, ``pretrained_cfg``, ``label_names``)
 plus ``model.safetensors``; for a single file, a ``config.json`` with an ``architecture`` key beside it is used.
+``.safetensors`` files written by vitkit carry that config in their metadata (timm ignores it), so heads,
+GELU kind, LayerNorm eps, image size and labels survive; a bare ``.pth`` is written only when the shapes and
+timm's defaults determine the model.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -107,16 +111,27 @@ def _weights_path(path: Path) -> Path | None:
     return None
 
 
+META_KEY = "vitkit.timm_config"  # vitkit writes the timm config into a .safetensors file's metadata too
+
+
 def _sidecar(path: Path) -> dict[str, Any] | None:
-    """timm's config.json (folder, or beside a single file) when it describes a timm model."""
+    """timm's config.json (folder, or beside a single file), else the one vitkit embedded in a .safetensors."""
     cfg = path / "config.json" if path.is_dir() else path.with_name("config.json")
-    if not cfg.is_file():
-        return None
-    try:
-        doc = json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and "architecture" in doc else None
+    texts: list[str] = []
+    if cfg.is_file():
+        with contextlib.suppress(OSError):
+            texts.append(cfg.read_text())
+    if path.is_file() and path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        with contextlib.suppress(SafetensorError, OSError), safe_open(str(path), "pt") as f:
+            texts.append((f.metadata() or {}).get(META_KEY) or "")
+    for text in texts:
+        with contextlib.suppress(ValueError):
+            doc = json.loads(text) if text else None
+            if isinstance(doc, dict) and "architecture" in doc:
+                return doc
+    return None
 
 
 def looks_like(path: Path) -> bool:
@@ -208,7 +223,9 @@ def infer_config(
             if "pre_logits.fc.weight" in weights
             else None,
             gelu=gelu or ("tanh" if args.get("act_layer") in ("gelu_tanh", "gelu_new") else "exact"),  # type: ignore[arg-type]
-            layer_norm_eps=layer_norm_eps if layer_norm_eps is not None else 1e-6,
+            layer_norm_eps=layer_norm_eps
+            if layer_norm_eps is not None
+            else (sidecar or {}).get("layer_norm_eps", 1e-6),
             qkv_bias="blocks.0.attn.qkv.bias" in weights,
         )
     except ValueError as e:
@@ -303,7 +320,16 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     }
     if meta and meta.class_names:
         doc["label_names"] = list(meta.class_names)
+    if cfg.layer_norm_eps != 1e-6:  # timm builds eps 1e-6; kept here so vitkit reads back the exact model
+        doc["layer_norm_eps"] = cfg.layer_norm_eps
     return doc
+
+
+def _recoverable_from_shapes(cfg: ViTConfig) -> bool:
+    """Whether a bare state dict (no config) reads back as exactly this model."""
+    heads = HEADS_BY_WIDTH.get(cfg.hidden_size) or max(cfg.hidden_size // 64, 1)
+    square = cfg.grid_size[0] == cfg.grid_size[1]
+    return cfg.num_heads == heads and cfg.gelu == "exact" and cfg.layer_norm_eps == 1e-6 and square
 
 
 def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None) -> Path:
@@ -320,9 +346,15 @@ def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None
         from safetensors.torch import save_file
 
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out))
+        save_file(tensors, str(out), metadata={"format": "pt", META_KEY: json.dumps(timm_config(cfg, meta))})
         return out
     if out.suffix in torch_files.PICKLE_SUFFIXES:
+        require(
+            _recoverable_from_shapes(cfg),
+            f"{out.name}",
+            f"a bare .pth cannot record heads={cfg.num_heads}, gelu={cfg.gelu}, eps={cfg.layer_norm_eps} or a "
+            "non-square grid; write a .safetensors file or a folder (both carry timm's config)",
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(tensors, out)
         return out
