@@ -109,9 +109,14 @@ def test_refusals(tmp_path: Path) -> None:
     np.savez(tmp_path / "partial.npz", **partial)  # type: ignore[arg-type]
     with pytest.raises(CheckpointError, match=r"missing keys: Transformer/encoderblock_1/MlpBlock_0/Dense_1/kernel"):
         vitkit.load_pretrained(tmp_path / "partial.npz")
-    hybrid = vitkit.create_model("R+Ti/16", image_size=64, depth=1, num_classes=2)
+    hybrid = vitkit.create_model("R+Ti/16", image_size=64, depth=1, num_classes=2, gelu="tanh")
     with pytest.raises(CheckpointError, match="no hybrid"):
         save_checkpoint(hybrid, tmp_path / "h.npz", "big_vision")
+    exact = vitkit.create_model("Ti/16", image_size=32, num_classes=2)  # exact GELU: not Google's function
+    for fmt in ("big_vision", "official"):
+        with pytest.raises(CheckpointError, match="tanh GELU"):
+            save_checkpoint(exact, tmp_path / f"{fmt}.npz", fmt)
+    assert not any(tmp_path.glob("*.npz.*"))
 
 
 def test_layouts_are_never_confused(tmp_path: Path) -> None:

@@ -246,5 +246,8 @@ def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
 
 
 def save_model(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
-    """Registry entry point (the format holds no metadata)."""
+    """Registry entry point (the format holds no metadata); exact-GELU models are refused as for ``official``."""
+    from vitkit.checkpoints.official import require_tanh_gelu
+
+    require_tanh_gelu(model.cfg, "big_vision .npz")
     return save(model, path)

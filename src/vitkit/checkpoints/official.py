@@ -217,5 +217,19 @@ def save(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> Pa
 
 
 def save_model(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
-    """Registry entry point: ``model`` as an official .npz (the format holds no metadata)."""
+    """Registry entry point: ``model`` as an official .npz (the format holds no metadata).
+
+    The official code computes the tanh GELU, so an exact-GELU model is refused (it would read back as a
+    different function, ~2e-4 relative); :func:`save` writes the arrays regardless, for who accepts that.
+    """
+    require_tanh_gelu(model.cfg, "official .npz")
     return save(export_state(model), model.cfg, path)
+
+
+def require_tanh_gelu(cfg: ViTConfig, target: str) -> None:
+    require(
+        cfg.gelu == "tanh",
+        target,
+        "Google's code computes the tanh GELU and this model uses the exact one (outputs would change by ~2e-4 "
+        "relative); write it as vitkit, hf or timm",
+    )
