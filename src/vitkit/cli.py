@@ -92,7 +92,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(
         f"  width {cfg.hidden_size}, depth {cfg.depth}, heads {cfg.num_heads}, MLP {cfg.mlp_dim}, "
         f"patch {cfg.patch_size}, classifier {cfg.classifier}, pos-emb {cfg.pos_embed}, GELU {cfg.gelu}, "
-        f"classes {cfg.num_classes}" + (f", pre-logits {cfg.representation_size}" if cfg.representation_size else "")
+        f"classes {cfg.num_classes}"
+        + (f", pre-logits {cfg.representation_size}" if cfg.representation_size else "")
+        + (f", ResNet stages {list(cfg.resnet_layers)} (stride {cfg.stride})" if cfg.resnet_layers is not None else "")
     )
     print(f"  {'component':<28}{'params':>16}{'GMACs':>12}")
     for r in rows:
