@@ -92,7 +92,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(
         f"  width {cfg.hidden_size}, depth {cfg.depth}, heads {cfg.num_heads}, MLP {cfg.mlp_dim}, "
         f"patch {cfg.patch_size}, classifier {cfg.classifier}, pos-emb {cfg.pos_embed}, GELU {cfg.gelu}, "
-        f"classes {cfg.num_classes}" + (f", pre-logits {cfg.representation_size}" if cfg.representation_size else "")
+        f"classes {cfg.num_classes}"
+        + (f", pre-logits {cfg.representation_size}" if cfg.representation_size else "")
+        + (f", ResNet stages {list(cfg.resnet_layers)} (stride {cfg.stride})" if cfg.resnet_layers is not None else "")
     )
     print(f"  {'component':<28}{'params':>16}{'GMACs':>12}")
     for r in rows:
@@ -177,9 +179,99 @@ def cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- convert ------------------------------------------------------------------------------------------
+
+
+def _add_load_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", help="input checkpoint format, if detection should be overridden")
+    p.add_argument("--image-size", type=_image_size, help="new resolution, e.g. 384 or 384x512 (resamples pos-emb)")
+    p.add_argument(
+        "--pos-interpolation",
+        choices=["bilinear", "bicubic"],
+        default="bilinear",
+        help="position-embedding resampling for --image-size: bilinear = official interpolate_posembed "
+        "(scipy zoom order 1, default), bicubic = timm/HF",
+    )
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    from vitkit.checkpoints import FORMATS
+
+    writable = [f.name for f in FORMATS.values() if f.save is not None]
+    p = sub.add_parser(
+        "convert",
+        help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm)",
+        description="Read any supported checkpoint and write it in another format, keeping class names and "
+        "preprocessing where the target can hold them. The written file is read back and its outputs compared "
+        "with the source model on random images; the relative error is printed.",
+    )
+    p.add_argument("input", help="checkpoint path (file or folder)")
+    p.add_argument("output", help="output path (.npz for official/big_vision; folder for vitkit/hf; "
+                   ".safetensors/.pth or folder for timm)")  # fmt: skip
+    p.add_argument("--to", required=True, choices=writable, help="output format")
+    _add_load_options(p)
+    p.add_argument("--num-classes", type=int, help="replace the head by a zero-initialised one for N classes")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from vitkit.checkpoints import load_checkpoint, save_checkpoint
+    from vitkit.checkpoints.verify import compare_models
+
+    loaded = load_checkpoint(
+        args.input,
+        format=args.format,
+        num_classes=args.num_classes,
+        image_size=args.image_size,
+        pos_interpolation=args.pos_interpolation,
+    )
+    out = save_checkpoint(loaded.model, args.output, args.to, meta=loaded.meta)
+    again = load_checkpoint(out, format=args.to, image_size=loaded.model.cfg.image_size)
+    err = compare_models(loaded.model, again.model)
+    print(f"wrote {out} ({args.to}); read back: max abs err {err.max_abs_err:.3g}, rel err {err.rel_err:.3g}")
+    return 0
+
+
+# ---- export -------------------------------------------------------------------------------------------
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export",
+        help="export a checkpoint to ONNX, validated with onnxruntime",
+        description="Export any supported checkpoint to ONNX (torch dynamo exporter) and check the file with "
+        "onnxruntime against the PyTorch model on random images; prints the max abs and relative error.",
+    )
+    p.add_argument("checkpoint", help="checkpoint path (file or folder)")
+    p.add_argument("output", help="output .onnx file")
+    _add_load_options(p)
+    p.add_argument("--dynamic-batch", action="store_true", help="free batch axis (default: batch fixed at 2)")
+    p.add_argument("--opset", type=_positive_int, default=18, help="ONNX opset version (default 18)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from vitkit.checkpoints import load_checkpoint
+    from vitkit.checkpoints.onnx_export import export_onnx, validate_onnx
+
+    loaded = load_checkpoint(
+        args.checkpoint, format=args.format, image_size=args.image_size, pos_interpolation=args.pos_interpolation
+    )
+    model = loaded.model
+    out = export_onnx(model, args.output, dynamic_batch=args.dynamic_batch, opset=args.opset)
+    check = validate_onnx(model, out, (2, 3) if args.dynamic_batch else (2,))
+    H, W = model.cfg.image_size
+    print(
+        f"wrote {out}: input images (B, {model.cfg.in_channels}, {H}, {W}), opset {args.opset}; onnxruntime vs "
+        f"PyTorch on batch {', '.join(map(str, check.batch_sizes))}: max abs err {check.max_abs_err:.3g}, "
+        f"rel err {check.rel_err:.3g}"
+    )
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------------------
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_info, _add_predict]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_info, _add_predict, _add_convert, _add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,15 @@
 
 ``load_checkpoint(path)`` detects the format from the file's structure (or takes ``format=``), converts
 it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
+``save_checkpoint(model, path, format)`` writes any format that can represent the model exactly.
+
+| name       | what                                                              |
+|------------|-------------------------------------------------------------------|
+| vitkit     | folder: model.safetensors + config.json (config, preprocessing, class names, provenance) |
+| official   | Google ViT/AugReg/hybrid .npz, vit_jax names                      |
+| big_vision | big_vision .npz (params/ prefix, Linen names, scan-stacked or not) |
+| hf         | Hugging Face transformers ViT folder (config.json + model.safetensors) |
+| timm       | timm ViT state dict (.safetensors/.pth) or timm hub folder        |
 """
 
 from __future__ import annotations
@@ -11,50 +20,73 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from vitkit.checkpoints import native, official
+from vitkit.checkpoints import big_vision, hf, native, npz, official, timm_format
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
+from vitkit.data.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.models.vit import VisionTransformer
+
+SaveFn = Callable[[VisionTransformer, Path, CheckpointMeta | None], Path]
 
 
 @dataclass(frozen=True)
 class Format:
-    """A checkpoint format: how to recognise it and how to read it into vitkit's layout."""
+    """A checkpoint format: how to recognise it, read it into vitkit's layout, and write it."""
 
     name: str
     description: str
     detect: Callable[[Path], bool]
     load: Callable[[Path], Checkpoint]
+    save: SaveFn | None = None
 
 
-def _is_official(path: Path) -> bool:
-    if path.suffix != ".npz" or not path.is_file():
-        return False
-    try:
-        import numpy as np
-
-        with np.load(path, allow_pickle=False) as z:
-            return official.looks_like(list(z.files))
-    except (OSError, ValueError):
-        return False
+def _save_native(model: VisionTransformer, path: Path, meta: CheckpointMeta | None) -> Path:
+    if meta is None:
+        return native.save(model, path)
+    names = meta.class_names if meta.class_names and len(meta.class_names) == model.cfg.num_classes else None
+    provenance = {**meta.provenance, "converted_from": meta.format, "source": meta.source}
+    return native.save(model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance)
 
 
 FORMATS: dict[str, Format] = {
-    "vitkit": Format("vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load),
+    "vitkit": Format(
+        "vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load, _save_native
+    ),
     "official": Format(
-        "official", "Google ViT/AugReg .npz (vit_jax layout, pre-Linen names)", _is_official, official.load
+        "official",
+        "Google ViT/AugReg/hybrid .npz (vit_jax layout, pre-Linen names)",
+        lambda p: npz.file_layout(p) == "official",
+        official.load,
+        official.save_model,
+    ),
+    "big_vision": Format(
+        "big_vision",
+        "big_vision .npz (params/ prefix, Linen names, per-block or scan-stacked)",
+        big_vision.looks_like,
+        big_vision.load,
+        big_vision.save_model,
+    ),
+    "hf": Format("hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save),
+    "timm": Format(
+        "timm",
+        "timm ViT state dict (.safetensors/.pth file, or timm hub folder)",
+        timm_format.looks_like,
+        timm_format.load,
+        timm_format.save,
     ),
 }
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
-    """Name of the format of the checkpoint at ``path``, judged from its structure."""
+    """Name of the format of the checkpoint at ``path``, judged from its structure (never from its name)."""
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
-    for fmt in FORMATS.values():
-        if fmt.detect(p):
-            return fmt.name
+    found = [fmt.name for fmt in FORMATS.values() if fmt.detect(p)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise CheckpointError(f"{p}: ambiguous layout, matches {', '.join(found)}; name one with --format / format=")
     raise CheckpointError(
         f"{p}: not a checkpoint in any known format ({', '.join(FORMATS)}); "
         "name the format (--format / format=) to force one"
@@ -106,9 +138,46 @@ def load_pretrained(
     format: str | None = None,
     num_classes: int | None = None,
     image_size: int | tuple[int, int] | None = None,
+    pos_interpolation: str = "bilinear",
 ) -> VisionTransformer:
     """Load any supported checkpoint as a ViT (in eval mode); see :func:`load_checkpoint`."""
-    return load_checkpoint(path, format=format, num_classes=num_classes, image_size=image_size).model
+    return load_checkpoint(
+        path, format=format, num_classes=num_classes, image_size=image_size, pos_interpolation=pos_interpolation
+    ).model
+
+
+def save_checkpoint(
+    model: VisionTransformer,
+    path: str | os.PathLike[str],
+    format: str = "vitkit",
+    *,
+    meta: CheckpointMeta | None = None,
+    preprocess: Preprocess | None = None,
+    class_names: list[str] | None = None,
+) -> Path:
+    """Write ``model`` in ``format``, keeping preprocessing and class names where the format can hold them.
+
+    A format that cannot represent the model exactly (e.g. a hybrid as a Hugging Face folder) refuses with a
+    CheckpointError saying why; nothing is written then.
+    """
+    fmt = FORMATS.get(format)
+    if fmt is None or fmt.save is None:
+        writable = [f.name for f in FORMATS.values() if f.save is not None]
+        raise ConfigError(f"cannot write format {format!r}; writable: {', '.join(writable)}")
+    if meta is None:
+        meta = CheckpointMeta(
+            format="vitkit",
+            source="(in memory)",
+            preprocess=preprocess or Preprocess(image_size=model.cfg.image_size),
+            class_names=class_names,
+        )
+    else:
+        meta = replace(
+            meta,
+            preprocess=preprocess or meta.preprocess,
+            class_names=class_names if class_names is not None else meta.class_names,
+        )
+    return fmt.save(model, Path(path), meta)
 
 
 __all__ = [
@@ -123,4 +192,5 @@ __all__ = [
     "load_checkpoint",
     "load_pretrained",
     "read_checkpoint",
+    "save_checkpoint",
 ]

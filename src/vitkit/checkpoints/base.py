@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vitkit.data.preprocess import Preprocess
+from vitkit.errors import CheckpointError
+from vitkit.models.posembed import sincos_2d
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 
@@ -56,3 +59,28 @@ def expected_state(cfg: ViTConfig) -> dict[str, torch.Tensor]:
     """The state dict a model with ``cfg`` expects, as meta tensors (shapes and dtypes, no memory)."""
     with torch.device("meta"):
         return VisionTransformer(cfg).state_dict()
+
+
+def export_state(model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """The model's state dict on the CPU (detached), for writing in another layout."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+def with_learned_posemb(cfg: ViTConfig, state: dict[str, torch.Tensor]) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
+    """For formats without fixed sin-cos embeddings: the same function with the table stored as a learned one.
+
+    The class token never gets a sin-cos embedding, so its slot is zero: outputs are unchanged.
+    """
+    if cfg.pos_embed == "learned":
+        return cfg, state
+    gh, gw = cfg.grid_size
+    table = sincos_2d((gh, gw), cfg.hidden_size)  # (1, N, D)
+    if cfg.classifier == "token":
+        table = torch.cat([torch.zeros(1, 1, cfg.hidden_size), table], dim=1)
+    return dataclasses.replace(cfg, pos_embed="learned"), {**state, "pos_embed": table}
+
+
+def require(condition: bool, target: str, why: str) -> None:
+    """Refuse an export the target format cannot represent exactly."""
+    if not condition:
+        raise CheckpointError(f"cannot write {target}: {why}")

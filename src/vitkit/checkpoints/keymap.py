@@ -72,6 +72,21 @@ def layernorm(prefix_ours: str, prefix_theirs: str) -> list[Rule]:
     ]
 
 
+def group_norm(prefix_ours: str, prefix_theirs: str) -> list[Rule]:
+    """Flax GroupNorm scale/bias, stored (C,) or, in older checkpoints, (1, 1, 1, C)."""
+    return [
+        rule(f"{prefix_ours}.weight", f"{prefix_theirs}/scale", channel_vector),
+        rule(f"{prefix_ours}.bias", f"{prefix_theirs}/bias", channel_vector),
+    ]
+
+
+def channel_vector(a: Array) -> Array:
+    """(C,) or (1, ..., 1, C) -> (C,); anything else is a shape error."""
+    if a.ndim >= 1 and all(n == 1 for n in a.shape[:-1]):
+        return a.reshape(-1)
+    raise ValueError(f"expected (C,) or (1, 1, 1, C), got {a.shape}")
+
+
 def conv_hwio(w: Array) -> Array:
     """Flax conv kernel (kh, kw, in, out) -> torch (out, in, kh, kw)."""
     return w.transpose(3, 2, 0, 1)

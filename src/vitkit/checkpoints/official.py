@@ -8,6 +8,11 @@ Flat "/"-joined keys with pre-Linen module names::
                                  LayerNorm_2, MlpBlock_3/Dense_{0,1}
     Transformer/encoder_norm     pre_logits/{kernel,bias} (optional)     head/{kernel,bias}
 
+Hybrids (R50+ViT-B/16 ...) add the ResNet stem: ``conv_root/kernel``, ``gn_root/{scale,bias}``,
+``block{n}/unit{m}/{conv1,conv2,conv3,conv_proj}/kernel`` and ``.../{gn1,gn2,gn3,gn_proj}/{scale,bias}``
+(GroupNorm parameters stored (C,) or (1, 1, 1, C)); ``embedding`` is then the patch conv on the ResNet map.
+Old training checkpoints keep the parameters under ``opt/target/``; the prefix is recognised and stripped.
+
 The official code uses the tanh GELU, so models loaded from here use it too: the loaded model computes
 the official function, not an approximation of it.
 """
@@ -19,9 +24,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, expected_state
+from vitkit.checkpoints import npz
+from vitkit.checkpoints.base import (
+    Checkpoint,
+    CheckpointMeta,
+    expected_state,
+    export_state,
+    require,
+    with_learned_posemb,
+)
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -30,6 +41,7 @@ from vitkit.checkpoints.keymap import (
     dense,
     expand,
     from_state_dict,
+    group_norm,
     heads_in,
     heads_in_bias,
     heads_out,
@@ -43,7 +55,8 @@ from vitkit.checkpoints.keymap import (
 from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
-from vitkit.models.vit import ViTConfig
+from vitkit.models.resnet import resnet_reduction
+from vitkit.models.vit import VisionTransformer, ViTConfig
 
 BLOCK = "Transformer/encoderblock_{i}"
 ATTN = BLOCK + "/MultiHeadDotProductAttention_1"
@@ -85,13 +98,45 @@ def key_map(cfg: ViTConfig) -> list[Rule]:
         rules += dense("pre_logits.0", "pre_logits")
     if cfg.num_classes > 0:
         rules += dense("head", "head")
-    return expand(rules, cfg.depth)
+    return expand(rules, cfg.depth) + resnet_rules(cfg)
+
+
+def resnet_rules(cfg: ViTConfig) -> list[Rule]:
+    """The hybrid's ResNet stem (none for a plain ViT)."""
+    if cfg.resnet_layers is None:
+        return []
+    ours = "patch_embed.resnet"
+    rules = [
+        rule(f"{ours}.conv_root.weight", "conv_root/kernel", conv_hwio, conv_oihw),
+        *group_norm(f"{ours}.gn_root", "gn_root"),
+    ]
+    for n, depth in enumerate(cfg.resnet_layers, 1):
+        for m in range(1, depth + 1):
+            unit_ours, unit = f"{ours}.stages.block{n}.unit{m}", f"block{n}/unit{m}"
+            convs = ["1", "2", "3"] + (["_proj"] if m == 1 else [])  # every stage's first unit projects
+            for c in convs:
+                rules.append(rule(f"{unit_ours}.conv{c}.weight", f"{unit}/conv{c}/kernel", conv_hwio, conv_oihw))
+                rules += group_norm(f"{unit_ours}.gn{c}", f"{unit}/gn{c}")
+    return rules
 
 
 def looks_like(keys: Mapping[str, Any] | list[str]) -> bool:
-    """True for the vit_jax layout (pre-Linen names, no ``params/`` prefix)."""
-    ks = set(keys)
-    return "embedding/kernel" in ks and any(k.startswith("Transformer/encoderblock_0/") for k in ks)
+    """True for the vit_jax layout (pre-Linen names; no prefix or an ``opt/target/`` one)."""
+    return npz.layout(list(keys)) == "official"
+
+
+def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], int] | None:
+    """(stage depths, width factor) of a hybrid's ResNet stem, or None for a plain ViT."""
+    if "conv_root/kernel" not in arrays:
+        return None
+    width = int(arrays["conv_root/kernel"].shape[-1])
+    if width % 64:
+        raise CheckpointError(f"{source}: ResNet root width {width} is not a multiple of 64")
+    layers: list[int] = []
+    while any(k.startswith(f"block{len(layers) + 1}/unit1/") for k in arrays):
+        n = len(layers) + 1
+        layers.append(max(int(m.group(1)) for k in arrays if (m := re.match(rf"block{n}/unit(\d+)/", k))))
+    return tuple(layers), width // 64
 
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
@@ -106,6 +151,11 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     if emb.shape[0] != emb.shape[1]:
         raise CheckpointError(f"{source}: non-square patches {emb.shape[:2]} are not supported")
     patch, channels, width = int(emb.shape[0]), int(emb.shape[2]), int(emb.shape[3])
+    resnet = infer_resnet(arrays, source)
+    stride = patch
+    if resnet is not None:
+        channels = int(arrays["conv_root/kernel"].shape[2])
+        stride = patch * resnet_reduction(resnet[0])
     classifier = "token" if "cls" in arrays else "gap"
     prefix = 1 if classifier == "token" else 0
     pos_key = "Transformer/posembed_input/pos_embedding"
@@ -118,7 +168,7 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     rep = int(arrays["pre_logits/kernel"].shape[1]) if "pre_logits/kernel" in arrays else None
     num_classes = int(arrays["head/kernel"].shape[1]) if "head/kernel" in arrays else 0
     return ViTConfig(
-        image_size=(side * patch, side * patch),
+        image_size=(side * stride, side * stride),
         patch_size=patch,
         in_channels=channels,
         num_classes=num_classes,
@@ -130,39 +180,56 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
         representation_size=rep,
         gelu="tanh",
         layer_norm_eps=1e-6,
+        resnet_layers=resnet[0] if resnet else None,
+        resnet_width=resnet[1] if resnet else 1,
     )
 
 
-def read_npz(path: str) -> dict[str, Array]:
-    """All arrays of an .npz file, with a clear error for unreadable files."""
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
-    except (OSError, ValueError, EOFError) as e:
-        raise CheckpointError(f"{path}: not a readable .npz checkpoint ({e})") from None
+read_npz = npz.read_npz
 
 
 def load(path: Path) -> Checkpoint:
     """Read an official .npz into vitkit's layout, shape-checked, with the official preprocessing."""
-    arrays = read_npz(str(path))
+    arrays, prefix, outside = npz.strip_prefix(read_npz(str(path)), str(path))
     cfg = infer_config(arrays, str(path))
     state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
+    if prefix:
+        provenance.update(prefix=prefix, ignored_keys=len(outside))
     meta = CheckpointMeta(
         format="official",
         source=str(path),
         preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance={"layout": "vit_jax (google-research/vision_transformer)"},
+        provenance=provenance,
     )
     return Checkpoint(cfg, state, meta)
 
 
 def save(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> Path:
-    """Write a vitkit state dict in the official layout (loadable by ``vit_jax.checkpoint``)."""
-    arrays = from_state_dict(key_map(cfg), model_state)
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
-    return out
+    """Write a vitkit state dict in the official layout (loadable by ``vit_jax.checkpoint``).
+
+    A sin-cos model is written with its table as the (learned-layout) position embedding: same function.
+    The layout stores no image size, so the grid must be square to be read back.
+    """
+    require(cfg.grid_size[0] == cfg.grid_size[1], "official .npz", f"non-square token grid {cfg.grid_size}")
+    cfg, state = with_learned_posemb(cfg, dict(model_state))
+    return npz.write_npz(from_state_dict(key_map(cfg), state), path)
+
+
+def save_model(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
+    """Registry entry point: ``model`` as an official .npz (the format holds no metadata).
+
+    The official code computes the tanh GELU, so an exact-GELU model is refused (it would read back as a
+    different function, ~2e-4 relative); :func:`save` writes the arrays regardless, for who accepts that.
+    """
+    require_tanh_gelu(model.cfg, "official .npz")
+    return save(export_state(model), model.cfg, path)
+
+
+def require_tanh_gelu(cfg: ViTConfig, target: str) -> None:
+    require(
+        cfg.gelu == "tanh",
+        target,
+        "Google's code computes the tanh GELU and this model uses the exact one (outputs would change by ~2e-4 "
+        "relative); write it as vitkit, hf or timm",
+    )

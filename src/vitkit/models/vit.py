@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit.models.posembed import resample_grid, sincos_2d
+from vitkit.models.resnet import HybridEmbed, resnet_reduction
 
 Classifier = Literal["token", "gap"]
 PosEmbed = Literal["learned", "sincos2d"]
@@ -54,6 +55,8 @@ class ViTConfig:
     layer_norm_eps: float = 1e-6
     qkv_bias: bool = True
     head_bias_init: float = 0.0  # -10 for the official ImageNet-21k pre-training heads
+    resnet_layers: tuple[int, ...] | None = None  # hybrid: ResNet stage depths, e.g. (3, 4, 9); () = root only
+    resnet_width: int = 1  # hybrid: ResNet width factor (64 * width channels in the root)
     name: str | None = None  # variant name such as "B/16", informational
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # free-form, kept in checkpoints
 
@@ -61,6 +64,8 @@ class ViTConfig:
         size = self.image_size
         size = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
         object.__setattr__(self, "image_size", size)
+        if self.resnet_layers is not None:
+            object.__setattr__(self, "resnet_layers", tuple(int(n) for n in self.resnet_layers))
         self.validate()
 
     def validate(self) -> None:
@@ -70,8 +75,11 @@ class ViTConfig:
         if self.hidden_size % self.num_heads:
             raise bad(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         for side in self.image_size:
-            if side <= 0 or side % self.patch_size:
-                raise bad(f"image size {self.image_size} is not a multiple of patch size {self.patch_size}")
+            if side <= 0 or side % self.stride:
+                what = "patch size" if self.resnet_layers is None else "hybrid stride (ResNet x patch)"
+                raise bad(f"image size {self.image_size} is not a multiple of {what} {self.stride}")
+        if self.resnet_layers is not None and (self.resnet_width < 1 or min(self.resnet_layers, default=1) < 1):
+            raise bad("resnet_layers must be positive stage depths and resnet_width >= 1")
         if self.classifier not in ("token", "gap"):
             raise bad(f"classifier must be 'token' or 'gap', got {self.classifier!r}")
         if self.pos_embed not in ("learned", "sincos2d"):
@@ -85,8 +93,15 @@ class ViTConfig:
                 raise bad(f"{name} must be in [0, 1)")
 
     @property
+    def stride(self) -> int:
+        """Pixels per token along each side: the patch size, times the ResNet's downsampling for hybrids."""
+        if self.resnet_layers is None:
+            return self.patch_size
+        return resnet_reduction(self.resnet_layers) * self.patch_size
+
+    @property
     def grid_size(self) -> tuple[int, int]:
-        return (self.image_size[0] // self.patch_size, self.image_size[1] // self.patch_size)
+        return (self.image_size[0] // self.stride, self.image_size[1] // self.stride)
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -95,6 +110,8 @@ class ViTConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["image_size"] = list(self.image_size)
+        if self.resnet_layers is not None:
+            d["resnet_layers"] = list(self.resnet_layers)
         return d
 
     @classmethod
@@ -104,8 +121,9 @@ class ViTConfig:
         if unknown:
             raise ValueError(f"unknown ViT config keys: {', '.join(unknown)}")
         d = dict(d)
-        if isinstance(d.get("image_size"), list):
-            d["image_size"] = tuple(d["image_size"])
+        for key in ("image_size", "resnet_layers"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         return cls(**d)
 
 
@@ -287,6 +305,8 @@ class VisionTransformer(nn.Module):
 
     @staticmethod
     def _make_stem(cfg: ViTConfig) -> nn.Module:
+        if cfg.resnet_layers is not None:  # hybrid (paper sec. 3.1): ResNet feature map -> patch conv
+            return HybridEmbed(cfg.resnet_layers, cfg.resnet_width, cfg.patch_size, cfg.in_channels, cfg.hidden_size)
         return PatchEmbed(cfg.patch_size, cfg.in_channels, cfg.hidden_size)
 
     @property
@@ -315,6 +335,8 @@ class VisionTransformer(nn.Module):
         if isinstance(stem, PatchEmbed):
             lecun_normal_(stem.proj.weight)
             nn.init.zeros_(stem.proj.bias)  # type: ignore[arg-type]  # the patch conv always has a bias
+        elif isinstance(stem, HybridEmbed):
+            stem.init_weights()
         if self.cls_token is not None:
             nn.init.zeros_(self.cls_token)
         if self.pos_embed is not None:

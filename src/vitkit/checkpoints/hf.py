@@ -1,0 +1,309 @@
+"""Hugging Face ``transformers`` ViT folders (``save_pretrained``): ``config.json`` + ``model.safetensors``.
+
+Two weight layouts are read:
+
+- the hub layout that every published checkpoint uses, and that transformers 5.x still writes on save:
+  ``vit.embeddings.{cls_token,position_embeddings,patch_embeddings.projection}``,
+  ``vit.encoder.layer.{i}.{layernorm_before, attention.attention.{query,key,value}, attention.output.dense,
+  layernorm_after, intermediate.dense, output.dense}``, ``vit.layernorm``, ``classifier``;
+- the in-memory names of transformers 5.x (``vit.layers.{i}.attention.{q,k,v,o}_proj``, ``mlp.fc1/fc2``), as
+  in a raw ``state_dict()`` saved with safetensors.
+
+``ViTForImageClassification`` keys carry a ``vit.`` prefix; a bare ``ViTModel`` has none and no classifier
+(vitkit: ``num_classes=0``). ``ViTModel``'s pooler (Dense + tanh on the class token) is exactly vitkit's
+pre-logits layer, so a ViTModel folder with a pooler loads as a model whose ``forward`` returns HF's
+``pooler_output``. ``ViTForImageClassification`` never uses a pooler: one stored next to a classifier is
+ignored (and reported in the provenance).
+
+Config fields read: hidden_size, num_hidden_layers, num_attention_heads, intermediate_size, hidden_act (``gelu``
+and ``gelu_python`` are exact; ``gelu_new``, ``gelu_pytorch_tanh``, ``gelu_fast`` are the tanh approximation),
+layer_norm_eps (HF's default is 1e-12, not 1e-6), qkv_bias, image_size, patch_size, num_channels, id2label.
+``preprocessor_config.json`` supplies image_mean/std, size and resample when present.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitkit.checkpoints import torch_files
+from vitkit.checkpoints.base import (
+    Checkpoint,
+    CheckpointMeta,
+    expected_state,
+    export_state,
+    require,
+    with_learned_posemb,
+)
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.data.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.errors import CheckpointError
+from vitkit.models.vit import VisionTransformer, ViTConfig
+
+FORMAT = "hf"
+CONFIG = "config.json"
+PREPROCESSOR = "preprocessor_config.json"
+GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh"}
+# PIL resample codes used by HF image processors
+RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
+RESAMPLE_CODE = {v: k for k, v in RESAMPLE.items()}
+
+
+def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
+    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
+
+
+def _fused(ours: str, theirs: list[str]) -> Rule:
+    """Three separate q/k/v tensors <-> vitkit's fused qkv (concatenated on the output axis)."""
+    return rule(ours, theirs, lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, 3, axis=0))
+
+
+def key_map(cfg: ViTConfig, prefix: str = "vit.", style: str = "hub") -> list[Rule]:
+    """HF names for a model with this config; ``style`` "hub" (classic) or "v5" (transformers 5 in-memory)."""
+    e = f"{prefix}embeddings."
+    if style == "hub":
+        layer = f"{prefix}encoder.layer.{{i}}."
+        q, k, v = (f"{layer}attention.attention.{n}" for n in ("query", "key", "value"))
+        o, fc1, fc2 = f"{layer}attention.output.dense", f"{layer}intermediate.dense", f"{layer}output.dense"
+    else:
+        layer = f"{prefix}layers.{{i}}."
+        q, k, v, o = (f"{layer}attention.{n}_proj" for n in ("q", "k", "v", "o"))
+        fc1, fc2 = f"{layer}mlp.fc1", f"{layer}mlp.fc2"
+    rules: list[Rule] = [
+        rule("cls_token", f"{e}cls_token"),
+        rule("pos_embed", f"{e}position_embeddings"),
+        *_linear("patch_embed.proj", f"{e}patch_embeddings.projection"),
+        *_linear("blocks.{i}.norm1", f"{layer}layernorm_before"),
+        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *_linear("blocks.{i}.attn.proj", o),
+        *_linear("blocks.{i}.norm2", f"{layer}layernorm_after"),
+        *_linear("blocks.{i}.mlp.fc1", fc1),
+        *_linear("blocks.{i}.mlp.fc2", fc2),
+        *_linear("norm", f"{prefix}layernorm"),
+    ]
+    if cfg.qkv_bias:
+        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+    if cfg.representation_size:
+        rules += _linear("pre_logits.0", f"{prefix}pooler.dense")
+    if cfg.num_classes > 0:
+        rules += _linear("head", "classifier")
+    return expand(rules, cfg.depth)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return doc
+
+
+def looks_like(path: Path) -> bool:
+    """A folder whose config.json says ``model_type: vit``."""
+    cfg = path / CONFIG
+    if not (path.is_dir() and cfg.is_file()):
+        return False
+    try:
+        doc = json.loads(cfg.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("model_type") == "vit"
+
+
+def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
+    if isinstance(value, int):
+        return value, value
+    if isinstance(value, (list, tuple)) and len(value) == 2:
+        return int(value[0]), int(value[1])
+    raise CheckpointError(f"{source}: invalid {what} {value!r}")
+
+
+def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:
+    """vitkit's config from an HF config.json (plus the weights, for head and pooler presence)."""
+    act = doc.get("hidden_act", "gelu")
+    if act not in GELU:
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
+    ph, pw = _pair(doc.get("patch_size", 16), "patch_size", source)
+    if ph != pw:
+        raise CheckpointError(f"{source}: non-square patches {ph}x{pw} are not supported")
+    num_classes = int(weights["classifier.weight"].shape[0]) if "classifier.weight" in weights else 0
+    rep = None
+    pooler = f"{prefix}pooler.dense.weight"
+    if pooler in weights and num_classes == 0:
+        if doc.get("pooler_act", "tanh") != "tanh":
+            raise CheckpointError(f"{source}: pooler_act {doc.get('pooler_act')!r} is not supported (only tanh)")
+        rep = int(weights[pooler].shape[0])
+    try:
+        return ViTConfig(
+            image_size=_pair(doc.get("image_size", 224), "image_size", source),
+            patch_size=ph,
+            in_channels=int(doc.get("num_channels", 3)),
+            num_classes=num_classes,
+            hidden_size=int(doc.get("hidden_size", 768)),
+            depth=int(doc.get("num_hidden_layers", 12)),
+            num_heads=int(doc.get("num_attention_heads", 12)),
+            mlp_dim=int(doc.get("intermediate_size", 3072)),
+            classifier="token",
+            representation_size=rep,
+            gelu=GELU[act],  # type: ignore[arg-type]
+            layer_norm_eps=float(doc.get("layer_norm_eps", 1e-12)),
+            qkv_bias=bool(doc.get("qkv_bias", True)),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def class_names_from(doc: Mapping[str, Any], num_classes: int) -> list[str] | None:
+    """id2label as a list; None when absent or HF's placeholder names (LABEL_0, ...)."""
+    id2label = doc.get("id2label") or {}
+    try:
+        names = [str(id2label[str(i)] if str(i) in id2label else id2label[i]) for i in range(num_classes)]
+    except KeyError:
+        return None
+    if not names or names == [f"LABEL_{i}" for i in range(num_classes)]:
+        return None
+    return names
+
+
+def preprocess_from(folder: Path, image_size: tuple[int, int]) -> Preprocess:
+    """HF ViTImageProcessor settings (resize straight to size, rescale 1/255, normalise) as a Preprocess."""
+    path = folder / PREPROCESSOR
+    if not path.is_file():
+        return Preprocess(image_size=image_size, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))  # HF ViT defaults
+    doc = _read_json(path)
+    size = doc.get("size", image_size)
+    if isinstance(size, dict):
+        size = (size.get("height", image_size[0]), size.get("width", image_size[1]))
+    mean = doc.get("image_mean", IMAGENET_MEAN) if doc.get("do_normalize", True) else (0.0, 0.0, 0.0)
+    std = doc.get("image_std", IMAGENET_STD) if doc.get("do_normalize", True) else (1.0, 1.0, 1.0)
+    try:
+        return Preprocess(
+            image_size=_pair(list(size) if isinstance(size, tuple) else size, "size", str(path)),
+            mean=tuple(mean),
+            std=tuple(std),
+            resize="squash",
+            interpolation=RESAMPLE.get(int(doc.get("resample", 2)), "bilinear"),
+        )
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
+def _style(weights: Mapping[str, Any], prefix: str, source: str) -> str:
+    if any(k.startswith(f"{prefix}encoder.layer.") for k in weights):
+        return "hub"
+    if any(k.startswith(f"{prefix}layers.") for k in weights):
+        return "v5"
+    raise CheckpointError(f"{source}: no encoder layers ({prefix}encoder.layer.* or {prefix}layers.*) in the weights")
+
+
+def load(path: Path) -> Checkpoint:
+    """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
+    doc = _read_json(path / CONFIG)
+    weights = torch_files.read_folder_weights(path)
+    prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
+    cfg = config_from_hf(doc, weights, prefix, str(path))
+    style = _style(weights, prefix, str(path))
+    ignored = {f"{prefix}embeddings.mask_token"}  # used only for masked image modelling inputs
+    if cfg.num_classes > 0:
+        ignored |= {f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}  # unused by the classifier
+    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
+    state = to_state_dict(
+        key_map(cfg, prefix, style), arrays, expected_state(cfg), source=str(path), ignore=lambda k: k in ignored
+    )
+    provenance: dict[str, Any] = {
+        "layout": f"transformers {'ViTForImageClassification' if prefix else 'ViTModel'} ({style} names)",
+        "architectures": doc.get("architectures"),
+    }
+    skipped = sorted(k for k in ignored if k in weights)
+    if skipped:
+        provenance["ignored"] = skipped
+    meta = CheckpointMeta(
+        format=FORMAT,
+        source=str(path),
+        preprocess=preprocess_from(path, cfg.image_size),
+        class_names=class_names_from(doc, cfg.num_classes),
+        provenance=provenance,
+    )
+    return Checkpoint(cfg, state, meta)
+
+
+def hf_config(cfg: ViTConfig, class_names: list[str] | None) -> dict[str, Any]:
+    """config.json for ``transformers.ViTConfig``."""
+    arch = "ViTForImageClassification" if cfg.num_classes > 0 else "ViTModel"
+    doc: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": "vit",
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.depth,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.mlp_dim,
+        "hidden_act": "gelu" if cfg.gelu == "exact" else "gelu_pytorch_tanh",
+        "hidden_dropout_prob": cfg.dropout,
+        "attention_probs_dropout_prob": cfg.attention_dropout,
+        "initializer_range": 0.02,
+        "layer_norm_eps": cfg.layer_norm_eps,
+        "image_size": cfg.image_size[0] if cfg.image_size[0] == cfg.image_size[1] else list(cfg.image_size),
+        "patch_size": cfg.patch_size,
+        "num_channels": cfg.in_channels,
+        "qkv_bias": cfg.qkv_bias,
+        "encoder_stride": cfg.patch_size,
+        "pooler_act": "tanh",
+        "pooler_output_size": cfg.representation_size or cfg.hidden_size,
+        "dtype": "float32",
+    }
+    if cfg.num_classes > 0:
+        names = class_names or [f"LABEL_{i}" for i in range(cfg.num_classes)]
+        doc["id2label"] = {str(i): n for i, n in enumerate(names)}
+        doc["label2id"] = {n: i for i, n in enumerate(names)}
+    return doc
+
+
+def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
+    return {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": pre.image_size[0], "width": pre.image_size[1]},
+        "resample": RESAMPLE_CODE.get(pre.interpolation, 2),
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": list(pre.mean),
+        "image_std": list(pre.std),
+    }
+
+
+def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None) -> Path:
+    """Write ``model`` as an HF folder that ``transformers`` loads unchanged (hub layout names).
+
+    ``num_classes > 0``: ``ViTForImageClassification`` (no pre-logits layer allowed: HF's classifier has none).
+    ``num_classes == 0``: ``ViTModel``; a pre-logits layer becomes its pooler, otherwise load it with
+    ``ViTModel.from_pretrained(..., add_pooling_layer=False)``. The preprocessing is written when it is a
+    plain resize (HF's ViTImageProcessor cannot centre-crop).
+    """
+    cfg = model.cfg
+    target = "a transformers ViT folder"
+    require(cfg.resnet_layers is None, target, "transformers' ViT has no hybrid ResNet stem")
+    require(cfg.classifier == "token", target, "transformers' ViT pools the class token; this model uses GAP")
+    require(
+        cfg.num_classes == 0 or not cfg.representation_size,
+        target,
+        "ViTForImageClassification has no pre-logits layer (reset the head, or export with num_classes=0)",
+    )
+    cfg, state = with_learned_posemb(cfg, export_state(model))
+    prefix = "vit." if cfg.num_classes > 0 else ""
+    arrays = from_state_dict(key_map(cfg, prefix, "hub"), state)
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    files: dict[str, bytes | str] = {
+        CONFIG: json.dumps(hf_config(cfg, meta.class_names if meta else None), indent=2) + "\n",
+    }
+    pre = meta.preprocess if meta else Preprocess(image_size=cfg.image_size)
+    if pre.resize == "squash":
+        files[PREPROCESSOR] = json.dumps(preprocessor_config(pre), indent=2) + "\n"
+    return torch_files.write_folder(path, tensors, files)

@@ -1,0 +1,99 @@
+"""Reading and writing PyTorch-side weight files safely: safetensors, or pickles through ``weights_only``.
+
+``.pth``/``.pt``/``.bin`` files are read with ``torch.load(weights_only=True)`` only, so a checkpoint can never
+run code. Folders are written atomically (a temporary folder swapped in by one rename).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from vitkit.errors import CheckpointError
+
+PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
+
+
+def read_state_file(path: Path) -> dict[str, torch.Tensor]:
+    """A flat tensor dict from a .safetensors file or a weights-only pickle (unwrapping ``model``/``state_dict``)."""
+    if path.suffix == ".safetensors":
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+    try:
+        obj: Any = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable weights-only PyTorch checkpoint ({e})") from None
+    for key in ("state_dict", "model", "module"):
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise CheckpointError(f"{path}: expected a state dict (a mapping of names to tensors)")
+    return {str(k).removeprefix("module."): v for k, v in obj.items()}
+
+
+def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """``model.safetensors``, a sharded ``model.safetensors.index.json``, or ``pytorch_model.bin``."""
+    single = folder / "model.safetensors"
+    if single.is_file():
+        return read_state_file(single)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise CheckpointError(f"{index}: invalid shard index ({e})") from None
+        out: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            out.update(read_state_file(folder / shard))
+        return out
+    legacy = folder / "pytorch_model.bin"
+    if legacy.is_file():
+        return read_state_file(legacy)
+    raise CheckpointError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """float32 numpy copy of a tensor of any floating dtype (bfloat16 included)."""
+    return t.detach().to(torch.float32).cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
+
+
+def write_folder(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], files: Mapping[str, Any]) -> Path:
+    """Write ``model.safetensors`` plus text files into a folder, replacing an existing one atomically."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first and removed only afterwards."""
+    if dst.exists() and not dst.is_dir():
+        raise CheckpointError(f"{dst}: exists and is not a folder")
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
