@@ -16,7 +16,7 @@ from train_helpers import assert_close_weights, assert_same_weights, tiny_config
 from vitkit import load_checkpoint
 from vitkit.errors import ConfigError, DataError
 from vitkit.train import Trainer, train
-from vitkit.train.checkpointing import list_checkpoints
+from vitkit.train.checkpointing import list_checkpoints, read_checkpoint_state
 from vitkit.train.launch import run
 from vitkit.train.trainer import NonFiniteLossError
 
@@ -95,6 +95,11 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
     assert _losses(before[:12] + resumed.steps) == _losses(ref.steps)
     assert _losses(before[12:15]) == _losses(resumed.steps[:3])  # the lost steps recomputed identically
     assert_same_weights(weights(tmp_path / "ref" / "model"), weights(tmp_path / "cut" / "model"))
+    # with EMA on, the saved model holds the averaged weights, not the raw ones
+    final = read_checkpoint_state(list_checkpoints(tmp_path / "ref" / "checkpoints")[-1][1])[0]
+    ema = {k[len("ema/") :]: v for k, v in final.items() if k.startswith("ema/")}
+    assert_same_weights(weights(tmp_path / "ref" / "model"), ema)
+    assert not torch.equal(final["model/head.weight"], ema["head.weight"])
     assert resumed.final_top1 == ref.final_top1
     for name in ("metrics.csv", "steps.csv"):
         a = [

@@ -47,4 +47,4 @@ def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
         if k.endswith("attn.qkv.bias"):
             d = x.shape[0] // 3
             x, y = torch.cat([x[:d], x[2 * d :]]), torch.cat([y[:d], y[2 * d :]])
-        torch.testing.assert_close(y, x, rtol=1e-4, atol=2e-5, msg=k)
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=2e-5, msg=lambda m, k=k: f"{k}: {m}")

@@ -329,7 +329,8 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        # copies: on one process these would alias the parameters (and change when EMA weights swap out)
+        return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
     def save_checkpoint(self) -> None:
         """Write the resumable state (every process takes part; process 0 writes)."""
