@@ -37,7 +37,7 @@ def digits() -> TrainConfig:
         data=DataConfig(
             source="digits", image_size=(16, 16), batch_size=128, eval_batch_size=512, workers=0, grayscale=True
         ),
-        aug=AugConfig(crop="inception", crop_scale=(0.5, 1.0), flip=False, mixup=0.2, label_smoothing=0.1),
+        aug=AugConfig(crop="inception", crop_scale=(0.7, 1.0), flip=False, mixup=0.2, label_smoothing=0.1),
         model=ModelConfig(
             name=None,
             overrides={
