@@ -48,10 +48,19 @@ def _save_native(model: VisionTransformer, path: Path, meta: CheckpointMeta | No
     return native.save(model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance)
 
 
+def _is_run(path: Path) -> bool:
+    return path.is_dir() and not native.looks_like(path) and native.looks_like(path / "model")
+
+
+def _load_run(path: Path) -> Checkpoint:
+    return native.load(path / "model")
+
+
 FORMATS: dict[str, Format] = {
     "vitkit": Format(
         "vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load, _save_native
     ),
+    "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(
         "official",
         "Google ViT/AugReg/hybrid .npz (vit_jax layout, pre-Linen names)",
