@@ -1,0 +1,136 @@
+"""ImageFolder trees: one sub-folder per class, images inside.
+
+Layouts accepted for ``open_dataset(root, split)``:
+
+- ``root/<split>/<class>/<image>`` (``val`` also finds ``validation``/``valid``), or
+- ``root/<class>/<image>`` for the "train" split when ``root`` has no split folders.
+
+Classes are the sorted class-folder names of the training split (so a validation split that lacks a class
+keeps the same indices); a held-out split's folders must be a subset. Files that are not images by their
+extension (README.txt, .DS_Store) are ignored; hidden entries too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from vitkit.data.datasets import (
+    ImageDataset,
+    MissingSplitError,
+    Skipped,
+    check_class_map,
+    split_candidates,
+)
+from vitkit.data.preprocess import load_image
+from vitkit.errors import DataError
+
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm", ".jfif"}
+)
+
+
+class ImageFolder(ImageDataset):
+    """Images listed from a class-per-folder tree; decoded on access."""
+
+    def __init__(
+        self, root: Path, split: str, paths: list[str], labels: np.ndarray, classes: list[str], skipped: list[Skipped]
+    ) -> None:
+        super().__init__(str(root), split, classes, labels)
+        self.paths = paths
+        self.skipped = skipped
+
+    def load_image(self, index: int) -> Image.Image:
+        return load_image(self.paths[index])
+
+    def describe(self, index: int) -> str:
+        return self.paths[index]
+
+
+def _subdirs(path: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+
+
+def _split_dir(root: Path, split: str) -> Path | None:
+    for name in split_candidates(split):
+        if (root / name).is_dir():
+            return root / name
+    return None
+
+
+def _has_split_dirs(root: Path) -> bool:
+    return any((root / n).is_dir() for s in ("train", "val", "test") for n in split_candidates(s))
+
+
+def resolve_split(root: Path, split: str) -> Path:
+    """The folder holding the class folders of ``split``."""
+    d = _split_dir(root, split)
+    if d is not None:
+        return d
+    if split_candidates(split)[0] == "train" and not _has_split_dirs(root):
+        return root
+    have = [n for n in _subdirs(root) if n in {c for s in ("train", "val", "test") for c in split_candidates(s)}]
+    raise MissingSplitError(f"{root}: no split {split!r} (split folders found: {', '.join(have) or 'none'})")
+
+
+def open_image_folder(
+    root: Path, split: str = "train", *, skip_bad: bool = False, classes: list[str] | None = None
+) -> ImageFolder:
+    """List an ImageFolder split; zero-byte files and empty class folders fail here (or are skipped).
+
+    Corrupt or truncated images are found when decoded (DataError naming the file). With ``skip_bad``
+    every image is decoded once now, so that bad ones can be dropped before training starts.
+    """
+    base = resolve_split(root, split)
+    found = _subdirs(base)
+    if not found:
+        raise DataError(f"{base}: no class folders (expected {base}/<class>/<image>)")
+    if classes is None:
+        train_dir = _split_dir(root, "train") if base != root else root
+        classes = _subdirs(train_dir) if train_dir is not None and train_dir != base else found
+    names = check_class_map(str(base), found, classes)
+    index = {c: i for i, c in enumerate(names)}
+    paths: list[str] = []
+    labels: list[int] = []
+    skipped: list[Skipped] = []
+    for cls in found:
+        folder = base / cls
+        files = sorted(
+            e.path
+            for e in os.scandir(folder)
+            if e.is_file() and not e.name.startswith(".") and Path(e.name).suffix.lower() in IMAGE_EXTENSIONS
+        )
+        if not files:
+            if not skip_bad:
+                raise DataError(f"{folder}: empty class folder (no image files); remove it or pass skip_bad")
+            skipped.append(Skipped(str(folder), "empty class folder"))
+            continue
+        for f in files:
+            if os.path.getsize(f) == 0:
+                if not skip_bad:
+                    raise DataError(f"{f}: empty file (0 bytes)")
+                skipped.append(Skipped(f, "empty file (0 bytes)"))
+                continue
+            paths.append(f)
+            labels.append(index[cls])
+    if skip_bad:
+        paths, labels = _drop_undecodable(paths, labels, skipped)
+    if not paths:
+        raise DataError(f"{base}: no readable images")
+    return ImageFolder(root, split, paths, np.asarray(labels, dtype=np.int64), names, skipped)
+
+
+def _drop_undecodable(paths: list[str], labels: list[int], skipped: list[Skipped]) -> tuple[list[str], list[int]]:
+    keep_p, keep_l = [], []
+    for p, lab in zip(paths, labels, strict=True):
+        try:
+            load_image(p)
+        except DataError as e:
+            skipped.append(Skipped(p, str(e).removeprefix(f"{p}: ")))
+            continue
+        keep_p.append(p)
+        keep_l.append(lab)
+    return keep_p, keep_l
