@@ -222,10 +222,15 @@ def _load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None 
     return load_checkpoint(args.checkpoint, format=args.format, image_size=image_size)
 
 
-def _open(source: str, split: str, skip_bad: bool) -> Any:
+def _open(source: str, split: str, skip_bad: bool, classes: list[str] | None = None) -> Any:
+    """Open a dataset split; with ``classes`` (a checkpoint's), labels index those classes whenever the
+    dataset's class names are a subset of them (a split missing a class, or another order)."""
     from vitkit.data.datasets import open_dataset
 
-    return open_dataset(source, split, skip_bad=skip_bad)
+    ds = open_dataset(source, split, skip_bad=skip_bad)
+    if classes and list(ds.classes) != list(classes) and set(ds.classes) <= set(classes):
+        ds = open_dataset(source, split, skip_bad=skip_bad, classes=classes)
+    return ds
 
 
 def _shots(text: str) -> list[int]:
@@ -281,7 +286,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args)
-    dataset = _open(args.data, args.split, args.skip_bad)
+    dataset = _open(args.data, args.split, args.skip_bad, loaded.meta.class_names)
     report = evaluate_dataset(
         loaded.model,
         dataset,
