@@ -11,6 +11,7 @@ from PIL import Image
 from conftest import randomize_
 from test_cli import run
 from vitkit import create_model, save_pretrained
+from vitkit.data.datasets import open_dataset
 from vitkit.data.preprocess import Preprocess
 
 
@@ -84,3 +85,20 @@ def test_analyze_errors_are_one_line(
 ) -> None:
     code, _, err = run(capsys, "analyze", str(checkpoints["token"]), "--out", str(tmp_path), *extra)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_analyze_images_from_a_dataset(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Images taken evenly from a dataset split, options before the (empty) image list; grey digits model."""
+    model = create_model("Ti/16", patch_size=2, image_size=8, in_channels=1, depth=2, num_heads=3, num_classes=10)
+    ckpt = save_pretrained(randomize_(model), tmp_path / "m", preprocess=Preprocess(image_size=8, grayscale=True))  # type: ignore[arg-type]
+    code, _, err = run(
+        capsys, "analyze", str(ckpt), "--data", "digits", "--num-images", "20", "--max-overlays", "3",
+        "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert code == 0, err
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["attention_distance"]["num_images"] == 20 and summary["grid"] == [4, 4]
+    first = open_dataset("digits", "test")[0][1]
+    assert summary["attention_rollout"]["images"][0] == f"test[0] {first}"
+    assert len(summary["attention_rollout"]["images"]) == 3
+    assert len(summary["patch_embedding_pca"]["explained_variance_ratio"]) == 4  # 1 x 2 x 2 filters

@@ -198,8 +198,11 @@ def _attention_figures(
     dist_fig = plots.plot_attention_distance(
         res.mean_distance, out / "attention_distance.png", f"Mean attention distance ({res.num_images} images)"
     )
-    roll_fig = plots.plot_rollout(shown, res.rollout, list(names[:n]), out / "attention_rollout.png")
-    maps_fig = plots.plot_attention_maps(shown, res.layer_maps, heads, layer, out / f"attention_layer{layer + 1}.png")
+    query = "class token" if model.cfg.num_prefix_tokens else "mean over tokens"
+    roll_fig = plots.plot_rollout(shown, res.rollout, list(names[:n]), out / "attention_rollout.png", query)
+    maps_fig = plots.plot_attention_maps(
+        shown, res.layer_maps, heads, layer, out / f"attention_layer{layer + 1}.png", query
+    )
     return {
         "attention_distance": {
             "figure": dist_fig.name,

@@ -133,12 +133,16 @@ def _overlay(img: np.ndarray, heat: np.ndarray) -> np.ndarray:
 
 
 def plot_rollout(
-    images: Sequence[np.ndarray], maps: np.ndarray, names: Sequence[str], path: str | os.PathLike[str]
+    images: Sequence[np.ndarray],
+    maps: np.ndarray,
+    names: Sequence[str],
+    path: str | os.PathLike[str],
+    query: str = "class token",
 ) -> Path:
     """Per image: the input, the rollout heat map over it, and the input masked by it (paper fig. 6)."""
     n = len(images)
     fig = Figure(figsize=(6.0, 2.0 * n + 0.3))
-    fig.suptitle("Attention rollout (class token -> pixels)", fontsize=9)
+    fig.suptitle(f"Attention rollout ({query} -> pixels)", fontsize=9)
     for i, (img, heat) in enumerate(zip(images, maps, strict=True)):
         masked = img * heat if img.ndim == 2 else img * heat[..., None]
         panels = [(img, names[i]), (_overlay(img, heat), "rollout"), (masked, "input x rollout")]
@@ -146,7 +150,7 @@ def plot_rollout(
             ax = fig.add_subplot(n, 3, 3 * i + j + 1)
             _show_image(ax, panel)
             ax.set_title(label[:28], fontsize=7)
-    fig.tight_layout(pad=0.4)
+    fig.tight_layout(pad=0.4, rect=(0, 0, 1, 1 - 0.3 / (2.0 * n + 0.3)))
     return _save(fig, path)
 
 
@@ -156,12 +160,13 @@ def plot_attention_maps(
     heads: Sequence[int],
     layer: int,
     path: str | os.PathLike[str],
+    query: str = "class token",
 ) -> Path:
     """Raw attention of one layer, one column per head, one row per image: maps (n, heads, H, W) in [0, 1]."""
     n, nh = maps.shape[:2]
     cols = nh + 1
     fig = Figure(figsize=(1.3 * cols, 1.35 * n + 0.4))
-    fig.suptitle(f"Layer {layer + 1} attention of the class token, per head", fontsize=9)
+    fig.suptitle(f"Layer {layer + 1} attention of the {query}, per head", fontsize=9)
     for i in range(n):
         ax = fig.add_subplot(n, cols, i * cols + 1)
         _show_image(ax, images[i])
@@ -170,7 +175,7 @@ def plot_attention_maps(
             ax = fig.add_subplot(n, cols, i * cols + j + 2)
             _show_image(ax, _overlay(images[i], maps[i, j]))
             ax.set_title(f"head {heads[j] + 1}", fontsize=6)
-    fig.tight_layout(pad=0.3)
+    fig.tight_layout(pad=0.3, rect=(0, 0, 1, 1 - 0.35 / (1.35 * n + 0.4)))
     return _save(fig, path)
 
 
