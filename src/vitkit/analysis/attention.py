@@ -29,12 +29,18 @@ import torch
 import torch.nn.functional as F
 
 
+def wide_dtype(device: torch.device | None) -> torch.dtype:
+    """float64 for the reductions, except on devices without it (Apple MPS): float32 there."""
+    return torch.float32 if device is not None and device.type == "mps" else torch.float64
+
+
 def patch_centres(grid: tuple[int, int], stride: int, device: torch.device | None = None) -> torch.Tensor:
     """Pixel coordinates (row, col) of each patch centre, (N, 2), row-major like the token sequence."""
     gh, gw = grid
+    dt = wide_dtype(device)
     r, c = torch.meshgrid(
-        torch.arange(gh, dtype=torch.float64, device=device),
-        torch.arange(gw, dtype=torch.float64, device=device),
+        torch.arange(gh, dtype=dt, device=device),
+        torch.arange(gw, dtype=dt, device=device),
         indexing="ij",
     )
     return (torch.stack([r.flatten(), c.flatten()], dim=1) + 0.5) * stride  # (N, 2)
@@ -43,7 +49,7 @@ def patch_centres(grid: tuple[int, int], stride: int, device: torch.device | Non
 def distance_matrix(grid: tuple[int, int], stride: int, device: torch.device | None = None) -> torch.Tensor:
     """(N, N) Euclidean pixel distances between patch centres."""
     centres = patch_centres(grid, stride, device)
-    return torch.cdist(centres, centres)  # (N, N) float64
+    return torch.cdist(centres, centres)  # (N, N)
 
 
 def mean_attention_distance(
@@ -62,10 +68,11 @@ def mean_attention_distance(
     N = grid[0] * grid[1]
     if attn.shape[-1] != num_prefix + N or attn.shape[-2] != num_prefix + N:
         raise ValueError(f"attention over {attn.shape[-1]} tokens does not match {num_prefix} + {grid[0]}x{grid[1]}")
-    a = attn[..., num_prefix:, num_prefix:].double()  # (B, h, N, N) patch queries x patch keys
+    dt = wide_dtype(attn.device)
+    a = attn[..., num_prefix:, num_prefix:].to(dt)  # (B, h, N, N) patch queries x patch keys
     if renormalize:
         a = a / a.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    dist = distance_matrix(grid, stride, attn.device) if distances is None else distances.double()
+    dist = (distance_matrix(grid, stride, attn.device) if distances is None else distances).to(dt)
     per_query = (a * dist).sum(dim=-1)  # (B, h, N)
     return per_query.mean(dim=-1)  # (B, h)
 
@@ -76,7 +83,7 @@ def attention_rollout(attentions: Sequence[torch.Tensor]) -> torch.Tensor:
         raise ValueError("attention rollout needs the attention of at least one layer")
     rollout: torch.Tensor | None = None
     for attn in attentions:
-        a = attn.double().mean(dim=1)  # (B, T, T) heads averaged
+        a = attn.to(wide_dtype(attn.device)).mean(dim=1)  # (B, T, T) heads averaged
         a = a + torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
         a = a / a.sum(dim=-1, keepdim=True)
         rollout = a if rollout is None else a @ rollout  # later layers multiply from the left

@@ -34,7 +34,7 @@ def patch_filters(model: VisionTransformer) -> np.ndarray:
     stem = model.patch_embed
     if not isinstance(stem, PatchEmbed):
         raise NotApplicable("the patch embedding acts on a CNN feature map (hybrid model), not on pixels")
-    return stem.proj.weight.detach().double().cpu().numpy()
+    return stem.proj.weight.detach().cpu().double().numpy()
 
 
 def patch_embedding_pca(model: VisionTransformer, num_components: int = 28) -> PatchPCA:
@@ -59,7 +59,7 @@ def position_embeddings(model: VisionTransformer) -> tuple[np.ndarray, tuple[int
     """
     prefix = model.cfg.num_prefix_tokens
     pe: torch.Tensor = model.pos_embed[0, prefix:] if model.pos_embed is not None else model.pos_table[0]
-    return pe.detach().double().cpu().numpy(), model.native_grid
+    return pe.detach().cpu().double().numpy(), model.native_grid
 
 
 def position_similarity(pe: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
