@@ -39,6 +39,8 @@ from vitkit.data.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.models.vit import VisionTransformer
 
+MAX_HEAD_MAP_ROWS = 4
+
 
 @dataclass(frozen=True)
 class AnalyzeOptions:
@@ -47,7 +49,7 @@ class AnalyzeOptions:
     layer: int = -1  # layer of the raw attention maps, 0-based (negative: from the end)
     head: int | None = None  # head of the raw attention maps, 0-based (None: all heads)
     batch_size: int = 16
-    max_overlays: int = 8  # images shown in the rollout / attention-map figures
+    max_overlays: int = 8  # images shown in the rollout figure (the per-head figure shows at most 4)
     num_components: int = 28  # principal components of the patch-embedding filters
     renormalize: bool = True  # mean attention distance: renormalise attention over patch keys
 
@@ -200,8 +202,9 @@ def _attention_figures(
     )
     query = "class token" if model.cfg.num_prefix_tokens else "mean over tokens"
     roll_fig = plots.plot_rollout(shown, res.rollout, list(names[:n]), out / "attention_rollout.png", query)
+    m = min(n, MAX_HEAD_MAP_ROWS)  # one panel per head and image: keep the figure a readable size
     maps_fig = plots.plot_attention_maps(
-        shown, res.layer_maps, heads, layer, out / f"attention_layer{layer + 1}.png", query
+        shown[:m], res.layer_maps[:m], heads, layer, out / f"attention_layer{layer + 1}.png", query
     )
     return {
         "attention_distance": {
@@ -219,6 +222,7 @@ def _attention_figures(
             "source": "class-token row" if model.cfg.num_prefix_tokens else "mean over tokens (GAP model)",
         },
         "attention_maps": {
+            "images": list(names[:m]),
             "figure": maps_fig.name,
             "layer": layer + 1,
             "heads": [j + 1 for j in heads],

@@ -21,10 +21,16 @@ DPI = 100
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    """Render on Agg and write a PNG with a 256-colour palette (photo panels stay small on disk)."""
+    from PIL import Image
+
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.savefig(p, dpi=DPI)
+    fig.set_dpi(DPI)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    rgb = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3])
+    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(p, optimize=True)
     return p
 
 
