@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import FIXTURES, SRC
 from vitkit.cli import build_parser, main
@@ -99,3 +100,106 @@ def test_console_entry_point_runs() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "5,717,416" in res.stdout
+
+
+# ---- train / finetune -----------------------------------------------------------------------------------
+
+TINY = '{"patch_size": 4, "hidden_size": 16, "depth": 2, "num_heads": 2, "mlp_dim": 32}'
+TINY_TRAIN = ["--image-size", "8", "--batch-size", "256", "--set", f"model.overrides={TINY}", "--quiet"]
+
+
+def test_train_then_predict_and_finetune(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    code, out, err = run(capsys, "train", "--epochs", "2", "--lr", "0.003", "--out", str(run_dir), *TINY_TRAIN)
+    assert code == 0, err
+    assert "test accuracy:" in out and "/359)" in out and f"run folder: {run_dir}" in out
+    assert (run_dir / "model" / "model.safetensors").is_file() and (run_dir / "curves.png").is_file()
+    # predict with the run folder: grayscale 8x8 preprocessing and class names come from it
+    from PIL import Image
+
+    from vitkit.data.datasets import open_dataset
+
+    img_path = tmp_path / "digit.png"
+    open_dataset("digits", "test")[0][0].save(img_path)
+    code, out, err = run(capsys, "predict", "-c", str(run_dir), str(img_path), "--json")
+    assert code == 0, err
+    assert len(json.loads(out)["top"]) == 5
+    # fine-tune the run on a 3-class folder at 16 px
+    for i, cls in enumerate(["x", "y", "z"]):
+        (tmp_path / "data" / cls).mkdir(parents=True)
+        for j in range(4):
+            Image.new("L", (8, 8), 60 * i + j).save(tmp_path / "data" / cls / f"{j}.png")
+    ft = tmp_path / "ft"
+    argv = ["finetune", str(run_dir), "--data", str(tmp_path / "data"), "--steps", "2", "--batch-size", "4"]
+    code, out, err = run(capsys, *argv, "--image-size", "16", "--out", str(ft), "--quiet")
+    assert code == 0, err
+    assert f"run folder: {ft}" in out
+    cfg = json.loads((ft / "config.json").read_text())
+    assert cfg["optim"]["name"] == "sgd" and cfg["model"]["init_from"] == str(run_dir)
+    assert json.loads((ft / "model" / "config.json").read_text())["class_names"] == ["x", "y", "z"]
+    # resuming a finished run is a no-op that ends at the same step
+    code, out, err = run(capsys, "train", "--resume", str(ft), "--quiet")
+    assert code == 0 and "(2 steps" in out, err
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["train", "--data", "/nonexistent/data"], "/nonexistent/data: no such file or directory"),
+        (["train", "--resume", "/nonexistent/run", "--lr", "1"], "--resume continues a run with its saved config"),
+        (["train", "--resume", "/nonexistent/run"], "/nonexistent/run: no training checkpoint"),
+        (["train", "--recipe", "nope"], "argument --recipe: invalid choice"),
+        (["train", "--set", "optim.lrr=1"], "unknown config field 'optim.lrr'"),
+        (["train", "--set", "oops"], "--set expects KEY=VALUE"),
+        (["train", "--model", "B/32"], "not a multiple of patch size 32"),
+        (["finetune", "/nonexistent.npz", "--data", "digits"], "/nonexistent.npz: no such file"),
+    ],
+)
+def test_training_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    code, _out, err = run(capsys, *argv)
+    assert code == 2
+    assert needle in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path: Path) -> None:
+    """A real process killed with SIGKILL right after a mid-epoch checkpoint; resumed by another process."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    argv = [sys.executable, "-m", "vitkit", "train", "--epochs", "5", "--quiet", "--set", "checkpoint_every_steps=3"]
+
+    def launch(out: Path, *extra: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*argv, "--out", str(out), *extra], env=env, stderr=subprocess.PIPE)
+
+    ref = launch(tmp_path / "ref")
+    assert ref.wait(timeout=600) == 0
+    victim = launch(tmp_path / "cut")
+    ckpts = tmp_path / "cut" / "checkpoints"
+    deadline = time.time() + 300
+    while not (ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir())):
+        assert victim.poll() is None and time.time() < deadline, "the run ended before it could be killed"
+        time.sleep(0.005)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert not (tmp_path / "cut" / "model").exists()  # it really died before the end
+    resumed = subprocess.run(
+        [sys.executable, "-m", "vitkit", "train", "--resume", str(tmp_path / "cut"), "--quiet"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    from safetensors.torch import load_file
+
+    a = load_file(str(tmp_path / "ref" / "model" / "model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "model" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    def logged(run: str) -> list[list[str]]:  # step, loss, lr, grad norm of every logged step (not timings)
+        return [row.split(",")[:4] for row in (tmp_path / run / "steps.csv").read_text().splitlines()]
+
+    assert logged("ref") == logged("cut")

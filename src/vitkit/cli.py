@@ -470,11 +470,126 @@ def _sample_images(source: str, split: str, n: int, skip_bad: bool) -> tuple[lis
     return images, names
 
 
+# ---- train / finetune ---------------------------------------------------------------------------------
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _add_training_options(p: argparse.ArgumentParser) -> None:
+    """The few overrides shared by train and finetune; recipes carry everything else."""
+    p.add_argument("--epochs", type=_positive_float, help="training length in epochs (replaces the recipe's)")
+    p.add_argument("--steps", type=_positive_int, help="training length in optimiser steps (wins over epochs)")
+    p.add_argument("--batch-size", type=_positive_int, help="global batch size (all processes, accumulation)")
+    p.add_argument("--lr", type=_positive_float, help="base learning rate")
+    p.add_argument("--image-size", type=_image_size, help="training resolution, e.g. 384 or 224x320")
+    p.add_argument("--seed", type=int, help="seed for initialisation, data order, augmentation, dropout")
+    p.add_argument("--out", help="run folder (default runs/<recipe name>, numbered when taken)")
+    p.add_argument("--workers", type=int, help="data-loading worker processes per training process")
+    p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast with fp32 master weights")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
+    p.add_argument("--skip-bad", action="store_true", default=None, help="skip unreadable images (counted)")
+    p.add_argument(
+        "--skip-nonfinite", action="store_true", default=None, help="skip (and count) steps whose loss is NaN/inf"
+    )
+    p.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any config field, e.g. --set optim.weight_decay=0.1 --set aug.augreg=medium1 (JSON values)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _training_options(args: argparse.Namespace) -> dict[str, Any]:
+    keys = ("epochs", "steps", "batch_size", "lr", "image_size", "seed", "workers", "precision", "compile")
+    opts = {k: getattr(args, k) for k in keys}
+    opts["skip_bad"], opts["skip_nonfinite"], opts["sets"] = args.skip_bad, args.skip_nonfinite, args.sets
+    return opts
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from vitkit.configs import RECIPES
+
+    p = sub.add_parser(
+        "train",
+        help="train a ViT from scratch (default: the bundled 8x8 digits)",
+        description="Train a ViT from a recipe. With no arguments: a small ViT on scikit-learn's bundled 8x8 "
+        "digits, then the test accuracy. Writes runs/<name>/ (model/, checkpoints/, config.json, metrics.csv, "
+        "curves.png). Multi-process: torchrun --nproc_per_node N -m vitkit train ...",
+    )
+    p.add_argument("--recipe", default="digits", choices=sorted(RECIPES), help="recipe (default: digits)")
+    p.add_argument("--data", help="dataset: digits, an ImageFolder root, a CIFAR folder, an .npz, WebDataset shards")
+    p.add_argument("--model", help="a variant such as S/16 (replaces the recipe's architecture)")
+    p.add_argument("--resume", metavar="RUN", help="continue a run (its folder or a checkpoint) exactly")
+    _add_training_options(p)
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from vitkit.train.launch import run, summary, train_config
+
+    if args.resume:
+        given = [k for k, v in _training_options(args).items() if v not in (None, [])]
+        given += [k for k in ("data", "model", "out") if getattr(args, k) is not None]
+        if given or args.recipe != "digits":
+            raise VitkitError(
+                f"--resume continues a run with its saved config; drop {', '.join(given or ['--recipe'])}"
+            )
+        result = run(None, resume=args.resume, progress=not args.quiet)
+    else:
+        cfg = train_config(args.recipe, data=args.data, model=args.model, **_training_options(args))
+        result = run(cfg, args.out, progress=not args.quiet)
+    if result.rank == 0:
+        print(summary(result))
+    return 0
+
+
+def _add_finetune(sub: argparse._SubParsersAction) -> None:
+    from vitkit.configs import RECIPES
+
+    p = sub.add_parser(
+        "finetune",
+        help="fine-tune a checkpoint on your images (new zero head, higher resolution)",
+        description="Fine-tune any supported checkpoint: the head (and pre-logits) is replaced by a zero-initialised "
+        "one for the dataset's classes, the position embeddings are interpolated to the new resolution (default "
+        "384 px), and the paper's SGD recipe runs (momentum 0.9, cosine, no weight decay, clip 1). "
+        "Resume with: vitkit train --resume RUN.",
+    )
+    p.add_argument("checkpoint", help="checkpoint to start from (any supported format, or a run folder)")
+    p.add_argument("--data", required=True, help="dataset: an ImageFolder root, CIFAR folder, .npz, shards, digits")
+    fine = sorted(k for k in RECIPES if "finetune" in k)
+    p.add_argument("--recipe", default="paper-finetune", choices=fine, help="recipe (default: paper-finetune)")
+    _add_training_options(p)
+    p.set_defaults(func=cmd_finetune)
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    from vitkit.train.launch import finetune_config, run, summary
+
+    cfg = finetune_config(args.checkpoint, args.data, args.recipe, **_training_options(args))
+    result = run(cfg, args.out, progress=not args.quiet)
+    if result.rank == 0:
+        print(summary(result))
+    return 0
+
+
 # ---- entry point --------------------------------------------------------------------------------------
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_info,
     _add_predict,
+    _add_train,
+    _add_finetune,
     _add_eval,
     _add_fewshot,
     _add_analyze,

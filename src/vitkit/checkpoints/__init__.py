@@ -39,8 +39,17 @@ def _is_official(path: Path) -> bool:
         return False
 
 
+def _is_run(path: Path) -> bool:
+    return path.is_dir() and not native.looks_like(path) and native.looks_like(path / "model")
+
+
+def _load_run(path: Path) -> Checkpoint:
+    return native.load(path / "model")
+
+
 FORMATS: dict[str, Format] = {
     "vitkit": Format("vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load),
+    "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(
         "official", "Google ViT/AugReg .npz (vit_jax layout, pre-Linen names)", _is_official, official.load
     ),

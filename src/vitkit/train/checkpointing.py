@@ -1,0 +1,165 @@
+"""Resumable training state: atomic, keep-last-k, no pickle.
+
+A checkpoint is a folder ``checkpoints/step-000001234/`` holding
+
+- ``state.safetensors``: every tensor -- ``model/<name>``, ``ema/<name>``, ``optim/<param name>/<key>``
+  (Adam moments, step counts, SGD momentum), always full (unsharded) tensors;
+- ``state.json``: everything else -- step, epoch, the optimiser's hyper-parameters, EMA update count,
+  best metric, skipped-step count, class names, the resolved config.
+
+Writing goes to a hidden temporary folder (files fsync'ed), which is renamed into place in one
+``os.replace``; only then are old checkpoints pruned. A crash at any moment leaves either the new
+checkpoint complete or no trace of it, and the previous one untouched. Hidden folders are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from vitkit.errors import CheckpointError
+
+STATE_FORMAT = "vitkit-train-state"
+STATE_VERSION = 1
+TENSORS = "state.safetensors"
+META = "state.json"
+_NAME = re.compile(r"^step-(\d{9})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:09d}"
+
+
+def list_checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """Complete checkpoints in ``folder`` as (step, path), oldest first."""
+    root = Path(folder)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _NAME.match(entry.name)
+        if m and (entry / TENSORS).is_file() and (entry / META).is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
+    found = list_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(
+    folder: str | os.PathLike[str],
+    step: int,
+    tensors: dict[str, torch.Tensor],
+    meta: dict[str, Any],
+    keep_last: int = 2,
+) -> Path:
+    """Write one checkpoint atomically, then keep only the newest ``keep_last``."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    try:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+        doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
+        (tmp / META).write_text(json.dumps(doc, indent=1) + "\n")
+        for f in (tmp / TENSORS, tmp / META, tmp):
+            _fsync(f)
+        if final.exists():  # the same step saved again (after a resume): swap the old one out first
+            old = root / f".{final.name}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for _, path in list_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The JSON half of a checkpoint (step, config ...), without loading tensors."""
+    p = Path(path) / META
+    try:
+        meta = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{p.parent}: not a training checkpoint (no {META})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{p}: invalid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"{p}: not a vitkit training state")
+    return meta
+
+
+def read_checkpoint_state(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(tensors, meta) of one checkpoint folder, validated."""
+    p = Path(path)
+    meta = read_checkpoint_meta(p)
+    try:
+        tensors = load_file(str(p / TENSORS))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{p / TENSORS}: unreadable ({e})") from None
+    return tensors, meta
+
+
+def resolve_resume(path: str | os.PathLike[str]) -> Path:
+    """A run folder, its checkpoints folder, or one checkpoint -> the checkpoint to resume from."""
+    p = Path(path)
+    if (p / META).is_file():
+        return p
+    for folder in (p / "checkpoints", p):
+        ckpt = latest_checkpoint(folder)
+        if ckpt is not None:
+            return ckpt
+    raise CheckpointError(f"{p}: no training checkpoint to resume from")
+
+
+# ---- optimiser state <-> flat tensors + JSON ------------------------------------------------------------
+
+
+def flatten_optimizer(osd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A name-keyed optimiser state dict (``get_optimizer_state_dict``) -> tensors and JSON."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for name, state in osd["state"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim/{name}/{key}"] = value
+            else:
+                scalars.setdefault(name, {})[key] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in osd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def unflatten_optimizer(tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim/"):
+            name, _, field = key[len("optim/") :].rpartition("/")
+            state.setdefault(name, {})[field] = value
+    for name, extra in doc.get("scalars", {}).items():
+        state.setdefault(name, {}).update(extra)
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in doc["param_groups"]]
+    return {"state": state, "param_groups": groups}

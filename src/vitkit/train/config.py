@@ -1,0 +1,213 @@
+"""Training configuration: typed dataclasses, serialisable to and from JSON (the run folder's config.json).
+
+A recipe (``vitkit.configs``) is a function returning a :class:`TrainConfig`; the CLI applies a few
+overrides (data, epochs, batch size, lr ...) with :meth:`TrainConfig.override`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vitkit.errors import ConfigError
+
+AUGREG_LEVELS = ("none", "light1", "light2", "medium1", "medium2", "strong1", "strong2")
+# AugReg ("How to train your ViT", Steiner et al. 2021): RandAugment (layers, magnitude) and Mixup alpha.
+AUGREG_RANDAUG: dict[str, tuple[int, float] | None] = {
+    "none": None,
+    "light1": (2, 0.0),  # magnitude 0 is not a no-op in TF's RandAugment (posterize, solarize...)
+    "light2": (2, 10.0),
+    "medium1": (2, 15.0),
+    "medium2": (2, 15.0),
+    "strong1": (2, 20.0),
+    "strong2": (2, 20.0),
+}
+AUGREG_MIXUP = {
+    "none": 0.0,
+    "light1": 0.0,
+    "light2": 0.2,
+    "medium1": 0.2,
+    "medium2": 0.5,
+    "strong1": 0.5,
+    "strong2": 0.8,
+}
+
+
+@dataclass
+class DataConfig:
+    source: str = "digits"  # see vitkit.data.datasets.open_dataset
+    train_split: str = "train"
+    val_split: str | None = "auto"  # "auto": "val" if the source has one, else "test"; None: no evaluation
+    image_size: tuple[int, int] = (224, 224)
+    batch_size: int = 512  # global: across processes and accumulation steps
+    eval_batch_size: int = 256  # per process
+    workers: int = 4  # DataLoader worker processes per training process
+    skip_bad: bool = False
+    mean: tuple[float, ...] | None = None  # None: the checkpoint's when fine-tuning, else (0.5, 0.5, 0.5)
+    std: tuple[float, ...] | None = None
+    grayscale: bool | None = None  # single-channel models ("L" images); None: the checkpoint's, else False
+    eval_resize: Literal["squash", "crop"] = "squash"  # official ViT: squash; timm/DeiT: crop
+    eval_crop_pct: float = 1.0
+
+
+@dataclass
+class AugConfig:
+    augreg: str | None = None  # an AugReg level; sets randaug_* and mixup (overriding them) when given
+    crop: Literal["inception", "pad", "resize"] = "inception"
+    crop_scale: tuple[float, float] = (0.05, 1.0)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    pad: int = 0
+    flip: bool = True
+    randaug_layers: int = 0
+    randaug_magnitude: float = 0.0
+    randaug_ops: tuple[str, ...] | None = None  # a subset of the 16 ops (default: all)
+    randaug_fill: int = 128  # value of pixels uncovered by rotate/shear/translate/cutout (TF: 128)
+    mixup: float = 0.0  # Beta(alpha, alpha); 0 disables
+    cutmix: float = 0.0
+    mix_prob: float = 1.0
+    mix_switch_prob: float = 0.5
+    label_smoothing: float = 0.0
+    interpolation: str = "bilinear"
+
+    def resolved(self) -> AugConfig:
+        """With the AugReg level (if any) applied to RandAugment and Mixup."""
+        if self.augreg is None:
+            return self
+        if self.augreg not in AUGREG_LEVELS:
+            raise ConfigError(f"unknown AugReg level {self.augreg!r}; choose from {', '.join(AUGREG_LEVELS)}")
+        ra = AUGREG_RANDAUG[self.augreg]
+        return dataclasses.replace(
+            self,
+            randaug_layers=ra[0] if ra else 0,
+            randaug_magnitude=ra[1] if ra else 0.0,
+            mixup=AUGREG_MIXUP[self.augreg],
+        )
+
+
+@dataclass
+class ModelConfig:
+    name: str | None = "Ti/16"  # a paper variant; None: every field from ``overrides`` (ViTConfig defaults)
+    overrides: dict[str, Any] = field(default_factory=dict)  # any ViTConfig field: depth, dropout, drop_path...
+    init_from: str | None = None  # fine-tuning: a checkpoint (any supported format) to start from
+    pos_interpolation: str = "bilinear"  # resampling of the position-embedding grid when fine-tuning
+
+
+@dataclass
+class OptimConfig:
+    name: Literal["adamw", "adam", "sgd"] = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.0  # decoupled (AdamW: p -= lr * wd * p); never on norms, biases, embeddings
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.9  # SGD
+    nesterov: bool = False
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    warmup_epochs: float = 0.0  # added to warmup_steps once the epoch length is known
+    end_lr: float = 0.0  # learning rate at the last step (linear / cosine)
+    clip_norm: float | None = 1.0  # global gradient-norm clipping
+
+
+@dataclass
+class TrainConfig:
+    name: str = "run"
+    recipe: str | None = None
+    data: DataConfig = field(default_factory=DataConfig)
+    aug: AugConfig = field(default_factory=AugConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    epochs: float | None = 10  # training length: epochs, or ``steps`` when set (steps win)
+    steps: int | None = None
+    accum_steps: int = 1
+    loss: Literal["softmax", "sigmoid"] = "softmax"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast for forward/backward, fp32 master weights
+    compile: bool = False
+    ema_decay: float | None = None  # Polyak averaging of weights (0.9999 in the paper's best runs)
+    ema_warmup: bool = False  # decay min(ema_decay, (1 + step) / (10 + step)) early on
+    seed: int = 0
+    eval_every_epochs: int = 1
+    checkpoint_every_steps: int | None = None  # also checkpoint mid-epoch (besides every epoch end)
+    keep_last: int = 2
+    skip_nonfinite: bool = False  # skip (and count) steps with a non-finite loss/gradient instead of stopping
+    distributed: Literal["ddp", "fsdp"] = "ddp"  # strategy under torchrun (FSDP2 shards params per block)
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    log_every_steps: int = 10
+
+    # ---- (de)serialisation -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_jsonable(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        return _from_dict(cls, d, "config")
+
+    def override(self, **changes: Any) -> TrainConfig:
+        """A copy with dotted-path fields changed: ``cfg.override(**{"optim.lr": 3e-3, "epochs": 5})``."""
+        d = self.to_dict()
+        for path, value in changes.items():
+            node = d
+            *parents, leaf = path.split(".")
+            for p in parents:
+                if not isinstance(node.get(p), dict):
+                    raise ConfigError(f"unknown config field {path!r}")
+                node = node[p]
+            if leaf not in node:
+                raise ConfigError(f"unknown config field {path!r}")
+            node[leaf] = _to_jsonable(value)
+        return TrainConfig.from_dict(d)
+
+    def validate(self) -> None:
+        if self.steps is None and (self.epochs is None or self.epochs <= 0):
+            raise ConfigError("set a positive number of epochs or steps")
+        if self.steps is not None and self.steps <= 0:
+            raise ConfigError(f"steps must be positive, got {self.steps}")
+        if self.accum_steps < 1 or self.data.batch_size < 1:
+            raise ConfigError("batch size and accumulation steps must be positive")
+        if self.optim.lr <= 0:
+            raise ConfigError(f"learning rate must be positive, got {self.optim.lr}")
+        if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
+            raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
+        if self.keep_last < 1:
+            raise ConfigError("keep_last must be at least 1")
+        self.aug.resolved()
+
+
+def _to_jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_to_jsonable(v) for v in x]
+    return x
+
+
+def _from_dict(cls: type, d: Any, where: str) -> Any:
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where}: expected an object, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}") for k, v in d.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, v: Any, where: str) -> Any:
+    """JSON value -> the annotated type (nested dataclasses, tuples from lists, Optional)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if v is None and type(None) in typing.get_args(tp):
+            return None
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+        origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, v, where)  # type: ignore[arg-type]
+    if origin is tuple and isinstance(v, (list, tuple)):
+        return tuple(v)
+    if tp is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    return v

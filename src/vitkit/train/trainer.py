@@ -1,0 +1,637 @@
+"""The training loop: pre-training from scratch and fine-tuning, resumable bit-for-bit, 1 to N processes.
+
+``train(cfg, run_dir)`` writes a run folder::
+
+    run_dir/
+      config.json        the resolved TrainConfig
+      model/             final weights (the EMA weights when EMA is on) in vitkit format, with the
+                         evaluation preprocessing and class names: ``vitkit predict -c run_dir`` works
+      best/              the weights with the best validation top-1 so far (when there is validation)
+      checkpoints/       resumable state, the newest ``keep_last`` (see checkpointing.py)
+      metrics.csv        per epoch: train loss, validation loss and top-1, lr, throughput, skipped steps
+      steps.csv          every ``log_every_steps`` steps: loss, lr, throughput
+      curves.png         loss and accuracy curves
+      tb/                TensorBoard events (when tensorboard is installed)
+
+Determinism: every random draw is a pure function of the seed and the position -- the epoch order of
+(seed, epoch), each sample's augmentation of (seed, epoch, index), Mixup/CutMix and dropout/stochastic
+depth of (seed, step, rank) -- so resuming needs no RNG state: weights, optimiser moments, EMA, the step
+and two running sums are enough, and a resumed run equals an uninterrupted one exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitkit.checkpoints import load_checkpoint
+from vitkit.checkpoints import native as native_ckpt
+from vitkit.checkpoints.base import empty_model
+from vitkit.data.datasets import ImageDataset, open_dataset, open_split_or_none
+from vitkit.data.loader import Batch, TrainLoader, eval_batches
+from vitkit.data.mix import Mixer
+from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.data.transforms import RANDAUGMENT_OPS, RandAugment, TrainTransform, triple
+from vitkit.errors import CheckpointError, ConfigError, VitkitError
+from vitkit.models import create_model
+from vitkit.models.vit import VisionTransformer, ViTConfig
+from vitkit.train import checkpointing as ckpt
+from vitkit.train import distributed as distr
+from vitkit.train.config import TrainConfig
+from vitkit.train.ema import EMA
+from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
+
+
+class NonFiniteLossError(VitkitError):
+    """The loss or the gradient norm became NaN/inf (and skipping was not requested)."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    steps: list[dict[str, float]] = field(default_factory=list)  # per optimiser step: step, loss, lr
+    epochs: list[dict[str, Any]] = field(default_factory=list)  # the metrics.csv rows
+    final_top1: float | None = None  # validation top-1 of the saved model (final / EMA weights)
+    best_top1: float | None = None
+    skipped_steps: int = 0
+    seconds: float = 0.0
+    val_split: str | None = None  # which split final_top1 was measured on
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    rank: int = 0  # the process that produced this result (only process 0 writes and prints)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A 63-bit seed for the global torch RNG at ``step`` (dropout, stochastic depth)."""
+    return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, kind: str = "softmax") -> torch.Tensor:
+    """Mean over the batch of softmax cross-entropy, or of sigmoid cross-entropy summed over classes."""
+    logits = logits.float()
+    if kind == "sigmoid":
+        return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
+    return -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+
+
+class Trainer:
+    """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
+
+    def __init__(
+        self, cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, claim: bool | str = "exclusive"
+    ) -> None:
+        """``claim``: "exclusive" -- ``run_dir`` must not hold a run yet; "numbered" -- use ``run_dir-2``,
+        ``-3``... when taken; False -- use it as is (resuming)."""
+        cfg.validate()
+        self.cfg = cfg
+        self.progress = progress
+        self.dist = distr.setup(cfg.device)
+        self.device = self.dist.device
+        self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
+        self.step = 0
+        self.skipped = 0
+        self.best_top1: float | None = None
+        self.epoch_loss = [0.0, 0]  # running sum and count of the current epoch's step losses
+        self.history: list[dict[str, float]] = []
+        self.epoch_rows: list[dict[str, Any]] = []
+        self._tb: Any = None
+
+        self.workers = min(cfg.data.workers, os.cpu_count() or 1)  # a recipe's 8 workers on a 2-core machine: 2
+        self.train_set, self.val_set = self._open_data()
+        self.classes = self.train_set.classes
+        net, pre = self._build_model()
+        self.preprocess = pre
+        self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
+        self.model = distr.wrap(self.net, cfg.distributed, self.dist)
+        self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
+        self.opt = build_optimizer(self.net, cfg.optim)
+        self.ema = EMA(self.net, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay else None
+        self.loader = TrainLoader(
+            self.train_set,
+            self._train_transform(),
+            global_batch=cfg.data.batch_size,
+            seed=cfg.seed,
+            accum_steps=cfg.accum_steps,
+            rank=self.dist.rank,
+            world=self.dist.world,
+            workers=self.workers,
+            pin_memory=self.device.type == "cuda",
+        )
+        aug = cfg.aug.resolved()
+        self.mixer = Mixer(
+            len(self.classes), aug.mixup, aug.cutmix, aug.mix_prob, aug.mix_switch_prob, aug.label_smoothing
+        )
+        spe = self.loader.steps_per_epoch
+        self.total_steps = cfg.steps if cfg.steps is not None else max(1, round((cfg.epochs or 0) * spe))
+        self.warmup_steps = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
+
+    # ---- setup -----------------------------------------------------------------------------------------
+
+    def _claim(self, base: Path, mode: bool | str) -> Path:
+        """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
+        n = 0
+        if self.dist.is_main:
+            if mode == "numbered":
+                while _holds_run(base if n == 0 else base.with_name(f"{base.name}-{n}")):
+                    n = max(n + 1, 2)
+            elif _holds_run(base):
+                n = -1
+        n = distr.broadcast_int(n, self.dist)
+        if n < 0:
+            raise ConfigError(f"{base} already holds a run; resume it with --resume {base}, or choose another --out")
+        return base if n == 0 else base.with_name(f"{base.name}-{n}")
+
+    def _open_data(self) -> tuple[ImageDataset, ImageDataset | None]:
+        d = self.cfg.data
+        train = open_dataset(d.source, d.train_split, skip_bad=d.skip_bad)
+        if d.val_split is None:
+            return train, None
+        if d.val_split == "auto":
+            for split in ("val", "test"):
+                val = open_split_or_none(d.source, split, skip_bad=d.skip_bad, classes=train.classes)
+                if val is not None:
+                    return train, val
+            return train, None
+        return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
+
+    def _build_model(self) -> tuple[VisionTransformer, Preprocess]:
+        """A fresh model (seeded), or a checkpoint with a new zero head at the data's resolution."""
+        cfg, d = self.cfg, self.cfg.data
+        m = cfg.model
+        gray = bool(d.grayscale)
+        if m.init_from:
+            loaded = load_checkpoint(m.init_from, image_size=d.image_size, pos_interpolation=m.pos_interpolation)
+            net = loaded.model
+            if loaded.meta.class_names != self.classes:  # new labels: a zero head, no pre-logits (paper)
+                net.reset_head(len(self.classes))
+            if m.overrides:  # regularisation changes (dropout, drop_path) on the loaded weights
+                net = _with_overrides(net, m.overrides, m.init_from)
+            gray = loaded.meta.preprocess.grayscale if d.grayscale is None else d.grayscale
+            if net.cfg.in_channels != (1 if gray else 3):
+                raise ConfigError(
+                    f"{m.init_from}: the model takes {net.cfg.in_channels} input channels but data.grayscale is {gray}"
+                )
+            ref = loaded.meta.preprocess
+            mean, std = d.mean or ref.mean, d.std or ref.std
+        else:
+            torch.manual_seed(cfg.seed)
+            overrides = {"num_classes": len(self.classes), "image_size": d.image_size, "in_channels": 1 if gray else 3}
+            overrides.update(m.overrides)
+            net = create_model(m.name, **overrides) if m.name else create_model(ViTConfig(), **overrides)
+            mean, std = d.mean or INCEPTION_MEAN, d.std or INCEPTION_STD
+        net.train()
+        pre = Preprocess(
+            d.image_size, triple(mean), triple(std), d.eval_resize, d.eval_crop_pct, cfg.aug.interpolation, gray
+        )
+        return net, pre
+
+    def _train_transform(self) -> TrainTransform:
+        aug = self.cfg.aug.resolved()
+        ra = None
+        if aug.randaug_layers > 0:
+            ops = tuple(aug.randaug_ops) if aug.randaug_ops else RANDAUGMENT_OPS
+            try:
+                ra = RandAugment(aug.randaug_layers, aug.randaug_magnitude, ops, aug.randaug_fill)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+        p = self.preprocess
+        return TrainTransform(
+            p.image_size,
+            aug.crop,
+            aug.crop_scale,
+            aug.crop_ratio,
+            aug.pad,
+            aug.flip,
+            ra,
+            p.mean,
+            p.std,
+            p.grayscale,
+            aug.interpolation,
+        )
+
+    # ---- one optimiser step -------------------------------------------------------------------------
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """No gradient all-reduce on accumulation micro-batches except the last."""
+        if isinstance(self.model, nn.parallel.DistributedDataParallel) and not last:
+            return self.model.no_sync()
+        set_sync = getattr(self.net, "set_requires_gradient_sync", None)  # FSDP2
+        if set_sync is not None:
+            set_sync(last)
+        return contextlib.nullcontext()
+
+    def train_step(self, micro: list[Batch]) -> dict[str, float]:
+        """Forward/backward over the micro-batches, clip, step; returns the step's mean loss and lr."""
+        cfg = self.cfg
+        lr = lr_at(
+            self.step,
+            base_lr=cfg.optim.lr,
+            total_steps=self.total_steps,
+            warmup_steps=self.warmup_steps,
+            schedule=cfg.optim.schedule,
+            end_lr=cfg.optim.end_lr,
+        )
+        set_lr(self.opt, lr)
+        torch.manual_seed(step_seed(cfg.seed, self.step, self.dist.rank))
+        mix_rng = np.random.default_rng([cfg.seed, self.step, self.dist.rank, 0x313])
+        self.opt.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        for m, batch in enumerate(micro):
+            x = batch.images.to(self.device, non_blocking=True)
+            y = batch.labels.to(self.device, non_blocking=True)
+            x, target = self.mixer(x, y, mix_rng)
+            with self._sync_context(m == len(micro) - 1), self._autocast():
+                loss = soft_cross_entropy(self.forward(x), target, cfg.loss)
+                (loss / len(micro)).backward()
+            loss_sum += loss.detach()
+        params = [p for p in self.net.parameters() if p.grad is not None]
+        max_norm = cfg.optim.clip_norm if cfg.optim.clip_norm else float("inf")
+        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        gnorm = distr.full_tensor(gnorm)
+        stats = torch.stack([loss_sum / len(micro), (~torch.isfinite(gnorm.detach())).float()]).to(self.device)
+        stats = distr.all_reduce_sum(stats, self.dist)
+        loss_mean = float(stats[0]) / self.dist.world
+        bad = float(stats[1]) > 0 or not math.isfinite(loss_mean)
+        if bad:
+            if not cfg.skip_nonfinite:
+                raise NonFiniteLossError(
+                    f"non-finite loss or gradient at step {self.step} (loss {loss_mean}); lower the learning "
+                    "rate, or pass --skip-nonfinite to skip such steps"
+                )
+            self.opt.zero_grad(set_to_none=True)
+            self.skipped += 1
+        else:
+            self.opt.step()
+            apply_decoupled_sgd_decay(self.opt)
+            if self.ema is not None:
+                self.ema.update(self.net)
+            self.epoch_loss[0] += loss_mean
+            self.epoch_loss[1] += 1
+        self.step += 1
+        return {"step": float(self.step), "loss": loss_mean, "lr": lr, "grad_norm": float(gnorm)}
+
+    # ---- evaluation ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, dataset: ImageDataset | None = None) -> dict[str, float]:
+        """Top-1 and mean loss of the current (EMA, when on) weights over the validation set."""
+        ds = dataset or self.val_set
+        if ds is None:
+            return {}
+        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
+        self.model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
+        with ctx:
+            for b in eval_batches(
+                ds,
+                self.preprocess.to_tensor,
+                self.cfg.data.eval_batch_size,
+                rank=self.dist.rank,
+                world=self.dist.world,
+                workers=self.workers,
+            ):
+                x, y = b.images.to(self.device), b.labels.to(self.device)
+                with self._autocast():
+                    logits = self.forward(x).float()
+                totals[0] += (logits.argmax(-1) == y).sum()
+                totals[1] += F.cross_entropy(logits, y, reduction="sum")
+                totals[2] += y.numel()
+            reshard = getattr(self.net, "reshard", None)  # FSDP2 keeps the root unsharded after a forward
+            if reshard is not None:
+                reshard()
+        self.model.train()
+        totals = distr.all_reduce_sum(totals, self.dist)
+        n = max(float(totals[2]), 1.0)
+        return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
+
+    # ---- saving ---------------------------------------------------------------------------------------
+
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+    def save_checkpoint(self) -> None:
+        """Write the resumable state (every process takes part; process 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = self._full_model_state()
+        osd = get_optimizer_state_dict(self.net, self.opt, options=opts)
+        ema = {k: distr.full_tensor(v).cpu() for k, v in self.ema.shadow.items()} if self.ema else {}
+        if self.dist.is_main:
+            opt_tensors, opt_doc = ckpt.flatten_optimizer(osd)
+            tensors = {f"model/{k}": v for k, v in model_sd.items()}
+            tensors.update(opt_tensors)
+            tensors.update({f"ema/{k}": v for k, v in ema.items()})
+            meta = {
+                "epoch_loss": self.epoch_loss,
+                "skipped_steps": self.skipped,
+                "best_top1": self.best_top1,
+                "ema_updates": self.ema.updates if self.ema else 0,
+                "optimizer": opt_doc,
+                "class_names": self.classes,
+                "world_size": self.dist.world,
+                "config": self.cfg.to_dict(),
+            }
+            ckpt.write_checkpoint(self.run_dir / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
+        distr.barrier(self.dist)
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore everything from a checkpoint written by :meth:`save_checkpoint`."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        tensors, meta = ckpt.read_checkpoint_state(path)
+        if meta.get("class_names") != self.classes:
+            raise CheckpointError(f"{path}: the checkpoint's classes differ from the dataset's")
+        opts = StateDictOptions(full_state_dict=True)
+        model_sd: dict[str, Any] = {
+            k[len("model/") :]: v.to(self.device) for k, v in tensors.items() if k.startswith("model/")
+        }
+        try:
+            set_model_state_dict(self.net, model_sd, options=opts)
+            osd = ckpt.unflatten_optimizer(tensors, meta["optimizer"])
+            set_optimizer_state_dict(self.net, self.opt, osd, options=opts)
+        except (RuntimeError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}: does not match this model/optimiser ({e})") from None
+        if self.ema is not None:
+            for name, shadow in self.ema.shadow.items():
+                if f"ema/{name}" not in tensors:
+                    raise CheckpointError(f"{path}: no EMA weights for {name}")
+                distr.load_full_into(shadow, tensors[f"ema/{name}"])
+            self.ema.updates = int(meta["ema_updates"])
+        self.step = int(meta["step"])
+        self.skipped = int(meta["skipped_steps"])
+        self.best_top1 = meta.get("best_top1")
+        self.epoch_loss = [float(meta["epoch_loss"][0]), int(meta["epoch_loss"][1])]
+
+    def save_model(self, folder: str, **provenance: Any) -> None:
+        """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
+        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            state = self._full_model_state()
+        if self.dist.is_main:
+            cfg = self.net.cfg
+            model = empty_model(cfg)
+            model.load_state_dict(state, strict=True)
+            prov = {"recipe": self.cfg.recipe, "run": str(self.run_dir), "step": self.step, **provenance}
+            if self.cfg.model.init_from:
+                prov["fine_tuned_from"] = self.cfg.model.init_from
+            native_ckpt.save(
+                model, self.run_dir / folder, preprocess=self.preprocess, class_names=self.classes, provenance=prov
+            )
+        distr.barrier(self.dist)
+
+    # ---- logs -------------------------------------------------------------------------------------------
+
+    def _log_step(self, rec: dict[str, float], images_per_s: float) -> None:
+        if not self.dist.is_main:
+            return
+        row = {"step": int(rec["step"]), "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"]}
+        _append_csv(self.run_dir / "steps.csv", {**row, "images_per_s": round(images_per_s, 1)})
+        if self._tb is not None:
+            for k in ("loss", "lr", "grad_norm"):
+                self._tb.add_scalar(f"train/{k}", rec[k], int(rec["step"]))
+            self._tb.add_scalar("train/images_per_s", images_per_s, int(rec["step"]))
+
+    def _log_epoch(self, row: dict[str, Any]) -> None:
+        self.epoch_rows.append(row)
+        if not self.dist.is_main:
+            return
+        _append_csv(self.run_dir / "metrics.csv", row)
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("epoch", "step") and isinstance(v, (int, float)) and v == v:
+                    self._tb.add_scalar(f"epoch/{k}", v, int(row["step"]))
+
+    def _open_logs(self, resumed: bool) -> None:
+        if not self.dist.is_main:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        if resumed:  # drop what the interrupted run logged after its last checkpoint
+            for name in ("steps.csv", "metrics.csv"):
+                _truncate_csv(self.run_dir / name, self.step)
+            self.epoch_rows = _read_csv(self.run_dir / "metrics.csv")
+        else:
+            for name in ("steps.csv", "metrics.csv"):
+                (self.run_dir / name).unlink(missing_ok=True)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is optional
+            return
+        self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.step if resumed else None)
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+
+    def fit(
+        self, resume: str | Path | None = None, *, on_step: Callable[[Trainer, dict[str, float]], None] | None = None
+    ) -> TrainResult:
+        """Train to ``total_steps``; ``on_step(trainer, record)`` is called after every step (tests, hooks)."""
+        t0 = time.perf_counter()
+        if resume is not None:
+            self.load_checkpoint(ckpt.resolve_resume(resume))
+        self._open_logs(resumed=resume is not None)
+        cfg, spe = self.cfg, self.loader.steps_per_epoch
+        from tqdm import tqdm
+
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            disable=not (self.progress and self.dist.is_main),
+            desc=cfg.name,
+        )
+        last_eval: dict[str, float] = {}
+        epoch_t0, epoch_images = time.perf_counter(), 0
+        try:
+            while self.step < self.total_steps:
+                epoch = self.step // spe
+                t_last = time.perf_counter()
+                for micro in self.loader.epoch(epoch, self.step % spe):
+                    rec = self.train_step(micro)
+                    self.history.append(rec)
+                    now = time.perf_counter()
+                    ips = cfg.data.batch_size / max(now - t_last, 1e-9)
+                    t_last = now
+                    epoch_images += cfg.data.batch_size
+                    bar.update(1)
+                    if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
+                        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}")
+                        self._log_step(rec, ips)
+                    every = cfg.checkpoint_every_steps
+                    if every and self.step % every == 0 and self.step % spe and self.step < self.total_steps:
+                        self.save_checkpoint()  # mid-epoch; epoch ends are checkpointed below, after the metrics
+                    if on_step is not None:
+                        on_step(self, rec)
+                    if self.step >= self.total_steps:
+                        break
+                # end of an epoch (or of training)
+                ep = (self.step - 1) // spe
+                done = self.step >= self.total_steps
+                last_eval = self.evaluate() if (done or (ep + 1) % cfg.eval_every_epochs == 0) else {}
+                seconds = time.perf_counter() - epoch_t0
+                row = {
+                    "epoch": ep + 1 if self.step % spe == 0 else round(self.step / spe, 3),
+                    "step": self.step,
+                    "train_loss": self.epoch_loss[0] / max(self.epoch_loss[1], 1),
+                    "val_loss": last_eval.get("val_loss", float("nan")),
+                    "val_top1": last_eval.get("val_top1", float("nan")),
+                    "lr": self.opt.param_groups[0]["lr"],
+                    "images_per_s": round(epoch_images / max(seconds, 1e-9), 1),
+                    "skipped_steps": self.skipped,
+                }
+                self.epoch_loss = [0.0, 0]
+                epoch_t0, epoch_images = time.perf_counter(), 0
+                self._log_epoch(row)
+                top1 = last_eval.get("val_top1")
+                if top1 is not None and (self.best_top1 is None or top1 > self.best_top1):
+                    self.best_top1 = top1
+                    self.save_model("best", val_top1=top1)
+                self.save_checkpoint()
+        finally:
+            bar.close()
+        self.save_model("model", val_top1=last_eval.get("val_top1"))
+        if self.dist.is_main:
+            plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png")
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
+        return TrainResult(
+            self.run_dir,
+            self.step,
+            self.history,
+            self.epoch_rows,
+            last_eval.get("val_top1"),
+            self.best_top1,
+            self.skipped,
+            time.perf_counter() - t0,
+            self.val_set.split if self.val_set is not None else None,
+            last_eval,
+            self.dist.rank,
+        )
+
+    def close(self, clean: bool = True) -> None:
+        """Release the TensorBoard writer and the process group (``clean=False`` after an error)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        distr.teardown(self.dist, clean)
+
+
+def _holds_run(path: Path) -> bool:
+    return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
+
+
+def _with_overrides(net: VisionTransformer, overrides: dict[str, Any], source: str) -> VisionTransformer:
+    """The same weights in a model whose config has ``overrides`` (only non-shape fields can change)."""
+    d = net.cfg.to_dict()
+    d.update(overrides)
+    try:
+        new = VisionTransformer(ViTConfig.from_dict(d))
+        new.load_state_dict(net.state_dict(), strict=True)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ConfigError(f"{source}: model overrides {sorted(overrides)} cannot apply to a checkpoint ({e})") from None
+    return new
+
+
+# ---- CSV logs and the plot ---------------------------------------------------------------------------
+
+
+def _append_csv(path: Path, row: dict[str, Any]) -> None:
+    new = not path.exists()
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(row))
+        if new:
+            w.writeheader()
+        w.writerow(row)
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    with path.open(newline="") as f:
+        return [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def _num(v: str) -> Any:
+    try:
+        f = float(v)
+    except ValueError:
+        return v
+    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
+
+
+def _truncate_csv(path: Path, step: int) -> None:
+    rows = [r for r in _read_csv(path) if int(r["step"]) <= step]
+    path.unlink(missing_ok=True)
+    for r in rows:
+        _append_csv(path, r)
+
+
+def plot_curves(metrics_csv: Path, out_png: Path) -> None:
+    """Train/validation loss and validation top-1 per epoch, as a PNG (matplotlib, Agg backend)."""
+    rows = _read_csv(metrics_csv)
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ep = [float(r["epoch"]) for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.plot(ep, [float(r["train_loss"]) for r in rows], label="train loss")
+    ax1.plot(ep, [float(r["val_loss"]) for r in rows], label="validation loss")
+    ax1.set_xlabel("epoch")
+    ax1.set_ylabel("loss")
+    ax1.legend()
+    ax2.plot(ep, [100 * float(r["val_top1"]) for r in rows], color="C2")
+    ax2.set_xlabel("epoch")
+    ax2.set_ylabel("validation top-1 (%)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def train(
+    cfg: TrainConfig, run_dir: str | Path, *, resume: str | Path | None = None, progress: bool = True
+) -> TrainResult:
+    """Build a :class:`Trainer` for ``cfg`` and run it (resuming from ``resume`` when given)."""
+    trainer = Trainer(cfg, run_dir, progress=progress)
+    try:
+        result = trainer.fit(resume)
+    except BaseException:
+        trainer.close(clean=False)
+        raise
+    trainer.close()
+    return result
+
+
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "soft_cross_entropy", "step_seed", "train"]
