@@ -204,6 +204,16 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--format", help="checkpoint format, if detection should be overridden")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default: auto)")
     p.add_argument("--batch-size", type=_positive_int, default=64, help="images per forward pass (default 64)")
+    w = p.add_mutually_exclusive_group()
+    w.add_argument(
+        "--ema", dest="weights", action="store_const", const="ema", default="default",
+        help="a training run: use the EMA (Polyak-averaged) weights of its latest checkpoint "
+        "(default: the run's model/, which holds the EMA weights when the run used EMA)",
+    )  # fmt: skip
+    w.add_argument(
+        "--no-ema", dest="weights", action="store_const", const="raw",
+        help="a training run: use the raw, non-averaged weights of its latest checkpoint",
+    )  # fmt: skip
 
 
 def _add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
@@ -217,9 +227,12 @@ def _add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
 
 
 def _load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:
-    from vitkit.checkpoints import load_checkpoint
+    from vitkit.evaluate.weights import load_for_eval
 
-    return load_checkpoint(args.checkpoint, format=args.format, image_size=image_size)
+    loaded, note = load_for_eval(args.checkpoint, format=args.format, weights=args.weights, image_size=image_size)
+    if note:
+        print(f"note: {args.checkpoint}: {note}", file=sys.stderr)
+    return loaded
 
 
 def _open(source: str, split: str, skip_bad: bool, classes: list[str] | None = None) -> Any:
