@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,9 @@ def test_analyze_writes_every_figure_and_a_summary(
     assert dist["num_images"] == 2 and len(dist["per_layer_head"]) == 2 and len(dist["per_layer_head"][0]) == 3
     assert all(0 < v < (32**2 + 48**2) ** 0.5 for row in dist["per_layer_head"] for v in row)
     assert summary["grid"] == [2, 3] and summary["patch_stride_pixels"] == 16
+    cells = [(r, c) for r in range(2) for c in range(3)]
+    uniform = 16 * sum(math.dist(a, b) for a in cells for b in cells) / 36
+    assert dist["uniform_attention_reference"] == pytest.approx(uniform, abs=1e-4)
     assert summary["attention_rollout"]["images"] == ["china.jpg", "flower.png"]
     assert len(summary["patch_embedding_pca"]["explained_variance_ratio"]) == 28
     assert "mean attention distance per layer" in stdout

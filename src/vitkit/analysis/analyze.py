@@ -197,8 +197,11 @@ def _attention_figures(
     res = attention_analysis(model, batches, opts, device, total=-(-len(images) // bs), progress=progress)
     n = len(res.rollout)
     shown = [display_image(img, preprocess) for img in images[:n]]
+    stride = model.stem_stride
+    grid = (preprocess.image_size[0] // stride, preprocess.image_size[1] // stride)
+    uniform = float(distance_matrix(grid, stride).mean())  # what attention spread evenly would give
     dist_fig = plots.plot_attention_distance(
-        res.mean_distance, out / "attention_distance.png", f"Mean attention distance ({res.num_images} images)"
+        res.mean_distance, out / "attention_distance.png", f"Mean attention distance ({res.num_images} images)", uniform
     )
     query = "class token" if model.cfg.num_prefix_tokens else "mean over tokens"
     roll_fig = plots.plot_rollout(shown, res.rollout, list(names[:n]), out / "attention_rollout.png", query)
@@ -213,6 +216,7 @@ def _attention_figures(
             "units": "pixels of the model input",
             "class_token": "excluded (patch queries and patch keys only)",
             "renormalized_over_patches": opts.renormalize,
+            "uniform_attention_reference": round(uniform, 4),
             "per_layer_head": res.mean_distance.round(4).tolist(),
             "per_layer_mean": res.mean_distance.mean(axis=1).round(4).tolist(),
         },

@@ -54,24 +54,19 @@ def plot_patch_pca(components: np.ndarray, ratios: np.ndarray, path: str | os.Pa
 
     Each tile is rescaled to [0, 1] on its own; RGB for 3 channels, grey otherwise (first channel).
     """
-    n, C, P = components.shape[0], components.shape[1], components.shape[2]
+    n, C = components.shape[0], components.shape[1]
     cols = min(n, 7)
     rows = math.ceil(n / cols)
-    gap = max(1, P // 4)
-    mosaic = np.ones((rows * (P + gap) - gap, cols * (P + gap) - gap, 3))
-    for i in range(n):
-        tile = components[i].transpose(1, 2, 0) if C == 3 else np.repeat(components[i][0][..., None], 3, axis=-1)
-        r, c = divmod(i, cols)
-        mosaic[r * (P + gap) : r * (P + gap) + P, c * (P + gap) : c * (P + gap) + P] = _unit(tile)
-    fig = Figure(figsize=(1.0 * cols + 0.2, 1.05 * rows + 0.5))
-    ax = fig.add_subplot(1, 1, 1)
-    ax.imshow(mosaic, interpolation="nearest")
-    ax.set_axis_off()
-    for i in range(n):
-        r, c = divmod(i, cols)
-        ax.text(c * (P + gap), r * (P + gap) - 0.2, f"PC{i + 1} {ratios[i]:.1%}", fontsize=6, va="bottom")
-    ax.set_title("Patch-embedding filters: principal components", fontsize=9, pad=10)
-    fig.tight_layout(pad=0.3)
+    fig = Figure(figsize=(1.0 * cols, 1.1 * rows + 0.35))
+    axes = fig.subplots(rows, cols, squeeze=False)
+    for i, ax in enumerate(axes.flat):
+        ax.set_axis_off()
+        if i < n:
+            tile = components[i].transpose(1, 2, 0) if C == 3 else components[i][0]
+            _show_image(ax, _unit(tile))
+            ax.set_title(f"PC{i + 1} {ratios[i]:.1%}", fontsize=6, pad=2)
+    fig.suptitle("Patch-embedding filters: principal components", fontsize=9)
+    fig.subplots_adjust(left=0.02, right=0.98, bottom=0.02, top=1 - 0.45 / (1.1 * rows + 0.35), wspace=0.1, hspace=0.3)
     return _save(fig, path)
 
 
@@ -107,22 +102,31 @@ def plot_position_similarity(sim: np.ndarray, path: str | os.PathLike[str], titl
     return _save(fig, path)
 
 
-def plot_attention_distance(distance: np.ndarray, path: str | os.PathLike[str], title: str = "") -> Path:
-    """Mean attention distance (pixels) of every head against depth, (L, h) (paper fig. 7 right / fig. 11)."""
+def plot_attention_distance(
+    distance: np.ndarray, path: str | os.PathLike[str], title: str = "", uniform: float | None = None
+) -> Path:
+    """Mean attention distance (pixels) of every head against depth, (L, h) (paper fig. 7 right / fig. 11).
+
+    ``uniform``: the value uniform attention over all patches would give, drawn as a dashed reference line.
+    """
     L, h = distance.shape
     fig = Figure(figsize=(4.5, 3.5))
     ax = fig.add_subplot(1, 1, 1)
     cmap = _colormap("tab20" if h > 10 else "tab10")
     for j in range(h):
         ax.scatter(np.arange(1, L + 1), distance[:, j], s=14, color=cmap(j % cmap.N), label=f"head {j + 1}")
+    top = float(np.nanmax(distance))
+    if uniform is not None:
+        ax.axhline(uniform, color="grey", linestyle="--", linewidth=0.8, label="uniform attention")
+        top = max(top, uniform)
     ax.set_xlabel("network depth (layer)")
     ax.set_ylabel("mean attention distance (pixels)")
     ax.set_xlim(0.5, L + 0.5)
-    ax.set_ylim(0, max(1e-9, float(np.nanmax(distance))) * 1.1)
+    ax.set_ylim(0, max(1e-9, top) * 1.1)
     ax.set_xticks(range(1, L + 1))
     ax.set_title(title or "Mean attention distance", fontsize=9)
     if h <= 16:
-        ax.legend(fontsize=5, ncol=2, loc="lower right", frameon=False)
+        ax.legend(fontsize=5, ncol=3, loc="lower right", frameon=False)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -171,7 +175,7 @@ def plot_attention_maps(
     """Raw attention of one layer, one column per head, one row per image: maps (n, heads, H, W) in [0, 1]."""
     n, nh = maps.shape[:2]
     cols = nh + 1
-    fig = Figure(figsize=(1.3 * cols, 1.35 * n + 0.4))
+    fig = Figure(figsize=(1.3 * cols, 1.5 * n + 0.4))
     fig.suptitle(f"Layer {layer + 1} attention of the {query}, per head", fontsize=9)
     for i in range(n):
         ax = fig.add_subplot(n, cols, i * cols + 1)
@@ -181,7 +185,7 @@ def plot_attention_maps(
             ax = fig.add_subplot(n, cols, i * cols + j + 2)
             _show_image(ax, _overlay(images[i], maps[i, j]))
             ax.set_title(f"head {heads[j] + 1}", fontsize=6)
-    fig.tight_layout(pad=0.3, rect=(0, 0, 1, 1 - 0.35 / (1.35 * n + 0.4)))
+    fig.tight_layout(pad=0.3, rect=(0, 0, 1, 1 - 0.35 / (1.5 * n + 0.4)))
     return _save(fig, path)
 
 
