@@ -25,6 +25,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _IntermixedParser(_Parser):
+    """A subcommand parser whose file list may come before or after options (``cmd CKPT --opt x a.jpg b.jpg``).
+
+    argparse's intermixed parsing calls ``parse_known_args`` again internally; the flag routes those inner
+    calls to the plain parser.
+    """
+
+    _inner = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._inner:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
 def _image_size(text: str) -> tuple[int, int]:
     """ "224" -> (224, 224); "224x320" -> (224, 320)."""
     try:
@@ -269,6 +288,293 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- shared by eval, fewshot, analyze -------------------------------------------------------------------
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint: a vitkit folder or run folder, a Google .npz, ... (any format)")
+    p.add_argument("--format", help="checkpoint format, if detection should be overridden")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default: auto)")
+    p.add_argument("--batch-size", type=_positive_int, default=64, help="images per forward pass (default 64)")
+    w = p.add_mutually_exclusive_group()
+    w.add_argument(
+        "--ema", dest="weights", action="store_const", const="ema", default="default",
+        help="a training run: use the EMA (Polyak-averaged) weights of its latest checkpoint "
+        "(default: the run's model/, which holds the EMA weights when the run used EMA)",
+    )  # fmt: skip
+    w.add_argument(
+        "--no-ema", dest="weights", action="store_const", const="raw",
+        help="a training run: use the raw, non-averaged weights of its latest checkpoint",
+    )  # fmt: skip
+
+
+def _add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--data",
+        required=required,
+        help="dataset: 'digits', an ImageFolder root, a CIFAR python folder, an .npz, or WebDataset shards",
+    )
+    p.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default 0)")
+    p.add_argument("--skip-bad", action="store_true", help="skip unreadable images instead of failing")
+
+
+def _load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:
+    from vitkit.evaluate.weights import load_for_eval
+
+    loaded, note = load_for_eval(args.checkpoint, format=args.format, weights=args.weights, image_size=image_size)
+    if note:
+        print(f"note: {args.checkpoint}: {note}", file=sys.stderr)
+    return loaded
+
+
+def _open(source: str, split: str, skip_bad: bool, classes: list[str] | None = None) -> Any:
+    """Open a dataset split; with ``classes`` (a checkpoint's), labels index those classes whenever the
+    dataset's class names are a subset of them (a split missing a class, or another order)."""
+    from vitkit.data.datasets import open_dataset
+
+    ds = open_dataset(source, split, skip_bad=skip_bad)
+    if classes and list(ds.classes) != list(classes) and set(ds.classes) <= set(classes):
+        ds = open_dataset(source, split, skip_bad=skip_bad, classes=classes)
+    return ds
+
+
+def _shots(text: str) -> list[int]:
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid shots {text!r} (use e.g. 1,5,10,25)") from None
+    if not values or values[0] <= 0:
+        raise argparse.ArgumentTypeError(f"invalid shots {text!r}: positive integers, e.g. 1,5,10,25")
+    return values
+
+
+def _l2(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid l2 {text!r} (a positive number, or auto)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"l2 must be positive, got {text}")
+    return value
+
+
+# ---- eval ---------------------------------------------------------------------------------------------
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from vitkit.evaluate.metrics import LABEL_FILE_HELP
+
+    p = sub.add_parser(
+        "eval",
+        help="accuracy of a checkpoint on a dataset: top-1/top-5, per class, confusion matrix, ReaL",
+        description="Evaluate a checkpoint (any supported format) on a dataset split. Preprocessing comes from "
+        "the checkpoint. Writes metrics.json, per_class.csv, confusion.csv and confusion.png into --out.",
+        epilog=LABEL_FILE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_checkpoint_args(p)
+    _add_data_args(p, required=True)
+    p.add_argument("--split", default="test", help="dataset split (default: test)")
+    p.add_argument("--real-labels", metavar="FILE", help="label-set file for ReaL-style accuracy (format below)")
+    p.add_argument("--out", help="output folder (default: eval/<checkpoint name>-<split>)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitkit.evaluate.evaluate import evaluate_dataset, write_eval_report
+    from vitkit.evaluate.features import resolve_device
+
+    device = resolve_device(args.device)
+    loaded = _load_for_eval(args)
+    dataset = _open(args.data, args.split, args.skip_bad, loaded.meta.class_names)
+    report = evaluate_dataset(
+        loaded.model,
+        dataset,
+        loaded.meta.preprocess,
+        class_names=loaded.meta.class_names,
+        label_file=args.real_labels,
+        batch_size=args.batch_size,
+        device=device,
+        workers=args.workers,
+    )
+    out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
+    paths = write_eval_report(report, out)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    m = report.metrics
+    print(f"{args.checkpoint} on {args.data} [{args.split}]: {m.num_examples} examples")
+    print(f"  top-1 {m.top1:.2%}   top-{m.k} {m.top5:.2%}")
+    if m.real is not None:
+        print(f"  ReaL top-1 {m.real:.2%} over {m.real_count} examples with a label set")
+    worst = sorted((a, n) for n, a in zip(report.class_names, m.per_class, strict=True) if a == a)[:3]
+    print("  lowest per-class accuracy: " + ", ".join(f"{n} {a:.1%}" for a, n in worst))
+    print(f"  wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+# ---- fewshot ------------------------------------------------------------------------------------------
+
+
+def _add_fewshot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fewshot",
+        help="the paper's few-shot linear evaluation of a frozen checkpoint",
+        description="Few-shot linear evaluation (paper sec. 4.1; big_vision fewshot_lsr): frozen pre-logits "
+        "features, k examples per class from the training split, features standardised on them, bias column, "
+        "closed-form L2-regularised least squares onto {-1,1}^K targets, accuracy on the whole test split; "
+        "mean and standard deviation over seeds.",
+    )
+    _add_checkpoint_args(p)
+    _add_data_args(p, required=True)
+    p.add_argument("--train-split", default="train", help="split the shots are drawn from (default: train)")
+    p.add_argument("--test-split", default="test", help="split accuracy is measured on (default: test)")
+    p.add_argument("--shots", type=_shots, default=[1, 5, 10, 25], help="comma-separated (default 1,5,10,25)")
+    p.add_argument("--seeds", type=_positive_int, default=3, help="number of random draws (default 3)")
+    p.add_argument(
+        "--l2",
+        type=_l2,
+        default=2.0**10,
+        help="L2 regularisation: a number (default 1024 = 2^10, as big_vision) or 'auto' to choose it per "
+        "draw on held-out training examples from a grid 2^-6 .. 2^16",
+    )
+    p.add_argument("--heldout", type=_positive_int, default=10, help="held-out examples per class for --l2 auto")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--out", help="also write the JSON results to this file")
+    p.set_defaults(func=cmd_fewshot)
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitkit.evaluate.evaluate import fewshot_dataset
+    from vitkit.evaluate.features import resolve_device
+
+    device = resolve_device(args.device)
+    loaded = _load_for_eval(args)
+    train = _open(args.data, args.train_split, args.skip_bad)
+    test = _open(args.data, args.test_split, args.skip_bad)
+    result = fewshot_dataset(
+        loaded.model,
+        train,
+        test,
+        loaded.meta.preprocess,
+        shots=args.shots,
+        seeds=range(args.seeds),
+        l2=args.l2,
+        heldout_per_class=args.heldout,
+        batch_size=args.batch_size,
+        device=device,
+        workers=args.workers,
+    )
+    doc = {"checkpoint": args.checkpoint, "data": args.data, **result.to_dict()}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"{args.checkpoint}: few-shot linear probe on {args.data} ({args.train_split} -> {args.test_split})")
+        print(result.table())
+    return 0
+
+
+# ---- analyze ------------------------------------------------------------------------------------------
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="the paper's figures: patch-embedding PCA, position-embedding similarity, attention distance, rollout",
+        description="Look inside a ViT (paper fig. 6, 7, 11): principal components of the patch-embedding "
+        "filters, cosine similarity of position embeddings, mean attention distance per head vs depth "
+        "(averaged over the images; class token excluded, attention renormalised over patches), attention "
+        "rollout from the class token (GAP models: mean over tokens) overlaid on each image, and one layer's "
+        "raw attention maps. Writes PNGs and summary.json into --out.",
+    )
+    p.__class__ = _IntermixedParser  # images may follow options
+    _add_checkpoint_args(p)
+    p.set_defaults(batch_size=16)
+    p.add_argument("images", nargs="*", help="image files for the attention analyses")
+    _add_data_args(p, required=False)
+    p.add_argument("--split", default="test", help="dataset split for --data (default: test)")
+    p.add_argument("--num-images", type=_positive_int, default=128, help="images taken from --data (default 128)")
+    p.add_argument("--out", default="analysis", help="output folder (default: analysis)")
+    p.add_argument(
+        "--layer", type=int, default=-1, help="layer of the raw attention maps, 1..L; negative counts from the end "
+        "(default -1: the last)",
+    )  # fmt: skip
+    p.add_argument("--head", type=int, help="head of the raw attention maps, 1..heads (default: all heads)")
+    p.add_argument("--max-overlays", type=_positive_int, default=8, help="images shown in figures (default 8)")
+    p.add_argument("--image-size", type=_image_size, help="analyse at another resolution, e.g. 384 or 224x320")
+    p.set_defaults(func=cmd_analyze)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from vitkit.analysis.analyze import AnalyzeOptions, analyze
+    from vitkit.data.preprocess import load_image
+    from vitkit.evaluate.features import resolve_device
+
+    device = resolve_device(args.device)
+    loaded = _load_for_eval(args, image_size=args.image_size)
+    images = [load_image(path) for path in args.images]  # fail on a bad file before any compute
+    names = [os.path.basename(path) for path in args.images]
+    if args.data:
+        more, more_names = _sample_images(args.data, args.split, args.num_images, args.skip_bad)
+        images += more
+        names += more_names
+    L, h = loaded.model.cfg.depth, loaded.model.cfg.num_heads
+    if args.layer == 0 or not -L <= args.layer <= L:
+        raise VitkitError(f"--layer {args.layer}: the model has {L} layers (1..{L}, or -1 for the last)")
+    if args.head is not None and not 1 <= args.head <= h:
+        raise VitkitError(f"--head {args.head}: the model has {h} heads (1..{h})")
+    opts = AnalyzeOptions(
+        layer=args.layer - 1 if args.layer > 0 else args.layer,
+        head=None if args.head is None else args.head - 1,
+        batch_size=args.batch_size,
+        max_overlays=args.max_overlays,
+    )
+    summary = analyze(
+        loaded.model, loaded.meta.preprocess, images, names, args.out, opts=opts, device=device,
+        source=args.checkpoint,
+    )  # fmt: skip
+    print(f"{args.checkpoint}: analysed {len(images)} image(s); wrote to {args.out}/")
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            print(f"  {key:<30} {value.get('figure') or value.get('skipped')}")
+    if "attention_distance" in summary:
+        per_layer = summary["attention_distance"]["per_layer_mean"]
+        print("  mean attention distance per layer (pixels): " + " ".join(f"{v:.1f}" for v in per_layer))
+    return 0
+
+
+def _sample_images(source: str, split: str, n: int, skip_bad: bool) -> tuple[list[Any], list[str]]:
+    """n examples spread evenly over a dataset split (the first n of a stream)."""
+    import numpy as np
+
+    ds = _open(source, split, skip_bad)
+    classes = list(ds.classes)
+    if hasattr(ds, "__getitem__") and hasattr(ds, "__len__"):
+        idx = np.unique(np.linspace(0, len(ds) - 1, num=min(n, len(ds))).round().astype(int)).tolist()
+        pairs = [(i, *ds[i]) for i in idx]
+    else:
+        pairs = []
+        for i, (img, label) in enumerate(ds):
+            if i >= n:
+                break
+            pairs.append((i, img, label))
+    images = [img for _, img, _ in pairs]
+    names = [f"{split}[{i}] {classes[label] if label < len(classes) else label}" for i, _, label in pairs]
+    return images, names
+
+
 # ---- train / finetune ---------------------------------------------------------------------------------
 
 
@@ -389,6 +695,9 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_predict,
     _add_train,
     _add_finetune,
+    _add_eval,
+    _add_fewshot,
+    _add_analyze,
     _add_convert,
     _add_export,
 ]

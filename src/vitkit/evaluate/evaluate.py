@@ -1,0 +1,195 @@
+"""Evaluation runners behind ``vitkit eval`` and ``vitkit fewshot``, callable from Python.
+
+Both take a model, its :class:`~vitkit.data.preprocess.Preprocess` (from the checkpoint) and datasets that
+follow vitkit's data interface (``classes``, ``__len__``, ``__getitem__ -> (PIL image, label)``, or
+iterable-only for streams).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitkit.data.preprocess import Preprocess
+from vitkit.errors import ConfigError, DataError
+from vitkit.evaluate.features import extract, is_map_style
+from vitkit.evaluate.fewshot import (
+    DEFAULT_L2,
+    DEFAULT_SHOTS,
+    L2_GRID,
+    FewShotResult,
+    run_episodes,
+    sample_episodes,
+)
+from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
+from vitkit.models.vit import VisionTransformer
+
+
+def align_labels(
+    dataset_classes: Sequence[str], model_classes: Sequence[str] | None, num_classes: int
+) -> tuple[np.ndarray | None, list[str]]:
+    """Map dataset label indices to the model's class indices.
+
+    When both sides name the same classes in a different order, labels are remapped by name; otherwise
+    they are used as they are (with a note when the names differ). Returns (mapping or None, notes).
+    """
+    if len(dataset_classes) != num_classes:
+        raise DataError(f"the dataset has {len(dataset_classes)} classes but the model's head has {num_classes}")
+    if not model_classes or list(model_classes) == list(dataset_classes):
+        return None, []
+    if sorted(model_classes) == sorted(dataset_classes):
+        index = {name: i for i, name in enumerate(model_classes)}
+        return np.array([index[name] for name in dataset_classes], dtype=np.int64), [
+            "dataset classes are in a different order from the checkpoint's; labels remapped by class name"
+        ]
+    return None, ["the dataset's class names differ from the checkpoint's; labels are compared by index"]
+
+
+@dataclass
+class EvalReport:
+    metrics: Metrics
+    class_names: list[str]
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.metrics.to_dict(self.class_names), "notes": self.notes}
+
+
+def dataset_file_names(dataset: Any) -> list[str] | None:
+    """Per-example file names when the dataset records them (ImageFolder-like), else None."""
+    for attr in ("files", "paths"):
+        names = getattr(dataset, attr, None)
+        if names is not None and len(names) == len(dataset):
+            return [str(n) for n in names]
+    samples = getattr(dataset, "samples", None)
+    if samples is not None and len(samples) == len(dataset) and all(isinstance(s, tuple | list) for s in samples[:1]):
+        return [str(s[0]) for s in samples]
+    return None
+
+
+def evaluate_dataset(
+    model: VisionTransformer,
+    dataset: Any,
+    preprocess: Preprocess,
+    *,
+    class_names: Sequence[str] | None = None,
+    label_file: str | os.PathLike[str] | None = None,
+    batch_size: int = 64,
+    device: torch.device | str | None = "cpu",
+    workers: int = 0,
+    progress: bool = True,
+) -> EvalReport:
+    """Top-1/top-5, per-class accuracy and confusion matrix (plus ReaL accuracy given a label-set file)."""
+    K = model.cfg.num_classes
+    if K <= 0:
+        raise ConfigError("the model has no classification head (num_classes=0); use 'vitkit fewshot' instead")
+    mapping, notes = align_labels(list(dataset.classes), class_names, K)
+    names = list(class_names) if class_names else list(dataset.classes)
+    sets = None
+    if label_file is not None:  # read before any compute when the dataset size is known
+        if is_map_style(dataset):
+            sets = read_label_sets(label_file, len(dataset), names, dataset_file_names(dataset))
+        elif not Path(label_file).is_file():
+            raise DataError(f"{label_file}: no such label file")
+    out = extract(model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers,
+                  desc="eval", progress=progress)  # fmt: skip
+    assert out.logits is not None
+    labels = out.labels if mapping is None else mapping[out.labels]
+    if labels.min() < 0 or labels.max() >= K:
+        raise DataError(f"labels outside 0..{K - 1} in the dataset")
+    label_sets = None
+    if label_file is not None:
+        if sets is None:
+            sets = read_label_sets(label_file, len(out.labels), names)
+        label_sets = [sets[i] for i in out.indices]
+    return EvalReport(compute_metrics(out.logits, labels, K, label_sets), names, notes)
+
+
+def write_eval_report(report: EvalReport, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
+    """metrics.json, per_class.csv, confusion.csv and confusion.png in ``out_dir``."""
+    from vitkit.analysis.plots import plot_confusion
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    m, names = report.metrics, report.class_names
+    paths = {
+        "metrics": out / "metrics.json",
+        "per_class": out / "per_class.csv",
+        "confusion_csv": out / "confusion.csv",
+        "confusion_png": out / "confusion.png",
+    }
+    paths["metrics"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    with paths["per_class"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["class", "accuracy", "support"])
+        for name, acc, sup in zip(names, m.per_class, m.support, strict=True):
+            w.writerow([name, "" if np.isnan(acc) else f"{acc:.6f}", int(sup)])
+    with paths["confusion_csv"].open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["true \\ predicted", *names])
+        for name, row in zip(names, m.confusion, strict=True):
+            w.writerow([name, *(int(v) for v in row)])
+    plot_confusion(m.confusion, names, paths["confusion_png"])
+    return paths
+
+
+def dataset_labels(dataset: Any) -> np.ndarray | None:
+    """All labels without decoding images, when the dataset exposes them (``labels`` / ``targets``)."""
+    if not is_map_style(dataset):
+        return None
+    for attr in ("labels", "targets"):
+        labels = getattr(dataset, attr, None)
+        if labels is not None and len(labels) == len(dataset):
+            return np.asarray(labels, dtype=np.int64)
+    return None
+
+
+def fewshot_dataset(
+    model: VisionTransformer,
+    train: Any,
+    test: Any,
+    preprocess: Preprocess,
+    *,
+    shots: Sequence[int] = DEFAULT_SHOTS,
+    seeds: Sequence[int] = (0, 1, 2),
+    l2: float | str = DEFAULT_L2,
+    heldout_per_class: int = 10,
+    l2_grid: Sequence[float] = L2_GRID,
+    batch_size: int = 64,
+    device: torch.device | str | None = "cpu",
+    workers: int = 0,
+    progress: bool = True,
+) -> FewShotResult:
+    """Few-shot linear evaluation of a frozen model: features of the training split's sampled shots and of
+    the whole test split, then the closed-form probe of :mod:`vitkit.evaluate.fewshot`.
+
+    When the training dataset exposes its labels, only the sampled examples are run through the model.
+    """
+    K = len(train.classes)
+    if len(test.classes) != K:
+        raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
+    held = heldout_per_class if l2 == "auto" else 0
+    kw: dict[str, Any] = {"batch_size": batch_size, "device": device, "workers": workers, "progress": progress}
+    labels = dataset_labels(train)
+    if labels is not None:  # sample first, then extract only what the episodes use
+        episodes = sample_episodes(labels, K, shots, seeds, held)
+        needed = np.unique(np.concatenate([np.concatenate([e.train, e.heldout]) for e in episodes]))
+        tr = extract(model, train, preprocess, logits=False, features=True, indices=needed.tolist(), **kw,
+                     desc="features (train shots)")  # fmt: skip
+        pos = np.full(len(labels), -1, dtype=np.int64)
+        pos[tr.indices] = np.arange(len(tr.indices))
+        episodes = [type(e)(e.seed, e.shots, pos[e.train], pos[e.heldout]) for e in episodes]
+    else:
+        tr = extract(model, train, preprocess, logits=False, features=True, desc="features (train)", **kw)
+        episodes = sample_episodes(tr.labels, K, shots, seeds, held)
+    te = extract(model, test, preprocess, logits=False, features=True, desc="features (test)", **kw)
+    assert tr.features is not None and te.features is not None
+    return run_episodes(episodes, tr.features, tr.labels, te.features, te.labels, K, l2, l2_grid)
