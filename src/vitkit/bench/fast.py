@@ -1,0 +1,201 @@
+"""An inference-only fast path for a trained ViT: ``optimize_for_inference(model)``.
+
+The transform keeps the model's function and changes how it is computed:
+
+- weights cast once to the serving dtype (bf16 by default) and, on CPU, pre-packed into oneDNN's blocked
+  layout for the batch size seen, so no GEMM reorders its weights per call;
+- bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
+  second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
+- attention through PyTorch's fused (flash) ``scaled_dot_product_attention`` in the serving dtype;
+- optionally ``torch.compile`` of the whole forward, and int8 (dynamic per-token activation, per-channel
+  weight) linear layers through oneDNN/FBGEMM's VNNI kernels.
+
+The patch embedding, class token, position embedding (with on-the-fly resampling for other resolutions),
+final norm and head are the original model's own modules, cast to the dtype. The result is an
+``nn.Module`` for inference only (no gradients, no state dict).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitkit.models.vit import Block, VisionTransformer
+
+
+def _has_onednn_linear() -> bool:
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """A Linear in ``dtype`` with an optional fused epilogue: ``"none"``, ``"gelu"``/``"gelu_tanh"``, or
+    ``"add"`` (``forward(x, other)`` returns ``linear(x) + other``).
+
+    On CPU with oneDNN the weight is reordered once into oneDNN's blocked layout and the epilogue runs as a
+    GEMM post-op; elsewhere (CUDA, no oneDNN) it is a plain ``F.linear`` followed by the epilogue.
+    """
+
+    def __init__(
+        self, linear: nn.Linear, dtype: torch.dtype, epilogue: str = "none", rows: int | None = None, pack: bool = True
+    ) -> None:
+        super().__init__()
+        if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        self.epilogue = epilogue
+        weight = linear.weight.detach().to(dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        self.packed = pack and weight.device.type == "cpu" and _has_onednn_linear()
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        self.weight: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed:
+            if self.epilogue == "add":
+                return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
+            if self.epilogue == "none":
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            algo = "tanh" if self.epilogue == "gelu_tanh" else "none"
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], algo)
+        y = F.linear(x, self.weight, self.bias)
+        if self.epilogue == "add":
+            assert other is not None
+            return y + other
+        if self.epilogue == "none":
+            return y
+        return F.gelu(y, approximate="tanh" if self.epilogue == "gelu_tanh" else "none")
+
+
+class FastBlock(nn.Module):
+    """One pre-LN block (paper eqs. 2-3) on tokens flattened to (B*T, D), fused as described above."""
+
+    def __init__(self, block: Block, dtype: torch.dtype, rows: int | None, int8: bool = False, pack: bool = True):
+        super().__init__()
+        self.num_heads = block.attn.num_heads
+        self.head_dim = block.attn.head_dim
+        self.norm1 = copy.deepcopy(block.norm1).to(dtype)
+        self.norm2 = copy.deepcopy(block.norm2).to(dtype)
+        gelu = "gelu_tanh" if block.mlp.act.approximate == "tanh" else "gelu"
+        if int8:
+            self.qkv: nn.Module = _int8_linear(block.attn.qkv, dtype)
+            self.proj: nn.Module = _int8_linear(block.attn.proj, dtype, "add")
+            self.fc1: nn.Module = _int8_linear(block.mlp.fc1, dtype, gelu)
+            self.fc2: nn.Module = _int8_linear(block.mlp.fc2, dtype, "add")
+        else:
+            self.qkv = PackedLinear(block.attn.qkv, dtype, "none", rows, pack)
+            self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
+            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, rows, pack)
+            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", rows, pack)
+
+    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        # x: (B*T, D)
+        BT, D = x.shape
+        T, h, d = BT // batch, self.num_heads, self.head_dim
+        qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d)  # (B, T, 3, h, d)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d), strided views
+        o = F.scaled_dot_product_attention(q, k, v)  # (B, h, T, d)
+        o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
+        x = self.proj(o, x)  # x + proj(o)
+        return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
+
+
+class _Int8Linear(nn.Module):
+    """Dynamically quantised Linear (int8 weights per output channel, activations quantised per call)
+    through ``torch.ao``'s quantized engine (FBGEMM/oneDNN, VNNI on AVX512-VNNI CPUs). Computes in fp32
+    around the int8 GEMM and returns ``dtype``; epilogues are applied after the GEMM."""
+
+    def __init__(self, linear: nn.Linear, dtype: torch.dtype, epilogue: str = "none") -> None:
+        super().__init__()
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+        self.epilogue = epilogue
+        self.dtype = dtype
+        lin = copy.deepcopy(linear).float()
+        lin.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig  # type: ignore[assignment]
+        self.inner = DynamicLinear.from_float(lin)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.inner(x.float())
+        if self.epilogue == "add":
+            assert other is not None
+            y = y + other.float()
+        elif self.epilogue != "none":
+            y = F.gelu(y, approximate="tanh" if self.epilogue == "gelu_tanh" else "none")
+        return y.to(self.dtype)
+
+
+def _int8_linear(linear: nn.Linear, dtype: torch.dtype, epilogue: str = "none") -> nn.Module:
+    return _Int8Linear(linear, dtype, epilogue)
+
+
+class InferenceViT(nn.Module):
+    """What ``optimize_for_inference`` returns: ``forward(images) -> logits`` in the serving dtype."""
+
+    def __init__(
+        self, model: VisionTransformer, dtype: torch.dtype, rows: int | None, int8: bool = False, pack: bool = True
+    ) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.dtype = dtype
+        base = copy.deepcopy(model).eval()
+        blocks = list(base.blocks)
+        base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
+        self.base = base.to(dtype)
+        self.blocks = nn.ModuleList(
+            FastBlock(b, dtype, rows, int8, pack) if isinstance(b, Block) else copy.deepcopy(b).to(dtype)
+            for b in blocks
+        )
+
+    @torch.inference_mode()
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
+        z = self.base.embed(x.to(self.dtype))  # (B, T, D)
+        B, T, D = z.shape
+        z = z.reshape(B * T, D)
+        for blk in self.blocks:
+            z = blk(z, B) if isinstance(blk, FastBlock) else blk(z.view(B, T, D))[0].reshape(B * T, D)
+        return self.base.norm(z.view(B, T, D))
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.forward_head(self.forward_features(x))
+
+
+def optimize_for_inference(
+    model: VisionTransformer,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    compile: bool = False,
+    int8: bool = False,
+    batch_size: int | None = None,
+) -> nn.Module:
+    """A copy of ``model`` for fast inference that computes the same function (up to ``dtype`` rounding).
+
+    ``dtype``: torch.bfloat16 (default) or torch.float32. ``batch_size``: the batch you will serve, used to
+    choose oneDNN's weight layout (any batch works). ``int8``: dynamically quantised linear layers (CPU
+    only). ``compile``: instead of pre-packing the weights by hand, hand the fused forward to
+    ``torch.compile`` (inductor with weight freezing, which packs and fuses itself; the first call
+    compiles). On CPU the eager pre-packed path is the faster one (see BENCHMARKS.md); ``compile`` is the
+    choice on CUDA. The original model is left untouched. The result has ``forward`` (logits) and
+    ``forward_features``; it runs in inference mode and has no gradients.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    device = next(model.parameters()).device
+    if int8 and (device.type != "cpu" or compile):
+        raise ValueError("int8 inference is supported on CPU only, without compile")
+    gh, gw = model.native_grid
+    rows = None if batch_size is None else batch_size * (gh * gw + model.cfg.num_prefix_tokens)
+    fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
+    if compile:
+        options: dict[str, Any] = {"freezing": True} if device.type == "cpu" else {}
+        return torch.compile(fast, dynamic=False, options=options or None)  # type: ignore[return-value]
+    return fast
