@@ -7,8 +7,8 @@ The transform keeps the model's function and changes how it is computed:
 - bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
   second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
 - attention through PyTorch's fused (flash) ``scaled_dot_product_attention`` in the serving dtype;
-- optionally ``torch.compile`` of the whole forward, and int8 (dynamic per-token activation, per-channel
-  weight) linear layers through oneDNN/FBGEMM's VNNI kernels.
+- optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
+  per call: dynamic quantisation), or ``torch.compile`` of the whole forward instead of hand packing.
 
 The patch embedding, class token, position embedding (with on-the-fly resampling for other resolutions),
 final norm and head are the original model's own modules, cast to the dtype. The result is an
@@ -18,6 +18,7 @@ final norm and head are the original model's own modules, cast to the dtype. The
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -77,18 +78,20 @@ class PackedLinear(nn.Module):
 class FastBlock(nn.Module):
     """One pre-LN block (paper eqs. 2-3) on tokens flattened to (B*T, D), fused as described above."""
 
-    def __init__(self, block: Block, dtype: torch.dtype, rows: int | None, int8: bool = False, pack: bool = True):
+    def __init__(
+        self, block: Block, dtype: torch.dtype, rows: int | None, quantize: Quantizer | None = None, pack: bool = True
+    ) -> None:
         super().__init__()
         self.num_heads = block.attn.num_heads
         self.head_dim = block.attn.head_dim
         self.norm1 = copy.deepcopy(block.norm1).to(dtype)
         self.norm2 = copy.deepcopy(block.norm2).to(dtype)
         gelu = "gelu_tanh" if block.mlp.act.approximate == "tanh" else "gelu"
-        if int8:
-            self.qkv: nn.Module = _int8_linear(block.attn.qkv, dtype)
-            self.proj: nn.Module = _int8_linear(block.attn.proj, dtype, "add")
-            self.fc1: nn.Module = _int8_linear(block.mlp.fc1, dtype, gelu)
-            self.fc2: nn.Module = _int8_linear(block.mlp.fc2, dtype, "add")
+        if quantize is not None:
+            self.qkv: nn.Module = Int8Linear(block.attn.qkv, dtype, "none", rows, quantize)
+            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
+            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, rows, quantize)
+            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", rows, quantize)
         else:
             self.qkv = PackedLinear(block.attn.qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
@@ -107,33 +110,88 @@ class FastBlock(nn.Module):
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
 
 
-class _Int8Linear(nn.Module):
-    """Dynamically quantised Linear (int8 weights per output channel, activations quantised per call)
-    through ``torch.ao``'s quantized engine (FBGEMM/oneDNN, VNNI on AVX512-VNNI CPUs). Computes in fp32
-    around the int8 GEMM and returns ``dtype``; epilogues are applied after the GEMM."""
+def quantize_dynamic_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor asymmetric uint8 quantisation of activations x (M, K) from their own min and max.
 
-    def __init__(self, linear: nn.Linear, dtype: torch.dtype, epilogue: str = "none") -> None:
+    Returns (q (M, K) uint8, scale (), zero point () int64) with x ~= (q - zero_point) * scale; the range
+    always contains 0 so that zero is exact.
+    """
+    lo, hi = torch.aminmax(x)
+    lo, hi = lo.float().clamp(max=0.0), hi.float().clamp(min=0.0)
+    scale = ((hi - lo) / 255.0).clamp(min=1e-8)
+    zero_point = torch.round(-lo / scale)
+    q = torch.clamp(torch.round(x.float() / scale) + zero_point, 0, 255).to(torch.uint8)
+    return q, scale, zero_point.to(torch.int64)
+
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class CompiledQuantizer:
+    """``quantize_dynamic_u8`` compiled by inductor into one fused pass (eager it is ~6 passes and, for the
+    MLP's wide activation, slower than the int8 GEMM it feeds). Falls back to eager where inductor cannot
+    compile (no C++ compiler)."""
+
+    def __init__(self) -> None:
+        self.fn: Quantizer = torch.compile(quantize_dynamic_u8)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        try:
+            return self.fn(x)
+        except RuntimeError:  # dynamo/inductor failures (e.g. no compiler) subclass RuntimeError
+            if self.fn is quantize_dynamic_u8:
+                raise
+            self.fn = quantize_dynamic_u8
+            return self.fn(x)
+
+
+def has_onednn_int8() -> bool:
+    """Whether this PyTorch has oneDNN's int8 linear kernels (x86 CPUs)."""
+    return _has_onednn_linear() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class Int8Linear(nn.Module):
+    """An int8 Linear on oneDNN's VNNI kernels: weights quantised once (symmetric, per output channel) and
+    pre-packed; activations quantised per call (uint8, per tensor, from their min/max: dynamic
+    quantisation); int32 accumulation, bias and the epilogue (GELU, residual add) fused, output in
+    ``dtype``. ``quantize`` is the activation quantiser (``quantize_dynamic_u8`` or a compiled copy)."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        dtype: torch.dtype,
+        epilogue: str = "none",
+        rows: int | None = None,
+        quantize: Quantizer = quantize_dynamic_u8,
+    ) -> None:
         super().__init__()
-        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
-
-        self.epilogue = epilogue
-        self.dtype = dtype
-        lin = copy.deepcopy(linear).float()
-        lin.qconfig = torch.ao.quantization.per_channel_dynamic_qconfig  # type: ignore[assignment]
-        self.inner = DynamicLinear.from_float(lin)
+        if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        self.epilogue, self.dtype, self.quantize = epilogue, dtype, quantize
+        w = linear.weight.detach().float()  # (N, K)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (N,)
+        qw = torch.clamp(torch.round(w / scale[:, None]), -128, 127).to(torch.int8)
+        self.w_scale: torch.Tensor
+        self.w_zero: torch.Tensor
+        self.qweight: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qw, [rows or 1, w.shape[1]]), persistent=False)
+        self.register_buffer("w_scale", scale, persistent=False)
+        self.register_buffer("w_zero", torch.zeros_like(scale, dtype=torch.int64), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        y = self.inner(x.float())
+        q, scale, zero = self.quantize(x)
+        args = (q, scale, zero, self.qweight, self.w_scale, self.w_zero)
         if self.epilogue == "add":
-            assert other is not None
-            y = y + other.float()
-        elif self.epilogue != "none":
-            y = F.gelu(y, approximate="tanh" if self.epilogue == "gelu_tanh" else "none")
-        return y.to(self.dtype)
-
-
-def _int8_linear(linear: nn.Linear, dtype: torch.dtype, epilogue: str = "none") -> nn.Module:
-    return _Int8Linear(linear, dtype, epilogue)
+            return torch.ops.onednn.qlinear_pointwise.binary_tensor(
+                *args[:6], other, self.bias, 1.0, 0, self.dtype, 1.0, 0, "add", 1.0, "none", [], ""
+            )
+        post, algo = (
+            ("none", "") if self.epilogue == "none" else ("gelu", "tanh" if "tanh" in self.epilogue else "none")
+        )
+        return torch.ops.onednn.qlinear_pointwise.tensor(*args, self.bias, 1.0, 0, self.dtype, post, [], algo)
 
 
 class InferenceViT(nn.Module):
@@ -145,12 +203,13 @@ class InferenceViT(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.dtype = dtype
+        quantize = CompiledQuantizer() if int8 else None
         base = copy.deepcopy(model).eval()
         blocks = list(base.blocks)
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
         self.blocks = nn.ModuleList(
-            FastBlock(b, dtype, rows, int8, pack) if isinstance(b, Block) else copy.deepcopy(b).to(dtype)
+            FastBlock(b, dtype, rows, quantize, pack) if isinstance(b, Block) else copy.deepcopy(b).to(dtype)
             for b in blocks
         )
 
@@ -190,8 +249,8 @@ def optimize_for_inference(
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     device = next(model.parameters()).device
-    if int8 and (device.type != "cpu" or compile):
-        raise ValueError("int8 inference is supported on CPU only, without compile")
+    if int8 and (device.type != "cpu" or compile or not has_onednn_int8()):
+        raise ValueError("int8 inference needs a CPU with oneDNN, and is not combined with compile")
     gh, gw = model.native_grid
     rows = None if batch_size is None else batch_size * (gh * gw + model.cfg.num_prefix_tokens)
     fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()

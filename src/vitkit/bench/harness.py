@@ -239,8 +239,12 @@ def _as_precision(module: nn.Module, precision: str) -> nn.Module:
     module = copy.deepcopy(module)
     if precision == "bf16":
         return module.to(torch.bfloat16)
-    if precision == "int8":
-        return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
+    if precision == "int8":  # what a transformers user would do: torch.ao's dynamic quantisation (FBGEMM)
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.ao's quantized tensors are deprecated in favour of PT2E
+            return torch.ao.quantization.quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
     return module
 
 
