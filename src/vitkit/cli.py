@@ -207,6 +207,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls per runner (default 1)")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed calls per runner (default 5)")
     p.add_argument("--no-latency", action="store_true", help="skip the batch-1 latency measurement")
+    p.add_argument(
+        "--real-images",
+        action="store_true",
+        help="also report top-1 agreement with fp32 on real images (scikit-learn's photos, crops, flips, digits)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=_positive_int, help="CPU threads (default: torch's, one per core)")
     p.add_argument("--json", metavar="FILE", help="write all results as JSON")
@@ -240,6 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             warmup=args.warmup,
             repeats=args.repeats,
             latency=not args.no_latency,
+            real_images=args.real_images,
             device=args.device,
         )
         result = run_bench(spec, progress=lambda msg: bar.set_postfix_str(msg[:40]))

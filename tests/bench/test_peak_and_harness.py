@@ -49,7 +49,13 @@ def test_peak_memory_sees_a_large_allocation() -> None:
 
 def test_inference_bench_against_transformers() -> None:
     spec = BenchSpec(
-        model="Ti/16", image_size=32, batch_size=2, precisions=("fp32", "bf16"), compare=("transformers",), repeats=2
+        model="Ti/16",
+        image_size=32,
+        batch_size=2,
+        precisions=("fp32", "bf16"),
+        compare=("transformers",),
+        repeats=2,
+        real_images=True,
     )
     result = run_bench(spec)
     rows = {r["runner"]: r for r in result["results"]}
@@ -59,6 +65,8 @@ def test_inference_bench_against_transformers() -> None:
     }  # fmt: skip
     assert rows["transformers [fp32]"]["agreement_vs_fp32"]["rel_err"] < 1e-5  # same weights, same function
     assert rows["vitkit-fast [fp32]"]["agreement_vs_fp32"]["rel_err"] < 1e-5
+    real = rows["transformers [fp32]"]["agreement_real_images"]
+    assert real["images"] == 24 + 104 and real["top1_agreement"] == 1.0 and real["rel_err"] < 1e-5
     assert rows["vitkit-fast [bf16]"]["agreement_vs_fp32"]["rel_err"] < 3e-2
     assert rows["vitkit [bf16]"]["speedup_vs_peer_same_precision"] > 0
     assert rows["vitkit [fp32]"]["timing"]["times_s"].__len__() == 2
@@ -76,8 +84,11 @@ def test_train_bench_checkpointing_computes_the_same_steps() -> None:
     rows = {r["runner"]: r for r in run_bench(spec)["results"]}
     plain, ckpt = rows["vitkit [fp32]"]["losses"], rows["vitkit+ckpt [fp32]"]["losses"]
     peer = rows["transformers [fp32]"]["losses"]
+    assert len(rows) == 8  # {vitkit, transformers} x {fused, explicit attention} x {plain, checkpointed}
     assert len(plain) == 3  # warm-up, timed, memory: three optimiser steps on the same batch
     assert plain == pytest.approx(ckpt, rel=1e-5)  # recomputation changes nothing
+    assert plain == pytest.approx(rows["vitkit+math-attn+ckpt [fp32]"]["losses"], rel=1e-4)
+    assert plain == pytest.approx(rows["transformers+eager-attn [fp32]"]["losses"], rel=1e-4)
     assert plain == pytest.approx(peer, rel=1e-4)  # same weights, loss and optimiser as transformers
     assert plain[2] < plain[0]  # the steps do optimise
 

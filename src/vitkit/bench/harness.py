@@ -16,7 +16,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from torch import nn
 
 from vitkit.bench.fast import optimize_for_inference
 from vitkit.bench.peak import Peak, measure_peak
+from vitkit.data.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
@@ -33,6 +34,7 @@ from vitkit.models.vit import VisionTransformer
 PRECISIONS = ("fp32", "bf16-autocast", "bf16", "int8")
 TASKS = ("inference", "train")
 PEERS = ("transformers",)
+_PEAK_KIND = {"fp32": "fp32", "bf16-autocast": "bf16", "bf16": "bf16", "int8": "int8"}  # precision -> peak
 
 
 # ---- timing and memory -------------------------------------------------------------------------------
@@ -169,6 +171,7 @@ class BenchSpec:
     warmup: int = 1
     repeats: int = 5
     latency: bool = True  # inference: also time batch 1
+    real_images: bool = False  # inference: also measure agreement with fp32 on real photos and digits
     device: str = "cpu"
     seed: int = 0
     num_classes: int = 1000
@@ -204,21 +207,25 @@ class Runner:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def build_model(spec: BenchSpec) -> VisionTransformer:
-    """The vitkit model: a checkpoint when ``spec.model`` is a path, else a fresh variant whose head is
-    given random (non-zero) weights so that outputs and top-1 agreement mean something."""
+def build_model(spec: BenchSpec) -> tuple[VisionTransformer, Preprocess]:
+    """The vitkit model and its preprocessing: a checkpoint when ``spec.model`` is a path, else a fresh
+    variant whose head is given random (non-zero) weights so that outputs and top-1 agreement mean
+    something."""
     from vitkit.checkpoints import load_checkpoint
     from vitkit.models import create_model
 
     torch.manual_seed(spec.seed)
+    size = (spec.image_size, spec.image_size)
     if Path(spec.model).exists():
-        model = load_checkpoint(spec.model, image_size=spec.image_size).model
+        loaded = load_checkpoint(spec.model, image_size=spec.image_size)
+        model, pre = loaded.model, replace(loaded.meta.preprocess, image_size=size)
     else:
+        pre = Preprocess(image_size=size)
         model = create_model(spec.model, image_size=spec.image_size, num_classes=spec.num_classes)
         if isinstance(model.head, nn.Linear):
             with torch.no_grad():
                 nn.init.normal_(model.head.weight, std=model.cfg.hidden_size**-0.5)
-    return model.to(spec.device).eval()
+    return model.to(spec.device).eval(), pre
 
 
 def flops_per_image(model: VisionTransformer, image_size: int) -> float:
@@ -328,34 +335,45 @@ def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, 
 
 
 def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) -> list[Runner]:
-    """One training step (forward, cross-entropy, backward, AdamW) per (implementation, precision)."""
+    """One training step (forward, cross-entropy, backward, AdamW) per (implementation, precision).
+
+    Each implementation also runs with its explicit-softmax attention (vitkit ``set_fused_attention(False)``,
+    transformers ``attn_implementation="eager"``): on CPU its backward beats the fused kernel's at ViT's
+    sequence lengths. With ``grad_checkpointing`` every variant also runs with activation checkpointing.
+    """
     device = x.device
     labels = torch.randint(0, model.cfg.num_classes, (x.shape[0],), device=device)
-    candidates: list[tuple[str, nn.Module, bool, bool]] = [("vitkit", model, False, False)]
-    if spec.grad_checkpointing:
-        candidates.append(("vitkit", model, False, True))
+    # (impl, module, is_transformers, tag): the fused-attention variant first
+    variants: list[tuple[str, nn.Module, bool, str]] = []
+    for fused in (True, False):
+        m = copy.deepcopy(model)
+        m.set_fused_attention(fused)
+        variants.append(("vitkit", m, False, "" if fused else "+math-attn"))
     if "transformers" in spec.compare:
         from vitkit.bench.peers import to_transformers
 
-        hf = to_transformers(model)
-        candidates.append(("transformers", hf, True, False))
-        if spec.grad_checkpointing:
-            candidates.append(("transformers", hf, True, True))
+        variants.append(("transformers", to_transformers(model, "sdpa"), True, ""))
+        variants.append(("transformers", to_transformers(model, "eager"), True, "+eager-attn"))
     runners = []
     for precision in spec.precisions:
-        for impl, base, hf_impl, ckpt in candidates:
-            module = copy.deepcopy(base).train()
-            params = list(module.parameters())
-            if ckpt and hf_impl:
-                enable = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.x
-                (enable or module.gradient_checkpointing_enable)()  # type: ignore[operator]
-            forward_module: nn.Module = Checkpointed(module) if ckpt and not hf_impl else module  # type: ignore[arg-type]
-            if spec.compile:
-                forward_module = _compiled(forward_module, "train")
-            fn = _logits_fn(forward_module, hf_impl)
-            fused = device.type == "cuda"
-            opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.05, fused=fused, foreach=None if fused else True)
-            runners.append(_train_runner(impl, precision, fn, opt, x, labels, spec, ckpt))
+        for ckpt in (False, True) if spec.grad_checkpointing else (False,):
+            for impl, base, hf_impl, tag in variants:
+                module = copy.deepcopy(base).train()
+                params = list(module.parameters())
+                if ckpt and hf_impl:
+                    enable = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.x
+                    (enable or module.gradient_checkpointing_enable)()  # type: ignore[operator]
+                forward_module: nn.Module = Checkpointed(module) if ckpt and not hf_impl else module  # type: ignore[arg-type]
+                if spec.compile:
+                    forward_module = _compiled(forward_module, "train")
+                fn = _logits_fn(forward_module, hf_impl)
+                fused = device.type == "cuda"
+                opt = torch.optim.AdamW(
+                    params, lr=1e-4, weight_decay=0.05, fused=fused, foreach=None if fused else True
+                )
+                runners.append(
+                    _train_runner(impl, precision, fn, opt, x, labels, spec, tag + ("+ckpt" if ckpt else ""))
+                )
     return runners
 
 
@@ -367,7 +385,7 @@ def _train_runner(
     x: torch.Tensor,
     labels: torch.Tensor,
     spec: BenchSpec,
-    ckpt: bool,
+    tag: str,
 ) -> Runner:
     losses: list[float] = []
 
@@ -379,11 +397,15 @@ def _train_runner(
         opt.step()
         losses.append(float(loss.detach()))
 
-    tags = ("+compile" if spec.compile else "") + ("+ckpt" if ckpt else "")
-    return Runner(f"{impl}{tags} [{precision}]", impl, precision, step, info={"losses": losses, "checkpointing": ckpt})
+    name = f"{impl}{'+compile' if spec.compile else ''}{tag} [{precision}]"
+    return Runner(name, impl, precision, step, info={"losses": losses, "checkpointing": "+ckpt" in tag})
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------
+
+
+def _batched(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch: int) -> torch.Tensor:
+    return torch.cat([fn(x[i : i + batch]) for i in range(0, x.shape[0], batch)])
 
 
 def _agreement(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -400,7 +422,7 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda requested but CUDA is not available")
     threads = torch.get_num_threads() if device.type == "cpu" else 1
-    model = build_model(spec)
+    model, pre = build_model(spec)
     if spec.compare and "transformers" in spec.compare:
         from vitkit.bench.peers import transformers_config
 
@@ -412,7 +434,7 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
     say("measuring peak")
     peaks: dict[str, Peak] = {}
     for p in spec.precisions:
-        kind = {"fp32": "fp32", "bf16-autocast": "bf16", "bf16": "bf16", "int8": "int8"}[p]
+        kind = _PEAK_KIND[p]
         if kind not in peaks:
             peaks[kind] = measure_peak(kind, device)
     say("building runners")
@@ -436,15 +458,21 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
             fn()
         latencies = time_alternating(lat_fns, max(spec.repeats, 5), device, threads)
     reference = None
+    real: tuple[torch.Tensor, torch.Tensor] | None = None
     if spec.task == "inference":
         with torch.inference_mode():
             reference = model(x).float()
+            if spec.real_images:
+                from vitkit.bench.images import real_image_batch
+
+                images = real_image_batch(pre).to(device)
+                real = (images, _batched(lambda t: model(t).float(), images, spec.batch_size))
     flop_factor = 1.0 if spec.task == "inference" else 3.0  # a training step: forward + 2x for backward
     rows = []
     for r in runners:
         say(f"memory {r.name}")
         t = timings[r.name]
-        kind = {"fp32": "fp32", "bf16-autocast": "bf16", "bf16": "bf16", "int8": "int8"}[r.precision]
+        kind = _PEAK_KIND[r.precision]
         flops = flop_factor * fpi * spec.batch_size / t.median
         row: dict[str, Any] = {
             "runner": r.name,
@@ -463,8 +491,17 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
             row["latency_b1_ms"] = 1e3 * latencies[r.name].median
         if reference is not None and r.output is not None:
             row["agreement_vs_fp32"] = _agreement(r.output(x), reference)
+        if real is not None and r.output is not None:
+            say(f"real images {r.name}")
+            row["agreement_real_images"] = _agreement(_batched(r.output, real[0], spec.batch_size), real[1])
+            row["agreement_real_images"]["images"] = real[0].shape[0]
         rows.append(row)
     _add_ratios(rows)
+    vendor = _vendor_peaks(device, peaks)
+    for row in rows:
+        kind = _PEAK_KIND[row["precision"]]
+        if kind in vendor:
+            row["fraction_of_vendor_peak"] = row["achieved_flops"] / vendor[kind]["flops"]
     return {
         "spec": asdict(spec),
         "machine": machine_info(device),
@@ -474,8 +511,20 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
         "gflops_per_image": fpi / 1e9,
         "flops_per_step": "3x forward (model FLOPs)" if spec.task == "train" else "forward",
         "peaks": {k: v.to_dict() for k, v in peaks.items()},
+        "vendor_peaks": vendor,
         "results": rows,
     }
+
+
+def _vendor_peaks(device: torch.device, peaks: dict[str, Peak]) -> dict[str, Any]:
+    """On a known GPU, the vendor's dense peak too (the usual MFU denominator)."""
+    if device.type != "cuda":
+        return {}
+    from vitkit.bench.peak import gpu_spec_peak
+
+    name = torch.cuda.get_device_name(device)
+    found = {k: gpu_spec_peak(name, k) for k in peaks}
+    return {k: v.to_dict() for k, v in found.items() if v is not None}
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -543,9 +592,15 @@ def format_report(result: dict[str, Any]) -> str:
             f"  peak {kind}: {p['flops'] / 1e9:.0f} G{'OP' if kind == 'int8' else 'FLOP'}/s ({p['method']}, "
             f"{p['threads']} threads)"
         )
-    head = f"  {'runner':<34}{'img/s':>8}{'IQR':>15}{'GFLOP/s':>9}{'%peak':>7}{'cpu':>5}{'mem MiB':>9}"
+    for kind, p in result.get("vendor_peaks", {}).items():
+        lines.append(
+            f"  vendor dense peak {kind}: {p['flops'] / 1e12:.0f} TFLOP/s ({p['detail']}); rows carry "
+            "fraction_of_vendor_peak in the JSON"
+        )
+    real = any("agreement_real_images" in r for r in result["results"])
+    head = f"  {'runner':<34}{'img/s':>8}{'best':>8}{'IQR':>15}{'GFLOP/s':>9}{'%peak':>7}{'cpu':>5}{'mem MiB':>9}"
     if spec["task"] == "inference":
-        head += f"{'b1 ms':>8}{'rel err':>9}{'top1':>7}"
+        head += f"{'b1 ms':>8}{'rel err':>9}{'top1':>7}" + (f"{'real t1':>8}" if real else "")
     head += f"{'x same':>8}{'x best':>8}"
     lines.append(head)
     for r in result["results"]:
@@ -553,7 +608,8 @@ def format_report(result: dict[str, Any]) -> str:
         ips_iqr = f"{spec['batch_size'] / t['q3_s']:.2f}-{spec['batch_size'] / t['q1_s']:.2f}"
         mem = r["memory"]["delta_mib"]
         line = (
-            f"  {r['runner']:<34}{r['img_per_s']:>8.2f}{ips_iqr:>15}{r['achieved_flops'] / 1e9:>9.0f}"
+            f"  {r['runner']:<34}{r['img_per_s']:>8.2f}{r['img_per_s_best']:>8.2f}{ips_iqr:>15}"
+            f"{r['achieved_flops'] / 1e9:>9.0f}"
             f"{100 * r['fraction_of_peak']:>6.0f}%{t['cpu_util']:>5.2f}{_fmt(mem, '.0f'):>9}"
         )
         if spec["task"] == "inference":
@@ -562,6 +618,8 @@ def format_report(result: dict[str, Any]) -> str:
                 f"{_fmt(r.get('latency_b1_ms'), '.1f'):>8}{_fmt(agree.get('rel_err'), '.1e'):>9}"
                 f"{_fmt(agree.get('top1_agreement'), '.3f'):>7}"
             )
+            if real:
+                line += f"{_fmt(r.get('agreement_real_images', {}).get('top1_agreement'), '.3f'):>8}"
         line += (
             f"{_fmt(r.get('speedup_vs_peer_same_precision'), '.2f'):>8}{_fmt(r.get('speedup_vs_peer_best'), '.2f'):>8}"
         )
@@ -570,7 +628,8 @@ def format_report(result: dict[str, Any]) -> str:
         lines.append("  x same: speed over the peer at the same precision; x best: over the peer's fastest run here")
     lines.append(
         "  %peak: achieved FLOP/s over the peak above (training counts 3x the forward FLOPs); cpu: CPU "
-        "share the process got (<0.9: the machine was busy); mem: peak memory increase of one call"
+        "share the process got (<0.9: the machine was busy); mem: peak memory increase of one call; rel err, "
+        "top1: against fp32 vitkit on the timed batch (real t1: on real images)"
     )
     return "\n".join(lines)
 

@@ -216,3 +216,22 @@ def measure_peak(precision: str, device: torch.device | str = "cpu", threads: in
         if peak is not None:
             return peak
     return matmul_peak(precision, device)
+
+
+# Vendor dense (no sparsity) peak rates in TFLOP/s, bf16 and fp32 (tf32 off), for GPUs a run may land on.
+_GPU_SPEC_TFLOPS = {
+    "H200": {"bf16": 989.4, "fp32": 66.9},
+    "H100 PCIe": {"bf16": 756.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "fp32": 66.9},  # SXM5
+    "A100": {"bf16": 312.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.1, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp32": 30.3},
+}
+
+
+def gpu_spec_peak(device_name: str, precision: str) -> Peak | None:
+    """The vendor's dense peak for a known GPU (matched by name), or None."""
+    for key, rates in _GPU_SPEC_TFLOPS.items():  # ordered: "H100 PCIe" is tried before "H100"
+        if key.lower() in device_name.lower() and precision in rates:
+            return Peak(precision, rates[precision] * 1e12, "vendor-spec", 1, f"{key} dense {precision}")
+    return None
