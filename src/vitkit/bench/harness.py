@@ -528,7 +528,8 @@ def _vendor_peaks(device: torch.device, peaks: dict[str, Peak]) -> dict[str, Any
 
 
 def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each vitkit row: speed over the peer at the same precision, and over the peer's fastest run."""
+    """Each vitkit row: speed over the peer at the same precision, and over the peer's fastest run of the same
+    kind (floating point or int8; with or without activation checkpointing)."""
     peers = [r for r in rows if r["impl"] not in ("vitkit", "vitkit-fast")]
     if not peers:
         return
@@ -538,7 +539,12 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         same = [p for p in peers if p["precision"] == r["precision"] and "+ckpt" not in p["runner"]]
         if "+ckpt" in r["runner"]:
             same = [p for p in peers if p["precision"] == r["precision"] and "+ckpt" in p["runner"]] or same
-        comparable = [p for p in peers if ("+ckpt" in p["runner"]) == ("+ckpt" in r["runner"])]
+        comparable = [
+            p
+            for p in peers
+            if ("+ckpt" in p["runner"]) == ("+ckpt" in r["runner"])
+            and (p["precision"] == "int8") == (r["precision"] == "int8")  # floating point vs int8
+        ]
         best = max(comparable or peers, key=lambda p: p["img_per_s"])
         r["speedup_vs_peer_same_precision"] = r["img_per_s"] / same[0]["img_per_s"] if same else None
         r["speedup_vs_peer_best"] = r["img_per_s"] / best["img_per_s"]
@@ -598,7 +604,7 @@ def format_report(result: dict[str, Any]) -> str:
             "fraction_of_vendor_peak in the JSON"
         )
     real = any("agreement_real_images" in r for r in result["results"])
-    head = f"  {'runner':<34}{'img/s':>8}{'best':>8}{'IQR':>15}{'GFLOP/s':>9}{'%peak':>7}{'cpu':>5}{'mem MiB':>9}"
+    head = f"  {'runner':<44}{'img/s':>8}{'best':>8}{'IQR':>15}{'GFLOP/s':>9}{'%peak':>7}{'cpu':>5}{'mem MiB':>9}"
     if spec["task"] == "inference":
         head += f"{'b1 ms':>8}{'rel err':>9}{'top1':>7}" + (f"{'real t1':>8}" if real else "")
     head += f"{'x same':>8}{'x best':>8}"
@@ -608,7 +614,7 @@ def format_report(result: dict[str, Any]) -> str:
         ips_iqr = f"{spec['batch_size'] / t['q3_s']:.2f}-{spec['batch_size'] / t['q1_s']:.2f}"
         mem = r["memory"]["delta_mib"]
         line = (
-            f"  {r['runner']:<34}{r['img_per_s']:>8.2f}{r['img_per_s_best']:>8.2f}{ips_iqr:>15}"
+            f"  {r['runner']:<44}{r['img_per_s']:>8.2f}{r['img_per_s_best']:>8.2f}{ips_iqr:>15}"
             f"{r['achieved_flops'] / 1e9:>9.0f}"
             f"{100 * r['fraction_of_peak']:>6.0f}%{t['cpu_util']:>5.2f}{_fmt(mem, '.0f'):>9}"
         )
@@ -625,7 +631,10 @@ def format_report(result: dict[str, Any]) -> str:
         )
         lines.append(line)
     if any("speedup_vs_peer_best" in r for r in result["results"]):
-        lines.append("  x same: speed over the peer at the same precision; x best: over the peer's fastest run here")
+        lines.append(
+            "  x same: speed over the peer at the same precision; x best: over the peer's fastest run here "
+            "(float vs float, int8 vs int8)"
+        )
     lines.append(
         "  %peak: achieved FLOP/s over the peak above (training counts 3x the forward FLOPs); cpu: CPU "
         "share the process got (<0.9: the machine was busy); mem: peak memory increase of one call; rel err, "
