@@ -3,7 +3,7 @@
 No pretrained ViT weights exist on this machine, so this script trains one: a ViT-Ti with 4x4 patches on
 scikit-learn's 8x8 digits (upscaled to 32x32, RGB), a few epochs of AdamW, then compares fp32, the
 bf16 fast path and the int8 fast path on the held-out digits: accuracy of each and top-1 agreement with
-fp32. Run (about a minute on 2 cores):
+fp32. Run (about five minutes on 2 cores, most of it training):
 
     PYTHONPATH=src python benchmarks/digits_agreement.py
 """
