@@ -7,7 +7,7 @@ import torch
 
 from conftest import randomize_
 from vitkit import optimize_for_inference
-from vitkit.bench.fast import InferenceViT
+from vitkit.bench.fast import FastBlock, InferenceViT
 from vitkit.models import create_model
 
 
@@ -77,3 +77,31 @@ def test_the_model_is_left_untouched_and_bad_options_fail() -> None:
         optimize_for_inference(model, torch.float16)
     with pytest.raises(ValueError, match="int8"):
         optimize_for_inference(model, int8=True, compile=True)
+
+
+@pytest.mark.slow
+def test_compiled_fast_path_matches_the_model() -> None:
+    """compile=True: the unpacked fused forward under torch.compile (inductor, weight freezing on CPU)."""
+    model = _model(depth=2)
+    x = torch.randn(2, 3, 48, 48)
+    with torch.inference_mode():
+        ref = model(x)
+        out = optimize_for_inference(model, torch.float32, compile=True)(x)
+    assert _rel(out, ref) < 1e-4
+
+
+def test_chunked_explicit_attention_equals_sdpa() -> None:
+    """The CPU attention path (chunks of heads, tiny chunks forced here) equals the fused SDPA path."""
+    model = _model()
+    x = torch.randn(3, 3, 48, 48)
+    fast = InferenceViT(model, torch.float32, rows=None)
+    with torch.inference_mode():
+        blocks = [b for b in fast.blocks if isinstance(b, FastBlock)]
+        assert blocks and all(b.explicit_attention for b in blocks)
+        for b in blocks:
+            b.scores_bytes = 1  # one head per chunk
+        chunked = fast(x)
+        for b in blocks:
+            b.explicit_attention = False
+        fused = fast(x)
+    assert _rel(chunked, fused) < 1e-5

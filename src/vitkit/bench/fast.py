@@ -6,7 +6,10 @@ The transform keeps the model's function and changes how it is computed:
   layout for the batch size seen, so no GEMM reorders its weights per call;
 - bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
   second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
-- attention through PyTorch's fused (flash) ``scaled_dot_product_attention`` in the serving dtype;
+- attention: on CPU, softmax(q k^T) v as two batched GEMMs over chunks of heads small enough for their
+  scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths, 4-30%
+  end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded
+  into the query weights;
 - optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
   per call: dynamic quantisation), or ``torch.compile`` of the whole forward instead of hand packing.
 
@@ -27,10 +30,15 @@ from torch import nn
 
 from vitkit.models.vit import Block, VisionTransformer
 
+SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
 
-def _has_onednn_linear() -> bool:
+
+def _has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's packed linear kernels exist here for ``dtype`` (bf16 needs CPU support)."""
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Module):
@@ -50,7 +58,7 @@ class PackedLinear(nn.Module):
         self.epilogue = epilogue
         weight = linear.weight.detach().to(dtype)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        self.packed = pack and weight.device.type == "cpu" and _has_onednn_linear()
+        self.packed = pack and weight.device.type == "cpu" and _has_onednn_linear(dtype)
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         self.weight: torch.Tensor
@@ -87,13 +95,18 @@ class FastBlock(nn.Module):
         self.norm1 = copy.deepcopy(block.norm1).to(dtype)
         self.norm2 = copy.deepcopy(block.norm2).to(dtype)
         gelu = "gelu_tanh" if block.mlp.act.approximate == "tanh" else "gelu"
+        qkv = _scaled_qkv(block.attn.qkv, block.attn.scale)  # 1/sqrt(d) folded into the query rows
+        # CPU: softmax(q k^T) v as batched GEMMs over chunks of heads whose (T, T) scores fit in cache
+        # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
+        self.explicit_attention = pack and block.attn.qkv.weight.device.type == "cpu"
+        self.scores_bytes = SCORES_CHUNK_BYTES
         if quantize is not None:
-            self.qkv: nn.Module = Int8Linear(block.attn.qkv, dtype, "none", rows, quantize)
+            self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize)
             self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
             self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, rows, quantize)
             self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", rows, quantize)
         else:
-            self.qkv = PackedLinear(block.attn.qkv, dtype, "none", rows, pack)
+            self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
             self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, rows, pack)
             self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", rows, pack)
@@ -102,12 +115,32 @@ class FastBlock(nn.Module):
         # x: (B*T, D)
         BT, D = x.shape
         T, h, d = BT // batch, self.num_heads, self.head_dim
-        qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d)  # (B, T, 3, h, d)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d), strided views
-        o = F.scaled_dot_product_attention(q, k, v)  # (B, h, T, d)
+        qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
+        if self.explicit_attention:  # softmax(q k^T) v as two batched GEMMs; the scale is in q already
+            q, k, v = qkv.contiguous().view(3, batch * h, T, d).unbind(0)  # 3 x (B*h, T, d)
+            o = torch.empty_like(q)
+            step = max(1, self.scores_bytes // (T * T * q.element_size()))  # scores of a chunk stay in cache
+            for i in range(0, batch * h, step):
+                probs = torch.bmm(q[i : i + step], k[i : i + step].transpose(1, 2)).softmax(dim=-1)  # (n, T, T)
+                torch.bmm(probs, v[i : i + step], out=o[i : i + step])
+            o = o.view(batch, h, T, d)
+        else:
+            q, k, v = qkv.unbind(0)  # 3 x (B, h, T, d), strided views
+            o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
         o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
         x = self.proj(o, x)  # x + proj(o)
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
+
+
+def _scaled_qkv(qkv: nn.Linear, scale: float) -> nn.Linear:
+    """A copy of the fused q/k/v Linear whose query rows (weight and bias) are multiplied by ``scale``."""
+    out = copy.deepcopy(qkv)
+    D = qkv.out_features // 3
+    with torch.no_grad():
+        out.weight[:D] *= scale
+        if out.bias is not None:
+            out.bias[:D] *= scale
+    return out
 
 
 def quantize_dynamic_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
