@@ -246,7 +246,7 @@ class InferenceViT(nn.Module):
             for b in blocks
         )
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
         z = self.base.embed(x.to(self.dtype))  # (B, T, D)
@@ -256,7 +256,7 @@ class InferenceViT(nn.Module):
             z = blk(z, B) if isinstance(blk, FastBlock) else blk(z.view(B, T, D))[0].reshape(B * T, D)
         return self.base.norm(z.view(B, T, D))
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.forward_head(self.forward_features(x))
 
@@ -277,7 +277,7 @@ def optimize_for_inference(
     ``torch.compile`` (inductor with weight freezing, which packs and fuses itself; the first call
     compiles). On CPU the eager pre-packed path is the faster one (see BENCHMARKS.md); ``compile`` is the
     choice on CUDA. The original model is left untouched. The result has ``forward`` (logits) and
-    ``forward_features``; it runs in inference mode and has no gradients.
+    ``forward_features``; it runs without gradients.
     """
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
@@ -286,7 +286,8 @@ def optimize_for_inference(
         raise ValueError("int8 inference needs a CPU with oneDNN, and is not combined with compile")
     gh, gw = model.native_grid
     rows = None if batch_size is None else batch_size * (gh * gw + model.cfg.num_prefix_tokens)
-    fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
+    with torch.inference_mode(False):  # normal tensors even when called in inference mode (compile freezes them)
+        fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
     if compile:
         options: dict[str, Any] = {"freezing": True} if device.type == "cpu" else {}
         return torch.compile(fast, dynamic=False, options=options or None)  # type: ignore[return-value]

@@ -319,15 +319,15 @@ def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, 
 
     def output(images: torch.Tensor) -> torch.Tensor:
         images = images.to(_input_dtype(precision)) if impl != "vitkit-fast" else images
-        with torch.inference_mode(), _autocast(precision, device):
+        with torch.no_grad(), _autocast(precision, device):
             return fn(images).float()
 
     def step() -> None:
-        with torch.inference_mode(), _autocast(precision, device):
+        with torch.no_grad(), _autocast(precision, device):
             fn(xin)
 
     def latency() -> None:
-        with torch.inference_mode(), _autocast(precision, device):
+        with torch.no_grad(), _autocast(precision, device):
             fn(x1)
 
     name = f"{impl}{'+compile' if spec.compile and impl != 'vitkit-fast' else ''} [{precision}]"
