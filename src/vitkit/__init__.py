@@ -6,8 +6,10 @@ Public API::
     vitkit.load_pretrained("ViT-B_16.npz")             # any supported checkpoint, as a model
     vitkit.load_checkpoint(path)                       # model + metadata (preprocessing, class names)
     vitkit.save_pretrained(model, "out/", ...)         # vitkit's own format
+    vitkit.optimize_for_inference(model)               # a fast bf16 (or int8) inference copy
 """
 
+from vitkit.bench.fast import optimize_for_inference
 from vitkit.checkpoints import load_checkpoint, load_pretrained
 from vitkit.checkpoints.native import save as save_pretrained
 from vitkit.data.preprocess import Preprocess
@@ -24,5 +26,6 @@ __all__ = [
     "list_models",
     "load_checkpoint",
     "load_pretrained",
+    "optimize_for_inference",
     "save_pretrained",
 ]

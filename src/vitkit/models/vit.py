@@ -159,8 +159,12 @@ class Attention(nn.Module):
 
     The default path calls the fused ``scaled_dot_product_attention``. With ``return_attention=True`` the
     same weights go through an explicit softmax(q k^T / sqrt(d)) v that also returns the probabilities
-    (B, h, T, T); both paths compute the same function.
+    (B, h, T, T); both paths compute the same function. ``fused = False`` selects the explicit path for
+    every call (softmax in the activation dtype): on CPU its backward is faster than the fused kernel's at
+    ViT's short sequences (see BENCHMARKS.md), at the cost of storing the (B, h, T, T) probabilities.
     """
+
+    fused: bool = True
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attention_dropout: float = 0.0) -> None:
         super().__init__()
@@ -181,6 +185,9 @@ class Attention(nn.Module):
             logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, T, T)
             probs = logits.float().softmax(dim=-1).to(q.dtype)
             out = F.dropout(probs, p_drop, self.training) @ v  # (B, h, T, d)
+        elif not self.fused:
+            logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, T, T)
+            out = F.dropout(logits.softmax(dim=-1), p_drop, self.training) @ v  # (B, h, T, d)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)  # (B, h, T, d)
         out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, D)
@@ -434,6 +441,12 @@ class VisionTransformer(nn.Module):
                 attns.append(probs)
         feats = self.norm(z)
         return Intermediates(hidden, attns, feats, self.forward_head(feats))
+
+    def set_fused_attention(self, fused: bool = True) -> None:
+        """Choose the attention kernel of every block: fused SDPA (default) or the explicit softmax path."""
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.fused = fused
 
     # ---- resolution ------------------------------------------------------------------------------
 

@@ -1,0 +1,294 @@
+"""An inference-only fast path for a trained ViT: ``optimize_for_inference(model)``.
+
+The transform keeps the model's function and changes how it is computed:
+
+- weights cast once to the serving dtype (bf16 by default) and, on CPU, pre-packed into oneDNN's blocked
+  layout for the batch size seen, so no GEMM reorders its weights per call;
+- bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
+  second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
+- attention: on CPU, softmax(q k^T) v as two batched GEMMs over chunks of heads small enough for their
+  scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths, 4-30%
+  end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded
+  into the query weights;
+- optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
+  per call: dynamic quantisation), or ``torch.compile`` of the whole forward instead of hand packing.
+
+The patch embedding, class token, position embedding (with on-the-fly resampling for other resolutions),
+final norm and head are the original model's own modules, cast to the dtype. The result is an
+``nn.Module`` for inference only (no gradients, no state dict).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitkit.models.vit import Block, VisionTransformer
+
+SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
+
+
+def _has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's packed linear kernels exist here for ``dtype`` (bf16 needs CPU support)."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    """A Linear in ``dtype`` with an optional fused epilogue: ``"none"``, ``"gelu"``/``"gelu_tanh"``, or
+    ``"add"`` (``forward(x, other)`` returns ``linear(x) + other``).
+
+    On CPU with oneDNN the weight is reordered once into oneDNN's blocked layout and the epilogue runs as a
+    GEMM post-op; elsewhere (CUDA, no oneDNN) it is a plain ``F.linear`` followed by the epilogue.
+    """
+
+    def __init__(
+        self, linear: nn.Linear, dtype: torch.dtype, epilogue: str = "none", rows: int | None = None, pack: bool = True
+    ) -> None:
+        super().__init__()
+        if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        self.epilogue = epilogue
+        weight = linear.weight.detach().to(dtype)
+        bias = None if linear.bias is None else linear.bias.detach().to(dtype)
+        self.packed = pack and weight.device.type == "cpu" and _has_onednn_linear(dtype)
+        if self.packed:
+            weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        self.weight: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed:
+            if self.epilogue == "add":
+                return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.weight, self.bias, "add")
+            if self.epilogue == "none":
+                return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+            algo = "tanh" if self.epilogue == "gelu_tanh" else "none"
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "gelu", [], algo)
+        y = F.linear(x, self.weight, self.bias)
+        if self.epilogue == "add":
+            assert other is not None
+            return y + other
+        if self.epilogue == "none":
+            return y
+        return F.gelu(y, approximate="tanh" if self.epilogue == "gelu_tanh" else "none")
+
+
+class FastBlock(nn.Module):
+    """One pre-LN block (paper eqs. 2-3) on tokens flattened to (B*T, D), fused as described above."""
+
+    def __init__(
+        self, block: Block, dtype: torch.dtype, rows: int | None, quantize: Quantizer | None = None, pack: bool = True
+    ) -> None:
+        super().__init__()
+        self.num_heads = block.attn.num_heads
+        self.head_dim = block.attn.head_dim
+        self.norm1 = copy.deepcopy(block.norm1).to(dtype)
+        self.norm2 = copy.deepcopy(block.norm2).to(dtype)
+        gelu = "gelu_tanh" if block.mlp.act.approximate == "tanh" else "gelu"
+        qkv = _scaled_qkv(block.attn.qkv, block.attn.scale)  # 1/sqrt(d) folded into the query rows
+        # CPU: softmax(q k^T) v as batched GEMMs over chunks of heads whose (T, T) scores fit in cache
+        # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
+        self.explicit_attention = pack and block.attn.qkv.weight.device.type == "cpu"
+        self.scores_bytes = SCORES_CHUNK_BYTES
+        if quantize is not None:
+            self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize)
+            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
+            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, rows, quantize)
+            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", rows, quantize)
+        else:
+            self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
+            self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
+            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, rows, pack)
+            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", rows, pack)
+
+    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
+        # x: (B*T, D)
+        BT, D = x.shape
+        T, h, d = BT // batch, self.num_heads, self.head_dim
+        qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
+        if self.explicit_attention:  # softmax(q k^T) v as two batched GEMMs; the scale is in q already
+            q, k, v = qkv.contiguous().view(3, batch * h, T, d).unbind(0)  # 3 x (B*h, T, d)
+            o = torch.empty_like(q)
+            step = max(1, self.scores_bytes // (T * T * q.element_size()))  # scores of a chunk stay in cache
+            for i in range(0, batch * h, step):
+                probs = torch.bmm(q[i : i + step], k[i : i + step].transpose(1, 2)).softmax(dim=-1)  # (n, T, T)
+                torch.bmm(probs, v[i : i + step], out=o[i : i + step])
+            o = o.view(batch, h, T, d)
+        else:
+            q, k, v = qkv.unbind(0)  # 3 x (B, h, T, d), strided views
+            o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
+        o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
+        x = self.proj(o, x)  # x + proj(o)
+        return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
+
+
+def _scaled_qkv(qkv: nn.Linear, scale: float) -> nn.Linear:
+    """A copy of the fused q/k/v Linear whose query rows (weight and bias) are multiplied by ``scale``."""
+    out = copy.deepcopy(qkv)
+    D = qkv.out_features // 3
+    with torch.no_grad():
+        out.weight[:D] *= scale
+        if out.bias is not None:
+            out.bias[:D] *= scale
+    return out
+
+
+def quantize_dynamic_u8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor asymmetric uint8 quantisation of activations x (M, K) from their own min and max.
+
+    Returns (q (M, K) uint8, scale (), zero point () int64) with x ~= (q - zero_point) * scale; the range
+    always contains 0 so that zero is exact.
+    """
+    lo, hi = torch.aminmax(x)
+    lo, hi = lo.float().clamp(max=0.0), hi.float().clamp(min=0.0)
+    scale = ((hi - lo) / 255.0).clamp(min=1e-8)
+    zero_point = torch.round(-lo / scale)
+    q = torch.clamp(torch.round(x.float() / scale) + zero_point, 0, 255).to(torch.uint8)
+    return q, scale, zero_point.to(torch.int64)
+
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+class CompiledQuantizer:
+    """``quantize_dynamic_u8`` compiled by inductor into one fused pass (eager it is ~6 passes and, for the
+    MLP's wide activation, slower than the int8 GEMM it feeds). Falls back to eager where inductor cannot
+    compile (no C++ compiler)."""
+
+    def __init__(self) -> None:
+        self.fn: Quantizer = torch.compile(quantize_dynamic_u8)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        try:
+            return self.fn(x)
+        except RuntimeError:  # dynamo/inductor failures (e.g. no compiler) subclass RuntimeError
+            if self.fn is quantize_dynamic_u8:
+                raise
+            self.fn = quantize_dynamic_u8
+            return self.fn(x)
+
+
+def has_onednn_int8() -> bool:
+    """Whether this PyTorch has oneDNN's int8 linear kernels (x86 CPUs)."""
+    return _has_onednn_linear() and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class Int8Linear(nn.Module):
+    """An int8 Linear on oneDNN's VNNI kernels: weights quantised once (symmetric, per output channel) and
+    pre-packed; activations quantised per call (uint8, per tensor, from their min/max: dynamic
+    quantisation); int32 accumulation, bias and the epilogue (GELU, residual add) fused, output in
+    ``dtype``. ``quantize`` is the activation quantiser (``quantize_dynamic_u8`` or a compiled copy)."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        dtype: torch.dtype,
+        epilogue: str = "none",
+        rows: int | None = None,
+        quantize: Quantizer = quantize_dynamic_u8,
+    ) -> None:
+        super().__init__()
+        if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        self.epilogue, self.dtype, self.quantize = epilogue, dtype, quantize
+        w = linear.weight.detach().float()  # (N, K)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (N,)
+        qw = torch.clamp(torch.round(w / scale[:, None]), -128, 127).to(torch.int8)
+        self.w_scale: torch.Tensor
+        self.w_zero: torch.Tensor
+        self.qweight: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qw, [rows or 1, w.shape[1]]), persistent=False)
+        self.register_buffer("w_scale", scale, persistent=False)
+        self.register_buffer("w_zero", torch.zeros_like(scale, dtype=torch.int64), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        q, scale, zero = self.quantize(x)
+        args = (q, scale, zero, self.qweight, self.w_scale, self.w_zero)
+        if self.epilogue == "add":
+            return torch.ops.onednn.qlinear_pointwise.binary_tensor(
+                *args[:6], other, self.bias, 1.0, 0, self.dtype, 1.0, 0, "add", 1.0, "none", [], ""
+            )
+        post, algo = (
+            ("none", "") if self.epilogue == "none" else ("gelu", "tanh" if "tanh" in self.epilogue else "none")
+        )
+        return torch.ops.onednn.qlinear_pointwise.tensor(*args, self.bias, 1.0, 0, self.dtype, post, [], algo)
+
+
+class InferenceViT(nn.Module):
+    """What ``optimize_for_inference`` returns: ``forward(images) -> logits`` in the serving dtype."""
+
+    def __init__(
+        self, model: VisionTransformer, dtype: torch.dtype, rows: int | None, int8: bool = False, pack: bool = True
+    ) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.dtype = dtype
+        quantize = CompiledQuantizer() if int8 else None
+        base = copy.deepcopy(model).eval()
+        blocks = list(base.blocks)
+        base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
+        self.base = base.to(dtype)
+        self.blocks = nn.ModuleList(
+            FastBlock(b, dtype, rows, quantize, pack) if isinstance(b, Block) else copy.deepcopy(b).to(dtype)
+            for b in blocks
+        )
+
+    @torch.no_grad()
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
+        z = self.base.embed(x.to(self.dtype))  # (B, T, D)
+        B, T, D = z.shape
+        z = z.reshape(B * T, D)
+        for blk in self.blocks:
+            z = blk(z, B) if isinstance(blk, FastBlock) else blk(z.view(B, T, D))[0].reshape(B * T, D)
+        return self.base.norm(z.view(B, T, D))
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base.forward_head(self.forward_features(x))
+
+
+def optimize_for_inference(
+    model: VisionTransformer,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    compile: bool = False,
+    int8: bool = False,
+    batch_size: int | None = None,
+) -> nn.Module:
+    """A copy of ``model`` for fast inference that computes the same function (up to ``dtype`` rounding).
+
+    ``dtype``: torch.bfloat16 (default) or torch.float32. ``batch_size``: the batch you will serve, used to
+    choose oneDNN's weight layout (any batch works). ``int8``: dynamically quantised linear layers (CPU
+    only). ``compile``: instead of pre-packing the weights by hand, hand the fused forward to
+    ``torch.compile`` (inductor with weight freezing, which packs and fuses itself; the first call
+    compiles). On CPU the eager pre-packed path is the faster one (see BENCHMARKS.md); ``compile`` is the
+    choice on CUDA. The original model is left untouched. The result has ``forward`` (logits) and
+    ``forward_features``; it runs without gradients.
+    """
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
+    device = next(model.parameters()).device
+    if int8 and (device.type != "cpu" or compile or not has_onednn_int8()):
+        raise ValueError("int8 inference needs a CPU with oneDNN, and is not combined with compile")
+    gh, gw = model.native_grid
+    rows = None if batch_size is None else batch_size * (gh * gw + model.cfg.num_prefix_tokens)
+    with torch.inference_mode(False):  # normal tensors even when called in inference mode (compile freezes them)
+        fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
+    if compile:
+        options: dict[str, Any] = {"freezing": True} if device.type == "cpu" else {}
+        return torch.compile(fast, dynamic=False, options=options or None)  # type: ignore[return-value]
+    return fast

@@ -1,0 +1,38 @@
+"""`vitkit bench` end to end on tiny configurations (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from vitkit.cli import main
+
+
+def test_bench_compare_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    argv = ["bench", "Ti/16", "--image-size", "32", "--batch-size", "2", "--repeats", "2", "--compare", "transformers"]
+    assert main([*argv, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "vitkit-fast [bf16]" in text and "transformers [bf16]" in text and "peak bf16" in text
+    result = json.loads(out.read_text())
+    rows = {r["runner"]: r for r in result["results"]}
+    assert rows["vitkit-fast [bf16]"]["speedup_vs_peer_same_precision"] > 0
+    assert result["tokens"] == 5 and result["attention_n2_share"] > 0
+
+
+def test_bench_sweep_plots_the_cost_curve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    png = tmp_path / "curve.png"
+    argv = ["bench", "Ti/16", "--image-size", "32", "48", "--batch-size", "2", "--repeats", "1", "--no-latency"]
+    assert main([*argv, "--precision", "fp32", "--plot", str(png), "--json", str(tmp_path / "s.json")]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    sweep = json.loads((tmp_path / "s.json").read_text())
+    assert [r["spec"]["image_size"] for r in sweep] == [32, 48]
+    assert sweep[1]["attention_n2_share"] > sweep[0]["attention_n2_share"]  # the T^2 term grows with size
+
+
+def test_bench_user_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "Ti/16", "--task", "train", "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vitkit bench: error:") and "\n" not in err

@@ -1,0 +1,107 @@
+"""optimize_for_inference computes the same function as the model it was made from."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import randomize_
+from vitkit import optimize_for_inference
+from vitkit.bench.fast import FastBlock, InferenceViT
+from vitkit.models import create_model
+
+
+def _model(**overrides: object) -> torch.nn.Module:
+    kw: dict = {"num_classes": 11, "image_size": 48, "depth": 3, **overrides}
+    return randomize_(create_model("Ti/16", **kw)).eval()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"gelu": "tanh"}, {"classifier": "gap"}, {"pos_embed": "sincos2d"}, {"representation_size": 32}],
+)
+def test_fp32_fast_path_matches_the_model(overrides: dict) -> None:
+    model = _model(**overrides)
+    x = torch.randn(4, 3, 48, 48)
+    with torch.inference_mode():
+        ref = model(x)
+        out = optimize_for_inference(model, torch.float32, batch_size=4)(x)
+        tokens = optimize_for_inference(model, torch.float32).forward_features(x)  # type: ignore[operator]
+        ref_tokens = model.forward_features(x)
+    assert ref.abs().max() > 0.1
+    assert _rel(out, ref) < 1e-5
+    assert _rel(tokens, ref_tokens) < 1e-5
+
+
+def test_bf16_fast_path_within_bf16_tolerance_and_any_resolution() -> None:
+    model = _model()
+    fast = optimize_for_inference(model, batch_size=2)
+    for size in (48, 64):  # 64: not the native grid, the position embedding is resampled like the model's
+        x = torch.randn(8, 3, size, size)
+        with torch.inference_mode():
+            ref, out = model(x), fast(x)
+        assert out.dtype == torch.bfloat16
+        assert _rel(out, ref) < 3e-2
+        assert (out.float().argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+
+
+def test_unpacked_path_is_the_same_computation() -> None:
+    """The plain F.linear path (used on CUDA and under torch.compile) equals the oneDNN-packed one."""
+    model = _model()
+    x = torch.randn(2, 3, 48, 48)
+    packed = InferenceViT(model, torch.float32, rows=None, pack=True)
+    plain = InferenceViT(model, torch.float32, rows=None, pack=False)
+    with torch.inference_mode():
+        assert _rel(packed(x), plain(x)) < 1e-5
+
+
+def test_int8_fast_path_close_to_fp32() -> None:
+    model = _model()
+    x = torch.randn(8, 3, 48, 48)
+    with torch.inference_mode():
+        ref, out = model(x), optimize_for_inference(model, int8=True)(x)
+    assert _rel(out, ref) < 0.1
+
+
+def test_the_model_is_left_untouched_and_bad_options_fail() -> None:
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimize_for_inference(model)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert next(model.parameters()).dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype"):
+        optimize_for_inference(model, torch.float16)
+    with pytest.raises(ValueError, match="int8"):
+        optimize_for_inference(model, int8=True, compile=True)
+
+
+@pytest.mark.slow
+def test_compiled_fast_path_matches_the_model() -> None:
+    """compile=True: the unpacked fused forward under torch.compile (inductor, weight freezing on CPU)."""
+    model = _model(depth=2)
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():  # inductor's weight freezing does not accept inference-mode tensors
+        ref = model(x)
+        out = optimize_for_inference(model, torch.float32, compile=True)(x)
+    assert _rel(out, ref) < 1e-4
+
+
+def test_chunked_explicit_attention_equals_sdpa() -> None:
+    """The CPU attention path (chunks of heads, tiny chunks forced here) equals the fused SDPA path."""
+    model = _model()
+    x = torch.randn(3, 3, 48, 48)
+    fast = InferenceViT(model, torch.float32, rows=None)
+    with torch.inference_mode():
+        blocks = [b for b in fast.blocks if isinstance(b, FastBlock)]
+        assert blocks and all(b.explicit_attention for b in blocks)
+        for b in blocks:
+            b.scores_bytes = 1  # one head per chunk
+        chunked = fast(x)
+        for b in blocks:
+            b.explicit_attention = False
+        fused = fast(x)
+    assert _rel(chunked, fused) < 1e-5

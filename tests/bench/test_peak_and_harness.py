@@ -1,0 +1,100 @@
+"""Peak measurement, timing statistics, memory measurement and the benchmark run (tiny models, no timing
+asserts)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from vitkit.bench import peak as peak_mod
+from vitkit.bench.harness import BenchSpec, Timing, format_report, peak_memory, run_bench
+from vitkit.errors import ConfigError
+
+HAS_FMA_LOOP = shutil.which("cc") is not None and "avx512f" in peak_mod.cpu_flags()
+
+
+@pytest.mark.skipif(not HAS_FMA_LOOP, reason="needs a C compiler and an AVX-512 CPU")
+def test_fma_loop_peak_is_measured_with_the_c_kernel() -> None:
+    p = peak_mod.measure_peak("fp32", threads=1)
+    assert p.method == "fma-loop" and p.threads == 1 and p.flops > 1e9
+
+
+def test_without_a_compiler_the_peak_falls_back_to_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peak_mod, "_compiler", lambda: None)
+    p = peak_mod.measure_peak("fp32")
+    assert p.method == "matmul" and p.flops > 0
+    with pytest.raises(ValueError, match="precision"):
+        peak_mod.measure_peak("fp8")
+
+
+def test_timing_statistics() -> None:
+    t = Timing([4.0, 1.0, 3.0, 2.0, 5.0], cpu_util=1.0)
+    assert t.median == 3.0
+    assert t.iqr == (2.0, 4.0)
+    assert t.to_dict()["min_s"] == 1.0
+
+
+def test_peak_memory_sees_a_large_allocation() -> None:
+    def allocate() -> None:
+        x = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, touched
+        assert float(x[-1]) == 1.0
+
+    mem = peak_memory(allocate, torch.device("cpu"))
+    if mem["delta_mib"] is None:
+        pytest.skip("no /proc/self/clear_refs here")
+    assert mem["delta_mib"] > 60
+
+
+def test_inference_bench_against_transformers() -> None:
+    spec = BenchSpec(
+        model="Ti/16",
+        image_size=32,
+        batch_size=2,
+        precisions=("fp32", "bf16"),
+        compare=("transformers",),
+        repeats=2,
+        real_images=True,
+    )
+    result = run_bench(spec)
+    rows = {r["runner"]: r for r in result["results"]}
+    assert set(rows) == {
+        "vitkit [fp32]", "transformers [fp32]", "vitkit-fast [fp32]",
+        "vitkit [bf16]", "transformers [bf16]", "vitkit-fast [bf16]",
+    }  # fmt: skip
+    assert rows["transformers [fp32]"]["agreement_vs_fp32"]["rel_err"] < 1e-5  # same weights, same function
+    assert rows["vitkit-fast [fp32]"]["agreement_vs_fp32"]["rel_err"] < 1e-5
+    real = rows["transformers [fp32]"]["agreement_real_images"]
+    assert real["images"] == 24 + 104 and real["top1_agreement"] == 1.0 and real["rel_err"] < 1e-5
+    assert rows["vitkit-fast [bf16]"]["agreement_vs_fp32"]["rel_err"] < 3e-2
+    assert rows["vitkit [bf16]"]["speedup_vs_peer_same_precision"] > 0
+    assert rows["vitkit [fp32]"]["timing"]["times_s"].__len__() == 2
+    assert rows["vitkit [fp32]"]["fraction_of_peak"] > 0
+    assert result["peaks"]["bf16"]["method"] in ("fma-loop", "matmul")
+    assert "latency_b1_ms" in rows["vitkit [bf16]"]
+    assert "x same" in format_report(result)
+
+
+def test_train_bench_checkpointing_computes_the_same_steps() -> None:
+    spec = BenchSpec(
+        model="Ti/16", image_size=32, batch_size=4, task="train", precisions=("fp32",), compare=("transformers",),
+        grad_checkpointing=True, repeats=1,
+    )  # fmt: skip
+    rows = {r["runner"]: r for r in run_bench(spec)["results"]}
+    plain, ckpt = rows["vitkit [fp32]"]["losses"], rows["vitkit+ckpt [fp32]"]["losses"]
+    peer = rows["transformers [fp32]"]["losses"]
+    assert len(rows) == 8  # {vitkit, transformers} x {fused, explicit attention} x {plain, checkpointed}
+    assert len(plain) == 3  # warm-up, timed, memory: three optimiser steps on the same batch
+    assert plain == pytest.approx(ckpt, rel=1e-5)  # recomputation changes nothing
+    assert plain == pytest.approx(rows["vitkit+math-attn+ckpt [fp32]"]["losses"], rel=1e-4)
+    assert plain == pytest.approx(rows["transformers+eager-attn [fp32]"]["losses"], rel=1e-4)
+    assert plain == pytest.approx(peer, rel=1e-4)  # same weights, loss and optimiser as transformers
+    assert plain[2] < plain[0]  # the steps do optimise
+
+
+def test_bad_specs_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="training"):
+        run_bench(BenchSpec(task="train", precisions=("bf16",)))
+    with pytest.raises(ConfigError, match="compare"):
+        run_bench(BenchSpec(compare=("timm",)))
