@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
 from vitkit.data.preprocess import Preprocess
 from vitkit.errors import CheckpointError
+from vitkit.fileio import replace_dir
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 FORMAT = "vitkit"
@@ -98,22 +99,10 @@ def save(
     try:
         save_file(state, str(tmp / WEIGHTS))
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first and removed only afterwards."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
 
 
 def state_dict_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

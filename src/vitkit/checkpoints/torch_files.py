@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vitkit.errors import CheckpointError
+from vitkit.fileio import replace_dir
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 
@@ -83,17 +84,3 @@ def write_folder(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tenso
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is swapped out first and removed only afterwards."""
-    if dst.exists() and not dst.is_dir():
-        raise CheckpointError(f"{dst}: exists and is not a folder")
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)

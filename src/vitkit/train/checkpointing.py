@@ -27,6 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vitkit.errors import CheckpointError
+from vitkit.fileio import fsync, replace_dir
 
 STATE_FORMAT = "vitkit-train-state"
 STATE_VERSION = 1
@@ -57,14 +58,6 @@ def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_checkpoint(
     folder: str | os.PathLike[str],
     step: int,
@@ -82,16 +75,9 @@ def write_checkpoint(
         doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
         (tmp / META).write_text(json.dumps(doc, indent=1) + "\n")
         for f in (tmp / TENSORS, tmp / META, tmp):
-            _fsync(f)
-        if final.exists():  # the same step saved again (after a resume): swap the old one out first
-            old = root / f".{final.name}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync(root)
+            fsync(f)
+        replace_dir(tmp, final)  # the same step saved again (after a resume) is swapped out first
+        fsync(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for _, path in list_checkpoints(root)[:-keep_last]:
