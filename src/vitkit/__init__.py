@@ -7,25 +7,41 @@ Public API::
     vitkit.load_checkpoint(path)                       # model + metadata (preprocessing, class names)
     vitkit.save_pretrained(model, "out/", ...)         # vitkit's own format
     vitkit.optimize_for_inference(model)               # a fast bf16 (or int8) inference copy
+    vitkit.open_dataset("digits", "train")             # digits, ImageFolder, CIFAR, .npz, WebDataset shards
+    vitkit.train(vitkit.get_recipe("digits"), "runs/digits")   # a training run (resumable, 1..N processes)
+    vitkit.evaluate_dataset(model, dataset, preprocess)  # top-1/top-5, per class, confusion matrix
+    vitkit.fewshot_dataset(model, train, test, preprocess)  # the paper's few-shot linear probe
+
+Analyses (the paper's figures 6, 7, 11) are in :mod:`vitkit.analysis`, benchmarks in :mod:`vitkit.bench`.
 """
 
 from vitkit.bench.fast import optimize_for_inference
 from vitkit.checkpoints import load_checkpoint, load_pretrained
 from vitkit.checkpoints.native import save as save_pretrained
+from vitkit.configs import get_recipe
+from vitkit.data.datasets import open_dataset
 from vitkit.data.preprocess import Preprocess
+from vitkit.evaluate import evaluate_dataset, fewshot_dataset
 from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
+from vitkit.train import TrainConfig, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Preprocess",
+    "TrainConfig",
     "ViTConfig",
     "VisionTransformer",
     "__version__",
     "create_model",
+    "evaluate_dataset",
+    "fewshot_dataset",
+    "get_recipe",
     "list_models",
     "load_checkpoint",
     "load_pretrained",
+    "open_dataset",
     "optimize_for_inference",
     "save_pretrained",
+    "train",
 ]

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from vitkit.data.datasets import open_dataset, open_split_or_none
-from vitkit.data.digits import digits_split
+from vitkit.data.digits import digits_split, load_digits_arrays
 from vitkit.errors import DataError
 
 
@@ -29,6 +29,14 @@ def make_folder(root: Path, classes: dict[str, int]) -> None:
 
 
 # ---- digits ---------------------------------------------------------------------------------------
+
+
+def test_digits_are_scikit_learns_arrays() -> None:
+    from sklearn.datasets import load_digits
+
+    ref = load_digits()
+    images, labels = load_digits_arrays()
+    assert np.array_equal(images, ref.images) and np.array_equal(labels, ref.target)
 
 
 def test_digits_fixed_stratified_split() -> None:

@@ -95,6 +95,10 @@ def test_config_round_trip_and_overrides() -> None:
         TrainConfig.from_dict({**cfg.to_dict(), "bogus": 1})
     with pytest.raises(ConfigError, match="unknown AugReg level"):
         cfg.override(**{"aug.augreg": "extreme"}).validate()
+    with pytest.raises(ConfigError, match=r"config\.attention: 'flash' is not one of 'auto', 'fused', 'explicit'"):
+        cfg.override(attention="flash")
+    with pytest.raises(ConfigError, match=r"config\.optim\.name: 'lamb'"):
+        cfg.override(**{"optim.name": "lamb"})
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))

@@ -122,6 +122,20 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path: Path) -> None:
     assert_close_weights(weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model"))
 
 
+def test_attention_kernels_train_the_same_function(tmp_path: Path) -> None:
+    """On CPU "auto" picks the explicit softmax (faster backward); the fused kernel gives the same steps."""
+    from vitkit.models.vit import Attention
+
+    cfg = tiny_config(**{"steps": 6, "epochs": None})
+    auto = Trainer(cfg, tmp_path / "probe", progress=False)
+    assert all(not m.fused for m in auto.net.modules() if isinstance(m, Attention))
+    auto.close()
+    explicit = train(cfg.override(attention="explicit"), tmp_path / "explicit", progress=False)
+    fused = train(cfg.override(attention="fused"), tmp_path / "fused", progress=False)
+    np.testing.assert_allclose([r["loss"] for r in fused.steps], [r["loss"] for r in explicit.steps], rtol=1e-5)
+    assert_close_weights(weights(tmp_path / "explicit" / "model"), weights(tmp_path / "fused" / "model"))
+
+
 def test_non_finite_loss_stops_with_the_step_or_is_skipped(tmp_path: Path) -> None:
     cfg = tiny_config(**{"steps": 5, "epochs": None})
 

@@ -33,9 +33,9 @@ def sample_photos() -> list[Image.Image]:
 
 def digit_images(count: int = 104) -> list[Image.Image]:
     """The first ``count`` 8x8 digits (0-16 grey levels) as RGB images, for upscaling by the preprocessing."""
-    from sklearn.datasets import load_digits
+    from vitkit.data.digits import load_digits_arrays
 
-    images = load_digits().images[:count]  # (n, 8, 8) in [0, 16]
+    images = load_digits_arrays()[0][:count]  # (n, 8, 8) in [0, 16]
     return [Image.fromarray((255 - img * 255 / 16).astype(np.uint8)).convert("RGB") for img in images]
 
 

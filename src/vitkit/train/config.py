@@ -125,6 +125,9 @@ class TrainConfig:
     loss: Literal["softmax", "sigmoid"] = "softmax"
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast for forward/backward, fp32 master weights
     compile: bool = False
+    # attention kernel: "auto" = the explicit softmax on CPU (its backward is faster than PyTorch's fused CPU
+    # kernel at ViT's sequence lengths, see BENCHMARKS.md) and fused SDPA (flash) on GPU; the same function
+    attention: Literal["auto", "fused", "explicit"] = "auto"
     ema_decay: float | None = None  # Polyak averaging of weights (0.9999 in the paper's best runs)
     ema_warmup: bool = False  # decay min(ema_decay, (1 + step) / (10 + step)) early on
     seed: int = 0
@@ -206,6 +209,9 @@ def _coerce(tp: Any, v: Any, where: str) -> Any:
         origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _from_dict(tp, v, where)  # type: ignore[arg-type]
+    if origin is Literal and v not in typing.get_args(tp):
+        choices = ", ".join(repr(c) for c in typing.get_args(tp))
+        raise ConfigError(f"{where}: {v!r} is not one of {choices}")
     if origin is tuple and isinstance(v, (list, tuple)):
         return tuple(v)
     if tp is float and isinstance(v, int) and not isinstance(v, bool):

@@ -116,6 +116,8 @@ class Trainer:
         net, pre = self._build_model()
         self.preprocess = pre
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
+        explicit = cfg.attention == "explicit" or (cfg.attention == "auto" and self.device.type == "cpu")
+        self.net.set_fused_attention(not explicit)
         self.model = distr.wrap(self.net, cfg.distributed, self.dist)
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
