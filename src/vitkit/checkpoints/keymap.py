@@ -134,6 +134,28 @@ def split_heads_out(num_heads: int) -> SaveFn:
     return save
 
 
+def flax_attention(prefix_ours: str, prefix_theirs: str, num_heads: int) -> list[Rule]:
+    """Flax MultiHeadDotProductAttention (query/key/value kernels (D, h, d), out (h, d, D)) <-> our fused qkv
+    Linear and output projection."""
+    qkv = ("query", "key", "value")
+    return [
+        rule(
+            f"{prefix_ours}.qkv.weight",
+            [f"{prefix_theirs}/{n}/kernel" for n in qkv],
+            heads_in,
+            split_heads_in(num_heads),
+        ),
+        rule(
+            f"{prefix_ours}.qkv.bias",
+            [f"{prefix_theirs}/{n}/bias" for n in qkv],
+            heads_in_bias,
+            split_heads_in_bias(num_heads),
+        ),
+        rule(f"{prefix_ours}.proj.weight", f"{prefix_theirs}/out/kernel", heads_out, split_heads_out(num_heads)),
+        rule(f"{prefix_ours}.proj.bias", f"{prefix_theirs}/out/bias"),
+    ]
+
+
 # ---- applying a map ---------------------------------------------------------------------------------
 
 

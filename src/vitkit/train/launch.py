@@ -127,13 +127,8 @@ def run(
         base = Path(out) if out is not None else Path("runs") / cfg.name
         trainer = Trainer(cfg, base, progress=progress, claim="numbered" if out is None else "exclusive")
         checkpoint = None
-    try:
-        result = trainer.fit(checkpoint)
-    except BaseException:
-        trainer.close(clean=False)
-        raise
-    trainer.close()
-    return result
+    with trainer:
+        return trainer.fit(checkpoint)
 
 
 def summary(result: TrainResult) -> str:

@@ -547,6 +547,12 @@ class Trainer:
             self._tb = None
         distr.teardown(self.dist, clean)
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(clean=exc_type is None)
+
 
 def _holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
@@ -627,14 +633,8 @@ def train(
     cfg: TrainConfig, run_dir: str | Path, *, resume: str | Path | None = None, progress: bool = True
 ) -> TrainResult:
     """Build a :class:`Trainer` for ``cfg`` and run it (resuming from ``resume`` when given)."""
-    trainer = Trainer(cfg, run_dir, progress=progress)
-    try:
-        result = trainer.fit(resume)
-    except BaseException:
-        trainer.close(clean=False)
-        raise
-    trainer.close()
-    return result
+    with Trainer(cfg, run_dir, progress=progress) as trainer:
+        return trainer.fit(resume)
 
 
 __all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "soft_cross_entropy", "step_seed", "train"]
