@@ -127,9 +127,13 @@ def test_attention_kernels_train_the_same_function(tmp_path: Path) -> None:
     from vitkit.models.vit import Attention
 
     cfg = tiny_config(**{"steps": 6, "epochs": None})
-    auto = Trainer(cfg, tmp_path / "probe", progress=False)
-    assert all(not m.fused for m in auto.net.modules() if isinstance(m, Attention))
-    auto.close()
+    with Trainer(cfg, tmp_path / "probe", progress=False) as auto:
+        assert all(not m.fused for m in auto.net.modules() if isinstance(m, Attention))
+        auto.evaluate()  # evaluation runs the fused kernel, then training steps go back to the explicit one
+        assert all(not m.fused for m in auto.net.modules() if isinstance(m, Attention))
+    # 1025 tokens x batch 128 x 2 heads x 2 layers: the probabilities (2.2 GB) would pass the 1 GiB budget
+    with Trainer(cfg.override(**{"data.image_size": [128, 128]}), tmp_path / "long", progress=False) as long:
+        assert all(m.fused for m in long.net.modules() if isinstance(m, Attention))
     explicit = train(cfg.override(attention="explicit"), tmp_path / "explicit", progress=False)
     fused = train(cfg.override(attention="fused"), tmp_path / "fused", progress=False)
     np.testing.assert_allclose([r["loss"] for r in fused.steps], [r["loss"] for r in explicit.steps], rtol=1e-5)

@@ -125,8 +125,9 @@ class TrainConfig:
     loss: Literal["softmax", "sigmoid"] = "softmax"
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast for forward/backward, fp32 master weights
     compile: bool = False
-    # attention kernel: "auto" = the explicit softmax on CPU (its backward is faster than PyTorch's fused CPU
-    # kernel at ViT's sequence lengths, see BENCHMARKS.md) and fused SDPA (flash) on GPU; the same function
+    # attention kernel of training steps: "auto" = the explicit softmax on CPU (its backward is faster than
+    # PyTorch's fused CPU kernel) unless its stored probabilities would pass 1 GiB, else fused SDPA (flash,
+    # and always on GPU); the same function either way. Evaluation always runs the fused kernel.
     attention: Literal["auto", "fused", "explicit"] = "auto"
     ema_decay: float | None = None  # Polyak averaging of weights (0.9999 in the paper's best runs)
     ema_warmup: bool = False  # decay min(ema_decay, (1 + step) / (10 + step)) early on

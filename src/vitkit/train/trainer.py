@@ -55,6 +55,8 @@ from vitkit.train.config import TrainConfig
 from vitkit.train.ema import EMA
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
 
+EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
+
 
 class NonFiniteLossError(VitkitError):
     """The loss or the gradient norm became NaN/inf (and skipping was not requested)."""
@@ -116,8 +118,8 @@ class Trainer:
         net, pre = self._build_model()
         self.preprocess = pre
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
-        explicit = cfg.attention == "explicit" or (cfg.attention == "auto" and self.device.type == "cpu")
-        self.net.set_fused_attention(not explicit)
+        self.explicit_attention = self._explicit_attention()
+        self.net.set_fused_attention(not self.explicit_attention)
         self.model = distr.wrap(self.net, cfg.distributed, self.dist)
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
@@ -200,6 +202,21 @@ class Trainer:
             d.image_size, triple(mean), triple(std), d.eval_resize, d.eval_crop_pct, cfg.aug.interpolation, gray
         )
         return net, pre
+
+    def _explicit_attention(self) -> bool:
+        """The attention kernel for training steps (evaluation always runs the fused one). "auto": the
+        explicit softmax on CPU, whose backward is faster than PyTorch's fused CPU kernel at every ViT length
+        measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it keeps for the backward pass
+        stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long sequences."""
+        if self.cfg.attention != "auto":
+            return self.cfg.attention == "explicit"
+        if self.device.type != "cpu":
+            return False
+        m = self.net.cfg
+        tokens = m.num_prefix_tokens + m.grid_size[0] * m.grid_size[1]
+        micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
+        kept = micro_batch * m.num_heads * tokens**2 * 4 * m.depth  # fp32 probabilities of every layer
+        return kept <= EXPLICIT_ATTENTION_BYTES
 
     def _train_transform(self) -> TrainTransform:
         aug = self.cfg.aug.resolved()
@@ -301,6 +318,7 @@ class Trainer:
             return {}
         ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
         self.model.eval()
+        self.net.set_fused_attention(True)  # no backward: the fused kernel, which never holds (B, h, T, T)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
         with ctx:
             for b in eval_batches(
@@ -321,6 +339,7 @@ class Trainer:
             if reshard is not None:
                 reshard()
         self.model.train()
+        self.net.set_fused_attention(not self.explicit_attention)
         totals = distr.all_reduce_sum(totals, self.dist)
         n = max(float(totals[2]), 1.0)
         return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
