@@ -145,10 +145,11 @@ def test_train_then_predict_and_finetune(capsys: pytest.CaptureFixture[str], tmp
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["train", "--data", "/nonexistent/data"], "/nonexistent/data: no such file or directory"),
+        (["train", "--recipe", "cifar-small", "--data", "/nonexistent/data"], "/nonexistent/data: no such file"),
         (["train", "--resume", "/nonexistent/run", "--lr", "1"], "--resume continues a run with its saved config"),
         (["train", "--resume", "/nonexistent/run"], "/nonexistent/run: no training checkpoint"),
         (["train", "--recipe", "nope"], "argument --recipe: invalid choice"),
+        (["train", "--data", "my_photos"], "--data my_photos: the default recipe trains a 16 px greyscale ViT"),
         (["train", "--set", "optim.lrr=1"], "unknown config field 'optim.lrr'"),
         (["train", "--set", "oops"], "--set expects KEY=VALUE"),
         (["train", "--model", "B/32"], "not a multiple of patch size 32"),

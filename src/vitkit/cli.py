@@ -632,7 +632,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "digits, then the test accuracy. Writes runs/<name>/ (model/, checkpoints/, config.json, metrics.csv, "
         "curves.png). Multi-process: torchrun --nproc_per_node N -m vitkit train ...",
     )
-    p.add_argument("--recipe", default="digits", choices=sorted(RECIPES), help="recipe (default: digits)")
+    p.add_argument(
+        "--recipe", choices=sorted(RECIPES), help="recipe (default: digits, which is sized for the bundled digits)"
+    )
     p.add_argument("--data", help="dataset: digits, an ImageFolder root, a CIFAR folder, an .npz, WebDataset shards")
     p.add_argument("--model", help="a variant such as S/16 (replaces the recipe's architecture)")
     p.add_argument("--resume", metavar="RUN", help="continue a run (its folder or a checkpoint) exactly")
@@ -646,13 +648,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         given = [k for k, v in _training_options(args).items() if v not in (None, [])]
         given += [k for k in ("data", "model", "out") if getattr(args, k) is not None]
-        if given or args.recipe != "digits":
+        if given or args.recipe is not None:
             raise VitkitError(
                 f"--resume continues a run with its saved config; drop {', '.join(given or ['--recipe'])}"
             )
         result = run(None, resume=args.resume, progress=not args.quiet)
     else:
-        cfg = train_config(args.recipe, data=args.data, model=args.model, **_training_options(args))
+        if args.recipe is None and args.data not in (None, "digits"):
+            raise VitkitError(
+                f"--data {args.data}: the default recipe trains a 16 px greyscale ViT for the bundled 8x8 digits; "
+                "choose a recipe for these images with --recipe (cifar-small, plain-vit-s16, deit-i1k, ...; "
+                "--recipe digits to keep it)"
+            )
+        cfg = train_config(args.recipe or "digits", data=args.data, model=args.model, **_training_options(args))
         result = run(cfg, args.out, progress=not args.quiet)
     if result.rank == 0:
         print(summary(result))
