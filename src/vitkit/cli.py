@@ -715,9 +715,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--precision",
         nargs="+",
-        default=["bf16"],
         choices=["fp32", "bf16-autocast", "bf16", "int8"],
-        help="fp32, bf16-autocast (fp32 weights), bf16 (pure bf16 inference), int8 (dynamic, CPU); default bf16",
+        help="fp32, bf16-autocast (fp32 weights), bf16 (pure bf16 inference), int8 (dynamic, CPU); default bf16 "
+        "where the hardware has bf16 instructions (AVX512_BF16 or AMX, CUDA), else fp32",
     )
     p.add_argument("--compare", nargs="*", default=[], choices=["transformers"], help="peer(s) to run side by side")
     p.add_argument("--compile", action="store_true", help="torch.compile every runner (compile time reported)")
@@ -744,7 +744,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from vitkit.bench.curve import attention_share, plot_cost_curve
     from vitkit.bench.harness import BenchSpec, format_report, run_bench
+    from vitkit.bench.peak import has_native_bf16
 
+    precisions = tuple(args.precision or ["bf16" if has_native_bf16(args.device) else "fp32"])
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = [(s, b) for s in args.image_size for b in args.batch_size]
@@ -756,7 +758,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             image_size=size,
             batch_size=batch,
             task=args.task,
-            precisions=tuple(args.precision),
+            precisions=precisions,
             compile=args.compile,
             fast=not args.no_fast,
             compare=tuple(args.compare),

@@ -7,19 +7,30 @@ from pathlib import Path
 
 import pytest
 
+from vitkit.bench import peak
 from vitkit.cli import main
 
 
 def test_bench_compare_json_and_table(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     argv = ["bench", "Ti/16", "--image-size", "32", "--batch-size", "2", "--repeats", "2", "--compare", "transformers"]
-    assert main([*argv, "--json", str(out)]) == 0
+    assert main([*argv, "--precision", "bf16", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "vitkit-fast [bf16]" in text and "transformers [bf16]" in text and "peak bf16" in text
     result = json.loads(out.read_text())
     rows = {r["runner"]: r for r in result["results"]}
     assert rows["vitkit-fast [bf16]"]["speedup_vs_peer_same_precision"] > 0
     assert result["tokens"] == 5 and result["attention_n2_share"] > 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_default_precision_is_bf16_only_with_bf16_hardware(
+    native: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(peak, "has_native_bf16", lambda device="cpu": native)
+    argv = ["bench", "Ti/16", "--image-size", "32", "--batch-size", "2", "--repeats", "1", "--no-latency"]
+    assert main([*argv, "--no-fast"]) == 0
+    assert ("vitkit [bf16]" if native else "vitkit [fp32]") in capsys.readouterr().out
 
 
 def test_bench_sweep_plots_the_cost_curve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -7,7 +7,8 @@ import torch
 
 from conftest import randomize_
 from vitkit import optimize_for_inference
-from vitkit.bench.fast import FastBlock, InferenceViT
+from vitkit.bench import fast
+from vitkit.bench.fast import FastBlock, InferenceViT, Int8Linear
 from vitkit.models import create_model
 
 
@@ -65,6 +66,33 @@ def test_int8_fast_path_close_to_fp32() -> None:
     with torch.inference_mode():
         ref, out = model(x), optimize_for_inference(model, int8=True)(x)
     assert _rel(out, ref) < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_residual_add_fused_or_not_is_the_same_linear(dtype: torch.dtype) -> None:
+    """AVX2 CPUs have no oneDNN kernel that fuses the residual add into a bf16 output: the add then runs
+    after the GEMM. Both forms must compute x @ W^T + b + other."""
+    torch.manual_seed(0)
+    lin, x, other = torch.nn.Linear(64, 32), torch.randn(10, 64), torch.randn(10, 32)
+    ref = lin(x) + other
+    fused, unfused = Int8Linear(lin, dtype, "add", rows=10), Int8Linear(lin, dtype, "add", rows=10)
+    unfused.fuse_add = False
+    with torch.inference_mode():
+        a, b = fused(x.to(dtype), other.to(dtype)), unfused(x.to(dtype), other.to(dtype))
+    assert a.dtype == b.dtype == dtype
+    assert _rel(a, ref) < 0.03 and _rel(b, ref) < 0.03
+    assert _rel(a, b) < 0.01
+
+
+def test_activations_use_7_bits_without_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    x = torch.randn(50, 64) * 3
+    q, scale, zero = fast.quantize_dynamic_u7(x)
+    assert q.max() <= 127 and q.min() == 0
+    assert ((q.float() - zero) * scale - x).abs().max() <= scale / 2 + 1e-6
+    monkeypatch.setattr(fast, "cpu_flags", lambda: {"avx2", "fma"})
+    assert fast.default_quantizer() is fast.quantize_dynamic_u7
+    monkeypatch.setattr(fast, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    assert fast.default_quantizer() is fast.quantize_dynamic_u8
 
 
 def test_the_model_is_left_untouched_and_bad_options_fail() -> None:

