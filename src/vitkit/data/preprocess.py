@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -63,6 +64,14 @@ class Preprocess:
     def channels(self) -> int:
         return 1 if self.grayscale else 3
 
+    @cached_property
+    def _mean(self) -> np.ndarray:
+        return np.asarray(self.mean[: self.channels], dtype=np.float32)
+
+    @cached_property
+    def _std(self) -> np.ndarray:
+        return np.asarray(self.std[: self.channels], dtype=np.float32)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("image_size", "mean", "std"):
@@ -80,6 +89,8 @@ class Preprocess:
     def resize_image(self, img: Image.Image) -> Image.Image:
         H, W = self.image_size
         resample = _RESAMPLE[self.interpolation]
+        if img.size == (W, H) and (self.resize == "squash" or self.crop_pct == 1.0):
+            return img  # resizing to the same size is the identity
         if self.resize == "squash":
             return img.resize((W, H), resample)
         # shorter side to size / crop_pct, then centre crop (H, W)
@@ -91,13 +102,12 @@ class Preprocess:
 
     def to_tensor(self, img: Image.Image) -> torch.Tensor:
         """A decoded image -> normalised float tensor (C, H, W)."""
-        img = img.convert("L" if self.grayscale else "RGB")
+        mode = "L" if self.grayscale else "RGB"
+        img = img if img.mode == mode else img.convert(mode)
         arr = np.asarray(self.resize_image(img), dtype=np.float32) / 255.0  # (H, W[, C])
         if arr.ndim == 2:
             arr = arr[:, :, None]
-        mean = np.asarray(self.mean[: self.channels], dtype=np.float32)
-        std = np.asarray(self.std[: self.channels], dtype=np.float32)
-        arr = (arr - mean) / std
+        arr = (arr - self._mean) / self._std
         return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
 
     def __call__(self, path_or_image: str | os.PathLike[str] | Image.Image) -> torch.Tensor:

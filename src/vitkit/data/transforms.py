@@ -240,8 +240,10 @@ class TrainTransform:
         object.__setattr__(self, "_norm", pre)
 
     def augment(self, img: Image.Image, rng: Rng) -> Image.Image:
-        """The augmented PIL image (RGB), before normalisation."""
-        img = img.convert("RGB")
+        """The augmented PIL image (RGB, or L for a greyscale model without RandAugment), before
+        normalisation."""
+        mode = "L" if self.grayscale and self.randaug is None else "RGB"
+        img = img if img.mode == mode else img.convert(mode)
         size = self._norm.image_size
         if self.crop == "inception":
             img = inception_crop(img, size, rng, self.crop_scale, self.crop_ratio, self.interpolation)
