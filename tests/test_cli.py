@@ -204,3 +204,16 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path: Path) -> N
         return [row.split(",")[:4] for row in (tmp_path / run / "steps.csv").read_text().splitlines()]
 
     assert logged("ref") == logged("cut")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_train_notes_emulated_bf16(
+    native: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from vitkit.bench import peak
+
+    monkeypatch.setattr(peak, "has_native_bf16", lambda device="cpu": native)
+    argv = ["train", "--precision", "bf16", "--steps", "1", "--quiet", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert ("no bf16 instructions" in err) is not native

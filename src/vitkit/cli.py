@@ -661,10 +661,26 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "--recipe digits to keep it)"
             )
         cfg = train_config(args.recipe or "digits", data=args.data, model=args.model, **_training_options(args))
+        _note_emulated_bf16(cfg)
         result = run(cfg, args.out, progress=not args.quiet)
     if result.rank == 0:
         print(summary(result))
     return 0
+
+
+def _note_emulated_bf16(cfg: Any) -> None:
+    """Say so when bf16 autocast will run on a CPU that has no bf16 instructions (PyTorch emulates it)."""
+    import torch
+
+    from vitkit.bench.peak import has_native_bf16
+
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if cfg.precision == "bf16" and on_cpu and not has_native_bf16("cpu"):
+        print(
+            "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
+            "(tens of times slower than fp32); --precision fp32 is the fast choice here",
+            file=sys.stderr,
+        )
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
@@ -690,6 +706,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from vitkit.train.launch import finetune_config, run, summary
 
     cfg = finetune_config(args.checkpoint, args.data, args.recipe, **_training_options(args))
+    _note_emulated_bf16(cfg)
     result = run(cfg, args.out, progress=not args.quiet)
     if result.rank == 0:
         print(summary(result))
