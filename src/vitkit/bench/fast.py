@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.bench.peak import cpu_flags
+from vitkit.bench.peak import has_vnni
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
@@ -168,11 +168,6 @@ def quantize_dynamic_u7(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def has_vnni() -> bool:
-    """Whether this CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX)."""
-    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def default_quantizer() -> Quantizer:

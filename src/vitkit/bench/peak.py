@@ -151,6 +151,11 @@ def has_native_bf16(device: torch.device | str = "cpu") -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def has_vnni() -> bool:
+    """Whether this CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX)."""
+    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
 def _compiler() -> str | None:
     for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
         if name and shutil.which(name):
