@@ -670,12 +670,11 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _note_emulated_bf16(cfg: Any) -> None:
     """Say so when bf16 autocast will run on a CPU that has no bf16 instructions (PyTorch emulates it)."""
-    import torch
-
     from vitkit.bench.peak import has_native_bf16
+    from vitkit.train.distributed import pick_device
 
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if cfg.precision == "bf16" and on_cpu and not has_native_bf16("cpu"):
+    device = pick_device(cfg.device)  # how the run will resolve "auto"
+    if cfg.precision == "bf16" and device.type == "cpu" and not has_native_bf16(device):
         print(
             "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
             "(tens of times slower than fp32); --precision fp32 is the fast choice here",
