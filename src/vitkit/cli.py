@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from vitkit.commands import serve as serve_command
 from vitkit.errors import VitkitError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -823,6 +824,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_convert,
     _add_export,
     _add_bench,
+    serve_command.add_parser,
 ]
 
 
