@@ -24,8 +24,7 @@ from vitkit.evaluate import evaluate_dataset, fewshot_dataset
 from vitkit.inference import optimize_for_inference
 from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
 from vitkit.train import train
-
-__version__ = "0.1.0"
+from vitkit.version import __version__
 
 __all__ = [
     "Preprocess",
