@@ -314,8 +314,7 @@ class VisionTransformer(nn.Module):
     def init_buffers(self) -> None:
         """Compute the fixed (non-learned) tensors: the sin-cos table when there is one."""
         if self.pos_embed is None:
-            table = sincos_2d(self.native_grid, self.cfg.hidden_size)
-            self.pos_table = table.to(self.pos_table.device)
+            self.pos_table = sincos_2d(self.native_grid, self.cfg.hidden_size, device=self.pos_table.device)
 
     @staticmethod
     def _make_stem(cfg: ViTConfig) -> nn.Module:
@@ -383,8 +382,8 @@ class VisionTransformer(nn.Module):
         grid = self.grid_of(x)
         x = self.patch_embed(x)  # (B, N, D)
         if self.pos_embed is None:  # fixed sin-cos on the patches; the class token gets none
-            table = self.pos_table if grid == self.native_grid else sincos_2d(grid, x.shape[-1])
-            x = x + table.to(device=x.device, dtype=x.dtype)
+            table = self.pos_table if grid == self.native_grid else sincos_2d(grid, x.shape[-1], device=x.device)
+            x = x + table.to(x.dtype)
             if self.cls_token is not None:
                 x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         else:
