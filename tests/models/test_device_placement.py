@@ -81,7 +81,7 @@ def test_position_embedding_resampling_and_resize_stay_on_the_device(method: str
 def test_attention_analysis_stays_on_the_device(kind: str) -> None:
     model = meta_model(kind)
     x = torch.empty(2, 3, 48, 64, device=META)
-    grid, prefix, stride = model.grid_of(x), model.cfg.num_prefix_tokens, model.stem_stride
+    grid, prefix, stride = model.grid_of(x), model.cfg.num_prefix_tokens, model.cfg.stride
     with torch.no_grad():
         attns = model.forward_intermediates(x).attentions
     dist = distance_matrix(grid, stride, META)

@@ -1,6 +1,6 @@
 """Resumable training state: atomic, keep-last-k, no pickle.
 
-A checkpoint is a folder ``checkpoints/step-000001234/`` holding
+A training state is a folder ``checkpoints/step-000001234/`` of the run holding
 
 - ``state.safetensors``: every tensor -- ``model/<name>``, ``ema/<name>``, ``optim/<param name>/<key>``
   (Adam moments, step counts, SGD momentum), always full (unsharded) tensors;
@@ -36,11 +36,11 @@ META = "state.json"
 _NAME = re.compile(r"^step-(\d{9})$")
 
 
-def checkpoint_name(step: int) -> str:
+def state_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def list_checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+def list_states(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints in ``folder`` as (step, path), oldest first."""
     root = Path(folder)
     if not root.is_dir():
@@ -53,12 +53,12 @@ def list_checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(folder)
+def latest_state(folder: str | os.PathLike[str]) -> Path | None:
+    found = list_states(folder)
     return found[-1][1] if found else None
 
 
-def write_checkpoint(
+def write_state(
     folder: str | os.PathLike[str],
     step: int,
     tensors: dict[str, torch.Tensor],
@@ -68,7 +68,7 @@ def write_checkpoint(
     """Write one checkpoint atomically, then keep only the newest ``keep_last``."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
+    final = root / state_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
@@ -80,12 +80,12 @@ def write_checkpoint(
         fsync(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for _, path in list_checkpoints(root)[:-keep_last]:
+    for _, path in list_states(root)[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
     return final
 
 
-def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_state_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON half of a checkpoint (step, config ...), without loading tensors."""
     p = Path(path) / META
     try:
@@ -99,10 +99,10 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def read_checkpoint_state(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_state(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, meta) of one checkpoint folder, validated."""
     p = Path(path)
-    meta = read_checkpoint_meta(p)
+    meta = read_state_meta(p)
     try:
         tensors = load_file(str(p / TENSORS))
     except (SafetensorError, OSError) as e:
@@ -116,7 +116,7 @@ def resolve_resume(path: str | os.PathLike[str]) -> Path:
     if (p / META).is_file():
         return p
     for folder in (p / "checkpoints", p):
-        ckpt = latest_checkpoint(folder)
+        ckpt = latest_state(folder)
         if ckpt is not None:
             return ckpt
     raise CheckpointError(f"{p}: no training checkpoint to resume from")

@@ -23,7 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.fileio import replace_dir
 from vitkit.models.vit import VisionTransformer, ViTConfig
