@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from vitkit.commands import serve as serve_command
 from vitkit.errors import VitkitError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -93,11 +94,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     total_params = sum(r.params for r in rows)
     total_macs = sum(r.macs for r in rows)
     size = args.image_size or cfg.image_size
-    gh, gw = size[0] // model.stem_stride, size[1] // model.stem_stride
+    gh, gw = cfg.grid_at(size)
     summary = {
         "model": cfg.name or source,
         "image_size": list(size),
-        "tokens": gh * gw + cfg.num_prefix_tokens,
+        "tokens": cfg.num_tokens(size),
         "config": cfg.to_dict(),
         "components": [{"component": r.component, "params": r.params, "macs": r.macs} for r in rows],
         "params": total_params,
@@ -170,7 +171,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vitkit.checkpoints import load_checkpoint
-    from vitkit.data.preprocess import load_image
+    from vitkit.checkpoints.preprocess import load_image
 
     loaded = load_checkpoint(args.checkpoint, format=args.format)
     model, pre = loaded.model, loaded.meta.preprocess
@@ -530,7 +531,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze
-    from vitkit.data.preprocess import load_image
+    from vitkit.checkpoints.preprocess import load_image
     from vitkit.evaluate.features import resolve_device
 
     device = resolve_device(args.device)
@@ -835,6 +836,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_convert,
     _add_export,
     _add_bench,
+    serve_command.add_parser,
 ]
 
 

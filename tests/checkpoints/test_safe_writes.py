@@ -21,7 +21,7 @@ from vitkit.cli import main
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.evaluate.evaluate import EvalReport, write_eval_report
 from vitkit.evaluate.metrics import compute_metrics
-from vitkit.train import checkpointing as ck
+from vitkit.train import state as ck
 
 
 def tiny(num_classes: int = 3, value: float | None = None) -> vitkit.VisionTransformer:
@@ -58,7 +58,7 @@ def fake_run(root: Path) -> Path:
     """A training run's layout: model/, metrics.csv, checkpoints/."""
     vitkit.save_pretrained(tiny(), root / "model", class_names=["a", "b", "c"])
     (root / "metrics.csv").write_text("epoch,loss\n1,0.5\n")
-    ck.write_checkpoint(root / "checkpoints", 3, {"model/w": torch.ones(2)}, {})
+    ck.write_state(root / "checkpoints", 3, {"model/w": torch.ones(2)}, {})
     return root
 
 
@@ -170,13 +170,13 @@ def test_readers_use_the_old_folder_between_the_two_renames(tmp_path: Path) -> N
 def test_checkpoint_folder_leftovers_are_cleaned(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     for step in (1, 2):
-        ck.write_checkpoint(root, step, {"model/w": torch.full((2,), float(step))}, {}, keep_last=3)
+        ck.write_state(root, step, {"model/w": torch.full((2,), float(step))}, {}, keep_last=3)
     os.replace(root / "step-000000002", root / ".step-000000002.old")  # re-save of step 2 interrupted
-    assert ck.latest_checkpoint(root) == root / ".step-000000002.old"
+    assert ck.latest_state(root) == root / ".step-000000002.old"
     (root / "step-000000003").mkdir()  # a prune cut short / an empty step folder
     (root / ".step-000000004.tmp-00000000").mkdir()
     (root / ".step-000000001.del-00000000").mkdir()
-    ck.clean_checkpoints(root)
+    ck.clean_states(root)
     assert sorted(p.name for p in root.iterdir()) == ["step-000000001", "step-000000002"]
 
 

@@ -36,7 +36,7 @@ from vitkit.analysis.embeddings import (
     position_similarity,
     similarity_summary,
 )
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.fileio import check_report_dir
 from vitkit.models.vit import VisionTransformer
@@ -88,7 +88,7 @@ def attention_analysis(
     attention maps of the first ``opts.max_overlays`` images, upsampled to the input size."""
     layer, heads = _check_layer_head(model, opts)
     model = model.eval().to(device)
-    prefix, stride = model.cfg.num_prefix_tokens, model.stem_stride
+    prefix, stride = model.cfg.num_prefix_tokens, model.cfg.stride
     dist_sum: torch.Tensor | None = None
     count = 0
     rollouts: list[torch.Tensor] = []
@@ -124,7 +124,7 @@ def attention_analysis(
 
 def display_image(img: Image.Image, preprocess: Preprocess) -> np.ndarray:
     """The image as the model sees it (resized, cropped), (H, W) or (H, W, 3) in [0, 1], for figures."""
-    img = preprocess.resize_image(img.convert("L" if preprocess.grayscale else "RGB"))
+    img = preprocess.resized(img.convert("L" if preprocess.grayscale else "RGB"))
     return np.asarray(img, dtype=np.float32) / 255.0
 
 
@@ -167,8 +167,8 @@ def analyze(
         "checkpoint": source,
         "model": cfg.name,
         "image_size": list(preprocess.image_size),
-        "grid": list(model.native_grid),
-        "patch_stride_pixels": model.stem_stride,
+        "grid": list(cfg.grid_size),
+        "patch_stride_pixels": cfg.stride,
         "classifier": cfg.classifier,
         "pos_embed": cfg.pos_embed,
         "depth": cfg.depth,
@@ -217,8 +217,8 @@ def _attention_figures(
     res = attention_analysis(model, batches, opts, device, total=-(-len(images) // bs), progress=progress)
     n = len(res.rollout)
     shown = [display_image(img, preprocess) for img in images[:n]]
-    stride = model.stem_stride
-    grid = (preprocess.image_size[0] // stride, preprocess.image_size[1] // stride)
+    stride = model.cfg.stride
+    grid = model.cfg.grid_at(preprocess.image_size)
     uniform = float(distance_matrix(grid, stride).mean())  # what attention spread evenly would give
     dist_fig = plots.plot_attention_distance(
         res.mean_distance, out / "attention_distance.png", f"Mean attention distance ({res.num_images} images)", uniform

@@ -21,9 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from vitkit.checkpoints import big_vision, hf, native, npz, official, timm_format
+from vitkit.checkpoints import big_vision, hf, npz_files, official, timm_format, vitkit_format
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import check_not_input, complete_dir
 from vitkit.models.vit import VisionTransformer
@@ -46,20 +46,22 @@ class Format:
     save: SaveFn | None = None
 
 
-def _save_native(
+def _save_vitkit(
     model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
 ) -> Path:
     if meta is None:
-        return native.save(model, path, overwrite=overwrite)
+        return vitkit_format.save(model, path, overwrite=overwrite)
     names = meta.class_names if meta.class_names and len(meta.class_names) == model.cfg.num_classes else None
     provenance = {**meta.provenance, "converted_from": meta.format, "source": meta.source}
-    return native.save(
+    return vitkit_format.save(
         model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance, overwrite=overwrite
     )
 
 
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and not native.looks_like(path) and native.looks_like(complete_dir(path / "model"))
+    return (
+        path.is_dir() and not vitkit_format.looks_like(path) and vitkit_format.looks_like(complete_dir(path / "model"))
+    )
 
 
 def _load_run(path: Path) -> Checkpoint:
@@ -68,7 +70,7 @@ def _load_run(path: Path) -> Checkpoint:
     while True:
         folder = complete_dir(path / "model")
         try:
-            return native.load(folder)
+            return vitkit_format.load(folder)
         except CheckpointError:
             if folder == tried:
                 raise
@@ -77,22 +79,26 @@ def _load_run(path: Path) -> Checkpoint:
 
 FORMATS: dict[str, Format] = {
     "vitkit": Format(
-        "vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load, _save_native
+        "vitkit",
+        "vitkit folder: model.safetensors + config.json",
+        vitkit_format.looks_like,
+        vitkit_format.load,
+        _save_vitkit,
     ),
     "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(
         "official",
         "Google ViT/AugReg/hybrid .npz (vit_jax layout, pre-Linen names)",
-        lambda p: npz.file_layout(p) == "official",
+        lambda p: npz_files.file_layout(p) == "official",
         official.load,
-        official.save_model,
+        official.save,
     ),
     "big_vision": Format(
         "big_vision",
         "big_vision .npz (params/ prefix, Linen names, per-block or scan-stacked)",
         big_vision.looks_like,
         big_vision.load,
-        big_vision.save_model,
+        big_vision.save,
     ),
     "hf": Format("hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save),
     "timm": Format(

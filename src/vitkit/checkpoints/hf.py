@@ -41,7 +41,7 @@ from vitkit.checkpoints.base import (
     with_learned_posemb,
 )
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
-from vitkit.data.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 

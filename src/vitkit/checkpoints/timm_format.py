@@ -49,7 +49,7 @@ from vitkit.checkpoints.base import (
     with_learned_posemb,
 )
 from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
-from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.fileio import WRITER, WRITER_KEY, check_output_file, write_file_atomic
 from vitkit.models.posembed import grid_side

@@ -1,6 +1,6 @@
 """Evaluation runners behind ``vitkit eval`` and ``vitkit fewshot``, callable from Python.
 
-Both take a model, its :class:`~vitkit.data.preprocess.Preprocess` (from the checkpoint) and datasets that
+Both take a model, its :class:`~vitkit.checkpoints.preprocess.Preprocess` (from the checkpoint) and datasets that
 follow vitkit's data interface (``classes``, ``__len__``, ``__getitem__ -> (PIL image, label)``, or
 iterable-only for streams).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.features import extract, is_map_style
 from vitkit.evaluate.fewshot import (

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from vitkit import fileio
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 

@@ -9,7 +9,7 @@ import torch
 import vitkit
 from conftest import randomize_
 from vitkit.checkpoints import detect_format, load_checkpoint
-from vitkit.data.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 
 
