@@ -194,7 +194,7 @@ def load(path: Path) -> Checkpoint:
     return Checkpoint(cfg, state, meta)
 
 
-def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> Path:
+def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write a vitkit state dict in the official layout (loadable by ``vit_jax.checkpoint``).
 
     A sin-cos model is written with its table as the (learned-layout) position embedding: same function.
@@ -202,17 +202,17 @@ def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> P
     """
     require(cfg.grid_size[0] == cfg.grid_size[1], "official .npz", f"non-square token grid {cfg.grid_size}")
     cfg, state = with_learned_posemb(cfg, dict(model_state))
-    return npz_files.write_npz(from_state_dict(key_map(cfg), state), path)
+    return npz_files.write_npz(from_state_dict(key_map(cfg), state), path, overwrite=overwrite)
 
 
-def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
+def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point: ``model`` as an official .npz (the format holds no metadata).
 
     The official code computes the tanh GELU, so an exact-GELU model is refused (it would read back as a
     different function, ~2e-4 relative); `write` writes the arrays regardless, for who accepts that.
     """
     require_tanh_gelu(model.cfg, "official .npz")
-    return write(export_state(model), model.cfg, path)
+    return write(export_state(model), model.cfg, path, overwrite=overwrite)
 
 
 def require_tanh_gelu(cfg: ViTConfig, target: str) -> None:
