@@ -15,7 +15,8 @@ from PIL import Image
 
 from conftest import FIXTURES, SRC
 from test_cli import run
-from vitkit.data.datasets import MissingSplitError, open_dataset
+from vitkit.data.base import MissingSplitError
+from vitkit.data.datasets import open_dataset
 from vitkit.errors import DataError
 
 datasets = pytest.importorskip("datasets")

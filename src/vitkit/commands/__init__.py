@@ -1,1 +1,1 @@
-"""The ``vitkit`` subcommands, one module per group, each exposing ``add_parser(sub)`` (registered in cli.py)."""
+"""The CLI's subcommands, one module per group, each exposing ``add_parser(sub)`` (``cli.COMMANDS`` lists them)."""

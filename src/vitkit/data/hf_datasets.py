@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitkit.data.datasets import (
+from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
     Skipped,
