@@ -17,8 +17,8 @@ import numpy as np
 from PIL import Image
 
 from conftest import randomize_
-from vitkit.checkpoints.native import save
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.vitkit_format import save
 from vitkit.models import create_model
 
 CLASSES = ["cat", "dog", "ship", "tree", "car", "bird"]

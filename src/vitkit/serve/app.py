@@ -298,6 +298,9 @@ class _Unavailable(Exception):
 
 
 def _version() -> str:
-    from vitkit import __version__
+    from importlib.metadata import PackageNotFoundError, version
 
-    return __version__
+    try:
+        return version("vitkit")
+    except PackageNotFoundError:  # running from a source tree
+        return "unknown"
