@@ -231,13 +231,18 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=writable, help="output format")
     _add_load_options(p)
     p.add_argument("--num-classes", type=int, help="replace the head by a zero-initialised one for N classes")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file or vitkit-written folder")
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from vitkit.checkpoints import load_checkpoint, save_checkpoint
     from vitkit.checkpoints.verify import compare_models
+    from vitkit.fileio import check_not_input
 
+    check_not_input(Path(args.output), [args.input])  # before the (possibly long) load
     loaded = load_checkpoint(
         args.input,
         format=args.format,
@@ -245,7 +250,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         image_size=args.image_size,
         pos_interpolation=args.pos_interpolation,
     )
-    out = save_checkpoint(loaded.model, args.output, args.to, meta=loaded.meta)
+    out = save_checkpoint(loaded.model, args.output, args.to, meta=loaded.meta, overwrite=args.overwrite)
     again = load_checkpoint(out, format=args.to, image_size=loaded.model.cfg.image_size)
     err = compare_models(loaded.model, again.model)
     print(f"wrote {out} ({args.to}); read back: max abs err {err.max_abs_err:.3g}, rel err {err.rel_err:.3g}")
@@ -267,18 +272,24 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     _add_load_options(p)
     p.add_argument("--dynamic-batch", action="store_true", help="free batch axis (default: batch fixed at 2)")
     p.add_argument("--opset", type=_positive_int, default=18, help="ONNX opset version (default 18)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from vitkit.checkpoints import load_checkpoint
     from vitkit.checkpoints.onnx_export import export_onnx, validate_onnx
+    from vitkit.fileio import check_not_input, check_output_file
 
+    check_not_input(Path(args.output), [args.checkpoint])
+    check_output_file(Path(args.output), overwrite=args.overwrite)
     loaded = load_checkpoint(
         args.checkpoint, format=args.format, image_size=args.image_size, pos_interpolation=args.pos_interpolation
     )
     model = loaded.model
-    out = export_onnx(model, args.output, dynamic_batch=args.dynamic_batch, opset=args.opset)
+    out = export_onnx(model, args.output, dynamic_batch=args.dynamic_batch, opset=args.opset, overwrite=args.overwrite)
     check = validate_onnx(model, out, (2, 3) if args.dynamic_batch else (2,))
     H, W = model.cfg.image_size
     print(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from vitkit.analysis.embeddings import (
 )
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
+from vitkit.fileio import check_report_dir
 from vitkit.models.vit import VisionTransformer
 
 MAX_HEAD_MAP_ROWS = 4
@@ -126,6 +128,20 @@ def display_image(img: Image.Image, preprocess: Preprocess) -> np.ndarray:
     return np.asarray(img, dtype=np.float32) / 255.0
 
 
+REPORT_FILES = (
+    "summary.json",
+    "patch_embedding_pca.png",
+    "position_embedding_similarity.png",
+    "attention_distance.png",
+    "attention_rollout.png",
+)
+
+
+def is_report_file(name: str) -> bool:
+    """A file name :func:`analyze` writes."""
+    return name in REPORT_FILES or re.fullmatch(r"attention_layer\d+\.png", name) is not None
+
+
 def analyze(
     model: VisionTransformer,
     preprocess: Preprocess,
@@ -138,8 +154,12 @@ def analyze(
     progress: bool = True,
     source: str | None = None,
 ) -> dict[str, Any]:
-    """Run every analysis, write the PNGs and ``summary.json`` into ``out_dir``; return the summary."""
+    """Run every analysis, write the PNGs and ``summary.json`` into ``out_dir``; return the summary.
+
+    ``out_dir`` must be new, empty, or hold only an earlier analysis (other files are never overwritten).
+    """
     out = Path(out_dir)
+    check_report_dir(out, is_report_file, ("summary.json", "position_embedding"), "vitkit analysis")
     out.mkdir(parents=True, exist_ok=True)
     layer, heads = _check_layer_head(model, opts)
     cfg = model.cfg

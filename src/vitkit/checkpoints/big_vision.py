@@ -202,7 +202,9 @@ def load(path: Path) -> Checkpoint:
     return Checkpoint(cfg, state, meta)
 
 
-def write(model: VisionTransformer, path: str | Path, *, scan: bool = False, prefix: str = "params/") -> Path:
+def write(
+    model: VisionTransformer, path: str | Path, *, scan: bool = False, prefix: str = "params/", overwrite: bool = False
+) -> Path:
     """Write ``model`` as a big_vision checkpoint (``scan=True``: blocks stacked on a leading depth axis)."""
     cfg = model.cfg
     require(cfg.resnet_layers is None, "big_vision .npz", "big_vision's ViT has no hybrid ResNet stem")
@@ -214,7 +216,7 @@ def write(model: VisionTransformer, path: str | Path, *, scan: bool = False, pre
     arrays = from_state_dict(key_map(cfg), state)
     if scan:
         arrays = stack_scan(arrays, cfg.depth)
-    return npz_files.write_npz({prefix + k: v for k, v in arrays.items()}, path)
+    return npz_files.write_npz({prefix + k: v for k, v in arrays.items()}, path, overwrite=overwrite)
 
 
 def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
@@ -227,9 +229,9 @@ def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
     return out
 
 
-def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
+def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point (the format holds no metadata); exact-GELU models are refused as for ``official``."""
     from vitkit.checkpoints.official import require_tanh_gelu
 
     require_tanh_gelu(model.cfg, "big_vision .npz")
-    return write(model, path)
+    return write(model, path, overwrite=overwrite)

@@ -50,7 +50,7 @@ from vitkit.checkpoints.keymap import (
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
-from vitkit.models.resnet import resnet_reduction
+from vitkit.models.resnet import GN_GROUPS, resnet_reduction
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 BLOCK = "Transformer/encoderblock_{i}"
@@ -107,18 +107,25 @@ def looks_like(keys: Mapping[str, Any] | list[str]) -> bool:
     return npz_files.layout(list(keys)) == "official"
 
 
-def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], int] | None:
-    """(stage depths, width factor) of a hybrid's ResNet stem, or None for a plain ViT."""
+def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], float] | None:
+    """(stage depths, width factor) of a hybrid's ResNet stem, or None for a plain ViT.
+
+    The official root has ``int(64 * width_factor)`` channels for any factor, so the factor is width / 64
+    (exact in binary floating point); the 32-group GroupNorm is what limits the width.
+    """
     if "conv_root/kernel" not in arrays:
         return None
     width = int(arrays["conv_root/kernel"].shape[-1])
-    if width % 64:
-        raise CheckpointError(f"{source}: ResNet root width {width} is not a multiple of 64")
+    if width < GN_GROUPS or width % GN_GROUPS:
+        raise CheckpointError(
+            f"{source}: ResNet root width {width} is not a positive multiple of {GN_GROUPS} (GroupNorm groups)"
+        )
     layers: list[int] = []
     while any(k.startswith(f"block{len(layers) + 1}/unit1/") for k in arrays):
         n = len(layers) + 1
         layers.append(max(int(m.group(1)) for k in arrays if (m := re.match(rf"block{n}/unit(\d+)/", k))))
-    return tuple(layers), width // 64
+    factor = width / 64
+    return tuple(layers), int(factor) if factor.is_integer() else factor
 
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
@@ -187,7 +194,7 @@ def load(path: Path) -> Checkpoint:
     return Checkpoint(cfg, state, meta)
 
 
-def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> Path:
+def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write a vitkit state dict in the official layout (loadable by ``vit_jax.checkpoint``).
 
     A sin-cos model is written with its table as the (learned-layout) position embedding: same function.
@@ -195,17 +202,17 @@ def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> P
     """
     require(cfg.grid_size[0] == cfg.grid_size[1], "official .npz", f"non-square token grid {cfg.grid_size}")
     cfg, state = with_learned_posemb(cfg, dict(model_state))
-    return npz_files.write_npz(from_state_dict(key_map(cfg), state), path)
+    return npz_files.write_npz(from_state_dict(key_map(cfg), state), path, overwrite=overwrite)
 
 
-def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
+def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point: ``model`` as an official .npz (the format holds no metadata).
 
     The official code computes the tanh GELU, so an exact-GELU model is refused (it would read back as a
     different function, ~2e-4 relative); `write` writes the arrays regardless, for who accepts that.
     """
     require_tanh_gelu(model.cfg, "official .npz")
-    return write(export_state(model), model.cfg, path)
+    return write(export_state(model), model.cfg, path, overwrite=overwrite)
 
 
 def require_tanh_gelu(cfg: ViTConfig, target: str) -> None:

@@ -8,8 +8,10 @@ A training state is a folder ``checkpoints/step-000001234/`` of the run holding
   best metric, skipped-step count, class names, the resolved config.
 
 Writing goes to a hidden temporary folder (files fsync'ed), which is renamed into place in one
-``os.replace``; only then are old checkpoints pruned. A crash at any moment leaves either the new
-checkpoint complete or no trace of it, and the previous one untouched. Hidden folders are never read.
+``os.replace``; only then are old checkpoints pruned (renamed to a hidden name, then deleted). A crash at
+any moment leaves either the new checkpoint complete or no trace of it, and the previous one untouched.
+Hidden folders are never read, except ``.step-N.old`` while the same step is being re-saved (see
+``fileio.replace_dir``). :func:`clean_states` removes what a kill left behind.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vitkit.errors import CheckpointError
-from vitkit.fileio import fsync, replace_dir
+from vitkit.fileio import clean_stale, complete_dir, fsync, make_temp_dir, remove_tree, replace_dir
 
 STATE_FORMAT = "vitkit-train-state"
 STATE_VERSION = 1
@@ -46,11 +47,30 @@ def list_states(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     found = []
-    for entry in root.iterdir():
-        m = _NAME.match(entry.name)
-        if m and (entry / TENSORS).is_file() and (entry / META).is_file():
+    names = {entry.name.removeprefix(".").removesuffix(".old") for entry in root.iterdir()}
+    for name in names:
+        m = _NAME.match(name)
+        entry = complete_dir(root / name)  # a step being re-saved is read from its previous copy
+        if m and _complete(entry):
             found.append((int(m.group(1)), entry))
     return sorted(found)
+
+
+def _complete(entry: Path) -> bool:
+    return (entry / TENSORS).is_file() and (entry / META).is_file()
+
+
+def clean_states(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove what a kill left in a checkpoints folder: vitkit's hidden temporaries (an interrupted re-save
+    is restored) and ``step-N`` folders that lack their files (a prune cut short). Returns notes."""
+    root = Path(folder)
+    done = clean_stale(root)
+    if root.is_dir():
+        for entry in sorted(root.iterdir()):
+            if _NAME.match(entry.name) and entry.is_dir() and not entry.is_symlink() and not _complete(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+                done.append(f"removed incomplete {entry.name}")
+    return done
 
 
 def latest_state(folder: str | os.PathLike[str]) -> Path | None:
@@ -69,7 +89,7 @@ def write_state(
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     final = root / state_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    tmp = make_temp_dir(final)
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
         doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
@@ -81,7 +101,7 @@ def write_state(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for _, path in list_states(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
     return final
 
 

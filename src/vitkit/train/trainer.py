@@ -48,6 +48,7 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer
 from vitkit.data.transforms import RANDAUGMENT_OPS, RandAugment, TrainTransform, triple
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
+from vitkit.fileio import clean_stale
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer, ViTConfig
 from vitkit.train import distributed as distr
@@ -424,8 +425,23 @@ class Trainer:
             if self.cfg.model.init_from:
                 prov["fine_tuned_from"] = self.cfg.model.init_from
             vitkit_format.save(
-                model, self.run_dir / folder, preprocess=self.preprocess, class_names=self.classes, provenance=prov
+                model,
+                self.run_dir / folder,
+                preprocess=self.preprocess,
+                class_names=self.classes,
+                provenance=prov,
+                overwrite=True,  # the run's own model/ or best/, replaced as training goes on
             )
+        distr.barrier(self.dist)
+
+    def _clean_after_kill(self) -> None:
+        """Restore or remove what a killed run left in its folder (only vitkit's own hidden temporaries and
+        incomplete ``step-N/`` folders), before anything reads it."""
+        if self.dist.is_main:
+            done = clean_stale(self.run_dir, ("model", "best"))
+            done += train_state.clean_states(self.run_dir / "checkpoints")
+            for note in done:
+                print(f"note: {self.run_dir}: {note} (left by an interrupted run)", file=sys.stderr)
         distr.barrier(self.dist)
 
     # ---- logs -------------------------------------------------------------------------------------------
@@ -475,6 +491,7 @@ class Trainer:
     ) -> TrainResult:
         """Train to ``total_steps``; ``on_step(trainer, record)`` is called after every step (tests, hooks)."""
         t0 = time.perf_counter()
+        self._clean_after_kill()
         if resume is not None:
             self.load_state(train_state.resolve_resume(resume))
         self._open_logs(resumed=resume is not None)
