@@ -298,9 +298,6 @@ class _Unavailable(Exception):
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
+    from vitkit.version import __version__
 
-    try:
-        return version("vitkit")
-    except PackageNotFoundError:  # running from a source tree
-        return "unknown"
+    return __version__

@@ -20,10 +20,10 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
-from vitkit.bench.fast import optimize_for_inference
-from vitkit.bench.peak import has_native_bf16
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
+from vitkit.hardware import has_native_bf16
+from vitkit.inference import optimize_for_inference
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 
