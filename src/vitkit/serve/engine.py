@@ -149,7 +149,7 @@ class ServedModel:
             "num_classes": cfg.num_classes,
             "classes": self.class_names,
             "image_size": list(self.preprocess.image_size),
-            "patch_size": self.model.stem_stride,
+            "patch_size": self.model.cfg.stride,
             "depth": cfg.depth,
             "num_heads": cfg.num_heads,
             "classifier": cfg.classifier,
