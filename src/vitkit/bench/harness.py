@@ -208,15 +208,15 @@ class Runner:
 
 
 def build_model(spec: BenchSpec) -> tuple[VisionTransformer, Preprocess]:
-    """The vitkit model and its preprocessing: a checkpoint when ``spec.model`` is a path, else a fresh
+    """The vitkit model and its preprocessing: a checkpoint when ``spec.model`` names one, else a fresh
     variant whose head is given random (non-zero) weights so that outputs and top-1 agreement mean
     something."""
-    from vitkit.checkpoints import load_checkpoint
+    from vitkit.checkpoints import is_variant_name, load_checkpoint
     from vitkit.models import create_model
 
     torch.manual_seed(spec.seed)
     size = (spec.image_size, spec.image_size)
-    if Path(spec.model).exists():
+    if not is_variant_name(spec.model):  # a path, URL, registry name or hub id
         loaded = load_checkpoint(spec.model, image_size=spec.image_size)
         model, pre = loaded.model, replace(loaded.meta.preprocess, image_size=size)
     else:
