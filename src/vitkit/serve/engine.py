@@ -23,6 +23,7 @@ from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_map
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.hardware import has_native_bf16
+from vitkit.inference import optimize_for_inference
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 
@@ -100,8 +101,6 @@ class ServedModel:
     def __init__(
         self, loaded: Loaded, precision: str = "auto", max_batch: int = 8, device: torch.device | str = "cpu"
     ) -> None:
-        from vitkit.inference import optimize_for_inference
-
         self.loaded = loaded
         self.device = torch.device(device)
         self.model = loaded.model.eval().to(self.device)
