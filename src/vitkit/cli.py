@@ -412,7 +412,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.evaluate.evaluate import evaluate_dataset, write_eval_report
-    from vitkit.evaluate.features import resolve_device
+    from vitkit.hardware import resolve_device
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args)
@@ -480,7 +480,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.evaluate.evaluate import fewshot_dataset
-    from vitkit.evaluate.features import resolve_device
+    from vitkit.hardware import resolve_device
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args)
@@ -545,7 +545,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze
     from vitkit.checkpoints.preprocess import load_image
-    from vitkit.evaluate.features import resolve_device
+    from vitkit.hardware import resolve_device
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args, image_size=args.image_size)
@@ -695,10 +695,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _note_emulated_bf16(cfg: Any) -> None:
     """Say so when bf16 autocast will run on a CPU that has no bf16 instructions (PyTorch emulates it)."""
-    from vitkit.bench.peak import has_native_bf16
-    from vitkit.train.distributed import pick_device
+    from vitkit.hardware import has_native_bf16, resolve_device
 
-    device = pick_device(cfg.device)  # how the run will resolve "auto"
+    device = resolve_device(cfg.device)  # how the run will resolve "auto"
     if cfg.precision == "bf16" and device.type == "cpu" and not has_native_bf16(device):
         print(
             "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
@@ -785,7 +784,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from vitkit.bench.curve import attention_share, plot_cost_curve
     from vitkit.bench.harness import BenchSpec, format_report, run_bench
-    from vitkit.bench.peak import has_native_bf16
+    from vitkit.hardware import has_native_bf16
 
     precisions = tuple(args.precision or ["bf16" if has_native_bf16(args.device) else "fp32"])
     if args.threads:

@@ -20,7 +20,7 @@ from vitkit.analysis.attention import (
     rollout_maps,
     upsample_maps,
 )
-from vitkit.bench.fast import optimize_for_inference
+from vitkit.inference import optimize_for_inference
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.vit import VisionTransformer
 

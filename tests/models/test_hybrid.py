@@ -213,7 +213,7 @@ def test_root_width_is_int_64_times_any_factor(tmp_path: Path, factor: float, ro
     )  # fmt: skip
     assert model.patch_embed.resnet.conv_root.out_channels == root
     assert model.patch_embed.resnet.stages.block2.unit1.conv1.out_channels == 2 * root
-    path = off.save(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
     assert np.load(path)["conv_root/kernel"].shape == (7, 7, 3, root)
     loaded = vitkit.load_pretrained(path)
     assert loaded.cfg.resnet_width == factor
