@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from vitkit.commands import demo as demo_command
 from vitkit.commands import hub as hub_commands
 from vitkit.commands import serve as serve_command
 from vitkit.errors import VitkitError
@@ -850,6 +851,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_bench,
     hub_commands.add_parser,
     serve_command.add_parser,
+    demo_command.add_parser,
 ]
 
 
