@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
-from vitkit.commands import bench, evaluate, hub, model, predict, serve, train
+from vitkit.commands import bench, demo, evaluate, hub, model, predict, serve, train
 from vitkit.commands.args import Parser
 from vitkit.errors import VitkitError
 from vitkit.version import __version__
@@ -24,6 +24,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     bench.add_parser,  # bench
     hub.add_parser,  # download, models
     serve.add_parser,  # serve
+    demo.add_parser,  # demo
 ]
 
 
