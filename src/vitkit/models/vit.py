@@ -39,7 +39,6 @@ _INT_RANGES = {
     "depth": (1, 1024),
     "num_heads": (1, _MAX_WIDTH),
     "mlp_dim": (1, 4 * _MAX_WIDTH),
-    "resnet_width": (1, 64),
 }
 
 
@@ -115,10 +114,12 @@ class ViTConfig:
             _is_int(self.representation_size) and 1 <= self.representation_size <= _MAX_WIDTH
         ):
             raise bad(f"representation_size must be None or an integer in 1..{_MAX_WIDTH}")
-        for name in ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init"):
+        for name in ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise bad(f"{name} must be a finite number, got {value!r}")
+        if self.resnet_width > 64:
+            raise bad(f"resnet_width must be at most 64, got {self.resnet_width!r}")
         if not 0.0 < self.layer_norm_eps <= 1.0:
             raise bad(f"layer_norm_eps must be in (0, 1], got {self.layer_norm_eps!r}")
         if not isinstance(self.qkv_bias, bool):
