@@ -95,11 +95,17 @@ class ServedModel:
     """A loaded checkpoint ready to answer: ``predict`` (fast path) and ``attention`` (fp32 model).
 
     ``precision``: ``auto``, ``fp32``, ``bf16`` or ``int8`` (see :func:`resolve_precision`); ``max_batch``
-    chooses oneDNN's weight layout for the batches the server will run (any batch works).
+    chooses oneDNN's weight layout for the batches the server will run (any batch works). ``fast=False``
+    predicts with the checkpoint's own fp32 model (no second copy of the weights; the demo's choice).
     """
 
     def __init__(
-        self, loaded: Loaded, precision: str = "auto", max_batch: int = 8, device: torch.device | str = "cpu"
+        self,
+        loaded: Loaded,
+        precision: str = "auto",
+        max_batch: int = 8,
+        device: torch.device | str = "cpu",
+        fast: bool = True,
     ) -> None:
         self.loaded = loaded
         self.device = torch.device(device)
@@ -107,7 +113,10 @@ class ServedModel:
         self.preprocess = loaded.meta.preprocess
         if self.model.cfg.num_classes <= 0:
             raise ConfigError(f"{loaded.meta.source}: the model has no classification head; nothing to serve")
-        self.precision = resolve_precision(precision, self.device)
+        self.precision = resolve_precision(precision, self.device) if fast else "fp32"
+        if not fast:
+            self.fast: torch.nn.Module = self.model
+            return
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         if self.precision == "int8":
             dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
@@ -125,8 +134,9 @@ class ServedModel:
         precision: str = "auto",
         max_batch: int = 8,
         device: torch.device | str = "cpu",
+        fast: bool = True,
     ) -> ServedModel:
-        return cls(load_checkpoint(path, format=format), precision, max_batch, device)
+        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast)
 
     # ---- facts ----------------------------------------------------------------------------------------
 
