@@ -215,7 +215,11 @@ def load_checkpoint(
     """
     ckpt = read_checkpoint(path, format, cache_dir=cache_dir)
     model = empty_model(ckpt.cfg)
-    model.load_state_dict(ckpt.state, strict=True)
+    try:
+        model.load_state_dict(ckpt.state, strict=True)
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors: one line naming the first
+        detail = " ".join(str(e).split("\n", 2)[1:2]).strip().rstrip(".") or str(e).splitlines()[0]
+        raise CheckpointError(f"{ckpt.meta.source}: weights do not match the config ({detail})") from None
     meta = ckpt.meta
     if num_classes is not None and num_classes != ckpt.cfg.num_classes:
         model.reset_head(num_classes)

@@ -35,6 +35,7 @@ from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.base import (
     Checkpoint,
     CheckpointMeta,
+    check_fits_file,
     expected_state,
     export_state,
     require,
@@ -209,6 +210,7 @@ def load(path: Path) -> Checkpoint:
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
     cfg = config_from_hf(doc, weights, prefix, str(path))
+    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     style = _style(weights, prefix, str(path))
     ignored = {f"{prefix}embeddings.mask_token"}  # used only for masked image modelling inputs
     if cfg.num_classes > 0:
