@@ -333,6 +333,9 @@ class Trainer:
                 x, y = b.images.to(self.device), b.labels.to(self.device)
                 with self._autocast():
                     logits = self.forward(x).float()
+                if b.valid is not None:  # padding that keeps every process's forward passes in step
+                    keep = b.valid.to(self.device)
+                    logits, y = logits[keep], y[keep]
                 totals[0] += (logits.argmax(-1) == y).sum()
                 totals[1] += F.cross_entropy(logits, y, reduction="sum")
                 totals[2] += y.numel()
@@ -586,8 +589,15 @@ class Trainer:
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(clean=exc_type is None)
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        notice = distr.FailureNotice(self.dist, exc)  # tell the other processes (distributed.py)
+        self.close(clean=False)
+        if notice.peer is not None:  # this process stopped because another failed: report that one's error
+            raise notice.peer from None
+        notice.wait_for_peers()
 
 
 def _holds_run(path: Path) -> bool:
