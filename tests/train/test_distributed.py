@@ -14,7 +14,7 @@ import torch
 from train_helpers import assert_close_weights, tiny_config, weights
 
 from conftest import SRC
-from vitkit.train.launch import run
+from vitkit.train import train
 
 HERE = Path(__file__).parent
 
@@ -36,7 +36,7 @@ def _single(out: Path, eval_batch: int = 512) -> dict:
     )
     torch.set_num_threads(1)  # the same per-process arithmetic as the workers
     try:
-        result = run(cfg, out, progress=False)
+        result = train(cfg, out, progress=False)
     finally:
         torch.set_num_threads(os.cpu_count() or 1)
     return {

@@ -176,7 +176,7 @@ class BenchSpec:
     real_images: bool = False  # inference: also measure agreement with fp32 on real photos and digits
     device: str = "cpu"
     seed: int = 0
-    num_classes: int = 1000
+    num_classes: int | None = None  # None: the checkpoint's, or 1000 for a variant
 
     def validate(self) -> None:
         if self.task not in TASKS:
@@ -213,20 +213,14 @@ def build_model(spec: BenchSpec) -> tuple[VisionTransformer, Preprocess]:
     """The vitkit model and its preprocessing: a checkpoint when ``spec.model`` names one, else a fresh
     variant whose head is given random (non-zero) weights so that outputs and top-1 agreement mean
     something."""
-    from vitkit.checkpoints import is_variant_name, load_checkpoint
-    from vitkit.models import create_model
+    from vitkit.checkpoints import loaded_from
 
     torch.manual_seed(spec.seed)
-    size = (spec.image_size, spec.image_size)
-    if not is_variant_name(spec.model):  # a path, URL, registry name or hub id
-        loaded = load_checkpoint(spec.model, image_size=spec.image_size)
-        model, pre = loaded.model, replace(loaded.meta.preprocess, image_size=size)
-    else:
-        pre = Preprocess(image_size=size)
-        model = create_model(spec.model, image_size=spec.image_size, num_classes=spec.num_classes)
-        if isinstance(model.head, nn.Linear):
-            with torch.no_grad():
-                nn.init.normal_(model.head.weight, std=model.cfg.hidden_size**-0.5)
+    loaded = loaded_from(spec.model, image_size=spec.image_size, num_classes=spec.num_classes)
+    model, pre = loaded.model, replace(loaded.meta.preprocess, image_size=(spec.image_size, spec.image_size))
+    if loaded.meta.format == "variant" and isinstance(model.head, nn.Linear):
+        with torch.no_grad():
+            nn.init.normal_(model.head.weight, std=model.cfg.hidden_size**-0.5)
     return model.to(spec.device).eval(), pre
 
 

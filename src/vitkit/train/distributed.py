@@ -102,8 +102,8 @@ class FailureNotice:
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         mine = f"process {info.rank}: {text if isinstance(error, VitkitError) else f'{type(error).__name__}: {text}'}"
         try:
-            first = self.store.compare_set(FAILURE_KEY, "", mine)  # the first failure wins
-            first = first.decode() if isinstance(first, bytes) else str(first)
+            value = self.store.compare_set(FAILURE_KEY, "", mine)  # the first failure wins
+            first = value.decode() if isinstance(value, bytes) else str(value)
             if first != mine:
                 self.store.add(SEEN_KEY, 1)
                 self.peer = PeerFailure(f"stopped because {first}")
