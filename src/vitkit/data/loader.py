@@ -36,6 +36,12 @@ class Batch:
     indices: torch.Tensor  # (B,) dataset indices, for debugging and tests
     valid: torch.Tensor | None = None  # (B,) bool: False marks padding (multi-process evaluation); None: all valid
 
+    def pin_memory(self) -> Batch:
+        """Page-locked copies, for ``DataLoader(pin_memory=True)`` (its pinning thread calls this on custom
+        batch types): only from pinned memory do ``.to(cuda, non_blocking=True)`` copies overlap compute."""
+        valid = None if self.valid is None else self.valid.pin_memory()
+        return Batch(self.images.pin_memory(), self.labels.pin_memory(), self.indices.pin_memory(), valid)
+
 
 @dataclass(frozen=True)
 class _Bad:

@@ -34,6 +34,7 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: a single process, no process group
+    local_world: int = 1  # processes on this machine (they share its cores)
 
     @property
     def enabled(self) -> bool:
@@ -57,7 +58,8 @@ def setup(device: str = "auto") -> DistInfo:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
-    return DistInfo(rank, world, local_rank, dev, backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return DistInfo(rank, world, local_rank, dev, backend, local_world)
 
 
 def teardown(info: DistInfo, clean: bool = True) -> None:
@@ -143,9 +145,14 @@ def _checkpointed_forward(block: nn.Module, *args: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False)
 
 
-def wrap(model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing: bool = False) -> nn.Module:
+def wrap(
+    model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing: bool = False, precision: str = "fp32"
+) -> nn.Module:
     """The model as trained: itself (1 process), DDP, or FSDP2-sharded in place (blocks, then the root);
-    with ``grad_checkpointing``, its blocks recompute their activations in the backward pass first."""
+    with ``grad_checkpointing``, its blocks recompute their activations in the backward pass first.
+
+    FSDP2 on GPUs under ``precision="bf16"`` gathers parameters and computes in bf16 and reduces gradients
+    in fp32 (``fsdp_mixed_precision``); the sharded fp32 parameters stay the optimiser's master copy."""
     if grad_checkpointing:
         checkpoint_activations(model)
     if not info.enabled:
@@ -160,11 +167,22 @@ def wrap(model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(info.device.type, (info.world,))
+        mp = fsdp_mixed_precision(precision, info.device)
         for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     raise ConfigError(f"unknown distributed strategy {strategy!r} (ddp, fsdp)")
+
+
+def fsdp_mixed_precision(precision: str, device: torch.device) -> Any:
+    """FSDP2's MixedPrecisionPolicy: bf16 parameters (all-gathers, compute) with fp32 gradient reduction for
+    bf16 on a GPU; full fp32 otherwise (on CPUs bf16 runs as autocast only)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16" and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
