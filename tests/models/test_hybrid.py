@@ -54,8 +54,8 @@ def test_r50_b16_has_the_official_parameter_count() -> None:
 def test_every_official_hybrid(name: str) -> None:
     model = meta_model(name)
     assert count_parameters(model) == official_hybrid_params(name)
-    assert model.stem_stride == (16 if name == "R50+B/16" else 32)  # R+Ti/16: root (4x) with 8x8 patches
-    assert model.cfg.grid_size == model.native_grid
+    assert model.cfg.stride == (16 if name == "R50+B/16" else 32)  # R+Ti/16: root (4x) with 8x8 patches
+    assert model.cfg.grid_size == (224 // model.cfg.stride,) * 2
 
 
 @pytest.mark.parametrize(("name", "size"), [("R50+B/16", 224), ("R26+S/32", 384), ("R+Ti/16", (224, 320))])
@@ -159,7 +159,7 @@ def test_stem_matches_numpy_reference_of_official_semantics(
 ) -> None:
     """Stem output (tokens before the position embedding) vs the numpy reference on the exported arrays."""
     model = random_hybrid(layers, patch, image)
-    path = off.save(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
     arrays = dict(np.load(path))
     x = torch.randn(2, 3, image, image)
     ref = stem_tokens_np(arrays, x.permute(0, 2, 3, 1).double().numpy(), layers, patch)
@@ -172,13 +172,13 @@ def test_stem_matches_numpy_reference_of_official_semantics(
 
 def test_hybrid_npz_round_trip_and_4d_group_norm_scales(tmp_path: Path) -> None:
     model = random_hybrid((1, 2))
-    path = off.save(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
     loaded = vitkit.load_pretrained(path)
     assert loaded.cfg.resnet_layers == (1, 2) and loaded.cfg.image_size == (64, 64)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
-    again = off.save(loaded.state_dict(), loaded.cfg, tmp_path / "again.npz")
+    again = off.write(loaded.state_dict(), loaded.cfg, tmp_path / "again.npz")
     a, b = np.load(path), np.load(again)
     assert sorted(a.files) == sorted(b.files)
     for k in a.files:
@@ -198,6 +198,31 @@ def test_hybrid_resolution_change_and_config_round_trip(tmp_path: Path) -> None:
     model = random_hybrid((1, 2))
     vitkit.save_pretrained(model, tmp_path / "m")
     loaded = vitkit.load_pretrained(tmp_path / "m", image_size=96)
-    assert loaded.cfg.resnet_layers == (1, 2) and loaded.native_grid == (12, 12)
+    assert loaded.cfg.resnet_layers == (1, 2) and loaded.cfg.grid_size == (12, 12)
     with pytest.raises(vitkit.errors.ConfigError, match="hybrid stride"):
         create_model("R50+B/16", image_size=200)
+
+
+@pytest.mark.parametrize(("factor", "root"), [(0.5, 32), (1.5, 96), (2, 128)])
+def test_root_width_is_int_64_times_any_factor(tmp_path: Path, factor: float, root: int) -> None:
+    """vit_jax's root takes ``width = int(64 * width_factor)`` channels for any factor (stages 2^n times that);
+    a checkpoint with a 32-channel root reads back as factor 0.5, the same function."""
+    model = vitkit.create_model(
+        "R50+B/16", resnet_layers=(1, 1), resnet_width=factor, patch_size=1, image_size=32, hidden_size=48,
+        depth=1, num_heads=3, mlp_dim=96, num_classes=5, gelu="tanh",
+    )  # fmt: skip
+    assert model.patch_embed.resnet.conv_root.out_channels == root
+    assert model.patch_embed.resnet.stages.block2.unit1.conv1.out_channels == 2 * root
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    assert np.load(path)["conv_root/kernel"].shape == (7, 7, 3, root)
+    loaded = vitkit.load_pretrained(path)
+    assert loaded.cfg.resnet_width == factor
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.75, 0])
+def test_root_width_the_official_group_norm_cannot_split_is_refused(factor: float) -> None:
+    with pytest.raises(vitkit.errors.ConfigError, match="GroupNorm"):
+        create_model("R50+B/16", resnet_width=factor)

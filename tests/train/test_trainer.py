@@ -16,8 +16,7 @@ from train_helpers import assert_close_weights, assert_same_weights, tiny_config
 from vitkit import load_checkpoint
 from vitkit.errors import ConfigError, DataError
 from vitkit.train import Trainer, train
-from vitkit.train.checkpointing import list_checkpoints, read_checkpoint_state
-from vitkit.train.launch import run
+from vitkit.train.state import list_states, read_state
 from vitkit.train.trainer import NonFiniteLossError
 
 
@@ -88,15 +87,15 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
         trainer.fit(on_step=crash)
     before = trainer.history
     trainer.close()
-    assert [s for s, _ in list_checkpoints(tmp_path / "cut" / "checkpoints")] == [11, 12]
+    assert [s for s, _ in list_states(tmp_path / "cut" / "checkpoints")] == [11, 12]
 
-    resumed = run(None, resume=tmp_path / "cut", progress=False)
+    resumed = train(resume=tmp_path / "cut", progress=False)
     assert resumed.steps[0]["step"] == 13
     assert _losses(before[:12] + resumed.steps) == _losses(ref.steps)
     assert _losses(before[12:15]) == _losses(resumed.steps[:3])  # the lost steps recomputed identically
     assert_same_weights(weights(tmp_path / "ref" / "model"), weights(tmp_path / "cut" / "model"))
     # with EMA on, the saved model holds the averaged weights, not the raw ones
-    final = read_checkpoint_state(list_checkpoints(tmp_path / "ref" / "checkpoints")[-1][1])[0]
+    final = read_state(list_states(tmp_path / "ref" / "checkpoints")[-1][1])[0]
     ema = {k[len("ema/") :]: v for k, v in final.items() if k.startswith("ema/")}
     assert_same_weights(weights(tmp_path / "ref" / "model"), ema)
     assert not torch.equal(final["model/head.weight"], ema["head.weight"])
@@ -120,6 +119,23 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path: Path) -> None:
     two = train(cfg.override(accum_steps=2), tmp_path / "two", progress=False)
     np.testing.assert_allclose([r["loss"] for r in two.steps], [r["loss"] for r in one.steps], rtol=1e-5)
     assert_close_weights(weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model"))
+
+
+def test_activation_checkpointing_recomputes_the_blocks_and_trains_the_same(tmp_path: Path) -> None:
+    """grad_checkpointing=True: each block runs twice per micro-batch (forward, then recomputed in the
+    backward pass) and the steps equal those without it."""
+    cfg = tiny_config(**{"steps": 4, "epochs": None})
+    for on in (False, True):
+        with Trainer(cfg.override(grad_checkpointing=on), tmp_path / f"probe-{on}", progress=False) as t:
+            calls: list[int] = []
+            t.net.blocks[0].norm1.register_forward_hook(lambda *_, c=calls: c.append(1))
+            micro = next(iter(t.loader.epoch(0, 0)))
+            t.train_step(micro)
+            assert len(calls) == (2 if on else 1) * len(micro)
+    plain = train(cfg, tmp_path / "plain", progress=False)
+    ckpt = train(cfg.override(grad_checkpointing=True), tmp_path / "ckpt", progress=False)
+    np.testing.assert_allclose([r["loss"] for r in ckpt.steps], [r["loss"] for r in plain.steps], rtol=1e-5)
+    assert_close_weights(weights(tmp_path / "plain" / "model"), weights(tmp_path / "ckpt" / "model"))
 
 
 def test_attention_kernels_train_the_same_function(tmp_path: Path) -> None:
@@ -175,9 +191,9 @@ def test_bad_image_in_training_data_names_the_file(tmp_path: Path, sample_jpeg: 
 
 def test_run_folder_is_never_overwritten(tmp_path: Path) -> None:
     cfg = tiny_config(**{"steps": 1, "epochs": None, "data.val_split": None})
-    run(cfg, tmp_path / "r", progress=False)
+    train(cfg, tmp_path / "r", progress=False)
     with pytest.raises(ConfigError, match="already holds a run"):
-        run(cfg, tmp_path / "r", progress=False)
+        train(cfg, tmp_path / "r", progress=False)
 
 
 def test_finetune_from_a_run_at_a_higher_resolution(tmp_path: Path) -> None:

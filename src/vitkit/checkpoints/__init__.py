@@ -1,7 +1,8 @@
 """Checkpoint formats: one declarative, shape-checked key map per foreign layout.
 
-``load_checkpoint(path)`` detects the format from the file's structure (or takes ``format=``), converts
-it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
+``load_checkpoint(name)`` takes a local path, a URL, a registry name (``vitkit models``) or a Hugging Face Hub
+id (resolved by :mod:`vitkit.hub`), detects the format from the file's structure (or takes ``format=``),
+converts it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
 ``save_checkpoint(model, path, format)`` writes any format that can represent the model exactly.
 
 | name       | what                                                              |
@@ -16,17 +17,28 @@ it to vitkit's layout, builds the model and returns it with its metadata (prepro
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any, Protocol
 
-from vitkit.checkpoints import big_vision, hf, native, npz, official, timm_format
+import torch
+
+from vitkit.checkpoints import big_vision, hf, npz_files, official, timm_format, vitkit_format
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
+from vitkit.fileio import check_not_input, complete_dir
+from vitkit.hub import Resolved, label_names, label_set_for, resolve
+from vitkit.models.variants import create_model
 from vitkit.models.vit import VisionTransformer
 
-SaveFn = Callable[[VisionTransformer, Path, CheckpointMeta | None], Path]
+
+class SaveFn(Protocol):
+    def __call__(
+        self, model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
+    ) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -40,40 +52,59 @@ class Format:
     save: SaveFn | None = None
 
 
-def _save_native(model: VisionTransformer, path: Path, meta: CheckpointMeta | None) -> Path:
+def _save_vitkit(
+    model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
+) -> Path:
     if meta is None:
-        return native.save(model, path)
+        return vitkit_format.save(model, path, overwrite=overwrite)
     names = meta.class_names if meta.class_names and len(meta.class_names) == model.cfg.num_classes else None
     provenance = {**meta.provenance, "converted_from": meta.format, "source": meta.source}
-    return native.save(model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance)
+    return vitkit_format.save(
+        model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance, overwrite=overwrite
+    )
 
 
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and not native.looks_like(path) and native.looks_like(path / "model")
+    return (
+        path.is_dir() and not vitkit_format.looks_like(path) and vitkit_format.looks_like(complete_dir(path / "model"))
+    )
 
 
 def _load_run(path: Path) -> Checkpoint:
-    return native.load(path / "model")
+    """The run's ``model/``; while training replaces it (two renames), the previous one is read instead."""
+    tried = None
+    while True:
+        folder = complete_dir(path / "model")
+        try:
+            return vitkit_format.load(folder)
+        except CheckpointError:
+            if folder == tried:
+                raise
+            tried = folder  # a replace may have moved it between the lookup and the read: look once more
 
 
 FORMATS: dict[str, Format] = {
     "vitkit": Format(
-        "vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load, _save_native
+        "vitkit",
+        "vitkit folder: model.safetensors + config.json",
+        vitkit_format.looks_like,
+        vitkit_format.load,
+        _save_vitkit,
     ),
     "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(
         "official",
         "Google ViT/AugReg/hybrid .npz (vit_jax layout, pre-Linen names)",
-        lambda p: npz.file_layout(p) == "official",
+        lambda p: npz_files.file_layout(p) == "official",
         official.load,
-        official.save_model,
+        official.save,
     ),
     "big_vision": Format(
         "big_vision",
         "big_vision .npz (params/ prefix, Linen names, per-block or scan-stacked)",
         big_vision.looks_like,
         big_vision.load,
-        big_vision.save_model,
+        big_vision.save,
     ),
     "hf": Format("hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save),
     "timm": Format(
@@ -86,9 +117,17 @@ FORMATS: dict[str, Format] = {
 }
 
 
+def is_variant_name(name: str | os.PathLike[str]) -> bool:
+    """True when ``name`` names a model variant (``B/16``, ``R50+B/16``) rather than a checkpoint: it is no
+    local path and is spelled like a variant (size letters / patch digits). Everything else (paths, URLs,
+    registry names, hub ids) is a checkpoint."""
+    text = os.fspath(name)
+    return not os.path.exists(text) and re.fullmatch(r"(?:ViT-)?(?:R\d*\+)?[A-Za-z]{1,3}/\d{1,3}", text) is not None
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Name of the format of the checkpoint at ``path``, judged from its structure (never from its name)."""
-    p = Path(path)
+    p = complete_dir(Path(path))
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     found = [fmt.name for fmt in FORMATS.values() if fmt.detect(p)]
@@ -102,15 +141,60 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     )
 
 
-def read_checkpoint(path: str | os.PathLike[str], format: str | None = None) -> Checkpoint:
-    """The checkpoint converted to vitkit's state-dict layout, not yet placed in a model."""
-    p = Path(path)
-    name = format or detect_format(p)
+def read_checkpoint(
+    path: str | os.PathLike[str], format: str | None = None, *, cache_dir: str | os.PathLike[str] | None = None
+) -> Checkpoint:
+    """The checkpoint converted to vitkit's state-dict layout, not yet placed in a model.
+
+    ``path``: a local file or folder (always wins), an ``http(s)://`` / ``gs://`` URL, a registry name or a
+    Hugging Face Hub id ``org/name[@revision]``; remote ones are downloaded once into the cache
+    (``cache_dir``, default :func:`vitkit.hub.cache_dir`).
+    """
+    local = complete_dir(Path(path))
+    found = resolve(local if local.exists() else path, cache_dir=cache_dir)
+    name = format or (found.entry.format if found.entry else None) or detect_format(found.path)
     if name not in FORMATS:
         raise ConfigError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
-    return FORMATS[name].load(p)
+    ckpt = FORMATS[name].load(found.path)
+    return replace(ckpt, meta=_with_source_metadata(ckpt.meta, ckpt.cfg.num_classes, found))
+
+
+# Formats that hold no class names of their own: Google's .npz files (their 1000 / 21843-way heads are
+# ImageNet's, in the standard order) and timm state dicts without a label list.
+_NAMELESS_FORMATS = ("official", "big_vision", "timm")
+
+
+def _with_source_metadata(meta: CheckpointMeta, num_classes: int, found: Resolved) -> CheckpointMeta:
+    """Add what the name told: the registry entry's labels and preprocessing, where it came from."""
+    provenance = dict(meta.provenance)
+    if found.kind != "local":
+        provenance["resolved"] = {
+            k: v
+            for k, v in {"name": found.name, "kind": found.kind, "url": found.url, "repo_id": found.repo_id,
+                         "revision": found.revision}.items()
+            if v is not None
+        }  # fmt: skip
+    names = meta.class_names
+    preprocess = meta.preprocess
+    entry = found.entry
+    if entry is not None:
+        provenance["registry"] = {
+            "name": entry.name, "top1": entry.top1, "top1_source": entry.top1_source, "source": entry.source,
+        }  # fmt: skip
+        if names is None and entry.num_classes == num_classes:
+            names = label_names(entry.label_set)
+        p = entry.preprocess
+        preprocess = replace(
+            preprocess, mean=tuple(p["mean"]), std=tuple(p["std"]), resize=p["resize"], interpolation=p["interpolation"]
+        )
+    elif names is None and meta.format in _NAMELESS_FORMATS:
+        label_set = label_set_for(num_classes)
+        if label_set is not None:
+            names = label_names(label_set)
+            provenance["class_names"] = (
+                f"{label_set} (shipped names: the file holds none, its head is {num_classes}-way)"
+            )
+    return replace(meta, class_names=names, preprocess=preprocess, provenance=provenance)
 
 
 def load_checkpoint(
@@ -120,17 +204,22 @@ def load_checkpoint(
     num_classes: int | None = None,
     image_size: int | tuple[int, int] | None = None,
     pos_interpolation: str = "bilinear",
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Loaded:
-    """Load any supported checkpoint as a ready model plus metadata.
+    """Load any supported checkpoint (a path, URL, registry name or hub id) as a ready model plus metadata.
 
     ``num_classes``: replace the head by a zero-initialised one for this many classes (dropping the
     pre-logits layer) when it differs from the checkpoint's. ``image_size``: change the resolution,
     resampling the position-embedding grid (``"bilinear"`` reproduces the official ``interpolate_posembed``
     exactly, ``"bicubic"`` is timm's choice).
     """
-    ckpt = read_checkpoint(path, format)
+    ckpt = read_checkpoint(path, format, cache_dir=cache_dir)
     model = empty_model(ckpt.cfg)
-    model.load_state_dict(ckpt.state, strict=True)
+    try:
+        model.load_state_dict(ckpt.state, strict=True)
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors: one line naming the first
+        detail = " ".join(str(e).split("\n", 2)[1:2]).strip().rstrip(".") or str(e).splitlines()[0]
+        raise CheckpointError(f"{ckpt.meta.source}: weights do not match the config ({detail})") from None
     meta = ckpt.meta
     if num_classes is not None and num_classes != ckpt.cfg.num_classes:
         model.reset_head(num_classes)
@@ -141,6 +230,35 @@ def load_checkpoint(
     return Loaded(model.eval(), meta)
 
 
+_LOAD_OPTIONS = ("format", "num_classes", "image_size", "pos_interpolation", "cache_dir")
+
+
+def loaded_from(name_or_path: str | os.PathLike[str], *, device: str | None = None, **overrides: Any) -> Loaded:
+    """A variant name ("B/16") or any checkpoint (path, URL, registry name, hub id) as a model plus metadata.
+
+    A variant is freshly initialised with ``overrides`` (any ViTConfig field) and gets the default
+    preprocessing at its resolution; a checkpoint goes through :func:`load_checkpoint`, which takes
+    ``format``, ``num_classes``, ``image_size``, ``pos_interpolation`` and ``cache_dir``. ``None`` values
+    are left out. ``device="meta"`` builds shapes only (no memory, no initialisation cost).
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if is_variant_name(name_or_path):
+        with torch.device(device or "cpu"):
+            model = create_model(os.fspath(name_or_path), **given)
+        pre = Preprocess(image_size=model.cfg.image_size, grayscale=model.cfg.in_channels == 1)
+        return Loaded(model.eval(), CheckpointMeta("variant", os.fspath(name_or_path), pre))
+    unknown = sorted(set(given) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise ConfigError(f"{name_or_path}: a checkpoint takes {', '.join(_LOAD_OPTIONS)}, not {', '.join(unknown)}")
+    loaded = load_checkpoint(name_or_path, **given)
+    return loaded if device is None else replace(loaded, model=loaded.model.to(device))
+
+
+def model_from(name_or_path: str | os.PathLike[str], **overrides: Any) -> VisionTransformer:
+    """A variant name or any checkpoint as a model: see :func:`loaded_from`."""
+    return loaded_from(name_or_path, **overrides).model
+
+
 def load_pretrained(
     path: str | os.PathLike[str],
     *,
@@ -148,10 +266,17 @@ def load_pretrained(
     num_classes: int | None = None,
     image_size: int | tuple[int, int] | None = None,
     pos_interpolation: str = "bilinear",
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> VisionTransformer:
-    """Load any supported checkpoint as a ViT (in eval mode); see :func:`load_checkpoint`."""
+    """Load any supported checkpoint (a path, URL, registry name or hub id) as a ViT in eval mode; see
+    :func:`load_checkpoint`."""
     return load_checkpoint(
-        path, format=format, num_classes=num_classes, image_size=image_size, pos_interpolation=pos_interpolation
+        path,
+        format=format,
+        num_classes=num_classes,
+        image_size=image_size,
+        pos_interpolation=pos_interpolation,
+        cache_dir=cache_dir,
     ).model
 
 
@@ -163,11 +288,14 @@ def save_checkpoint(
     meta: CheckpointMeta | None = None,
     preprocess: Preprocess | None = None,
     class_names: list[str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` in ``format``, keeping preprocessing and class names where the format can hold them.
 
     A format that cannot represent the model exactly (e.g. a hybrid as a Hugging Face folder) refuses with a
-    CheckpointError saying why; nothing is written then.
+    CheckpointError saying why; nothing is written then. Nothing vitkit did not write is ever replaced: an
+    existing file, or a folder vitkit wrote, only with ``overwrite=True``; any other non-empty folder, and a
+    path that is, holds or lies inside the checkpoint ``meta`` was read from, are refused.
     """
     fmt = FORMATS.get(format)
     if fmt is None or fmt.save is None:
@@ -186,7 +314,9 @@ def save_checkpoint(
             preprocess=preprocess or meta.preprocess,
             class_names=class_names if class_names is not None else meta.class_names,
         )
-    return fmt.save(model, Path(path), meta)
+    out = Path(path)
+    check_not_input(out, [meta.source])
+    return fmt.save(model, out, meta, overwrite=overwrite)
 
 
 __all__ = [
@@ -198,8 +328,11 @@ __all__ = [
     "detect_format",
     "empty_model",
     "expected_state",
+    "is_variant_name",
     "load_checkpoint",
     "load_pretrained",
+    "loaded_from",
+    "model_from",
     "read_checkpoint",
     "save_checkpoint",
 ]

@@ -7,6 +7,8 @@
     ds = open_dataset("path/to/cifar-10-batches-py", "test")
     ds = open_dataset("arrays.npz", "train")      # images + labels arrays
     ds = open_dataset("shards/", "train")         # WebDataset tar shards: <root>/<split>-*.tar
+    ds = open_dataset("saved/", "test")           # Hugging Face datasets: save_to_disk folder, .parquet/.arrow
+    ds = open_dataset("org/name", "train")        # a Hub dataset id from the local datasets cache (offline)
 
 An :class:`ImageDataset` has ``classes`` (index -> name), ``len(ds)``, ``ds[i] -> (PIL RGB image, label)``
 and iterates as (image, label) pairs. ``ds.labels`` gives every label without decoding images.
@@ -20,174 +22,15 @@ an empty class folder keeps its index).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
+from vitkit.data.base import ClassMapError, ImageDataset, MissingSplitError, check_class_map, relabel
 from vitkit.errors import DataError
-
-# Split names that mean "held-out data", tried in this order when a source has no split of the exact name.
-SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
-    "train": ("train", "training"),
-    "val": ("val", "validation", "valid"),
-    "validation": ("validation", "val", "valid"),
-    "test": ("test", "testing"),
-}
-
-
-def split_candidates(split: str) -> tuple[str, ...]:
-    """Folder/key names a split may go by (``"val"`` -> val, validation, valid)."""
-    return SPLIT_ALIASES.get(split, (split,))
-
-
-class MissingSplitError(DataError):
-    """The source exists but has no split of the requested name."""
-
-
-@dataclass(frozen=True)
-class Skipped:
-    """One item dropped because of ``skip_bad=True``: where it is and why."""
-
-    item: str
-    reason: str
-
-
-class ImageDataset:
-    """A labelled image dataset (map-style): ``ds[i] -> (PIL RGB image, int label)``.
-
-    Subclasses set ``classes``, ``labels`` (int64 array, one per item) and implement ``load_image(i)``.
-    """
-
-    classes: list[str]
-    labels: np.ndarray  # (N,) int64
-    source: str
-    split: str
-    skipped: list[Skipped]
-
-    def __init__(self, source: str, split: str, classes: list[str], labels: np.ndarray) -> None:
-        self.source, self.split = source, split
-        self.classes = list(classes)
-        self.labels = np.asarray(labels, dtype=np.int64)
-        self.skipped = []
-        if self.labels.size and (self.labels.min() < 0 or self.labels.max() >= len(self.classes)):
-            bad = int(self.labels[(self.labels < 0) | (self.labels >= len(self.classes))][0])
-            raise DataError(f"{source}: label {bad} is outside the {len(self.classes)} classes")
-
-    def __len__(self) -> int:
-        return int(self.labels.shape[0])
-
-    def __getitem__(self, index: int) -> tuple[Image.Image, int]:
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"index {index} out of range for a dataset of {n} items")
-        index = index % n
-        return to_rgb(self.load_image(index)), int(self.labels[index])
-
-    def __iter__(self) -> Iterator[tuple[Image.Image, int]]:
-        for i in range(len(self)):
-            yield self[i]
-
-    def load_image(self, index: int) -> Image.Image:
-        """Decode item ``index`` (any mode; ``__getitem__`` converts to RGB). Raises DataError naming it."""
-        raise NotImplementedError
-
-    def describe(self, index: int) -> str:
-        """A human-readable name of item ``index`` (its file, or source[index]) for error messages."""
-        return f"{self.source}[{index}]"
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
-    def __repr__(self) -> str:
-        extra = f", skipped={len(self.skipped)}" if self.skipped else ""
-        return (
-            f"{type(self).__name__}(source={self.source!r}, split={self.split!r}, items={len(self)}, "
-            f"classes={len(self.classes)}{extra})"
-        )
-
-
-class ArrayDataset(ImageDataset):
-    """Images held in one uint8 array (N, H, W) or (N, H, W, C), C in {1, 3, 4}."""
-
-    def __init__(self, source: str, split: str, images: np.ndarray, labels: np.ndarray, classes: list[str]) -> None:
-        super().__init__(source, split, classes, labels)
-        if images.shape[0] != self.labels.shape[0]:
-            raise DataError(f"{source}: {images.shape[0]} images but {self.labels.shape[0]} labels ({split})")
-        self.images = images
-
-    def load_image(self, index: int) -> Image.Image:
-        arr = self.images[index]
-        if arr.ndim == 3 and arr.shape[-1] == 1:
-            arr = arr[..., 0]
-        return Image.fromarray(np.ascontiguousarray(arr))
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> RGB (16-bit and float greyscale are rescaled to 8 bits first)."""
-    if img.mode == "RGB":
-        return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        hi = 65535.0 if img.mode.startswith("I;16") else max(float(arr.max()), 1.0)
-        img = Image.fromarray(np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8))
-    return img.convert("RGB")
-
-
-def as_uint8_images(arr: np.ndarray, what: str) -> np.ndarray:
-    """Validate/convert an image array to uint8 (N, H, W[, C]); floats must lie in [0, 1]."""
-    if arr.ndim not in (3, 4) or (arr.ndim == 4 and arr.shape[-1] not in (1, 3, 4)):
-        raise DataError(f"{what}: expected images of shape (N, H, W) or (N, H, W, C) with C in 1/3/4, got {arr.shape}")
-    if arr.dtype == np.uint8:
-        return arr
-    if np.issubdtype(arr.dtype, np.floating):
-        if arr.size and (np.nanmin(arr) < 0.0 or np.nanmax(arr) > 1.0 or np.isnan(arr).any()):
-            raise DataError(f"{what}: float images must lie in [0, 1]")
-        return np.round(arr * 255.0).astype(np.uint8)
-    if np.issubdtype(arr.dtype, np.integer):
-        if arr.size and (arr.min() < 0 or arr.max() > 255):
-            raise DataError(f"{what}: integer images must lie in [0, 255]")
-        return arr.astype(np.uint8)
-    raise DataError(f"{what}: unsupported image dtype {arr.dtype}")
-
-
-def as_labels(arr: np.ndarray, what: str) -> np.ndarray:
-    """Validate an integer label vector."""
-    arr = np.asarray(arr)
-    if arr.ndim == 2 and arr.shape[1] == 1:
-        arr = arr[:, 0]
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
-        raise DataError(f"{what}: labels must be a 1-D integer array, got {arr.dtype} {arr.shape}")
-    if arr.size and arr.min() < 0:
-        raise DataError(f"{what}: negative label {int(arr.min())}")
-    return arr.astype(np.int64)
-
-
-def default_classes(labels: np.ndarray) -> list[str]:
-    """Class names "0" .. str(max label) when a source carries no names."""
-    return [str(i) for i in range(int(labels.max()) + 1 if labels.size else 0)]
-
-
-def check_class_map(source: str, found: Sequence[str], expected: Sequence[str] | None) -> list[str]:
-    """The class list to use: ``expected`` when given (``found`` must be a subset of it), else ``found``."""
-    if expected is None:
-        return list(found)
-    unknown = [c for c in found if c not in set(expected)]
-    if unknown:
-        raise DataError(f"{source}: class {unknown[0]!r} is not among the {len(expected)} expected classes")
-    return list(expected)
-
-
-def relabel(labels: np.ndarray, found: Sequence[str], names: Sequence[str]) -> np.ndarray:
-    """Labels indexing ``found`` -> the same classes indexing ``names`` (a superset, maybe reordered)."""
-    if list(found) == list(names):
-        return labels
-    lut = np.asarray([list(names).index(c) for c in found], dtype=np.int64)
-    return lut[labels]
-
 
 # ------------------------------------------------------------------------------------------------------
 # The entry point
@@ -200,20 +43,42 @@ def open_dataset(
     *,
     skip_bad: bool = False,
     classes: Sequence[str] | None = None,
+    strict_classes: bool = True,
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> ImageDataset:
     """Open a labelled image dataset by source and split.
 
     ``source``: ``"digits"`` (scikit-learn's bundled 8x8 digits; splits train/test, a fixed stratified 80/20
     split), an ImageFolder root, a CIFAR-10/100 python-pickle folder, an ``.npz`` file, or WebDataset tar
-    shards (a ``.tar`` file, a folder of them, or a brace pattern ``train-{000..099}.tar``).
+    shards (a ``.tar`` file, a folder of them, or a brace pattern ``train-{000..099}.tar``), or a Hugging Face
+    dataset (a ``save_to_disk`` folder, ``.parquet``/``.arrow`` files, a Hub id ``org/name`` from the local
+    cache; see :mod:`vitkit.data.hf_datasets`; ``image_column`` / ``label_column`` name its columns).
 
     ``skip_bad``: drop unreadable items (zero-byte, corrupt, truncated, empty class folders, samples
     without a label) and list them in ``ds.skipped`` instead of raising DataError.
 
     ``classes``: the class list the labels must index into (e.g. a checkpoint's); the source's own class
-    names must be a subset of it, so indices never shift between a training and an evaluation split.
+    names must be a subset of it, so indices never shift between a training and an evaluation split. With
+    ``strict_classes=False`` a source whose names are not a subset keeps its own classes instead of failing
+    (evaluation then compares labels by index, or by name when both sides hold the same set).
     """
-    name = os.fspath(source)
+    try:
+        return _open(os.fspath(source), split, skip_bad, classes, image_column, label_column)
+    except ClassMapError:
+        if strict_classes:
+            raise
+        return _open(os.fspath(source), split, skip_bad, None, image_column, label_column)
+
+
+def _open(
+    name: str,
+    split: str,
+    skip_bad: bool,
+    classes: Sequence[str] | None,
+    image_column: str | None,
+    label_column: str | None,
+) -> ImageDataset:
     expected = list(classes) if classes is not None else None
     if name == "digits":
         from vitkit.data.digits import open_digits
@@ -226,15 +91,26 @@ def open_dataset(
 
     if is_shard_source(name):
         return open_webdataset(name, split, skip_bad=skip_bad, classes=expected)
+    from vitkit.data import hf_datasets as hfd
+
+    if hfd.is_hf_source(name) or hfd.is_hub_dataset_id(name):
+        return hfd.open_hf_dataset(
+            name, split, skip_bad=skip_bad, classes=expected, image_column=image_column, label_column=label_column
+        )
+    if image_column is not None or label_column is not None:
+        raise DataError(f"{name}: image_column/label_column apply to Hugging Face datasets only")
     path = Path(name)
     if not path.exists():
-        raise DataError(f"{name}: no such file or directory (expected 'digits', a folder, an .npz or .tar shards)")
+        raise DataError(
+            f"{name}: no such file or directory (expected 'digits', a folder, an .npz, .tar shards, "
+            "a Hugging Face dataset or Hub id)"
+        )
     if path.is_file():
         if path.suffix == ".npz":
             from vitkit.data.npz import open_npz
 
             return open_npz(path, split, classes=expected)
-        raise DataError(f"{name}: unsupported dataset file (expected an .npz, or .tar WebDataset shards)")
+        raise DataError(f"{name}: unsupported dataset file (expected .npz, .tar WebDataset shards, .parquet or .arrow)")
     from vitkit.data.cifar import find_cifar, open_cifar
 
     cifar = find_cifar(path)
@@ -257,3 +133,17 @@ def open_split_or_none(
         return open_dataset(source, split, skip_bad=skip_bad, classes=classes)
     except MissingSplitError:
         return None
+
+
+def sample_images(dataset: ImageDataset | Any, n: int) -> tuple[list[Image.Image], list[str]]:
+    """``n`` examples spread evenly over a dataset (the first ``n`` of a stream), with names such as
+    ``"test[12] cat"`` (split, index, class)."""
+    classes = list(dataset.classes)
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        idx = np.unique(np.linspace(0, len(dataset) - 1, num=min(n, len(dataset))).round().astype(int)).tolist()
+        picked = [(i, *dataset[i]) for i in idx]
+    else:
+        picked = [(i, img, label) for i, (img, label) in zip(range(n), dataset, strict=False)]
+    split = getattr(dataset, "split", "")
+    names = [f"{split}[{i}] {classes[label] if label < len(classes) else label}" for i, _, label in picked]
+    return [img for _, img, _ in picked], names

@@ -21,8 +21,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
-from vitkit.models.resnet import HybridEmbed, resnet_reduction
+from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
+
+# Upper bounds of a config's sizes: far above any published ViT (ViT-22B: width 6144, MLP 24576, depth 48),
+# they keep a hostile config.json from asking for unbounded memory before anything else can be checked.
+_MAX_WIDTH = 1 << 16
+_MAX_TOKENS = 1 << 20
+_MAX_IMAGE_SIDE = 1 << 16
+_MAX_RESNET_STAGES, _MAX_RESNET_UNITS = 8, 64
+_INT_RANGES = {
+    "patch_size": (1, 4096),
+    "in_channels": (1, 1024),
+    "num_classes": (0, 10_000_000),
+    "hidden_size": (1, _MAX_WIDTH),
+    "depth": (1, 1024),
+    "num_heads": (1, _MAX_WIDTH),
+    "mlp_dim": (1, 4 * _MAX_WIDTH),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
 
 Classifier = Literal["token", "gap"]
 PosEmbed = Literal["learned", "sincos2d"]
@@ -56,30 +78,74 @@ class ViTConfig:
     qkv_bias: bool = True
     head_bias_init: float = 0.0  # -10 for the official ImageNet-21k pre-training heads
     resnet_layers: tuple[int, ...] | None = None  # hybrid: ResNet stage depths, e.g. (3, 4, 9); () = root only
-    resnet_width: int = 1  # hybrid: ResNet width factor (64 * width channels in the root)
+    resnet_width: float = 1  # hybrid: ResNet width factor, int(64 * width) channels in the root (official)
     name: str | None = None  # variant name such as "B/16", informational
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # free-form, kept in checkpoints
 
     def __post_init__(self) -> None:
         size = self.image_size
-        size = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
-        object.__setattr__(self, "image_size", size)
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size, size)
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(_is_int(s) for s in size)):
+            raise ValueError(f"invalid ViT config: image_size must be an integer or two, got {size!r}")
+        object.__setattr__(self, "image_size", (int(size[0]), int(size[1])))
         if self.resnet_layers is not None:
-            object.__setattr__(self, "resnet_layers", tuple(int(n) for n in self.resnet_layers))
+            layers = self.resnet_layers
+            if not (isinstance(layers, (tuple, list)) and all(_is_int(n) for n in layers)):
+                raise ValueError(f"invalid ViT config: resnet_layers must be a list of integers, got {layers!r}")
+            object.__setattr__(self, "resnet_layers", tuple(int(n) for n in layers))
         self.validate()
 
     def validate(self) -> None:
+        """Types, ranges and sizes, checked before anything is allocated (configs come from untrusted files):
+        every size has an upper bound far above any published ViT, so a hostile config cannot ask for
+        unbounded memory; checkpoint loaders also check the size against the tensors in the file."""
+
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid ViT config: {msg}")
 
+        for name, (lo, hi) in _INT_RANGES.items():
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise bad(f"{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise bad(f"{name} {value} is outside {lo}..{hi}")
+        if self.representation_size is not None and not (
+            _is_int(self.representation_size) and 1 <= self.representation_size <= _MAX_WIDTH
+        ):
+            raise bad(f"representation_size must be None or an integer in 1..{_MAX_WIDTH}")
+        for name in ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value!r}")
+        if self.resnet_width > 64:
+            raise bad(f"resnet_width must be at most 64, got {self.resnet_width!r}")
+        if not 0.0 < self.layer_norm_eps <= 1.0:
+            raise bad(f"layer_norm_eps must be in (0, 1], got {self.layer_norm_eps!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise bad(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
+        if self.resnet_layers is not None and (
+            len(self.resnet_layers) > _MAX_RESNET_STAGES or max(self.resnet_layers, default=1) > _MAX_RESNET_UNITS
+        ):
+            raise bad(f"resnet_layers: at most {_MAX_RESNET_STAGES} stages of at most {_MAX_RESNET_UNITS} units")
+        for side in self.image_size:
+            if not 0 < side <= _MAX_IMAGE_SIDE:
+                raise bad(f"image size {self.image_size} is outside 1..{_MAX_IMAGE_SIDE} pixels per side")
         if self.hidden_size % self.num_heads:
             raise bad(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         for side in self.image_size:
             if side <= 0 or side % self.stride:
                 what = "patch size" if self.resnet_layers is None else "hybrid stride (ResNet x patch)"
                 raise bad(f"image size {self.image_size} is not a multiple of {what} {self.stride}")
-        if self.resnet_layers is not None and (self.resnet_width < 1 or min(self.resnet_layers, default=1) < 1):
-            raise bad("resnet_layers must be positive stage depths and resnet_width >= 1")
+        if self.resnet_layers is not None:
+            if min(self.resnet_layers, default=1) < 1:
+                raise bad("resnet_layers must be positive stage depths")
+            root = resnet_root_width(self.resnet_width)
+            if root < GN_GROUPS or root % GN_GROUPS:
+                raise bad(
+                    f"resnet_width {self.resnet_width} gives a ResNet root of {root} channels; the official "
+                    f"GroupNorm ({GN_GROUPS} groups) needs a positive multiple of {GN_GROUPS}"
+                )
         if self.classifier not in ("token", "gap"):
             raise bad(f"classifier must be 'token' or 'gap', got {self.classifier!r}")
         if self.pos_embed not in ("learned", "sincos2d"):
@@ -91,6 +157,9 @@ class ViTConfig:
         for name in ("dropout", "attention_dropout", "drop_path"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad(f"{name} must be in [0, 1)")
+        gh, gw = self.grid_size
+        if gh * gw > _MAX_TOKENS:
+            raise bad(f"{gh}x{gw} = {gh * gw} tokens; at most {_MAX_TOKENS} (image size / patch size)")
 
     @property
     def stride(self) -> int:
@@ -101,7 +170,18 @@ class ViTConfig:
 
     @property
     def grid_size(self) -> tuple[int, int]:
-        return (self.image_size[0] // self.stride, self.image_size[1] // self.stride)
+        """Token grid (rows, columns) at the configured image size."""
+        return self.grid_at(self.image_size)
+
+    def grid_at(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
+        """Token grid (rows, columns) for images of ``image_size`` (H, W; an int means square)."""
+        H, W = (image_size, image_size) if isinstance(image_size, int) else image_size
+        return (H // self.stride, W // self.stride)
+
+    def num_tokens(self, image_size: int | tuple[int, int] | None = None) -> int:
+        """Sequence length T: the patches of the grid plus the class token (default: the configured size)."""
+        gh, gw = self.grid_at(self.image_size if image_size is None else image_size)
+        return gh * gw + self.num_prefix_tokens
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -135,12 +215,9 @@ class ViTConfig:
 class PatchEmbed(nn.Module):
     """Cut the image into P x P patches and project each to D dims: a P x P convolution with stride P."""
 
-    stride: int
-
     def __init__(self, patch_size: int, in_channels: int, dim: int) -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.stride = patch_size  # pixels per token along each side
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -288,9 +365,9 @@ class VisionTransformer(nn.Module):
         D = cfg.hidden_size
         self.patch_embed: nn.Module = self._make_stem(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.classifier == "token" else None
-        gh, gw = self.native_grid
+        gh, gw = cfg.grid_size
         if cfg.pos_embed == "learned":
-            self.pos_embed: nn.Parameter | None = nn.Parameter(torch.zeros(1, cfg.num_prefix_tokens + gh * gw, D))
+            self.pos_embed: nn.Parameter | None = nn.Parameter(torch.zeros(1, cfg.num_tokens(), D))
         else:
             self.pos_embed = None
             self.register_buffer("pos_table", torch.empty(1, gh * gw, D), persistent=False)
@@ -307,8 +384,7 @@ class VisionTransformer(nn.Module):
     def init_buffers(self) -> None:
         """Compute the fixed (non-learned) tensors: the sin-cos table when there is one."""
         if self.pos_embed is None:
-            table = sincos_2d(self.native_grid, self.cfg.hidden_size)
-            self.pos_table = table.to(self.pos_table.device)
+            self.pos_table = sincos_2d(self.cfg.grid_size, self.cfg.hidden_size, device=self.pos_table.device)
 
     @staticmethod
     def _make_stem(cfg: ViTConfig) -> nn.Module:
@@ -376,16 +452,16 @@ class VisionTransformer(nn.Module):
         grid = self.grid_of(x)
         x = self.patch_embed(x)  # (B, N, D)
         if self.pos_embed is None:  # fixed sin-cos on the patches; the class token gets none
-            table = self.pos_table if grid == self.native_grid else sincos_2d(grid, x.shape[-1])
-            x = x + table.to(device=x.device, dtype=x.dtype)
+            table = self.pos_table if grid == self.cfg.grid_size else sincos_2d(grid, x.shape[-1], device=x.device)
+            x = x + table.to(x.dtype)
             if self.cls_token is not None:
                 x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         else:
             if self.cls_token is not None:
                 x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, T, D)
             pos: torch.Tensor = self.pos_embed
-            if grid != self.native_grid:
-                pos = resample_grid(pos, self.native_grid, grid, self.cfg.num_prefix_tokens)
+            if grid != self.cfg.grid_size:
+                pos = resample_grid(pos, self.cfg.grid_size, grid, self.cfg.num_prefix_tokens)
             x = x + pos.to(x.dtype)
         return self.pos_drop(x)
 
@@ -393,21 +469,11 @@ class VisionTransformer(nn.Module):
         """Token grid (gh, gw) for images x (B, C, H, W); a clear error when the stride does not divide."""
         if x.ndim != 4 or x.shape[1] != self.cfg.in_channels:
             raise ValueError(f"expected images (B, {self.cfg.in_channels}, H, W), got {tuple(x.shape)}")
-        stride = self.stem_stride
+        stride = self.cfg.stride
         H, W = x.shape[-2:]
         if H % stride or W % stride:
             raise ValueError(f"image size {H}x{W} is not a multiple of the model's patch stride {stride}")
         return (H // stride, W // stride)
-
-    @property
-    def native_grid(self) -> tuple[int, int]:
-        """Token grid at the configured image size."""
-        return (self.cfg.image_size[0] // self.stem_stride, self.cfg.image_size[1] // self.stem_stride)
-
-    @property
-    def stem_stride(self) -> int:
-        """Pixels per token along each side (the patch size, times the hybrid stem's stride)."""
-        return int(getattr(self.patch_embed, "stride"))  # noqa: B009 (every stem sets it)
 
     # ---- eqs. 2-4 --------------------------------------------------------------------------------
 
@@ -457,13 +523,11 @@ class VisionTransformer(nn.Module):
         The patch size stays; the sequence grows or shrinks. ``method="bilinear"`` reproduces the official
         ``interpolate_posembed`` (scipy zoom, order 1); ``"bicubic"`` is the timm/HF choice.
         """
-        new_cfg = _replace(self.cfg, image_size=image_size)
-        old_grid = self.native_grid
-        new_grid = (new_cfg.image_size[0] // self.stem_stride, new_cfg.image_size[1] // self.stem_stride)
-        if new_cfg.image_size[0] % self.stem_stride or new_cfg.image_size[1] % self.stem_stride:
-            raise ValueError(f"image size {new_cfg.image_size} is not a multiple of the stride {self.stem_stride}")
+        new_cfg = _replace(self.cfg, image_size=image_size)  # checks that the stride divides the new size
         if self.pos_embed is not None:
-            pe = resample_grid(self.pos_embed.data, old_grid, new_grid, self.cfg.num_prefix_tokens, method)
+            pe = resample_grid(
+                self.pos_embed.data, self.cfg.grid_size, new_cfg.grid_size, self.cfg.num_prefix_tokens, method
+            )
             self.pos_embed = nn.Parameter(pe)
         self.cfg = new_cfg
         self.init_buffers()
@@ -493,14 +557,6 @@ def _replace(cfg: ViTConfig, **changes: Any) -> ViTConfig:
     d = cfg.to_dict()
     d.update(changes)
     return ViTConfig.from_dict(d)
-
-
-def lecun_normal_(w: torch.Tensor) -> torch.Tensor:
-    """Flax's ``lecun_normal``: truncated normal (+-2 std) with variance 1 / fan_in after truncation."""
-    fan_in = w.shape[1] * math.prod(w.shape[2:]) if w.ndim > 1 else w.shape[0]
-    # std of a unit normal truncated to [-2, 2] is 0.87962566103423978; divide to undo the shrinkage
-    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
-    return nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
 
 
 def count_parameters(model: nn.Module) -> int:

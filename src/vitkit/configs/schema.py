@@ -1,6 +1,6 @@
-"""Training configuration: typed dataclasses, serialisable to and from JSON (the run folder's config.json).
+"""The training configuration schema: typed dataclasses, serialisable to and from JSON (a run's config.json).
 
-A recipe (``vitkit.configs``) is a function returning a :class:`TrainConfig`; the CLI applies a few
+A recipe (``vitkit.configs.recipes``) is a function returning a :class:`TrainConfig`; the CLI applies a few
 overrides (data, epochs, batch size, lr ...) with :meth:`TrainConfig.override`.
 """
 
@@ -38,7 +38,7 @@ AUGREG_MIXUP = {
 
 @dataclass
 class DataConfig:
-    source: str = "digits"  # see vitkit.data.datasets.open_dataset
+    source: str = "digits"  # see vitkit.data.open_dataset
     train_split: str = "train"
     val_split: str | None = "auto"  # "auto": "val" if the source has one, else "test"; None: no evaluation
     image_size: tuple[int, int] = (224, 224)
@@ -125,6 +125,7 @@ class TrainConfig:
     loss: Literal["softmax", "sigmoid"] = "softmax"
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast for forward/backward, fp32 master weights
     compile: bool = False
+    grad_checkpointing: bool = False  # recompute block activations in the backward pass (less memory)
     # attention kernel of training steps: "auto" = the explicit softmax on CPU (its backward is faster than
     # PyTorch's fused CPU kernel) unless its stored probabilities would pass 1 GiB, else fused SDPA (flash,
     # and always on GPU); the same function either way. Evaluation always runs the fused kernel.
@@ -217,4 +218,7 @@ def _coerce(tp: Any, v: Any, where: str) -> Any:
         return tuple(v)
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp)
+    if expected and not (isinstance(v, tp) and (tp is bool or not isinstance(v, bool))):
+        raise ConfigError(f"{where}: expected {expected}, got {v!r}")
     return v
