@@ -11,21 +11,13 @@ import torch
 
 import vitkit
 from conftest import FIXTURES, randomize_
+from helpers import official_io, rel_err
 from vitkit.checkpoints import big_vision as bv
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.errors import CheckpointError
 
 CKPT = FIXTURES / "official_vit_tiny.npz"
 RENAMES = [("MultiHeadDotProductAttention_1", "MultiHeadDotProductAttention_0"), ("MlpBlock_3", "MlpBlock_0")]
-
-
-def official_io() -> tuple[torch.Tensor, np.ndarray]:
-    io = np.load(FIXTURES / "official_vit_tiny.io.npz")
-    return torch.from_numpy(io["inputs_nhwc"]).permute(0, 3, 1, 2), io["logits"]
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def as_big_vision(old_posemb: bool = False, scan: bool = False) -> dict[str, np.ndarray]:

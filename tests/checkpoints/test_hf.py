@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import vitkit
 from conftest import randomize_
+from helpers import rel_err
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
@@ -20,10 +21,6 @@ from vitkit.errors import CheckpointError
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5  # relative error on logits, both directions
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def hf_config(**kw: Any) -> Any:

@@ -12,20 +12,12 @@ import torch
 
 import vitkit
 from conftest import FIXTURES
+from helpers import official_io, rel_err
 from vitkit.checkpoints import detect_format, load_checkpoint
 from vitkit.checkpoints import official as off
 from vitkit.errors import CheckpointError
 
 CKPT = FIXTURES / "official_vit_tiny.npz"
-
-
-def official_io() -> tuple[torch.Tensor, np.ndarray]:
-    io = np.load(FIXTURES / "official_vit_tiny.io.npz")
-    return torch.from_numpy(io["inputs_nhwc"]).permute(0, 3, 1, 2), io["logits"]
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def test_config_inferred_from_shapes() -> None:

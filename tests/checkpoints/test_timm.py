@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 
 import vitkit
 from conftest import randomize_
+from helpers import rel_err
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.checkpoints import timm_format as tf
 from vitkit.errors import CheckpointError
@@ -49,10 +50,6 @@ def timm_forward(
     x = F.layer_norm(x, (D,), sd["norm.weight"], sd["norm.bias"], 1e-6)
     x = x[:, 0] if pool == "token" else x[:, (1 if cls is not None else 0) :].mean(1)
     return F.linear(x, sd["head.weight"], sd["head.bias"])
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def random_timm_state(classifier: str = "token", qkv_bias: bool = True) -> dict[str, torch.Tensor]:

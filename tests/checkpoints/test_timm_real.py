@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from timm_real import import_timm
 
 from conftest import randomize_
+from helpers import rel_err
 from vitkit.checkpoints import load_checkpoint
 from vitkit.errors import CheckpointError
 
@@ -34,10 +35,6 @@ def write(folder: Path, model: torch.nn.Module, model_args: dict[str, Any] | Non
         doc = {"architecture": "vit_custom", "model_args": {**ARGS, **model_args}}
         (folder / "config.json").write_text(json.dumps(doc))
     return folder / "model.safetensors"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def test_non_square_grid_with_a_square_entry_count(tmp_path: Path) -> None:
