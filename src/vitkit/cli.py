@@ -330,11 +330,14 @@ def _load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None 
 def _open(source: str, split: str, skip_bad: bool, classes: list[str] | None = None) -> Any:
     """Open a dataset split; with ``classes`` (a checkpoint's), labels index those classes whenever the
     dataset's class names are a subset of them (a split missing a class, or another order)."""
-    from vitkit.data.datasets import open_dataset
+    from vitkit.data.datasets import open_dataset, skipped_note
 
     ds = open_dataset(source, split, skip_bad=skip_bad)
     if classes and list(ds.classes) != list(classes) and set(ds.classes) <= set(classes):
         ds = open_dataset(source, split, skip_bad=skip_bad, classes=classes)
+    note = skipped_note(ds)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     return ds
 
 

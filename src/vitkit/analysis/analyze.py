@@ -35,7 +35,7 @@ from vitkit.analysis.embeddings import (
     position_similarity,
     similarity_summary,
 )
-from vitkit.data.preprocess import Preprocess
+from vitkit.data.preprocess import Preprocess, convert_image
 from vitkit.errors import ConfigError
 from vitkit.models.vit import VisionTransformer
 
@@ -122,7 +122,7 @@ def attention_analysis(
 
 def display_image(img: Image.Image, preprocess: Preprocess) -> np.ndarray:
     """The image as the model sees it (resized, cropped), (H, W) or (H, W, 3) in [0, 1], for figures."""
-    img = preprocess.resize_image(img.convert("L" if preprocess.grayscale else "RGB"))
+    img = preprocess.resize_image(convert_image(img, "L" if preprocess.grayscale else "RGB"))
     return np.asarray(img, dtype=np.float32) / 255.0
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from vitkit.checkpoints import big_vision, hf, native, npz, official, timm_format
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, check_state, empty_model, expected_state
 from vitkit.data.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.models.vit import VisionTransformer
@@ -129,6 +129,7 @@ def load_checkpoint(
     exactly, ``"bicubic"`` is timm's choice).
     """
     ckpt = read_checkpoint(path, format)
+    check_state(ckpt)
     model = empty_model(ckpt.cfg)
     model.load_state_dict(ckpt.state, strict=True)
     meta = ckpt.meta

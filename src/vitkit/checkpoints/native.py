@@ -34,6 +34,14 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
+# The fields that decide the tensors' shapes or the function computed: a vitkit config.json always holds them,
+# and one that lacks any is refused rather than filled with defaults (a different model, silently).
+REQUIRED_MODEL_FIELDS = (
+    "image_size", "patch_size", "in_channels", "num_classes", "hidden_size", "depth", "num_heads", "mlp_dim",
+    "classifier", "pos_embed", "representation_size", "gelu", "layer_norm_eps", "qkv_bias", "resnet_layers",
+)  # fmt: skip
+
+
 def looks_like(path: Path) -> bool:
     cfg = path / CONFIG
     if not (path.is_dir() and cfg.is_file()):
@@ -48,6 +56,11 @@ def load(path: Path) -> Checkpoint:
     cfg_path, w_path = path / CONFIG, path / WEIGHTS
     try:
         meta = json.loads(cfg_path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+            raise CheckpointError(f"{cfg_path}: invalid vitkit config (no \"model\" object)")
+        missing = [k for k in REQUIRED_MODEL_FIELDS if k not in meta["model"]]
+        if missing:
+            raise CheckpointError(f"{cfg_path}: the model config lacks {', '.join(missing)} (vitkit writes every field)")
         cfg = ViTConfig.from_dict(meta["model"])
         preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
     except FileNotFoundError:

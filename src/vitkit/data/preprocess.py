@@ -10,7 +10,9 @@ was trained on. Two resize modes cover the common conventions:
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
@@ -102,8 +104,7 @@ class Preprocess:
 
     def to_tensor(self, img: Image.Image) -> torch.Tensor:
         """A decoded image -> normalised float tensor (C, H, W)."""
-        mode = "L" if self.grayscale else "RGB"
-        img = img if img.mode == mode else img.convert(mode)
+        img = convert_image(img, "L" if self.grayscale else "RGB")
         arr = np.asarray(self.resize_image(img), dtype=np.float32) / 255.0  # (H, W[, C])
         if arr.ndim == 2:
             arr = arr[:, :, None]
@@ -121,7 +122,8 @@ class Preprocess:
 def load_image(path: str | os.PathLike[str]) -> Image.Image:
     """Decode an image file fully (so truncation is caught here), any mode, as a PIL image.
 
-    Raises DataError naming the file when it is missing, empty, not an image or truncated.
+    Raises DataError naming the file when it is missing, empty, not an image, truncated, or declares more
+    pixels than :func:`max_image_pixels` allows (checked from the header, before any pixel is decoded).
     """
     p = os.fspath(path)
     if not os.path.exists(p):
@@ -130,11 +132,66 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
         raise DataError(f"{p}: is a directory, not an image")
     if os.path.getsize(p) == 0:
         raise DataError(f"{p}: empty file (0 bytes)")
+    return decode_image(p, p)
+
+
+def decode_image(source: str | os.PathLike[str] | bytes, name: str) -> Image.Image:
+    """The one decoder of every command (datasets, shards, predict, analyze): a file path or the encoded
+    bytes -> a fully decoded PIL image (palette images as RGBA). ``name`` identifies it in errors.
+
+    Anything Pillow rejects -- unknown format, truncation, a header declaring more than
+    :func:`max_image_pixels` pixels (a decompression bomb), or a decoder failure on malformed bytes --
+    becomes one DataError naming the item, so ``skip_bad`` can count and drop it like any other bad file.
+    """
+    fp: Any = io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
     try:
-        with Image.open(p) as img:
-            img.load()
-            return img.copy() if img.mode != "P" else img.convert("RGBA")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is enforced below
+            with Image.open(fp) as img:
+                limit = max_image_pixels()
+                w, h = img.size
+                if limit is not None and w * h > limit:
+                    raise DataError(
+                        f"{name}: image declares {w}x{h} pixels, more than the {limit:,}-pixel limit "
+                        "(a decompression bomb or a corrupt header)"
+                    )
+                img.load()
+                return img.copy() if img.mode != "P" else img.convert("RGBA")
+    except DataError:
+        raise
+    except Image.DecompressionBombError as e:
+        raise DataError(f"{name}: {e}") from None
     except UnidentifiedImageError:
-        raise DataError(f"{p}: not a recognised image file") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"{p}: corrupt or truncated image ({e})") from None
+        raise DataError(f"{name}: not a recognised image file") from None
+    except MemoryError:
+        raise DataError(f"{name}: too large to decode in memory") from None
+    except Exception as e:  # noqa: BLE001 (malformed bytes reach many decoder errors: struct, index, zlib...)
+        raise DataError(f"{name}: corrupt or truncated image ({type(e).__name__}: {e})") from None
+
+
+def max_image_pixels() -> int | None:
+    """Largest pixel count decoded: Pillow's ``Image.MAX_IMAGE_PIXELS`` (the ecosystem's knob; None = no
+    limit). Pillow itself only warns between this and twice it; vitkit refuses everything above it."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return None if limit is None else int(limit)
+
+
+def convert_image(img: Image.Image, mode: str) -> Image.Image:
+    """Any decoded image -> ``mode`` ("RGB" or "L"), the conversion every command uses.
+
+    16-bit greyscale is rescaled to 8 bits (65535 -> 255), not clipped as Pillow's ``convert`` does (which
+    would saturate nearly every pixel); 32-bit integer and float greyscale are scaled by their maximum.
+    """
+    if img.mode == mode:
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
+        arr = np.asarray(img, dtype=np.float64)
+        if img.mode.startswith("I;16"):
+            hi = 65535.0
+        else:
+            hi = max(float(np.nanmax(arr)) if arr.size else 1.0, 1.0)
+        arr = np.nan_to_num(arr, nan=0.0)
+        img = Image.fromarray(np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8))
+        if img.mode == mode:
+            return img
+    return img.convert(mode)

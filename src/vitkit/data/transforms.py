@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageEnhance, ImageOps
 
-from vitkit.data.preprocess import _RESAMPLE, INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.data.preprocess import _RESAMPLE, INCEPTION_MEAN, INCEPTION_STD, Preprocess, convert_image
 
 Rng = np.random.Generator
 
@@ -242,8 +242,7 @@ class TrainTransform:
     def augment(self, img: Image.Image, rng: Rng) -> Image.Image:
         """The augmented PIL image (RGB, or L for a greyscale model without RandAugment), before
         normalisation."""
-        mode = "L" if self.grayscale and self.randaug is None else "RGB"
-        img = img if img.mode == mode else img.convert(mode)
+        img = convert_image(img, "L" if self.grayscale and self.randaug is None else "RGB")
         size = self._norm.image_size
         if self.crop == "inception":
             img = inception_crop(img, size, rng, self.crop_scale, self.crop_ratio, self.interpolation)

@@ -62,7 +62,10 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         size = self.image_size
-        size = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        sides = [size] if isinstance(size, int) else list(size) if isinstance(size, (tuple, list)) else None
+        if sides is None or len(sides) not in (1, 2) or not all(_is_int(s) and s > 0 for s in sides):
+            raise ValueError(f"invalid ViT config: image_size must be a positive integer or [H, W], got {size!r}")
+        size = (int(sides[0]), int(sides[-1]))
         object.__setattr__(self, "image_size", size)
         if self.resnet_layers is not None:
             object.__setattr__(self, "resnet_layers", tuple(int(n) for n in self.resnet_layers))
@@ -72,6 +75,7 @@ class ViTConfig:
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid ViT config: {msg}")
 
+        _check_fields(self)
         if self.hidden_size % self.num_heads:
             raise bad(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         for side in self.image_size:
@@ -125,6 +129,55 @@ class ViTConfig:
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+_POSITIVE_INTS = ("patch_size", "in_channels", "hidden_size", "depth", "num_heads", "mlp_dim", "resnet_width")
+_FINITE_FLOATS = ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init")
+MAX_TENSOR_ELEMENTS = 2**36  # 256 GiB in fp32: no single weight of any real ViT comes near (H/14's largest: 6.6M)
+
+
+def _check_fields(cfg: ViTConfig) -> None:
+    """Types and ranges of every field, before any arithmetic on them: a config read from a file may hold
+    strings, negatives, NaN or sizes whose tensors could never be allocated."""
+
+    def bad(msg: str) -> ValueError:
+        return ValueError(f"invalid ViT config: {msg}")
+
+    for name in _POSITIVE_INTS:
+        v = getattr(cfg, name)
+        if not _is_int(v) or v < 1:
+            raise bad(f"{name} must be a positive integer, got {v!r}")
+    if not _is_int(cfg.num_classes) or cfg.num_classes < 0:
+        raise bad(f"num_classes must be a non-negative integer, got {cfg.num_classes!r}")
+    rep = cfg.representation_size
+    if rep is not None and (not _is_int(rep) or rep < 1):
+        raise bad(f"representation_size must be a positive integer or null, got {rep!r}")
+    for name in _FINITE_FLOATS:
+        v = getattr(cfg, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise bad(f"{name} must be a finite number, got {v!r}")
+    if not cfg.layer_norm_eps > 0:
+        raise bad(f"layer_norm_eps must be positive, got {cfg.layer_norm_eps!r}")
+    if not isinstance(cfg.qkv_bias, bool):
+        raise bad(f"qkv_bias must be true or false, got {cfg.qkv_bias!r}")
+    if cfg.resnet_layers is not None and not all(_is_int(n) for n in cfg.resnet_layers):
+        raise bad(f"resnet_layers must be integers, got {list(cfg.resnet_layers)!r}")
+    D, P = cfg.hidden_size, cfg.patch_size
+    tokens = (cfg.image_size[0] // P) * (cfg.image_size[1] // P) + 1
+    largest = {
+        "patch embedding (hidden_size x in_channels x patch_size^2)": D * cfg.in_channels * P * P,
+        "attention q/k/v (3 x hidden_size^2)": 3 * D * D,
+        "MLP (hidden_size x mlp_dim)": D * cfg.mlp_dim,
+        "head (width x num_classes)": max(rep or D, D) * cfg.num_classes,
+        "position embedding (tokens x hidden_size)": tokens * D,
+    }
+    for what, n in largest.items():
+        if n > MAX_TENSOR_ELEMENTS:
+            raise bad(f"the {what} would hold {n:,} weights, more than any ViT ({MAX_TENSOR_ELEMENTS:,} at most)")
 
 
 # --------------------------------------------------------------------------------------------------

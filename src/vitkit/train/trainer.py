@@ -41,7 +41,7 @@ from torch import nn
 from vitkit.checkpoints import load_checkpoint
 from vitkit.checkpoints import native as native_ckpt
 from vitkit.checkpoints.base import empty_model
-from vitkit.data.datasets import ImageDataset, open_dataset, open_split_or_none
+from vitkit.data.datasets import ImageDataset, open_dataset, open_split_or_none, skipped_note
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer
 from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
@@ -114,6 +114,10 @@ class Trainer:
 
         self.workers = min(cfg.data.workers, os.cpu_count() or 1)  # a recipe's 8 workers on a 2-core machine: 2
         self.train_set, self.val_set = self._open_data()
+        for ds in (self.train_set, self.val_set):
+            note = skipped_note(ds) if ds is not None and self.dist.is_main else None
+            if note:
+                print(f"note: {note}", file=sys.stderr)
         self.classes = self.train_set.classes
         net, pre = self._build_model()
         self.preprocess = pre
