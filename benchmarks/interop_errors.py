@@ -113,7 +113,7 @@ def hybrid_npz(tmp: Path) -> float:
         vitkit.create_model("R50+B/16", image_size=64, depth=1, hidden_size=48, num_heads=3, mlp_dim=96,
                             resnet_layers=(1, 2), num_classes=5, gelu="tanh")
     )  # fmt: skip
-    path = off.save(model.state_dict(), model.cfg, tmp / "h.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp / "h.npz")
     x = torch.randn(2, 3, 64, 64)
     return rel(vitkit.load_pretrained(path)(x), model(x))
 

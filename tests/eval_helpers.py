@@ -8,7 +8,7 @@ import numpy as np
 from PIL import Image
 
 from conftest import randomize_
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer
 

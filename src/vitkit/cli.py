@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from vitkit.commands import serve as serve_command
 from vitkit.errors import VitkitError
 
 Handler = Callable[[argparse.Namespace], int]
@@ -93,11 +94,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     total_params = sum(r.params for r in rows)
     total_macs = sum(r.macs for r in rows)
     size = args.image_size or cfg.image_size
-    gh, gw = size[0] // model.stem_stride, size[1] // model.stem_stride
+    gh, gw = cfg.grid_at(size)
     summary = {
         "model": cfg.name or source,
         "image_size": list(size),
-        "tokens": gh * gw + cfg.num_prefix_tokens,
+        "tokens": cfg.num_tokens(size),
         "config": cfg.to_dict(),
         "components": [{"component": r.component, "params": r.params, "macs": r.macs} for r in rows],
         "params": total_params,
@@ -170,7 +171,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vitkit.checkpoints import load_checkpoint
-    from vitkit.data.preprocess import load_image
+    from vitkit.checkpoints.preprocess import load_image
 
     loaded = load_checkpoint(args.checkpoint, format=args.format)
     model, pre = loaded.model, loaded.meta.preprocess
@@ -230,13 +231,18 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--to", required=True, choices=writable, help="output format")
     _add_load_options(p)
     p.add_argument("--num-classes", type=int, help="replace the head by a zero-initialised one for N classes")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file or vitkit-written folder")
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from vitkit.checkpoints import load_checkpoint, save_checkpoint
     from vitkit.checkpoints.verify import compare_models
+    from vitkit.fileio import check_not_input
 
+    check_not_input(Path(args.output), [args.input])  # before the (possibly long) load
     loaded = load_checkpoint(
         args.input,
         format=args.format,
@@ -244,7 +250,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         image_size=args.image_size,
         pos_interpolation=args.pos_interpolation,
     )
-    out = save_checkpoint(loaded.model, args.output, args.to, meta=loaded.meta)
+    out = save_checkpoint(loaded.model, args.output, args.to, meta=loaded.meta, overwrite=args.overwrite)
     again = load_checkpoint(out, format=args.to, image_size=loaded.model.cfg.image_size)
     err = compare_models(loaded.model, again.model)
     print(f"wrote {out} ({args.to}); read back: max abs err {err.max_abs_err:.3g}, rel err {err.rel_err:.3g}")
@@ -266,18 +272,24 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     _add_load_options(p)
     p.add_argument("--dynamic-batch", action="store_true", help="free batch axis (default: batch fixed at 2)")
     p.add_argument("--opset", type=_positive_int, default=18, help="ONNX opset version (default 18)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.set_defaults(func=cmd_export)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from vitkit.checkpoints import load_checkpoint
     from vitkit.checkpoints.onnx_export import export_onnx, validate_onnx
+    from vitkit.fileio import check_not_input, check_output_file
 
+    check_not_input(Path(args.output), [args.checkpoint])
+    check_output_file(Path(args.output), overwrite=args.overwrite)
     loaded = load_checkpoint(
         args.checkpoint, format=args.format, image_size=args.image_size, pos_interpolation=args.pos_interpolation
     )
     model = loaded.model
-    out = export_onnx(model, args.output, dynamic_batch=args.dynamic_batch, opset=args.opset)
+    out = export_onnx(model, args.output, dynamic_batch=args.dynamic_batch, opset=args.opset, overwrite=args.overwrite)
     check = validate_onnx(model, out, (2, 3) if args.dynamic_batch else (2,))
     H, W = model.cfg.image_size
     print(
@@ -330,7 +342,8 @@ def _load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None 
 def _open(source: str, split: str, skip_bad: bool, classes: list[str] | None = None) -> Any:
     """Open a dataset split; with ``classes`` (a checkpoint's), labels index those classes whenever the
     dataset's class names are a subset of them (a split missing a class, or another order)."""
-    from vitkit.data.datasets import open_dataset, skipped_note
+    from vitkit.data.base import skipped_note
+    from vitkit.data.datasets import open_dataset
 
     ds = open_dataset(source, split, skip_bad=skip_bad)
     if classes and list(ds.classes) != list(classes) and set(ds.classes) <= set(classes):
@@ -522,7 +535,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze
-    from vitkit.data.preprocess import load_image
+    from vitkit.checkpoints.preprocess import load_image
     from vitkit.evaluate.features import resolve_device
 
     device = resolve_device(args.device)
@@ -827,6 +840,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_convert,
     _add_export,
     _add_bench,
+    serve_command.add_parser,
 ]
 
 

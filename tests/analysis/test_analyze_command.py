@@ -12,8 +12,8 @@ from PIL import Image
 from conftest import randomize_
 from test_cli import run
 from vitkit import create_model, save_pretrained
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
-from vitkit.data.preprocess import Preprocess
 
 
 @pytest.fixture(scope="module")

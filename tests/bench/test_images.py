@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vitkit.bench.images import digit_images, real_image_batch, sample_photos
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 
 
 def test_photos_crops_and_flips() -> None:

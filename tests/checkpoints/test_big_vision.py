@@ -62,7 +62,7 @@ def test_reproduces_official_logits(tmp_path: Path, old_posemb: bool, scan: bool
 def test_export_round_trip_is_bit_exact(tmp_path: Path, scan: bool) -> None:
     model = randomize_(vitkit.create_model("Ti/16", image_size=32, patch_size=8, depth=3, num_classes=4, gelu="tanh"))
     assert model.pos_embed is not None and model.pos_embed[0, 0].abs().sum() > 0  # a nonzero class slot
-    path = bv.save(model.eval(), tmp_path / "m.npz", scan=scan)
+    path = bv.write(model.eval(), tmp_path / "m.npz", scan=scan)
     keys = set(np.load(path).files)
     assert "params/pos_embedding" in keys and np.load(path)["params/pos_embedding"].shape == (1, 16, 192)
     block_key = "params/Transformer/encoderblock/LayerNorm_0/scale"

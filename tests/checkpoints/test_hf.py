@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 import vitkit
 from conftest import randomize_
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
-from vitkit.data.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")

@@ -67,7 +67,7 @@ def test_fused_and_explicit_attention_agree_on_official_weights() -> None:
 
 def test_export_round_trip_is_bit_exact(tmp_path: Path) -> None:
     model = vitkit.load_pretrained(CKPT)
-    out = off.save(model.state_dict(), model.cfg, tmp_path / "again.npz")
+    out = off.write(model.state_dict(), model.cfg, tmp_path / "again.npz")
     a, b = np.load(CKPT), np.load(out)
     assert sorted(a.files) == sorted(b.files)
     for k in a.files:
@@ -137,7 +137,7 @@ def test_gap_and_pre_logits_layouts(tmp_path: Path) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.1)
-    path = off.save(model.state_dict(), model.cfg, tmp_path / "gap.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "gap.npz")
     keys = set(np.load(path).files)
     assert "cls" not in keys and "pre_logits/kernel" in keys
     loaded = vitkit.load_pretrained(path)

@@ -14,8 +14,8 @@ from PIL import Image
 from conftest import randomize_
 from test_cli import run
 from vitkit import save_pretrained
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
-from vitkit.data.preprocess import Preprocess
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer
 

@@ -9,11 +9,11 @@ import torch
 from safetensors.torch import load_file
 
 from test_cli import run
+from vitkit.configs import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from vitkit.errors import CheckpointError
 from vitkit.evaluate.weights import load_for_eval
-from vitkit.train.checkpointing import latest_checkpoint
-from vitkit.train.config import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from vitkit.train.launch import run as train_run
+from vitkit.train.state import latest_state
 
 
 def tiny_run(out: Path, ema: bool) -> Path:
@@ -45,7 +45,7 @@ def state_of(path: Path, weights: str) -> dict[str, torch.Tensor]:
 def test_weights_of_a_run_with_ema(runs: dict[str, Path]) -> None:
     run_dir = runs["ema"]
     saved = load_file(str(run_dir / "model" / "model.safetensors"))
-    ckpt = load_file(str(latest_checkpoint(run_dir / "checkpoints") / "state.safetensors"))  # type: ignore[operator]
+    ckpt = load_file(str(latest_state(run_dir / "checkpoints") / "state.safetensors"))  # type: ignore[operator]
     default, ema, raw = (state_of(run_dir, w) for w in ("default", "ema", "raw"))
     for name, value in saved.items():
         assert torch.equal(default[name], value)  # the run's model/ folder as saved

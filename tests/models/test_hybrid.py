@@ -54,8 +54,8 @@ def test_r50_b16_has_the_official_parameter_count() -> None:
 def test_every_official_hybrid(name: str) -> None:
     model = meta_model(name)
     assert count_parameters(model) == official_hybrid_params(name)
-    assert model.stem_stride == (16 if name == "R50+B/16" else 32)  # R+Ti/16: root (4x) with 8x8 patches
-    assert model.cfg.grid_size == model.native_grid
+    assert model.cfg.stride == (16 if name == "R50+B/16" else 32)  # R+Ti/16: root (4x) with 8x8 patches
+    assert model.cfg.grid_size == (224 // model.cfg.stride,) * 2
 
 
 @pytest.mark.parametrize(("name", "size"), [("R50+B/16", 224), ("R26+S/32", 384), ("R+Ti/16", (224, 320))])
@@ -159,7 +159,7 @@ def test_stem_matches_numpy_reference_of_official_semantics(
 ) -> None:
     """Stem output (tokens before the position embedding) vs the numpy reference on the exported arrays."""
     model = random_hybrid(layers, patch, image)
-    path = off.save(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
     arrays = dict(np.load(path))
     x = torch.randn(2, 3, image, image)
     ref = stem_tokens_np(arrays, x.permute(0, 2, 3, 1).double().numpy(), layers, patch)
@@ -172,13 +172,13 @@ def test_stem_matches_numpy_reference_of_official_semantics(
 
 def test_hybrid_npz_round_trip_and_4d_group_norm_scales(tmp_path: Path) -> None:
     model = random_hybrid((1, 2))
-    path = off.save(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
     loaded = vitkit.load_pretrained(path)
     assert loaded.cfg.resnet_layers == (1, 2) and loaded.cfg.image_size == (64, 64)
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
-    again = off.save(loaded.state_dict(), loaded.cfg, tmp_path / "again.npz")
+    again = off.write(loaded.state_dict(), loaded.cfg, tmp_path / "again.npz")
     a, b = np.load(path), np.load(again)
     assert sorted(a.files) == sorted(b.files)
     for k in a.files:
@@ -198,6 +198,6 @@ def test_hybrid_resolution_change_and_config_round_trip(tmp_path: Path) -> None:
     model = random_hybrid((1, 2))
     vitkit.save_pretrained(model, tmp_path / "m")
     loaded = vitkit.load_pretrained(tmp_path / "m", image_size=96)
-    assert loaded.cfg.resnet_layers == (1, 2) and loaded.native_grid == (12, 12)
+    assert loaded.cfg.resnet_layers == (1, 2) and loaded.cfg.grid_size == (12, 12)
     with pytest.raises(vitkit.errors.ConfigError, match="hybrid stride"):
         create_model("R50+B/16", image_size=200)

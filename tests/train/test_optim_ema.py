@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from vitkit import create_model
-from vitkit.configs import RECIPES, get_recipe
+from vitkit.configs import RECIPES, OptimConfig, TrainConfig, get_recipe
 from vitkit.errors import ConfigError
-from vitkit.train.config import OptimConfig, TrainConfig
 from vitkit.train.ema import EMA
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, decays, lr_at
 

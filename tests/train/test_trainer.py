@@ -16,8 +16,8 @@ from train_helpers import assert_close_weights, assert_same_weights, tiny_config
 from vitkit import load_checkpoint
 from vitkit.errors import ConfigError, DataError
 from vitkit.train import Trainer, train
-from vitkit.train.checkpointing import list_checkpoints, read_checkpoint_state
 from vitkit.train.launch import run
+from vitkit.train.state import list_states, read_state
 from vitkit.train.trainer import NonFiniteLossError
 
 
@@ -88,7 +88,7 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
         trainer.fit(on_step=crash)
     before = trainer.history
     trainer.close()
-    assert [s for s, _ in list_checkpoints(tmp_path / "cut" / "checkpoints")] == [11, 12]
+    assert [s for s, _ in list_states(tmp_path / "cut" / "checkpoints")] == [11, 12]
 
     resumed = run(None, resume=tmp_path / "cut", progress=False)
     assert resumed.steps[0]["step"] == 13
@@ -96,7 +96,7 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
     assert _losses(before[12:15]) == _losses(resumed.steps[:3])  # the lost steps recomputed identically
     assert_same_weights(weights(tmp_path / "ref" / "model"), weights(tmp_path / "cut" / "model"))
     # with EMA on, the saved model holds the averaged weights, not the raw ones
-    final = read_checkpoint_state(list_checkpoints(tmp_path / "ref" / "checkpoints")[-1][1])[0]
+    final = read_state(list_states(tmp_path / "ref" / "checkpoints")[-1][1])[0]
     ema = {k[len("ema/") :]: v for k, v in final.items() if k.startswith("ema/")}
     assert_same_weights(weights(tmp_path / "ref" / "model"), ema)
     assert not torch.equal(final["model/head.weight"], ema["head.weight"])

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from vitkit.train.config import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from vitkit.configs import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 
 TINY_MODEL = {"patch_size": 4, "hidden_size": 16, "depth": 2, "num_heads": 2, "mlp_dim": 32}
 

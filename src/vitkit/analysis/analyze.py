@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,8 +36,9 @@ from vitkit.analysis.embeddings import (
     position_similarity,
     similarity_summary,
 )
-from vitkit.data.preprocess import Preprocess, convert_image
+from vitkit.checkpoints.preprocess import Preprocess, convert_image
 from vitkit.errors import ConfigError
+from vitkit.fileio import check_report_dir
 from vitkit.models.vit import VisionTransformer
 
 MAX_HEAD_MAP_ROWS = 4
@@ -86,7 +88,7 @@ def attention_analysis(
     attention maps of the first ``opts.max_overlays`` images, upsampled to the input size."""
     layer, heads = _check_layer_head(model, opts)
     model = model.eval().to(device)
-    prefix, stride = model.cfg.num_prefix_tokens, model.stem_stride
+    prefix, stride = model.cfg.num_prefix_tokens, model.cfg.stride
     dist_sum: torch.Tensor | None = None
     count = 0
     rollouts: list[torch.Tensor] = []
@@ -122,8 +124,22 @@ def attention_analysis(
 
 def display_image(img: Image.Image, preprocess: Preprocess) -> np.ndarray:
     """The image as the model sees it (resized, cropped), (H, W) or (H, W, 3) in [0, 1], for figures."""
-    img = preprocess.resize_image(convert_image(img, "L" if preprocess.grayscale else "RGB"))
+    img = preprocess.resized(convert_image(img, "L" if preprocess.grayscale else "RGB"))
     return np.asarray(img, dtype=np.float32) / 255.0
+
+
+REPORT_FILES = (
+    "summary.json",
+    "patch_embedding_pca.png",
+    "position_embedding_similarity.png",
+    "attention_distance.png",
+    "attention_rollout.png",
+)
+
+
+def is_report_file(name: str) -> bool:
+    """A file name :func:`analyze` writes."""
+    return name in REPORT_FILES or re.fullmatch(r"attention_layer\d+\.png", name) is not None
 
 
 def analyze(
@@ -138,8 +154,12 @@ def analyze(
     progress: bool = True,
     source: str | None = None,
 ) -> dict[str, Any]:
-    """Run every analysis, write the PNGs and ``summary.json`` into ``out_dir``; return the summary."""
+    """Run every analysis, write the PNGs and ``summary.json`` into ``out_dir``; return the summary.
+
+    ``out_dir`` must be new, empty, or hold only an earlier analysis (other files are never overwritten).
+    """
     out = Path(out_dir)
+    check_report_dir(out, is_report_file, ("summary.json", "position_embedding"), "vitkit analysis")
     out.mkdir(parents=True, exist_ok=True)
     layer, heads = _check_layer_head(model, opts)
     cfg = model.cfg
@@ -147,8 +167,8 @@ def analyze(
         "checkpoint": source,
         "model": cfg.name,
         "image_size": list(preprocess.image_size),
-        "grid": list(model.native_grid),
-        "patch_stride_pixels": model.stem_stride,
+        "grid": list(cfg.grid_size),
+        "patch_stride_pixels": cfg.stride,
         "classifier": cfg.classifier,
         "pos_embed": cfg.pos_embed,
         "depth": cfg.depth,
@@ -197,8 +217,8 @@ def _attention_figures(
     res = attention_analysis(model, batches, opts, device, total=-(-len(images) // bs), progress=progress)
     n = len(res.rollout)
     shown = [display_image(img, preprocess) for img in images[:n]]
-    stride = model.stem_stride
-    grid = (preprocess.image_size[0] // stride, preprocess.image_size[1] // stride)
+    stride = model.cfg.stride
+    grid = model.cfg.grid_at(preprocess.image_size)
     uniform = float(distance_matrix(grid, stride).mean())  # what attention spread evenly would give
     dist_fig = plots.plot_attention_distance(
         res.mean_distance, out / "attention_distance.png", f"Mean attention distance ({res.num_images} images)", uniform

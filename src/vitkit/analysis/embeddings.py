@@ -59,7 +59,7 @@ def position_embeddings(model: VisionTransformer) -> tuple[np.ndarray, tuple[int
     """
     prefix = model.cfg.num_prefix_tokens
     pe: torch.Tensor = model.pos_embed[0, prefix:] if model.pos_embed is not None else model.pos_table[0]
-    return pe.detach().cpu().double().numpy(), model.native_grid
+    return pe.detach().cpu().double().numpy(), model.cfg.grid_size
 
 
 def position_similarity(pe: np.ndarray, grid: tuple[int, int]) -> np.ndarray:

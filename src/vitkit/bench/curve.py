@@ -16,7 +16,7 @@ def attention_share(model: VisionTransformer, image_size: int) -> dict[str, floa
     cfg = model.cfg
     rows = cost_table(model, (image_size, image_size))
     total = sum(r.macs for r in rows)
-    tokens = (image_size // model.stem_stride) ** 2 + cfg.num_prefix_tokens
+    tokens = cfg.num_tokens(image_size)
     quadratic = cfg.depth * 2 * tokens * tokens * cfg.hidden_size  # q k^T and attn @ v, all layers
     return {
         "image_size": image_size,

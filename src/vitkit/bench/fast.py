@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -263,13 +263,10 @@ class InferenceViT(nn.Module):
         self.dtype = dtype
         quantize = CompiledQuantizer(default_quantizer()) if int8 else None
         base = copy.deepcopy(model).eval()
-        blocks = list(base.blocks)
+        blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
-        self.blocks = nn.ModuleList(
-            FastBlock(b, dtype, rows, quantize, pack) if isinstance(b, Block) else copy.deepcopy(b).to(dtype)
-            for b in blocks
-        )
+        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack) for b in blocks)
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -278,7 +275,7 @@ class InferenceViT(nn.Module):
         B, T, D = z.shape
         z = z.reshape(B * T, D)
         for blk in self.blocks:
-            z = blk(z, B) if isinstance(blk, FastBlock) else blk(z.view(B, T, D))[0].reshape(B * T, D)
+            z = blk(z, B)
         return self.base.norm(z.view(B, T, D))
 
     @torch.no_grad()
@@ -309,8 +306,7 @@ def optimize_for_inference(
     device = next(model.parameters()).device
     if int8 and (device.type != "cpu" or compile or not has_onednn_int8()):
         raise ValueError("int8 inference needs a CPU with oneDNN, and is not combined with compile")
-    gh, gw = model.native_grid
-    rows = None if batch_size is None else batch_size * (gh * gw + model.cfg.num_prefix_tokens)
+    rows = None if batch_size is None else batch_size * model.cfg.num_tokens()
     with torch.inference_mode(False):  # normal tensors even when called in inference mode (compile freezes them)
         fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
     if compile:

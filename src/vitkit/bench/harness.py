@@ -26,7 +26,7 @@ from torch import nn
 
 from vitkit.bench.fast import optimize_for_inference
 from vitkit.bench.peak import Peak, has_native_bf16, measure_peak
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
@@ -513,7 +513,7 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
         "machine": machine_info(device),
         "date": time.strftime("%Y-%m-%d"),
         "model_name": model.cfg.name or spec.model,
-        "tokens": (spec.image_size // model.stem_stride) ** 2 + model.cfg.num_prefix_tokens,
+        "tokens": model.cfg.num_tokens(spec.image_size),
         "gflops_per_image": fpi / 1e9,
         "flops_per_step": "3x forward (model FLOPs)" if spec.task == "train" else "forward",
         "peaks": {k: v.to_dict() for k, v in peaks.items()},

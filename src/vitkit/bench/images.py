@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 
 
 def sample_photos() -> list[Image.Image]:

@@ -122,14 +122,3 @@ def to_transformers(model: VisionTransformer, attn_implementation: str = "sdpa")
     hf.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)
     module: nn.Module = hf
     return module.to(device=ref.device, dtype=ref.dtype).eval()
-
-
-class LogitsOnly(nn.Module):
-    """Wraps a transformers classifier so that ``forward(x)`` returns the logits tensor, like vitkit."""
-
-    def __init__(self, hf: nn.Module) -> None:
-        super().__init__()
-        self.hf = hf
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.hf(pixel_values=x).logits

@@ -19,14 +19,20 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
-from vitkit.checkpoints import big_vision, hf, native, npz, official, timm_format
+from vitkit.checkpoints import big_vision, hf, npz_files, official, timm_format, vitkit_format
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, check_state, empty_model, expected_state
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
+from vitkit.fileio import check_not_input, complete_dir
 from vitkit.models.vit import VisionTransformer
 
-SaveFn = Callable[[VisionTransformer, Path, CheckpointMeta | None], Path]
+
+class SaveFn(Protocol):
+    def __call__(
+        self, model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
+    ) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -40,40 +46,59 @@ class Format:
     save: SaveFn | None = None
 
 
-def _save_native(model: VisionTransformer, path: Path, meta: CheckpointMeta | None) -> Path:
+def _save_vitkit(
+    model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
+) -> Path:
     if meta is None:
-        return native.save(model, path)
+        return vitkit_format.save(model, path, overwrite=overwrite)
     names = meta.class_names if meta.class_names and len(meta.class_names) == model.cfg.num_classes else None
     provenance = {**meta.provenance, "converted_from": meta.format, "source": meta.source}
-    return native.save(model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance)
+    return vitkit_format.save(
+        model, path, preprocess=meta.preprocess, class_names=names, provenance=provenance, overwrite=overwrite
+    )
 
 
 def _is_run(path: Path) -> bool:
-    return path.is_dir() and not native.looks_like(path) and native.looks_like(path / "model")
+    return (
+        path.is_dir() and not vitkit_format.looks_like(path) and vitkit_format.looks_like(complete_dir(path / "model"))
+    )
 
 
 def _load_run(path: Path) -> Checkpoint:
-    return native.load(path / "model")
+    """The run's ``model/``; while training replaces it (two renames), the previous one is read instead."""
+    tried = None
+    while True:
+        folder = complete_dir(path / "model")
+        try:
+            return vitkit_format.load(folder)
+        except CheckpointError:
+            if folder == tried:
+                raise
+            tried = folder  # a replace may have moved it between the lookup and the read: look once more
 
 
 FORMATS: dict[str, Format] = {
     "vitkit": Format(
-        "vitkit", "vitkit folder: model.safetensors + config.json", native.looks_like, native.load, _save_native
+        "vitkit",
+        "vitkit folder: model.safetensors + config.json",
+        vitkit_format.looks_like,
+        vitkit_format.load,
+        _save_vitkit,
     ),
     "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(
         "official",
         "Google ViT/AugReg/hybrid .npz (vit_jax layout, pre-Linen names)",
-        lambda p: npz.file_layout(p) == "official",
+        lambda p: npz_files.file_layout(p) == "official",
         official.load,
-        official.save_model,
+        official.save,
     ),
     "big_vision": Format(
         "big_vision",
         "big_vision .npz (params/ prefix, Linen names, per-block or scan-stacked)",
         big_vision.looks_like,
         big_vision.load,
-        big_vision.save_model,
+        big_vision.save,
     ),
     "hf": Format("hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save),
     "timm": Format(
@@ -88,7 +113,7 @@ FORMATS: dict[str, Format] = {
 
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Name of the format of the checkpoint at ``path``, judged from its structure (never from its name)."""
-    p = Path(path)
+    p = complete_dir(Path(path))
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     found = [fmt.name for fmt in FORMATS.values() if fmt.detect(p)]
@@ -104,7 +129,7 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 def read_checkpoint(path: str | os.PathLike[str], format: str | None = None) -> Checkpoint:
     """The checkpoint converted to vitkit's state-dict layout, not yet placed in a model."""
-    p = Path(path)
+    p = complete_dir(Path(path))
     name = format or detect_format(p)
     if name not in FORMATS:
         raise ConfigError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
@@ -164,11 +189,14 @@ def save_checkpoint(
     meta: CheckpointMeta | None = None,
     preprocess: Preprocess | None = None,
     class_names: list[str] | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` in ``format``, keeping preprocessing and class names where the format can hold them.
 
     A format that cannot represent the model exactly (e.g. a hybrid as a Hugging Face folder) refuses with a
-    CheckpointError saying why; nothing is written then.
+    CheckpointError saying why; nothing is written then. Nothing vitkit did not write is ever replaced: an
+    existing file, or a folder vitkit wrote, only with ``overwrite=True``; any other non-empty folder, and a
+    path that is, holds or lies inside the checkpoint ``meta`` was read from, are refused.
     """
     fmt = FORMATS.get(format)
     if fmt is None or fmt.save is None:
@@ -187,7 +215,9 @@ def save_checkpoint(
             preprocess=preprocess or meta.preprocess,
             class_names=class_names if class_names is not None else meta.class_names,
         )
-    return fmt.save(model, Path(path), meta)
+    out = Path(path)
+    check_not_input(out, [meta.source])
+    return fmt.save(model, out, meta, overwrite=overwrite)
 
 
 __all__ = [

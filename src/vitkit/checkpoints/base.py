@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import sincos_2d
 from vitkit.models.vit import VisionTransformer, ViTConfig

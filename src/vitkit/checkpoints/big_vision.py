@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.checkpoints import npz
+from vitkit.checkpoints import npz_files
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, expected_state, export_state, require
 from vitkit.checkpoints.keymap import (
     Array,
@@ -48,7 +48,7 @@ from vitkit.checkpoints.keymap import (
     rule,
     to_state_dict,
 )
-from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -102,7 +102,7 @@ def _posemb_rule(cfg: ViTConfig) -> Rule:
 
 
 def looks_like(path: Path) -> bool:
-    return npz.file_layout(path) == FORMAT
+    return npz_files.file_layout(path) == FORMAT
 
 
 def unstack_scan(arrays: Mapping[str, Array], source: str) -> dict[str, Array]:
@@ -183,7 +183,7 @@ def _is_square(n: int) -> bool:
 
 def load(path: Path) -> Checkpoint:
     """Read a big_vision .npz (any prefix, per-block or scan-stacked) into vitkit's layout, shape-checked."""
-    arrays, prefix, outside = npz.strip_prefix(npz.read_npz(path), str(path))
+    arrays, prefix, outside = npz_files.strip_prefix(npz_files.read_npz(path), str(path))
     scan = any(k.startswith(SCAN) for k in arrays)
     arrays = normalise(arrays, str(path))
     cfg = infer_config(arrays, str(path))
@@ -202,7 +202,9 @@ def load(path: Path) -> Checkpoint:
     return Checkpoint(cfg, state, meta)
 
 
-def save(model: VisionTransformer, path: str | Path, *, scan: bool = False, prefix: str = "params/") -> Path:
+def write(
+    model: VisionTransformer, path: str | Path, *, scan: bool = False, prefix: str = "params/", overwrite: bool = False
+) -> Path:
     """Write ``model`` as a big_vision checkpoint (``scan=True``: blocks stacked on a leading depth axis)."""
     cfg = model.cfg
     require(cfg.resnet_layers is None, "big_vision .npz", "big_vision's ViT has no hybrid ResNet stem")
@@ -214,7 +216,7 @@ def save(model: VisionTransformer, path: str | Path, *, scan: bool = False, pref
     arrays = from_state_dict(key_map(cfg), state)
     if scan:
         arrays = stack_scan(arrays, cfg.depth)
-    return npz.write_npz({prefix + k: v for k, v in arrays.items()}, path)
+    return npz_files.write_npz({prefix + k: v for k, v in arrays.items()}, path, overwrite=overwrite)
 
 
 def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
@@ -227,9 +229,9 @@ def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
     return out
 
 
-def save_model(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
+def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point (the format holds no metadata); exact-GELU models are refused as for ``official``."""
     from vitkit.checkpoints.official import require_tanh_gelu
 
     require_tanh_gelu(model.cfg, "big_vision .npz")
-    return save(model, path)
+    return write(model, path, overwrite=overwrite)

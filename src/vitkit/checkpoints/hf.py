@@ -41,7 +41,7 @@ from vitkit.checkpoints.base import (
     with_learned_posemb,
 )
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
-from vitkit.data.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -279,7 +279,9 @@ def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
     }
 
 
-def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None) -> Path:
+def save(
+    model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
+) -> Path:
     """Write ``model`` as an HF folder that ``transformers`` loads unchanged (hub layout names).
 
     ``num_classes > 0``: ``ViTForImageClassification`` (no pre-logits layer allowed: HF's classifier has none).
@@ -287,6 +289,7 @@ def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None
     ``ViTModel.from_pretrained(..., add_pooling_layer=False)``. The preprocessing is written when it is a
     plain resize (HF's ViTImageProcessor cannot centre-crop).
     """
+    torch_files.check_folder_output(Path(path), overwrite)
     cfg = model.cfg
     target = "a transformers ViT folder"
     require(cfg.resnet_layers is None, target, "transformers' ViT has no hybrid ResNet stem")
@@ -306,4 +309,4 @@ def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None
     pre = meta.preprocess if meta else Preprocess(image_size=cfg.image_size)
     if pre.resize == "squash":
         files[PREPROCESSOR] = json.dumps(preprocessor_config(pre), indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files)
+    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from vitkit.checkpoints import npz
+from vitkit.checkpoints import npz_files
 from vitkit.checkpoints.base import (
     Checkpoint,
     CheckpointMeta,
@@ -47,7 +47,7 @@ from vitkit.checkpoints.keymap import (
     rule,
     to_state_dict,
 )
-from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.resnet import resnet_reduction
@@ -104,7 +104,7 @@ def resnet_rules(cfg: ViTConfig) -> list[Rule]:
 
 def looks_like(keys: Mapping[str, Any] | list[str]) -> bool:
     """True for the vit_jax layout (pre-Linen names; no prefix or an ``opt/target/`` one)."""
-    return npz.layout(list(keys)) == "official"
+    return npz_files.layout(list(keys)) == "official"
 
 
 def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], int] | None:
@@ -167,12 +167,12 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     )
 
 
-read_npz = npz.read_npz
+read_npz = npz_files.read_npz
 
 
 def load(path: Path) -> Checkpoint:
     """Read an official .npz into vitkit's layout, shape-checked, with the official preprocessing."""
-    arrays, prefix, outside = npz.strip_prefix(read_npz(str(path)), str(path))
+    arrays, prefix, outside = npz_files.strip_prefix(read_npz(str(path)), str(path))
     cfg = infer_config(arrays, str(path))
     state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
@@ -187,7 +187,7 @@ def load(path: Path) -> Checkpoint:
     return Checkpoint(cfg, state, meta)
 
 
-def save(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> Path:
+def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path, *, overwrite: bool = False) -> Path:
     """Write a vitkit state dict in the official layout (loadable by ``vit_jax.checkpoint``).
 
     A sin-cos model is written with its table as the (learned-layout) position embedding: same function.
@@ -195,17 +195,17 @@ def save(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path) -> Pa
     """
     require(cfg.grid_size[0] == cfg.grid_size[1], "official .npz", f"non-square token grid {cfg.grid_size}")
     cfg, state = with_learned_posemb(cfg, dict(model_state))
-    return npz.write_npz(from_state_dict(key_map(cfg), state), path)
+    return npz_files.write_npz(from_state_dict(key_map(cfg), state), path, overwrite=overwrite)
 
 
-def save_model(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None) -> Path:
+def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point: ``model`` as an official .npz (the format holds no metadata).
 
     The official code computes the tanh GELU, so an exact-GELU model is refused (it would read back as a
-    different function, ~2e-4 relative); :func:`save` writes the arrays regardless, for who accepts that.
+    different function, ~2e-4 relative); `write` writes the arrays regardless, for who accepts that.
     """
     require_tanh_gelu(model.cfg, "official .npz")
-    return save(export_state(model), model.cfg, path)
+    return write(export_state(model), model.cfg, path, overwrite=overwrite)
 
 
 def require_tanh_gelu(cfg: ViTConfig, target: str) -> None:

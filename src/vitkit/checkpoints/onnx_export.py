@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from vitkit.errors import VitkitError
+from vitkit.fileio import check_output_file
 from vitkit.models.vit import VisionTransformer
 
 DEFAULT_OPSET = 18
@@ -43,8 +44,11 @@ def export_onnx(
     dynamic_batch: bool = False,
     opset: int = DEFAULT_OPSET,
     batch_size: int = 2,
+    overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` (eval mode, native resolution) as an ONNX file; ``dynamic_batch`` frees the batch axis."""
+    """Write ``model`` (eval mode, native resolution) as an ONNX file; ``dynamic_batch`` frees the batch axis.
+
+    An existing file is replaced only with ``overwrite``."""
     try:
         import onnxscript  # noqa: F401  (the dynamo exporter needs it)
     except ImportError:
@@ -53,6 +57,7 @@ def export_onnx(
         ) from None
     model = model.eval()
     out = Path(path)
+    check_output_file(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     x = torch.randn(batch_size, model.cfg.in_channels, *model.cfg.image_size)
     dynamic = {"x": {0: torch.export.Dim("batch", min=1)}} if dynamic_batch else None

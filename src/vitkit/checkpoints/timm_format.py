@@ -49,8 +49,9 @@ from vitkit.checkpoints.base import (
     with_learned_posemb,
 )
 from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
-from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
+from vitkit.fileio import WRITER, WRITER_KEY, check_output_file, write_file_atomic
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -332,9 +333,18 @@ def _recoverable_from_shapes(cfg: ViTConfig) -> bool:
     return cfg.num_heads == heads and cfg.gelu == "exact" and cfg.layer_norm_eps == 1e-6 and square
 
 
-def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None) -> Path:
-    """Write a timm state dict: ``.safetensors``/``.pth`` file, or a hub folder (with config.json) otherwise."""
+def save(
+    model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
+) -> Path:
+    """Write a timm state dict: ``.safetensors``/``.pth`` file, or a hub folder (with config.json) otherwise.
+
+    Files are written atomically; an existing file or vitkit-written folder is replaced only with ``overwrite``.
+    """
     out = Path(path)
+    if out.suffix in SUFFIXES:
+        check_output_file(out, overwrite=overwrite)
+    else:
+        torch_files.check_folder_output(out, overwrite)
     cfg = model.cfg
     target = "a timm state dict"
     require(cfg.resnet_layers is None, target, "hybrid stems use timm's ResNetV2 with different StdConv eps")
@@ -345,9 +355,8 @@ def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None
     if out.suffix == ".safetensors":
         from safetensors.torch import save_file
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(out), metadata={"format": "pt", META_KEY: json.dumps(timm_config(cfg, meta))})
-        return out
+        metadata = {"format": "pt", META_KEY: json.dumps(timm_config(cfg, meta)), WRITER_KEY: WRITER}
+        return write_file_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
     if out.suffix in torch_files.PICKLE_SUFFIXES:
         require(
             _recoverable_from_shapes(cfg),
@@ -355,7 +364,6 @@ def save(model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None
             f"a bare .pth cannot record heads={cfg.num_heads}, gelu={cfg.gelu}, eps={cfg.layer_norm_eps} or a "
             "non-square grid; write a .safetensors file or a folder (both carry timm's config)",
         )
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(tensors, out)
-        return out
-    return torch_files.write_folder(out, tensors, {"config.json": json.dumps(timm_config(cfg, meta), indent=2) + "\n"})
+        return write_file_atomic(out, lambda tmp: torch.save(tensors, tmp))
+    files = {"config.json": json.dumps(timm_config(cfg, meta), indent=2) + "\n"}
+    return torch_files.write_folder(out, tensors, files, overwrite=overwrite)

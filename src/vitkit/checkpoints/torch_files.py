@@ -11,7 +11,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from vitkit import fileio
 from vitkit.errors import CheckpointError
-from vitkit.fileio import replace_dir
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 
@@ -83,16 +82,49 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
 
 
-def write_folder(path: str | os.PathLike[str], tensors: Mapping[str, torch.Tensor], files: Mapping[str, Any]) -> Path:
-    """Write ``model.safetensors`` plus text files into a folder, replacing an existing one atomically."""
+FOLDER_FILES = ("model.safetensors", "config.json", "preprocessor_config.json")  # what vitkit writes in folders
+
+
+def _folder_owned(folder: Path) -> bool:
+    return fileio.safetensors_marked(folder / "model.safetensors") or native_looks_like(folder)
+
+
+def check_folder_output(out: Path, overwrite: bool) -> None:
+    """Refuse to replace anything but a checkpoint folder vitkit wrote (and that only with ``overwrite``)."""
+    fileio.check_output_dir(
+        out, allowed=FOLDER_FILES, owned=_folder_owned, overwrite=overwrite, what="checkpoint folder"
+    )
+
+
+def write_folder(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    files: Mapping[str, Any],
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model.safetensors`` plus text files into a folder, replacing an existing one atomically.
+
+    An existing non-empty folder is replaced only when vitkit wrote it and ``overwrite`` is true.
+    """
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    check_folder_output(out, overwrite)
+    tmp = fileio.make_temp_dir(out)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
+        metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata)
         for name, text in files.items():
             (tmp / name).write_text(text)
-        replace_dir(tmp, out)
+        fileio.sync_tree(tmp)
+        fileio.replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def native_looks_like(folder: Path) -> bool:
+    """A vitkit-format folder (config.json says so); checked without importing the native module."""
+    try:
+        return json.loads((folder / "config.json").read_text()).get("format") == "vitkit"
+    except (OSError, ValueError, AttributeError):
+        return False

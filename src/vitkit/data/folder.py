@@ -20,14 +20,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitkit.data.datasets import (
+from vitkit.checkpoints.preprocess import load_image
+from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
     Skipped,
     check_class_map,
     split_candidates,
 )
-from vitkit.data.preprocess import load_image
 from vitkit.errors import DataError
 
 IMAGE_EXTENSIONS = frozenset(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitkit.data.datasets import (
+from vitkit.data.base import (
     ArrayDataset,
     MissingSplitError,
     as_labels,

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageEnhance, ImageOps
 
-from vitkit.data.preprocess import _RESAMPLE, INCEPTION_MEAN, INCEPTION_STD, Preprocess, convert_image
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, RESAMPLE, Preprocess, convert_image
 
 Rng = np.random.Generator
 
@@ -70,7 +70,7 @@ def inception_crop(
 ) -> Image.Image:
     """Random-resized crop to ``size`` = (H, W)."""
     box = inception_crop_box(img.width, img.height, rng, scale, ratio)
-    return img.resize((size[1], size[0]), _RESAMPLE[interpolation], box=box)
+    return img.resize((size[1], size[0]), RESAMPLE[interpolation], box=box)
 
 
 def pad_crop(
@@ -79,7 +79,7 @@ def pad_crop(
     """Resize to ``size``, zero-pad by ``pad`` pixels and crop ``size`` back at a random offset."""
     H, W = size
     if img.size != (W, H):
-        img = img.resize((W, H), _RESAMPLE[interpolation])
+        img = img.resize((W, H), RESAMPLE[interpolation])
     if pad <= 0:
         return img
     dx, dy = int(rng.integers(0, 2 * pad + 1)), int(rng.integers(0, 2 * pad + 1))
@@ -107,12 +107,6 @@ def _signed(v: float, rng: Rng) -> float:
 def _affine(img: Image.Image, coeffs: tuple[float, ...], fill: int) -> Image.Image:
     color = (fill,) * len(img.getbands())
     return img.transform(img.size, Image.Transform.AFFINE, coeffs, Image.Resampling.NEAREST, fillcolor=color)
-
-
-def _blend(a: np.ndarray, b: np.ndarray, factor: float) -> Image.Image:
-    """TF's blend: a + factor * (b - a), clipped to uint8 (factor > 1 extrapolates)."""
-    out = a.astype(np.float32) + factor * (b.astype(np.float32) - a.astype(np.float32))
-    return Image.fromarray(np.clip(out, 0, 255).astype(np.uint8))
 
 
 def _solarize_add(img: Image.Image, addition: int, threshold: int = 128) -> Image.Image:

@@ -12,7 +12,6 @@ a seeded order and shuffles within windows of a few shards, so reading stays mos
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import tarfile
@@ -22,7 +21,8 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitkit.data.datasets import (
+from vitkit.checkpoints.preprocess import decode_image
+from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
     Skipped,
@@ -30,7 +30,6 @@ from vitkit.data.datasets import (
     default_classes,
     split_candidates,
 )
-from vitkit.data.preprocess import decode_image
 from vitkit.errors import DataError
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif", "pgm")

@@ -1,6 +1,6 @@
 """Evaluation runners behind ``vitkit eval`` and ``vitkit fewshot``, callable from Python.
 
-Both take a model, its :class:`~vitkit.data.preprocess.Preprocess` (from the checkpoint) and datasets that
+Both take a model, its :class:`~vitkit.checkpoints.preprocess.Preprocess` (from the checkpoint) and datasets that
 follow vitkit's data interface (``classes``, ``__len__``, ``__getitem__ -> (PIL image, label)``, or
 iterable-only for streams).
 """
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.features import extract, is_map_style
 from vitkit.evaluate.fewshot import (
@@ -30,6 +30,7 @@ from vitkit.evaluate.fewshot import (
     sample_episodes,
 )
 from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
+from vitkit.fileio import check_report_dir
 from vitkit.models.vit import VisionTransformer
 
 
@@ -113,11 +114,16 @@ def evaluate_dataset(
     return EvalReport(compute_metrics(out.logits, labels, K, label_sets), names, notes)
 
 
+REPORT_FILES = ("metrics.json", "per_class.csv", "confusion.csv", "confusion.png")
+
+
 def write_eval_report(report: EvalReport, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
-    """metrics.json, per_class.csv, confusion.csv and confusion.png in ``out_dir``."""
+    """metrics.json, per_class.csv, confusion.csv and confusion.png in ``out_dir`` (a new or empty folder, or
+    one holding only an earlier eval report: other files are never overwritten)."""
     from vitkit.analysis.plots import plot_confusion
 
     out = Path(out_dir)
+    check_report_dir(out, REPORT_FILES.__contains__, ("metrics.json", "top1"), "vitkit eval report")
     out.mkdir(parents=True, exist_ok=True)
     m, names = report.metrics, report.class_names
     paths = {

@@ -2,7 +2,7 @@
 
 Works with any dataset that follows vitkit's data interface: map-style (``__len__`` and ``__getitem__ ->
 (PIL image, label)``) or iterable-only (streaming shards), preprocessed with the checkpoint's
-:class:`~vitkit.data.preprocess.Preprocess`.
+:class:`~vitkit.checkpoints.preprocess.Preprocess`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
 from vitkit.models.vit import VisionTransformer
 

@@ -36,15 +36,15 @@ def _strip(name: str) -> str:
 
 def run_weights(run_dir: str | os.PathLike[str], which: str) -> tuple[dict[str, torch.Tensor], int]:
     """(state dict, step) of the ``"ema"`` or ``"raw"`` weights in a run's latest training checkpoint."""
-    from vitkit.train.checkpointing import latest_checkpoint, read_checkpoint_state
+    from vitkit.train.state import latest_state, read_state
 
     root = Path(run_dir)
-    ckpt = latest_checkpoint(root / "checkpoints")
+    ckpt = latest_state(root / "checkpoints")
     if ckpt is None:
         raise CheckpointError(
             f"{root}: not a training run with checkpoints; EMA and raw weights are only kept in run folders"
         )
-    tensors, meta = read_checkpoint_state(ckpt)
+    tensors, meta = read_state(ckpt)
     prefix = "ema/" if which == "ema" else "model/"
     state = {_strip(k[len(prefix) :]): v for k, v in tensors.items() if k.startswith(prefix)}
     if not state:

@@ -36,10 +36,7 @@ def cost_table(model: VisionTransformer, image_size: tuple[int, int] | None = No
     """One row per component, for one image at ``image_size`` (default: the model's own)."""
     cfg = model.cfg
     H, W = image_size or cfg.image_size
-    stride = model.stem_stride
-    gh, gw = H // stride, W // stride
-    N = gh * gw
-    T = N + cfg.num_prefix_tokens
+    T = cfg.num_tokens((H, W))
     D, M, L = cfg.hidden_size, cfg.mlp_dim, cfg.depth
     stem_macs = stem_mac_count(model.patch_embed, (H, W), cfg.in_channels)
     block = model.blocks[0]

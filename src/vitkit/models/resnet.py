@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitkit.models.init import lecun_normal_
+
 GN_GROUPS = 32
 GN_EPS = 1e-6  # flax.linen.GroupNorm default
 WS_EPS = 1e-5  # vit_jax StdConv: weight_standardize(..., eps=1e-5)
@@ -128,8 +130,6 @@ class ResNetStem(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Flax defaults: LeCun-normal conv kernels; GroupNorm scale 1, bias 0; the last GN of a unit scale 0."""
-        from vitkit.models.vit import lecun_normal_
-
         for m in self.modules():
             if isinstance(m, StdConv2d):
                 lecun_normal_(m.weight)
@@ -144,13 +144,10 @@ class ResNetStem(nn.Module):
 class HybridEmbed(nn.Module):
     """ResNet stem, then a ``patch_size`` conv (with bias, official name ``embedding``) to D channels."""
 
-    stride: int
-
     def __init__(self, layers: tuple[int, ...], width_factor: int, patch_size: int, in_channels: int, dim: int) -> None:
         super().__init__()
         self.resnet = ResNetStem(layers, width_factor, in_channels)
         self.patch_size = patch_size
-        self.stride = self.resnet.reduction * patch_size  # pixels per token along each side
         self.proj = nn.Conv2d(self.resnet.out_channels, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,8 +157,6 @@ class HybridEmbed(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        from vitkit.models.vit import lecun_normal_
-
         self.resnet.init_weights()
         lecun_normal_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)  # type: ignore[arg-type]

@@ -13,7 +13,6 @@ the class token when there is one), D = width, h = heads, d = D / h.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import HybridEmbed, resnet_reduction
 
@@ -105,7 +105,18 @@ class ViTConfig:
 
     @property
     def grid_size(self) -> tuple[int, int]:
-        return (self.image_size[0] // self.stride, self.image_size[1] // self.stride)
+        """Token grid (rows, columns) at the configured image size."""
+        return self.grid_at(self.image_size)
+
+    def grid_at(self, image_size: int | tuple[int, int]) -> tuple[int, int]:
+        """Token grid (rows, columns) for images of ``image_size`` (H, W; an int means square)."""
+        H, W = (image_size, image_size) if isinstance(image_size, int) else image_size
+        return (H // self.stride, W // self.stride)
+
+    def num_tokens(self, image_size: int | tuple[int, int] | None = None) -> int:
+        """Sequence length T: the patches of the grid plus the class token (default: the configured size)."""
+        gh, gw = self.grid_at(self.image_size if image_size is None else image_size)
+        return gh * gw + self.num_prefix_tokens
 
     @property
     def num_prefix_tokens(self) -> int:
@@ -188,12 +199,9 @@ def _check_fields(cfg: ViTConfig) -> None:
 class PatchEmbed(nn.Module):
     """Cut the image into P x P patches and project each to D dims: a P x P convolution with stride P."""
 
-    stride: int
-
     def __init__(self, patch_size: int, in_channels: int, dim: int) -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.stride = patch_size  # pixels per token along each side
         self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,9 +349,9 @@ class VisionTransformer(nn.Module):
         D = cfg.hidden_size
         self.patch_embed: nn.Module = self._make_stem(cfg)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.classifier == "token" else None
-        gh, gw = self.native_grid
+        gh, gw = cfg.grid_size
         if cfg.pos_embed == "learned":
-            self.pos_embed: nn.Parameter | None = nn.Parameter(torch.zeros(1, cfg.num_prefix_tokens + gh * gw, D))
+            self.pos_embed: nn.Parameter | None = nn.Parameter(torch.zeros(1, cfg.num_tokens(), D))
         else:
             self.pos_embed = None
             self.register_buffer("pos_table", torch.empty(1, gh * gw, D), persistent=False)
@@ -360,7 +368,7 @@ class VisionTransformer(nn.Module):
     def init_buffers(self) -> None:
         """Compute the fixed (non-learned) tensors: the sin-cos table when there is one."""
         if self.pos_embed is None:
-            table = sincos_2d(self.native_grid, self.cfg.hidden_size)
+            table = sincos_2d(self.cfg.grid_size, self.cfg.hidden_size)
             self.pos_table = table.to(self.pos_table.device)
 
     @staticmethod
@@ -429,7 +437,7 @@ class VisionTransformer(nn.Module):
         grid = self.grid_of(x)
         x = self.patch_embed(x)  # (B, N, D)
         if self.pos_embed is None:  # fixed sin-cos on the patches; the class token gets none
-            table = self.pos_table if grid == self.native_grid else sincos_2d(grid, x.shape[-1])
+            table = self.pos_table if grid == self.cfg.grid_size else sincos_2d(grid, x.shape[-1])
             x = x + table.to(device=x.device, dtype=x.dtype)
             if self.cls_token is not None:
                 x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
@@ -437,8 +445,8 @@ class VisionTransformer(nn.Module):
             if self.cls_token is not None:
                 x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)  # (B, T, D)
             pos: torch.Tensor = self.pos_embed
-            if grid != self.native_grid:
-                pos = resample_grid(pos, self.native_grid, grid, self.cfg.num_prefix_tokens)
+            if grid != self.cfg.grid_size:
+                pos = resample_grid(pos, self.cfg.grid_size, grid, self.cfg.num_prefix_tokens)
             x = x + pos.to(x.dtype)
         return self.pos_drop(x)
 
@@ -446,21 +454,11 @@ class VisionTransformer(nn.Module):
         """Token grid (gh, gw) for images x (B, C, H, W); a clear error when the stride does not divide."""
         if x.ndim != 4 or x.shape[1] != self.cfg.in_channels:
             raise ValueError(f"expected images (B, {self.cfg.in_channels}, H, W), got {tuple(x.shape)}")
-        stride = self.stem_stride
+        stride = self.cfg.stride
         H, W = x.shape[-2:]
         if H % stride or W % stride:
             raise ValueError(f"image size {H}x{W} is not a multiple of the model's patch stride {stride}")
         return (H // stride, W // stride)
-
-    @property
-    def native_grid(self) -> tuple[int, int]:
-        """Token grid at the configured image size."""
-        return (self.cfg.image_size[0] // self.stem_stride, self.cfg.image_size[1] // self.stem_stride)
-
-    @property
-    def stem_stride(self) -> int:
-        """Pixels per token along each side (the patch size, times the hybrid stem's stride)."""
-        return int(getattr(self.patch_embed, "stride"))  # noqa: B009 (every stem sets it)
 
     # ---- eqs. 2-4 --------------------------------------------------------------------------------
 
@@ -510,13 +508,11 @@ class VisionTransformer(nn.Module):
         The patch size stays; the sequence grows or shrinks. ``method="bilinear"`` reproduces the official
         ``interpolate_posembed`` (scipy zoom, order 1); ``"bicubic"`` is the timm/HF choice.
         """
-        new_cfg = _replace(self.cfg, image_size=image_size)
-        old_grid = self.native_grid
-        new_grid = (new_cfg.image_size[0] // self.stem_stride, new_cfg.image_size[1] // self.stem_stride)
-        if new_cfg.image_size[0] % self.stem_stride or new_cfg.image_size[1] % self.stem_stride:
-            raise ValueError(f"image size {new_cfg.image_size} is not a multiple of the stride {self.stem_stride}")
+        new_cfg = _replace(self.cfg, image_size=image_size)  # checks that the stride divides the new size
         if self.pos_embed is not None:
-            pe = resample_grid(self.pos_embed.data, old_grid, new_grid, self.cfg.num_prefix_tokens, method)
+            pe = resample_grid(
+                self.pos_embed.data, self.cfg.grid_size, new_cfg.grid_size, self.cfg.num_prefix_tokens, method
+            )
             self.pos_embed = nn.Parameter(pe)
         self.cfg = new_cfg
         self.init_buffers()
@@ -546,14 +542,6 @@ def _replace(cfg: ViTConfig, **changes: Any) -> ViTConfig:
     d = cfg.to_dict()
     d.update(changes)
     return ViTConfig.from_dict(d)
-
-
-def lecun_normal_(w: torch.Tensor) -> torch.Tensor:
-    """Flax's ``lecun_normal``: truncated normal (+-2 std) with variance 1 / fan_in after truncation."""
-    fan_in = w.shape[1] * math.prod(w.shape[2:]) if w.ndim > 1 else w.shape[0]
-    # std of a unit normal truncated to [-2, 2] is 0.87962566103423978; divide to undo the shrinkage
-    std = math.sqrt(1.0 / fan_in) / 0.87962566103423978
-    return nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
 
 
 def count_parameters(model: nn.Module) -> int:

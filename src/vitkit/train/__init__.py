@@ -1,22 +1,13 @@
-"""Training and fine-tuning: configs, optimisers, EMA, checkpoints, the loop, multi-process wrapping.
+"""Training and fine-tuning: optimisers, EMA, resumable training state, the loop, multi-process wrapping.
 
-from vitkit.train import train
-from vitkit.configs import get_recipe
+The configuration it consumes (schema and recipes) lives one layer down, in :mod:`vitkit.configs`::
 
-result = train(get_recipe("digits"), "runs/digits")
+    from vitkit.configs import get_recipe
+    from vitkit.train import train
+
+    result = train(get_recipe("digits"), "runs/digits")
 """
 
-from vitkit.train.config import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from vitkit.train.trainer import NonFiniteLossError, Trainer, TrainResult, train
 
-__all__ = [
-    "AugConfig",
-    "DataConfig",
-    "ModelConfig",
-    "NonFiniteLossError",
-    "OptimConfig",
-    "TrainConfig",
-    "TrainResult",
-    "Trainer",
-    "train",
-]
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]

@@ -10,10 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from vitkit.configs import get_recipe
+from vitkit.configs import TrainConfig, get_recipe
 from vitkit.errors import ConfigError
-from vitkit.train import checkpointing as ckpt
-from vitkit.train.config import TrainConfig
+from vitkit.train import state as train_state
 from vitkit.train.trainer import Trainer, TrainResult
 
 ARCHITECTURE_FIELDS = ("patch_size", "hidden_size", "depth", "num_heads", "mlp_dim")
@@ -105,8 +104,8 @@ def finetune_config(checkpoint: str, data: str, recipe: str = "paper-finetune", 
 
 def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
     """(config, run folder, checkpoint) for ``--resume PATH`` (a run folder or one checkpoint)."""
-    checkpoint = ckpt.resolve_resume(path)
-    meta = ckpt.read_checkpoint_meta(checkpoint)
+    checkpoint = train_state.resolve_resume(path)
+    meta = train_state.read_state_meta(checkpoint)
     return TrainConfig.from_dict(meta["config"]), checkpoint.parent.parent, checkpoint
 
 

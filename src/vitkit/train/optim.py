@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from vitkit.configs import OptimConfig
 from vitkit.errors import ConfigError
-from vitkit.train.config import OptimConfig
 
 NO_DECAY_NAMES = ("cls_token", "pos_embed")
 

@@ -7,7 +7,7 @@
       model/             final weights (the EMA weights when EMA is on) in vitkit format, with the
                          evaluation preprocessing and class names: ``vitkit predict -c run_dir`` works
       best/              the weights with the best validation top-1 so far (when there is validation)
-      checkpoints/       resumable state, the newest ``keep_last`` (see checkpointing.py)
+      checkpoints/       resumable state, the newest ``keep_last`` (training state, see state.py)
       metrics.csv        per epoch: train loss, validation loss and top-1, lr, throughput, skipped steps
       steps.csv          every ``log_every_steps`` steps: loss, lr, throughput
       curves.png         loss and accuracy curves
@@ -38,20 +38,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.checkpoints import load_checkpoint
-from vitkit.checkpoints import native as native_ckpt
+from vitkit.checkpoints import load_checkpoint, vitkit_format
 from vitkit.checkpoints.base import empty_model
-from vitkit.data.datasets import ImageDataset, open_dataset, open_split_or_none, skipped_note
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
+from vitkit.configs import TrainConfig
+from vitkit.data.base import ImageDataset, skipped_note
+from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer
-from vitkit.data.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.data.transforms import RANDAUGMENT_OPS, RandAugment, TrainTransform, triple
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
+from vitkit.fileio import clean_stale
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer, ViTConfig
-from vitkit.train import checkpointing as ckpt
 from vitkit.train import distributed as distr
-from vitkit.train.config import TrainConfig
+from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
 
@@ -217,7 +218,7 @@ class Trainer:
         if self.device.type != "cpu":
             return False
         m = self.net.cfg
-        tokens = m.num_prefix_tokens + m.grid_size[0] * m.grid_size[1]
+        tokens = m.num_tokens()
         micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
         kept = micro_batch * m.num_heads * tokens**2 * 4 * m.depth  # fp32 probabilities of every layer
         return kept <= EXPLICIT_ATTENTION_BYTES
@@ -357,7 +358,7 @@ class Trainer:
         # copies: on one process these would alias the parameters (and change when EMA weights swap out)
         return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
-    def save_checkpoint(self) -> None:
+    def save_state(self) -> None:
         """Write the resumable state (every process takes part; process 0 writes)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -366,7 +367,7 @@ class Trainer:
         osd = get_optimizer_state_dict(self.net, self.opt, options=opts)
         ema = {k: distr.full_tensor(v).cpu() for k, v in self.ema.shadow.items()} if self.ema else {}
         if self.dist.is_main:
-            opt_tensors, opt_doc = ckpt.flatten_optimizer(osd)
+            opt_tensors, opt_doc = train_state.flatten_optimizer(osd)
             tensors = {f"model/{k}": v for k, v in model_sd.items()}
             tensors.update(opt_tensors)
             tensors.update({f"ema/{k}": v for k, v in ema.items()})
@@ -380,18 +381,18 @@ class Trainer:
                 "world_size": self.dist.world,
                 "config": self.cfg.to_dict(),
             }
-            ckpt.write_checkpoint(self.run_dir / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
+            train_state.write_state(self.run_dir / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
         distr.barrier(self.dist)
 
-    def load_checkpoint(self, path: str | Path) -> None:
-        """Restore everything from a checkpoint written by :meth:`save_checkpoint`."""
+    def load_state(self, path: str | Path) -> None:
+        """Restore everything from a checkpoint written by :meth:`save_state`."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_optimizer_state_dict,
         )
 
-        tensors, meta = ckpt.read_checkpoint_state(path)
+        tensors, meta = train_state.read_state(path)
         if meta.get("class_names") != self.classes:
             raise CheckpointError(f"{path}: the checkpoint's classes differ from the dataset's")
         opts = StateDictOptions(full_state_dict=True)
@@ -400,7 +401,7 @@ class Trainer:
         }
         try:
             set_model_state_dict(self.net, model_sd, options=opts)
-            osd = ckpt.unflatten_optimizer(tensors, meta["optimizer"])
+            osd = train_state.unflatten_optimizer(tensors, meta["optimizer"])
             set_optimizer_state_dict(self.net, self.opt, osd, options=opts)
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(f"{path}: does not match this model/optimiser ({e})") from None
@@ -427,9 +428,24 @@ class Trainer:
             prov = {"recipe": self.cfg.recipe, "run": str(self.run_dir), "step": self.step, **provenance}
             if self.cfg.model.init_from:
                 prov["fine_tuned_from"] = self.cfg.model.init_from
-            native_ckpt.save(
-                model, self.run_dir / folder, preprocess=self.preprocess, class_names=self.classes, provenance=prov
+            vitkit_format.save(
+                model,
+                self.run_dir / folder,
+                preprocess=self.preprocess,
+                class_names=self.classes,
+                provenance=prov,
+                overwrite=True,  # the run's own model/ or best/, replaced as training goes on
             )
+        distr.barrier(self.dist)
+
+    def _clean_after_kill(self) -> None:
+        """Restore or remove what a killed run left in its folder (only vitkit's own hidden temporaries and
+        incomplete ``step-N/`` folders), before anything reads it."""
+        if self.dist.is_main:
+            done = clean_stale(self.run_dir, ("model", "best"))
+            done += train_state.clean_states(self.run_dir / "checkpoints")
+            for note in done:
+                print(f"note: {self.run_dir}: {note} (left by an interrupted run)", file=sys.stderr)
         distr.barrier(self.dist)
 
     # ---- logs -------------------------------------------------------------------------------------------
@@ -479,8 +495,9 @@ class Trainer:
     ) -> TrainResult:
         """Train to ``total_steps``; ``on_step(trainer, record)`` is called after every step (tests, hooks)."""
         t0 = time.perf_counter()
+        self._clean_after_kill()
         if resume is not None:
-            self.load_checkpoint(ckpt.resolve_resume(resume))
+            self.load_state(train_state.resolve_resume(resume))
         self._open_logs(resumed=resume is not None)
         cfg, spe = self.cfg, self.loader.steps_per_epoch
         from tqdm import tqdm
@@ -513,7 +530,7 @@ class Trainer:
                         self._log_step(rec, ips)
                     every = cfg.checkpoint_every_steps
                     if every and self.step % every == 0 and self.step % spe and self.step < self.total_steps:
-                        self.save_checkpoint()  # mid-epoch; epoch ends are checkpointed below, after the metrics
+                        self.save_state()  # mid-epoch; epoch ends are checkpointed below, after the metrics
                     if on_step is not None:
                         on_step(self, rec)
                     if self.step >= self.total_steps:
@@ -540,7 +557,7 @@ class Trainer:
                 if top1 is not None and (self.best_top1 is None or top1 > self.best_top1):
                     self.best_top1 = top1
                     self.save_model("best", val_top1=top1)
-                self.save_checkpoint()
+                self.save_state()
         finally:
             bar.close()
         self.save_model("model", val_top1=last_eval.get("val_top1"))

@@ -1,6 +1,6 @@
-"""Training configuration: typed dataclasses, serialisable to and from JSON (the run folder's config.json).
+"""The training configuration schema: typed dataclasses, serialisable to and from JSON (a run's config.json).
 
-A recipe (``vitkit.configs``) is a function returning a :class:`TrainConfig`; the CLI applies a few
+A recipe (``vitkit.configs.recipes``) is a function returning a :class:`TrainConfig`; the CLI applies a few
 overrides (data, epochs, batch size, lr ...) with :meth:`TrainConfig.override`.
 """
 
@@ -38,7 +38,7 @@ AUGREG_MIXUP = {
 
 @dataclass
 class DataConfig:
-    source: str = "digits"  # see vitkit.data.datasets.open_dataset
+    source: str = "digits"  # see vitkit.data.open_dataset
     train_split: str = "train"
     val_split: str | None = "auto"  # "auto": "val" if the source has one, else "test"; None: no evaluation
     image_size: tuple[int, int] = (224, 224)

@@ -1,4 +1,4 @@
-"""Evaluation-time preprocessing: decode an image file, resize, normalise. Pillow and numpy only.
+"""A checkpoint's evaluation-time preprocessing: decode an image file, resize, normalise. Pillow and numpy only.
 
 A checkpoint carries its :class:`Preprocess`, so ``predict`` and ``eval`` feed a model exactly what it
 was trained on. Two resize modes cover the common conventions:
@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import os
 import warnings
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
@@ -29,7 +28,7 @@ INCEPTION_STD = (0.5, 0.5, 0.5)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
-_RESAMPLE = {
+RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
     "bicubic": Image.Resampling.BICUBIC,
@@ -57,8 +56,8 @@ class Preprocess:
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
         if self.resize not in ("squash", "crop"):
             raise ValueError(f"resize must be 'squash' or 'crop', got {self.resize!r}")
-        if self.interpolation not in _RESAMPLE:
-            raise ValueError(f"interpolation must be one of {', '.join(_RESAMPLE)}, got {self.interpolation!r}")
+        if self.interpolation not in RESAMPLE:
+            raise ValueError(f"interpolation must be one of {', '.join(RESAMPLE)}, got {self.interpolation!r}")
         if not 0.0 < self.crop_pct <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
 
@@ -88,9 +87,10 @@ class Preprocess:
 
     # ---- application -----------------------------------------------------------------------------
 
-    def resize_image(self, img: Image.Image) -> Image.Image:
+    def resized(self, img: Image.Image) -> Image.Image:
+        """``img`` at ``image_size``: squashed, or shorter side scaled then centre-cropped."""
         H, W = self.image_size
-        resample = _RESAMPLE[self.interpolation]
+        resample = RESAMPLE[self.interpolation]
         if img.size == (W, H) and (self.resize == "squash" or self.crop_pct == 1.0):
             return img  # resizing to the same size is the identity
         if self.resize == "squash":
@@ -105,7 +105,7 @@ class Preprocess:
     def to_tensor(self, img: Image.Image) -> torch.Tensor:
         """A decoded image -> normalised float tensor (C, H, W)."""
         img = convert_image(img, "L" if self.grayscale else "RGB")
-        arr = np.asarray(self.resize_image(img), dtype=np.float32) / 255.0  # (H, W[, C])
+        arr = np.asarray(self.resized(img), dtype=np.float32) / 255.0  # (H, W[, C])
         if arr.ndim == 2:
             arr = arr[:, :, None]
         arr = (arr - self._mean) / self._std
@@ -114,9 +114,6 @@ class Preprocess:
     def __call__(self, path_or_image: str | os.PathLike[str] | Image.Image) -> torch.Tensor:
         img = path_or_image if isinstance(path_or_image, Image.Image) else load_image(path_or_image)
         return self.to_tensor(img)
-
-    def batch(self, paths: Sequence[str | os.PathLike[str]]) -> torch.Tensor:
-        return torch.stack([self(p) for p in paths])  # (B, C, H, W)
 
 
 def load_image(path: str | os.PathLike[str]) -> Image.Image:
@@ -165,7 +162,7 @@ def decode_image(source: str | os.PathLike[str] | bytes, name: str) -> Image.Ima
         raise DataError(f"{name}: not a recognised image file") from None
     except MemoryError:
         raise DataError(f"{name}: too large to decode in memory") from None
-    except Exception as e:  # noqa: BLE001 (malformed bytes reach many decoder errors: struct, index, zlib...)
+    except Exception as e:
         raise DataError(f"{name}: corrupt or truncated image ({type(e).__name__}: {e})") from None
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from vitkit.checkpoints.keymap import Array
 from vitkit.errors import CheckpointError
+from vitkit.fileio import check_output_file, write_file_atomic
 
 PREFIXES = ("", "opt/target/", "params/", "params/img/")
 
@@ -80,9 +81,13 @@ def strip_prefix(arrays: Mapping[str, Array], source: str) -> tuple[dict[str, Ar
     return inner, p, outside
 
 
-def write_npz(arrays: Mapping[str, Array], path: str | Path) -> Path:
+def write_npz(arrays: Mapping[str, Array], path: str | Path, *, overwrite: bool = False) -> Path:
+    """Write an .npz atomically; an existing file is replaced only with ``overwrite``."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "wb") as f:
-        np.savez(f, **arrays)  # type: ignore[arg-type]
-    return out
+    check_output_file(out, overwrite=overwrite)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)  # type: ignore[arg-type]
+
+    return write_file_atomic(out, write)

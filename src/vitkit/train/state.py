@@ -1,6 +1,6 @@
 """Resumable training state: atomic, keep-last-k, no pickle.
 
-A checkpoint is a folder ``checkpoints/step-000001234/`` holding
+A training state is a folder ``checkpoints/step-000001234/`` of the run holding
 
 - ``state.safetensors``: every tensor -- ``model/<name>``, ``ema/<name>``, ``optim/<param name>/<key>``
   (Adam moments, step counts, SGD momentum), always full (unsharded) tensors;
@@ -8,8 +8,10 @@ A checkpoint is a folder ``checkpoints/step-000001234/`` holding
   best metric, skipped-step count, class names, the resolved config.
 
 Writing goes to a hidden temporary folder (files fsync'ed), which is renamed into place in one
-``os.replace``; only then are old checkpoints pruned. A crash at any moment leaves either the new
-checkpoint complete or no trace of it, and the previous one untouched. Hidden folders are never read.
+``os.replace``; only then are old checkpoints pruned (renamed to a hidden name, then deleted). A crash at
+any moment leaves either the new checkpoint complete or no trace of it, and the previous one untouched.
+Hidden folders are never read, except ``.step-N.old`` while the same step is being re-saved (see
+``fileio.replace_dir``). :func:`clean_states` removes what a kill left behind.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vitkit.errors import CheckpointError
-from vitkit.fileio import fsync, replace_dir
+from vitkit.fileio import clean_stale, complete_dir, fsync, make_temp_dir, remove_tree, replace_dir
 
 STATE_FORMAT = "vitkit-train-state"
 STATE_VERSION = 1
@@ -36,29 +37,48 @@ META = "state.json"
 _NAME = re.compile(r"^step-(\d{9})$")
 
 
-def checkpoint_name(step: int) -> str:
+def state_name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def list_checkpoints(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+def list_states(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     """Complete checkpoints in ``folder`` as (step, path), oldest first."""
     root = Path(folder)
     if not root.is_dir():
         return []
     found = []
-    for entry in root.iterdir():
-        m = _NAME.match(entry.name)
-        if m and (entry / TENSORS).is_file() and (entry / META).is_file():
+    names = {entry.name.removeprefix(".").removesuffix(".old") for entry in root.iterdir()}
+    for name in names:
+        m = _NAME.match(name)
+        entry = complete_dir(root / name)  # a step being re-saved is read from its previous copy
+        if m and _complete(entry):
             found.append((int(m.group(1)), entry))
     return sorted(found)
 
 
-def latest_checkpoint(folder: str | os.PathLike[str]) -> Path | None:
-    found = list_checkpoints(folder)
+def _complete(entry: Path) -> bool:
+    return (entry / TENSORS).is_file() and (entry / META).is_file()
+
+
+def clean_states(folder: str | os.PathLike[str]) -> list[str]:
+    """Remove what a kill left in a checkpoints folder: vitkit's hidden temporaries (an interrupted re-save
+    is restored) and ``step-N`` folders that lack their files (a prune cut short). Returns notes."""
+    root = Path(folder)
+    done = clean_stale(root)
+    if root.is_dir():
+        for entry in sorted(root.iterdir()):
+            if _NAME.match(entry.name) and entry.is_dir() and not entry.is_symlink() and not _complete(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+                done.append(f"removed incomplete {entry.name}")
+    return done
+
+
+def latest_state(folder: str | os.PathLike[str]) -> Path | None:
+    found = list_states(folder)
     return found[-1][1] if found else None
 
 
-def write_checkpoint(
+def write_state(
     folder: str | os.PathLike[str],
     step: int,
     tensors: dict[str, torch.Tensor],
@@ -68,8 +88,8 @@ def write_checkpoint(
     """Write one checkpoint atomically, then keep only the newest ``keep_last``."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=root))
+    final = root / state_name(step)
+    tmp = make_temp_dir(final)
     try:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
         doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
@@ -80,12 +100,12 @@ def write_checkpoint(
         fsync(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for _, path in list_checkpoints(root)[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+    for _, path in list_states(root)[:-keep_last]:
+        remove_tree(path)
     return final
 
 
-def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_state_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The JSON half of a checkpoint (step, config ...), without loading tensors."""
     p = Path(path) / META
     try:
@@ -99,10 +119,10 @@ def read_checkpoint_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
-def read_checkpoint_state(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def read_state(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, meta) of one checkpoint folder, validated."""
     p = Path(path)
-    meta = read_checkpoint_meta(p)
+    meta = read_state_meta(p)
     try:
         tensors = load_file(str(p / TENSORS))
     except (SafetensorError, OSError) as e:
@@ -116,7 +136,7 @@ def resolve_resume(path: str | os.PathLike[str]) -> Path:
     if (p / META).is_file():
         return p
     for folder in (p / "checkpoints", p):
-        ckpt = latest_checkpoint(folder)
+        ckpt = latest_state(folder)
         if ckpt is not None:
             return ckpt
     raise CheckpointError(f"{p}: no training checkpoint to resume from")

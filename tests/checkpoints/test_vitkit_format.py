@@ -9,7 +9,7 @@ import torch
 import vitkit
 from conftest import randomize_
 from vitkit.checkpoints import detect_format, load_checkpoint
-from vitkit.data.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 
 
@@ -31,7 +31,7 @@ def test_overwrite_is_atomic_and_leaves_no_temporaries(tmp_path: Path) -> None:
     a = vitkit.create_model("Ti/16", image_size=32, num_classes=2)
     b = vitkit.create_model("Ti/16", image_size=32, num_classes=4)
     vitkit.save_pretrained(a, tmp_path / "m")
-    vitkit.save_pretrained(b, tmp_path / "m")
+    vitkit.save_pretrained(b, tmp_path / "m", overwrite=True)
     assert vitkit.load_pretrained(tmp_path / "m").cfg.num_classes == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 

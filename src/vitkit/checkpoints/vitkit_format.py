@@ -6,7 +6,8 @@
      "class_names": [...] | null, "provenance": {...}}
 
 Weights are plain safetensors (no pickle anywhere). Writes are atomic: files go to a temporary folder
-that replaces the target in one rename, so a crash never leaves a half-written model behind.
+that replaces the target by renames, so a crash never leaves a half-written model behind. An existing
+folder is replaced only when it is a vitkit checkpoint and ``overwrite=True``; anything else is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from vitkit import fileio
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
-from vitkit.data.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
-from vitkit.fileio import replace_dir
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 FORMAT = "vitkit"
@@ -57,10 +57,12 @@ def load(path: Path) -> Checkpoint:
     try:
         meta = json.loads(cfg_path.read_text())
         if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
-            raise CheckpointError(f"{cfg_path}: invalid vitkit config (no \"model\" object)")
+            raise CheckpointError(f'{cfg_path}: invalid vitkit config (no "model" object)')
         missing = [k for k in REQUIRED_MODEL_FIELDS if k not in meta["model"]]
         if missing:
-            raise CheckpointError(f"{cfg_path}: the model config lacks {', '.join(missing)} (vitkit writes every field)")
+            raise CheckpointError(
+                f"{cfg_path}: the model config lacks {', '.join(missing)} (vitkit writes every field)"
+            )
         cfg = ViTConfig.from_dict(meta["model"])
         preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
     except FileNotFoundError:
@@ -93,9 +95,15 @@ def save(
     preprocess: Preprocess | None = None,
     class_names: list[str] | None = None,
     provenance: dict[str, Any] | None = None,
+    overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` as a vitkit folder, atomically (an existing folder is replaced in one rename)."""
+    """Write ``model`` as a vitkit folder, atomically.
+
+    An existing non-empty folder is replaced only when it is a vitkit checkpoint (nothing else in it) and
+    ``overwrite`` is true; any other folder is refused with a CheckpointError, and nothing is deleted.
+    """
     out = Path(path)
+    check_output(out, overwrite)
     if class_names is not None and len(class_names) != model.cfg.num_classes:
         raise CheckpointError(f"{len(class_names)} class names for a model with {model.cfg.num_classes} classes")
     doc = {
@@ -107,15 +115,22 @@ def save(
         "provenance": provenance or {},
     }
     state = state_dict_tensors(model)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = fileio.make_temp_dir(out)
     try:
-        save_file(state, str(tmp / WEIGHTS))
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-        replace_dir(tmp, out)
+        fileio.sync_tree(tmp)
+        fileio.replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def check_output(out: Path, overwrite: bool) -> None:
+    """Refuse to replace anything but a vitkit checkpoint folder (and that only with ``overwrite``)."""
+    fileio.check_output_dir(
+        out, allowed=(WEIGHTS, CONFIG), owned=looks_like, overwrite=overwrite, what="vitkit checkpoint"
+    )
 
 
 def state_dict_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.data.preprocess import Preprocess, load_image
+from vitkit.checkpoints.preprocess import Preprocess, load_image
 from vitkit.errors import DataError
 
 

@@ -1,0 +1,135 @@
+"""``vitkit serve CKPT``: an HTTP inference server with dynamic batching (FastAPI on uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vitkit.errors import ConfigError, VitkitError
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def positive_float(text: str, allow_zero: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be {'non-negative' if allow_zero else 'positive'}, got {text}")
+    return value
+
+
+def require_extra(*modules: str, extra: str = "serve") -> None:
+    """A one-line error naming the install command when an optional dependency is missing."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise VitkitError(
+            f"this command needs {', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not installed: "
+            f"pip install 'vitkit[{extra}]'"
+        )
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint to serve (any format vitkit loads, or a run folder)")
+    p.add_argument("--format", help="checkpoint format, if detection should be overridden")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for the model (default: torch's, one per core)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="HTTP inference server with dynamic batching (POST /predict, /health, /metrics, /model, /docs)",
+        description="Serve a checkpoint over HTTP. Concurrent requests are gathered into one batch of up to "
+        "--max-batch images, waiting at most --max-wait-ms after the oldest arrived, and run through the inference "
+        "fast path. POST /predict takes raw image bytes or a multipart upload and answers the top-k labels as JSON "
+        "(?attention=1 adds the attention rollout as a base64 PNG); GET /health, /metrics (Prometheus), /model "
+        "(model card), /docs (OpenAPI). SIGTERM or Ctrl-C stops accepting and finishes in-flight requests. "
+        "Needs: pip install 'vitkit[serve]'.",
+    )
+    add_model_options(p)
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "int8"],
+        default="auto",
+        help="fast-path precision: auto = bf16 where the CPU has bf16 instructions (AVX512_BF16/AMX) or on CUDA, "
+        "else fp32; int8 = dynamically quantised linear layers (CPU)",
+    )
+    p.add_argument("--max-batch", type=positive_int, default=8, help="images per forward pass at most (default 8)")
+    p.add_argument(
+        "--max-wait-ms",
+        type=lambda s: positive_float(s, allow_zero=True),
+        default=5.0,
+        help="longest a request waits for others to join its batch (default 5)",
+    )
+    p.add_argument(
+        "--max-queue", type=positive_int, default=64, help="requests waiting at most; more get 503 (default 64)"
+    )
+    p.add_argument("--timeout", type=positive_float, default=30.0, help="request timeout in seconds, 504 (default 30)")
+    p.add_argument("--max-upload-mb", type=positive_float, default=16.0, help="largest upload in MiB, 413 (default 16)")
+    p.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        default=40_000_000,
+        help="largest image in pixels, checked from the header before decoding, 413 (default 40000000)",
+    )
+    p.add_argument("--top-k", type=positive_int, default=5, help="labels per answer unless ?top_k= says (default 5)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    require_extra("fastapi", "uvicorn", "prometheus_client", "multipart")
+    import torch
+    import uvicorn
+
+    from vitkit.serve.app import ServeOptions, create_app
+    from vitkit.serve.engine import ServedModel
+
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: must be 1..65535")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    opts = ServeOptions(
+        max_batch=args.max_batch,
+        max_wait_ms=args.max_wait_ms,
+        max_queue=args.max_queue,
+        timeout_s=args.timeout,
+        max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
+        max_pixels=args.max_pixels,
+        top_k=args.top_k,
+    )
+    served = ServedModel.from_checkpoint(
+        args.checkpoint, format=args.format, precision=args.precision, max_batch=args.max_batch, device=args.device
+    )
+    served.warm_up(args.max_batch)
+    app = create_app(served, opts)
+    card = served.card()
+    print(
+        f"vitkit serve: {card['name']} ({card['num_classes']} classes, {card['image_size'][0]}x{card['image_size'][1]}"
+        f" px, {served.precision}) on http://{args.host}:{args.port}  (API docs: /docs)",
+        file=sys.stderr,
+        flush=True,
+    )
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=int(args.timeout) + 5,  # in-flight requests finish, bounded
+    )
+    uvicorn.Server(config).run()
+    return 0

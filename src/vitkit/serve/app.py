@@ -1,0 +1,303 @@
+"""The HTTP API of ``vitkit serve``: a FastAPI application around a :class:`ServedModel` and a
+:class:`Batcher`.
+
+Endpoints: ``POST /predict`` (raw image bytes or a multipart upload -> top-k JSON; ``?attention=1`` adds
+the attention rollout as a base64 PNG), ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /model``
+(the model card), and FastAPI's OpenAPI schema and docs (``/openapi.json``, ``/docs``).
+
+Every client mistake is answered with a 4xx status and ``{"detail": "<one clear sentence>"}``: oversized
+uploads (413, refused from Content-Length before reading, or while streaming), too many pixels (413, from
+the image header before decoding), empty bodies, undecodable or truncated images and multipart uploads
+without a file (400), other content types (415), bad query parameters (422). A full queue answers 503
+with Retry-After, a request that outlives ``timeout_s`` 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vitkit.serve.batcher import Batcher, Closed, QueueFull
+from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_image, png_base64
+
+RAW_TYPES = ("application/octet-stream",)  # besides image/*
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+ROUTES = ("/predict", "/health", "/metrics", "/model", "/docs", "/openapi.json")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Batching and protection settings of the server (the ``vitkit serve`` options)."""
+
+    max_batch: int = 8
+    max_wait_ms: float = 5.0
+    max_queue: int = 64
+    timeout_s: float = 30.0
+    max_upload_bytes: int = 16 << 20
+    max_pixels: int = 40_000_000
+    top_k: int = 5
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of its own (no process-global state)."""
+
+    def __init__(self, depth: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("vitkit_requests", "HTTP requests by path and status", ["path", "status"], registry=r)
+        self.latency = Histogram(
+            "vitkit_request_latency_seconds", "request latency by path", ["path"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            "vitkit_batch_size", "images per forward pass", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.batch_seconds = Histogram(
+            "vitkit_batch_seconds", "compute time per batch", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge("vitkit_queue_depth", "requests waiting for the model", registry=r)
+        self.queue_depth.set_function(depth)
+
+    def observe_batch(self, size: int, seconds: float) -> None:
+        self.batch_size.observe(size)
+        self.batch_seconds.observe(seconds)
+
+
+class _CountRequests:
+    """ASGI middleware: every HTTP response counted by path and status, and its latency observed."""
+
+    def __init__(self, app: Any, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        path = path if path in ROUTES else "other"  # bounded label values
+        start, status = time.perf_counter(), [500]
+
+        async def send_status(message: MutableMapping[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(path, str(status[0])).inc()
+            self.metrics.latency.labels(path).observe(time.perf_counter() - start)
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status, headers=headers)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than ``limit`` bytes (from Content-Length, or while streaming)."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise RequestError(400, f"invalid Content-Length {declared!r}")
+        if int(declared) > limit:
+            raise RequestError(413, f"upload of {int(declared)} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestError(413, f"upload exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _multipart_file(request: Request, body: bytes) -> bytes:
+    """The first file of a multipart/form-data body (already read, so within the size limit)."""
+
+    async def replay() -> dict[str, Any]:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    try:
+        form = await Request(request.scope, replay).form(max_files=1, max_fields=16)
+    except Exception as e:  # malformed multipart (python-multipart / starlette errors)
+        raise RequestError(400, f"malformed multipart/form-data body ({e})") from None
+    files = [v for v in form.values() if isinstance(v, UploadFile)]
+    if not files:
+        raise RequestError(400, "multipart upload has no file: send the image as a file field, e.g. -F file=@cat.jpg")
+    data = await files[0].read()
+    await form.close()
+    return data
+
+
+async def _image_bytes(request: Request, limit: int) -> bytes:
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype and ctype != "multipart/form-data" and not ctype.startswith("image/") and ctype not in RAW_TYPES:
+        raise RequestError(
+            415,
+            f"Content-Type {ctype} is not accepted: send the image bytes as image/* or application/octet-stream "
+            "(curl --data-binary @cat.jpg -H 'Content-Type: image/jpeg'), or a multipart/form-data upload "
+            "(curl -F file=@cat.jpg)",
+        )
+    body = await _read_body(request, limit)
+    if ctype == "multipart/form-data":
+        body = await _multipart_file(request, body)
+    if not body:
+        raise RequestError(400, "empty body: send the image file's bytes")
+    return body
+
+
+PREDICT_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "the image: raw bytes (image/*, application/octet-stream) or a multipart upload",
+        "content": {
+            "image/*": {"schema": {"type": "string", "format": "binary"}},
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "properties": {"file": {"type": "string", "format": "binary"}},
+                    "required": ["file"],
+                }
+            },
+        },
+    }
+}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "empty body, undecodable image, multipart without a file"},
+    413: {"description": "upload or image (pixels) over the limit"},
+    415: {"description": "content type other than image/*, application/octet-stream, multipart/form-data"},
+    503: {"description": "queue full or shutting down (retry later)"},
+    504: {"description": "not answered within the request timeout"},
+}
+
+
+def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> FastAPI:
+    """The FastAPI application; the batcher starts and stops with the application's lifespan (on shutdown
+    the server stops accepting, in-flight requests are answered, then the worker drains and exits)."""
+
+    def run(items: list[tuple[torch.Tensor, bool]]) -> list[Prediction]:
+        return served.run_batch([x for x, _ in items], [a for _, a in items])
+
+    batcher: Batcher[tuple[torch.Tensor, bool], Prediction] = Batcher(
+        run, opts.max_batch, opts.max_wait_ms, opts.max_queue
+    )
+    metrics = Metrics(lambda: batcher.depth)
+    batcher.on_batch = metrics.observe_batch
+    card = served.card()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        batcher.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(batcher.close)
+
+    app = FastAPI(
+        title="vitkit serve",
+        summary=f"{card['name']} ({card['checkpoint']}): image classification with a Vision Transformer",
+        version=_version(),
+        lifespan=lifespan,
+    )
+    app.state.batcher, app.state.metrics, app.state.served = batcher, metrics, served
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return _error(exc.status, exc.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = [f"{' '.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()]
+        return _error(422, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error(500, f"internal error ({type(exc).__name__}: {exc})")
+
+    async def answer(request: Request, top_k: int, attention: bool) -> dict[str, Any]:
+        data = await _image_bytes(request, opts.max_upload_bytes)
+
+        def prepare() -> torch.Tensor:
+            return served.to_tensor(decode_image(data, opts.max_pixels))
+
+        x = await run_in_threadpool(prepare)
+        try:
+            future = batcher.submit((x, attention))
+        except QueueFull as e:
+            raise _Unavailable(f"server busy: {e}; retry shortly") from None
+        except Closed as e:
+            raise _Unavailable(str(e)) from None
+        pred: Prediction = await asyncio.wrap_future(future)  # cancelled with the request on timeout
+        out: dict[str, Any] = {"model": card["name"], "top": served.top_k(pred.probs, top_k)}
+        if attention and pred.rollout is not None:
+            out["attention"] = {
+                "rollout_png": png_base64(pred.rollout),
+                "size": list(pred.rollout.shape),
+                "query": "class token" if served.model.cfg.num_prefix_tokens else "mean over tokens (GAP)",
+                "encoding": "base64 PNG, 8-bit greyscale, the model input's size; bright = attended",
+            }
+        return out
+
+    @app.post(
+        "/predict",
+        summary="classify one image",
+        description="Send the image as the raw body (Content-Type image/* or application/octet-stream) or as a "
+        "multipart/form-data file. Answers the top-k labels with probabilities; attention=1 adds the attention "
+        "rollout (Abnar & Zuidema) as a base64 PNG. Requests are batched with concurrent ones.",
+        openapi_extra=PREDICT_BODY,
+        responses=ERRORS,
+    )
+    async def predict(
+        request: Request,
+        top_k: int = Query(opts.top_k, ge=1, le=1000, description="how many labels"),
+        attention: bool = Query(False, description="add the attention rollout map (base64 PNG)"),
+    ) -> Any:
+        try:
+            return await asyncio.wait_for(answer(request, top_k, attention), opts.timeout_s)
+        except TimeoutError:
+            return _error(504, f"not answered within the request timeout of {opts.timeout_s:g} s")
+        except _Unavailable as e:
+            return _error(503, str(e), {"Retry-After": "1"})
+
+    @app.get("/health", summary="liveness: 200 while the model worker runs")
+    async def health() -> Any:
+        if not batcher.alive:
+            return _error(503, "not serving (starting up or shutting down)")
+        return {"status": "ok", "queue_depth": batcher.depth}
+
+    @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching")
+    async def model_card() -> Any:
+        return {**card, "serving": asdict(opts)}
+
+    @app.get("/metrics", summary="Prometheus metrics (text format)")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(_CountRequests, metrics=metrics)
+    return app
+
+
+class _Unavailable(Exception):
+    pass
+
+
+def _version() -> str:
+    from vitkit import __version__
+
+    return __version__

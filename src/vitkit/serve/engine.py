@@ -1,0 +1,214 @@
+"""The model behind ``vitkit serve`` and ``vitkit demo``: a checkpoint, its fast inference copy, and the
+attention analyses for single images.
+
+Predictions run through the inference fast path (``vitkit.optimize_for_inference``: pre-packed bf16 or
+int8 weights on CPUs with the instructions, fp32 otherwise). Attention maps need the attention
+probabilities, which the fast path never materialises, so they come from the checkpoint's own fp32 model
+(``forward_intermediates``), run only for the images that ask for them.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
+from vitkit.bench.peak import has_native_bf16
+from vitkit.checkpoints import Loaded, load_checkpoint
+from vitkit.errors import ConfigError, VitkitError
+
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
+
+
+class RequestError(VitkitError):
+    """Bad input from a client: answered with ``status`` and the message, never a server error."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
+    """``auto`` -> ``bf16`` where the device computes bf16 natively (AVX512_BF16/AMX, CUDA), else ``fp32``."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        return "bf16" if has_native_bf16(device) else "fp32"
+    return precision
+
+
+def decode_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Decode untrusted image bytes, refusing oversized images from their header before any pixel is read.
+
+    Raises RequestError: 400 for empty, unrecognised, corrupt or truncated data; 413 for an image with more
+    than ``max_pixels`` pixels (decompression bombs: a few KB of PNG can claim 10^10 pixels).
+    """
+    if not data:
+        raise RequestError(400, "empty body: send the image file's bytes")
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise RequestError(400, "not a recognised image file (send JPEG, PNG, WebP, BMP, GIF, TIFF, ...)") from None
+    except Image.DecompressionBombError as e:
+        raise RequestError(413, f"image too large: {e}") from None
+    except Exception as e:  # Pillow's plugins raise assorted errors on malformed headers
+        raise RequestError(400, f"could not read the image header ({type(e).__name__}: {e})") from None
+    w, h = img.size
+    if w * h > max_pixels:
+        raise RequestError(413, f"image of {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} pixels")
+    if w * h == 0:
+        raise RequestError(400, f"image of {w}x{h} pixels has no pixels")
+    try:
+        img.load()
+    except Image.DecompressionBombError as e:
+        raise RequestError(413, f"image too large: {e}") from None
+    except Exception as e:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError, ...
+        raise RequestError(400, f"corrupt or truncated image ({type(e).__name__}: {e})") from None
+    return img.convert("RGBA") if img.mode == "P" else img
+
+
+def png_base64(gray: np.ndarray) -> str:
+    """A map in [0, 1], (H, W), as a base64-encoded 8-bit greyscale PNG."""
+    buf = io.BytesIO()
+    Image.fromarray(np.round(np.clip(gray, 0, 1) * 255).astype(np.uint8), mode="L").save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One image's answer: class probabilities (K,) and, when asked for, the rollout map (H, W) in [0, 1]."""
+
+    probs: torch.Tensor
+    rollout: np.ndarray | None = None
+
+
+class ServedModel:
+    """A loaded checkpoint ready to answer: ``predict`` (fast path) and ``attention`` (fp32 model).
+
+    ``precision``: ``auto``, ``fp32``, ``bf16`` or ``int8`` (see :func:`resolve_precision`); ``max_batch``
+    chooses oneDNN's weight layout for the batches the server will run (any batch works).
+    """
+
+    def __init__(
+        self, loaded: Loaded, precision: str = "auto", max_batch: int = 8, device: torch.device | str = "cpu"
+    ) -> None:
+        from vitkit import optimize_for_inference  # the fast path, wherever the package keeps it
+
+        self.loaded = loaded
+        self.device = torch.device(device)
+        self.model = loaded.model.eval().to(self.device)
+        self.preprocess = loaded.meta.preprocess
+        if self.model.cfg.num_classes <= 0:
+            raise ConfigError(f"{loaded.meta.source}: the model has no classification head; nothing to serve")
+        self.precision = resolve_precision(precision, self.device)
+        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
+        if self.precision == "int8":
+            dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
+        try:
+            self.fast = optimize_for_inference(self.model, dtype, int8=self.precision == "int8", batch_size=max_batch)
+        except ValueError as e:  # e.g. int8 without oneDNN
+            raise ConfigError(f"--precision {self.precision}: {e}") from None
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        precision: str = "auto",
+        max_batch: int = 8,
+        device: torch.device | str = "cpu",
+    ) -> ServedModel:
+        return cls(load_checkpoint(path, format=format), precision, max_batch, device)
+
+    # ---- facts ----------------------------------------------------------------------------------------
+
+    @property
+    def num_classes(self) -> int:
+        return self.model.cfg.num_classes
+
+    @property
+    def class_names(self) -> list[str]:
+        return [self.loaded.label(i) for i in range(self.num_classes)]
+
+    def card(self) -> dict[str, Any]:
+        """The model card: name, classes, resolution, preprocessing, precision."""
+        cfg, meta = self.model.cfg, self.loaded.meta
+        return {
+            "name": cfg.name,
+            "checkpoint": os.path.basename(os.path.normpath(meta.source)),
+            "format": meta.format,
+            "num_classes": cfg.num_classes,
+            "classes": self.class_names,
+            "image_size": list(self.preprocess.image_size),
+            "patch_size": self.model.stem_stride,
+            "depth": cfg.depth,
+            "num_heads": cfg.num_heads,
+            "classifier": cfg.classifier,
+            "preprocessing": self.preprocess.to_dict(),
+            "precision": self.precision,
+            "device": str(self.device),
+        }
+
+    def warm_up(self, max_batch: int) -> None:
+        """One forward at batch 1 and at ``max_batch``, so the first requests meet ready kernels."""
+        C, (H, W) = self.model.cfg.in_channels, self.preprocess.image_size
+        for b in sorted({1, max_batch}):
+            self.probabilities(torch.zeros(b, C, H, W))
+
+    # ---- compute --------------------------------------------------------------------------------------
+
+    def to_tensor(self, img: Image.Image) -> torch.Tensor:
+        """A decoded image -> the model's input (C, H, W), by the checkpoint's preprocessing."""
+        return self.preprocess.to_tensor(img)
+
+    @torch.inference_mode()
+    def probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> class probabilities (B, K), float32, through the fast path."""
+        return self.fast(x.to(self.device)).float().softmax(dim=-1).cpu()
+
+    @torch.inference_mode()
+    def attentions(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int]]:
+        """(B, C, H, W) -> (per-layer attention probabilities (B, h, T, T), fp32 logits (B, K), token grid)."""
+        x = x.to(self.device)
+        out = self.model.forward_intermediates(x)
+        assert out.logits is not None
+        return list(out.attentions), out.logits.float().cpu(), self.model.grid_of(x)
+
+    def rollout(self, x: torch.Tensor) -> np.ndarray:
+        """(B, C, H, W) -> attention rollout maps (B, H, W) in [0, 1], upsampled to the input size."""
+        attns, _, grid = self.attentions(x)
+        maps = rollout_maps(attns, grid, self.model.cfg.num_prefix_tokens)
+        return upsample_maps(maps, (x.shape[-2], x.shape[-1])).cpu().numpy()
+
+    def layer_maps(self, attns: list[torch.Tensor], grid: tuple[int, int], layer: int, size: tuple[int, int]) -> Any:
+        """One layer's raw attention per head, (B, h, H, W) in [0, 1] (class token, or mean query for GAP)."""
+        maps = attention_maps(attns[layer], grid, self.model.cfg.num_prefix_tokens)
+        return upsample_maps(maps, size).cpu().numpy()
+
+    def run_batch(self, inputs: list[torch.Tensor], want_attention: list[bool]) -> list[Prediction]:
+        """Answer a batch: probabilities for all, rollout maps for those that asked."""
+        x = torch.stack(inputs)  # (B, C, H, W)
+        probs = self.probabilities(x)
+        maps: dict[int, np.ndarray] = {}
+        wanted = [i for i, w in enumerate(want_attention) if w]
+        if wanted:
+            rolled = self.rollout(x[wanted])
+            maps = {i: rolled[j] for j, i in enumerate(wanted)}
+        return [Prediction(probs[i], maps.get(i)) for i in range(len(inputs))]
+
+    def top_k(self, probs: torch.Tensor, k: int) -> list[dict[str, Any]]:
+        """The k most probable classes of one image: label, class index, probability."""
+        p, idx = probs.topk(min(k, self.num_classes))
+        return [
+            {"label": self.loaded.label(int(i)), "index": int(i), "prob": float(v)}
+            for v, i in zip(p.tolist(), idx.tolist(), strict=True)
+        ]

@@ -1,0 +1,97 @@
+"""Checkpoints, images and a real loopback uvicorn server for the serving tests."""
+
+from __future__ import annotations
+
+import io
+import socket
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+from vitkit.checkpoints.native import save
+from vitkit.data.preprocess import Preprocess
+
+from conftest import randomize_
+from vitkit.models import create_model
+
+CLASSES = ["cat", "dog", "ship", "tree", "car", "bird"]
+
+
+def make_checkpoint(path: Path) -> Path:
+    """A small randomised ViT (32x48 px input, patch 8, class token) saved with class names and a crop
+    preprocessing, so labels and resizing both come from the checkpoint."""
+    model = create_model(
+        "Ti/16", patch_size=8, image_size=(32, 48), hidden_size=32, depth=2, num_heads=2, mlp_dim=64,
+        num_classes=len(CLASSES),
+    )  # fmt: skip
+    randomize_(model, std=0.2)
+    pre = Preprocess(image_size=(32, 48), mean=(0.5, 0.4, 0.3), std=(0.2, 0.25, 0.3), resize="crop", crop_pct=0.875)
+    return save(model.eval(), path, preprocess=pre, class_names=CLASSES)
+
+
+def image_bytes(seed: int, size: tuple[int, int] = (60, 40), fmt: str = "PNG") -> bytes:
+    """A random RGB image (width, height) encoded as ``fmt``."""
+    rng = np.random.default_rng(seed)
+    arr = rng.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def png_header_bomb(width: int, height: int) -> bytes:
+    """A few-hundred-byte PNG whose header claims width x height pixels (a decompression bomb's shape)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)  # 8-bit greyscale
+    idat = zlib.compress(b"\x00" * 1024)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def uvicorn_thread(app: Any) -> Iterator[str]:
+    """Run ``app`` on a real uvicorn server on loopback in a thread; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return float(s.value)
+    return 0.0
