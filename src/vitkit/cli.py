@@ -58,6 +58,16 @@ def _image_size(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -326,7 +336,7 @@ def _add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
         required=required,
         help="dataset: 'digits', an ImageFolder root, a CIFAR python folder, an .npz, or WebDataset shards",
     )
-    p.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default 0)")
+    p.add_argument("--workers", type=_nonnegative_int, default=0, help="image-decoding worker processes (default 0)")
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable images instead of failing")
 
 
@@ -611,9 +621,11 @@ def _add_training_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=_positive_int, help="global batch size (all processes, accumulation)")
     p.add_argument("--lr", type=_positive_float, help="base learning rate")
     p.add_argument("--image-size", type=_image_size, help="training resolution, e.g. 384 or 224x320")
-    p.add_argument("--seed", type=int, help="seed for initialisation, data order, augmentation, dropout")
+    p.add_argument(
+        "--seed", type=_nonnegative_int, help="seed for initialisation, data order, augmentation, dropout (>= 0)"
+    )
     p.add_argument("--out", help="run folder (default runs/<recipe name>, numbered when taken)")
-    p.add_argument("--workers", type=int, help="data-loading worker processes per training process")
+    p.add_argument("--workers", type=_nonnegative_int, help="data-loading worker processes per training process")
     p.add_argument("--precision", choices=["fp32", "bf16"], help="bf16: autocast with fp32 master weights")
     p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model")
     p.add_argument("--skip-bad", action="store_true", default=None, help="skip unreadable images (counted)")
@@ -705,8 +717,9 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         "finetune",
         help="fine-tune a checkpoint on your images (new zero head, higher resolution)",
         description="Fine-tune any supported checkpoint: the head (and pre-logits) is replaced by a zero-initialised "
-        "one for the dataset's classes, the position embeddings are interpolated to the new resolution (default "
-        "384 px), and the paper's SGD recipe runs (momentum 0.9, cosine, no weight decay, clip 1). "
+        "one for the dataset's classes, the position embeddings are interpolated to the new resolution (default: "
+        "the checkpoint's scaled as the paper's 224 -> 384 px, e.g. 224 -> 384, 16 -> 28), and the paper's SGD "
+        "recipe runs (momentum 0.9, cosine, no weight decay, clip 1; a shorter --steps shortens its warm-up). "
         "Resume with: vitkit train --resume RUN.",
     )
     p.add_argument("checkpoint", help="checkpoint to start from (any supported format, or a run folder)")
@@ -720,7 +733,10 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
 def cmd_finetune(args: argparse.Namespace) -> int:
     from vitkit.train.launch import finetune_config, run, summary
 
-    cfg = finetune_config(args.checkpoint, args.data, args.recipe, **_training_options(args))
+    notes: list[str] = []
+    cfg = finetune_config(args.checkpoint, args.data, args.recipe, notes=notes, **_training_options(args))
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     _note_emulated_bf16(cfg)
     result = run(cfg, args.out, progress=not args.quiet)
     if result.rank == 0:
@@ -870,8 +886,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VitkitError as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"vitkit {args.command}: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (vitkit info B/16 --json | head -1): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+    except OSError as e:  # the disk or file system said no (full, read-only, a file where a folder goes...)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"vitkit {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"vitkit {args.command}: interrupted", file=sys.stderr)

@@ -183,10 +183,8 @@ def convert_image(img: Image.Image, mode: str) -> Image.Image:
         return img
     if img.mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
         arr = np.asarray(img, dtype=np.float64)
-        if img.mode.startswith("I;16"):
-            hi = 65535.0
-        else:
-            hi = max(float(np.nanmax(arr)) if arr.size else 1.0, 1.0)
+        peak = float(np.nanmax(arr)) if arr.size and not np.isnan(arr).all() else 1.0
+        hi = 65535.0 if img.mode.startswith("I;16") else max(peak, 1.0)
         arr = np.nan_to_num(arr, nan=0.0)
         img = Image.fromarray(np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8))
         if img.mode == mode:

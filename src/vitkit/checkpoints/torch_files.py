@@ -109,16 +109,19 @@ def write_folder(
     """
     out = Path(path)
     check_folder_output(out, overwrite)
-    tmp = fileio.make_temp_dir(out)
-    try:
-        metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-        fileio.sync_tree(tmp)
-        fileio.replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with fileio.write_errors(out):
+        tmp = fileio.make_temp_dir(out)
+        try:
+            metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
+            save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata
+            )
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+            fileio.sync_tree(tmp)
+            fileio.replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

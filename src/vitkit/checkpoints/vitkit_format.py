@@ -115,14 +115,15 @@ def save(
         "provenance": provenance or {},
     }
     state = state_dict_tensors(model)
-    tmp = fileio.make_temp_dir(out)
-    try:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
-        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-        fileio.sync_tree(tmp)
-        fileio.replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with fileio.write_errors(out):
+        tmp = fileio.make_temp_dir(out)
+        try:
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
+            (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+            fileio.sync_tree(tmp)
+            fileio.replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -125,7 +125,8 @@ def skipped_note(ds: ImageDataset) -> str | None:
     if not ds.skipped:
         return None
     first = ds.skipped[0]
-    return f"{ds.source} [{ds.split}]: skipped {len(ds.skipped)} bad item(s), kept {len(ds)} (first: {first.item}: {first.reason})"
+    first_one = f"first: {first.item}: {first.reason}"
+    return f"{ds.source} [{ds.split}]: skipped {len(ds.skipped)} bad item(s), kept {len(ds)} ({first_one})"
 
 
 def as_uint8_images(arr: np.ndarray, what: str) -> np.ndarray:

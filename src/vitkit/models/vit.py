@@ -13,6 +13,7 @@ the class token when there is one), D = width, h = heads, d = D / h.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal
 

@@ -147,12 +147,22 @@ class Trainer:
         spe = self.loader.steps_per_epoch
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round((cfg.epochs or 0) * spe))
         self.warmup_steps = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
+        if self.warmup_steps >= self.total_steps > 1 and cfg.optim.schedule != "constant" and self.dist.is_main:
+            print(
+                f"note: the warm-up ({self.warmup_steps} steps) fills the whole run ({self.total_steps} steps), so "
+                "the learning rate never decays; shorten it with --set optim.warmup_steps=N (and "
+                "optim.warmup_epochs=0)",
+                file=sys.stderr,
+            )
 
     # ---- setup -----------------------------------------------------------------------------------------
 
     def _claim(self, base: Path, mode: bool | str) -> Path:
         """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
         n = 0
+        for p in (base, *base.parents):  # a file where the run folder (or a folder above it) should be
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
         if self.dist.is_main:
             if mode == "numbered":
                 while _holds_run(base if n == 0 else base.with_name(f"{base.name}-{n}")):
