@@ -210,9 +210,9 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path: Path) -> N
 def test_train_notes_emulated_bf16(
     native: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from vitkit.bench import peak
+    from vitkit import hardware
 
-    monkeypatch.setattr(peak, "has_native_bf16", lambda device="cpu": native)
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": native)
     argv = ["train", "--precision", "bf16", "--steps", "1", "--quiet", "--out", str(tmp_path / "r")]
     assert main(argv) == 0
     err = capsys.readouterr().err

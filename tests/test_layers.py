@@ -26,6 +26,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "fileio": 0,
     "hardware": 0,
+    "version": 0,
     "models": 1,
     "checkpoints": 2,
     "hub": 2,

@@ -15,17 +15,16 @@ Public API::
 Analyses (the paper's figures 6, 7, 11) are in :mod:`vitkit.analysis`, benchmarks in :mod:`vitkit.bench`.
 """
 
-from vitkit.bench.fast import optimize_for_inference
 from vitkit.checkpoints import load_checkpoint, load_pretrained
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.checkpoints.vitkit_format import save as save_pretrained
 from vitkit.configs import TrainConfig, get_recipe
 from vitkit.data.datasets import open_dataset
 from vitkit.evaluate import evaluate_dataset, fewshot_dataset
+from vitkit.inference import optimize_for_inference
 from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
 from vitkit.train import train
-
-__version__ = "0.1.0"
+from vitkit.version import __version__
 
 __all__ = [
     "Preprocess",

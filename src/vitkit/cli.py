@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from vitkit.commands import hub as hub_commands
 from vitkit.commands import serve as serve_command
 from vitkit.errors import VitkitError
 
@@ -88,7 +89,7 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
         description="Show a model's configuration, a per-component parameter table, and the compute of one "
         "forward pass (GMACs, and GFLOPs at 2 FLOPs per multiply-add) at a given resolution.",
     )
-    p.add_argument("model", help="a variant name such as B/16, or a checkpoint path")
+    p.add_argument("model", help="a variant name such as B/16, or a checkpoint (path, URL, registry name, hub id)")
     p.add_argument("--image-size", type=_image_size, help="resolution, e.g. 384 or 224x320 (default: model's)")
     p.add_argument("--num-classes", type=int, help="number of classes of the head (default: 1000 / checkpoint's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -137,14 +138,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _model_for_info(args: argparse.Namespace) -> tuple[Any, str]:
     import torch
 
-    from vitkit.checkpoints import read_checkpoint
+    from vitkit.checkpoints import is_variant_name, read_checkpoint
     from vitkit.models import create_model
     from vitkit.models.vit import VisionTransformer
 
     overrides: dict[str, Any] = {}
     if args.num_classes is not None:
         overrides["num_classes"] = args.num_classes
-    if os.path.exists(args.model):
+    if not is_variant_name(args.model):
         cfg = read_checkpoint(args.model).cfg
         with torch.device("meta"):
             model = create_model(cfg, **overrides)
@@ -168,7 +169,9 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
         "taken from the checkpoint; labels from its class names when it has them.",
     )
     p.add_argument("images", nargs="+", help="image files (any format Pillow reads)")
-    p.add_argument("--checkpoint", "-c", required=True, help="checkpoint path (file or folder)")
+    p.add_argument(
+        "--checkpoint", "-c", required=True, help="checkpoint: a path, URL, registry name (vitkit models) or hub id"
+    )
     p.add_argument("--format", help="checkpoint format, if detection should be overridden")
     p.add_argument("--top-k", type=_positive_int, default=5, help="how many labels per image (default 5)")
     p.add_argument("--batch-size", type=_positive_int, default=32, help="images per forward pass")
@@ -299,7 +302,17 @@ def cmd_export(args: argparse.Namespace) -> int:
         args.checkpoint, format=args.format, image_size=args.image_size, pos_interpolation=args.pos_interpolation
     )
     model = loaded.model
-    out = export_onnx(model, args.output, dynamic_batch=args.dynamic_batch, opset=args.opset, overwrite=args.overwrite)
+    metadata = {"preprocess": json.dumps(loaded.meta.preprocess.to_dict())}
+    if loaded.meta.class_names:
+        metadata["class_names"] = json.dumps(loaded.meta.class_names)
+    out = export_onnx(
+        model,
+        args.output,
+        dynamic_batch=args.dynamic_batch,
+        opset=args.opset,
+        metadata=metadata,
+        overwrite=args.overwrite,
+    )
     check = validate_onnx(model, out, (2, 3) if args.dynamic_batch else (2,))
     H, W = model.cfg.image_size
     print(
@@ -413,7 +426,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.evaluate.evaluate import evaluate_dataset, write_eval_report
-    from vitkit.evaluate.features import resolve_device
+    from vitkit.hardware import resolve_device
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args)
@@ -481,7 +494,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.evaluate.evaluate import fewshot_dataset
-    from vitkit.evaluate.features import resolve_device
+    from vitkit.hardware import resolve_device
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args)
@@ -546,7 +559,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze
     from vitkit.checkpoints.preprocess import load_image
-    from vitkit.evaluate.features import resolve_device
+    from vitkit.hardware import resolve_device
 
     device = resolve_device(args.device)
     loaded = _load_for_eval(args, image_size=args.image_size)
@@ -698,10 +711,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _note_emulated_bf16(cfg: Any) -> None:
     """Say so when bf16 autocast will run on a CPU that has no bf16 instructions (PyTorch emulates it)."""
-    from vitkit.bench.peak import has_native_bf16
-    from vitkit.train.distributed import pick_device
+    from vitkit.hardware import has_native_bf16, resolve_device
 
-    device = pick_device(cfg.device)  # how the run will resolve "auto"
+    device = resolve_device(cfg.device)  # how the run will resolve "auto"
     if cfg.precision == "bf16" and device.type == "cpu" and not has_native_bf16(device):
         print(
             "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
@@ -792,7 +804,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     from vitkit.bench.curve import attention_share, plot_cost_curve
     from vitkit.bench.harness import BenchSpec, format_report, run_bench
-    from vitkit.bench.peak import has_native_bf16
+    from vitkit.hardware import has_native_bf16
 
     precisions = tuple(args.precision or ["bf16" if has_native_bf16(args.device) else "fp32"])
     if args.threads:
@@ -835,10 +847,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_architecture(spec: Any) -> Any:
     """The benchmarked architecture on the meta device (for FLOP accounting only)."""
-    from vitkit.checkpoints import read_checkpoint
+    from vitkit.checkpoints import is_variant_name, read_checkpoint
     from vitkit.models import create_model
 
-    if os.path.exists(spec.model):
+    if not is_variant_name(spec.model):
         return create_model(read_checkpoint(spec.model).cfg, image_size=spec.image_size)
     return create_model(spec.model, image_size=spec.image_size, num_classes=spec.num_classes)
 
@@ -856,6 +868,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_convert,
     _add_export,
     _add_bench,
+    hub_commands.add_parser,
     serve_command.add_parser,
 ]
 

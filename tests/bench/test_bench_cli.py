@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vitkit.bench import peak
+from vitkit import hardware
 from vitkit.cli import main
 
 
@@ -27,7 +27,7 @@ def test_bench_compare_json_and_table(capsys: pytest.CaptureFixture[str], tmp_pa
 def test_bench_default_precision_is_bf16_only_with_bf16_hardware(
     native: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(peak, "has_native_bf16", lambda device="cpu": native)
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": native)
     argv = ["bench", "Ti/16", "--image-size", "32", "--batch-size", "2", "--repeats", "1", "--no-latency"]
     assert main([*argv, "--no-fast"]) == 0
     assert ("vitkit [bf16]" if native else "vitkit [fp32]") in capsys.readouterr().out

@@ -8,11 +8,12 @@ import shutil
 import pytest
 import torch
 
+from vitkit import hardware
 from vitkit.bench import peak as peak_mod
 from vitkit.bench.harness import BenchSpec, Timing, format_report, peak_memory, run_bench
 from vitkit.errors import ConfigError
 
-FLAGS = peak_mod.cpu_flags()
+FLAGS = hardware.cpu_flags()
 HAS_FMA_LOOP = shutil.which("cc") is not None and ("avx512f" in FLAGS or {"avx2", "fma"} <= FLAGS)
 
 
@@ -25,7 +26,7 @@ def test_fma_loop_peak_is_measured_with_the_c_kernel() -> None:
 
 @pytest.mark.skipif(not HAS_FMA_LOOP or not {"avx2", "fma"} <= FLAGS, reason="needs a C compiler and AVX2")
 def test_a_cpu_without_bf16_instructions_gets_its_fp32_rate_as_bf16_peak(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(peak_mod, "cpu_flags", lambda: {"avx", "avx2", "fma"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx", "avx2", "fma"})
     p = peak_mod.measure_peak("bf16", threads=1)
     assert p.method == "fma-loop" and "vk_fp32_avx2" in p.detail and "no bf16 instructions" in p.detail
     assert peak_mod.fma_loop_peak("int8") is None  # no VNNI: int8 falls back to the int8 GEMM rate

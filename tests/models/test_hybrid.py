@@ -201,3 +201,28 @@ def test_hybrid_resolution_change_and_config_round_trip(tmp_path: Path) -> None:
     assert loaded.cfg.resnet_layers == (1, 2) and loaded.cfg.grid_size == (12, 12)
     with pytest.raises(vitkit.errors.ConfigError, match="hybrid stride"):
         create_model("R50+B/16", image_size=200)
+
+
+@pytest.mark.parametrize(("factor", "root"), [(0.5, 32), (1.5, 96), (2, 128)])
+def test_root_width_is_int_64_times_any_factor(tmp_path: Path, factor: float, root: int) -> None:
+    """vit_jax's root takes ``width = int(64 * width_factor)`` channels for any factor (stages 2^n times that);
+    a checkpoint with a 32-channel root reads back as factor 0.5, the same function."""
+    model = vitkit.create_model(
+        "R50+B/16", resnet_layers=(1, 1), resnet_width=factor, patch_size=1, image_size=32, hidden_size=48,
+        depth=1, num_heads=3, mlp_dim=96, num_classes=5, gelu="tanh",
+    )  # fmt: skip
+    assert model.patch_embed.resnet.conv_root.out_channels == root
+    assert model.patch_embed.resnet.stages.block2.unit1.conv1.out_channels == 2 * root
+    path = off.write(model.state_dict(), model.cfg, tmp_path / "h.npz")
+    assert np.load(path)["conv_root/kernel"].shape == (7, 7, 3, root)
+    loaded = vitkit.load_pretrained(path)
+    assert loaded.cfg.resnet_width == factor
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("factor", [0.25, 0.75, 0])
+def test_root_width_the_official_group_norm_cannot_split_is_refused(factor: float) -> None:
+    with pytest.raises(vitkit.errors.ConfigError, match="GroupNorm"):
+        create_model("R50+B/16", resnet_width=factor)

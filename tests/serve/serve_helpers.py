@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 from PIL import Image
-from vitkit.checkpoints.native import save
-from vitkit.data.preprocess import Preprocess
 
 from conftest import randomize_
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.vitkit_format import save
 from vitkit.models import create_model
 
 CLASSES = ["cat", "dog", "ship", "tree", "car", "bird"]

@@ -160,7 +160,7 @@ def test_server_survives_bad_input_and_counts_it(client: TestClient) -> None:
 
 def test_served_precisions_agree_on_labels(ckpt: Path) -> None:
     """bf16 / int8 fast paths answer (where this CPU has them) with the fp32 model's top label on most images."""
-    from vitkit.bench.fast import has_onednn_int8
+    from vitkit.inference.fast import has_onednn_int8
 
     x = torch.stack([ServedModel.from_checkpoint(ckpt, precision="fp32").to_tensor(
         Image.open(io.BytesIO(image_bytes(s)))) for s in range(16)])  # fmt: skip

@@ -122,6 +122,23 @@ def test_gradient_accumulation_equals_the_big_batch(tmp_path: Path) -> None:
     assert_close_weights(weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model"))
 
 
+def test_activation_checkpointing_recomputes_the_blocks_and_trains_the_same(tmp_path: Path) -> None:
+    """grad_checkpointing=True: each block runs twice per micro-batch (forward, then recomputed in the
+    backward pass) and the steps equal those without it."""
+    cfg = tiny_config(**{"steps": 4, "epochs": None})
+    for on in (False, True):
+        with Trainer(cfg.override(grad_checkpointing=on), tmp_path / f"probe-{on}", progress=False) as t:
+            calls: list[int] = []
+            t.net.blocks[0].norm1.register_forward_hook(lambda *_, c=calls: c.append(1))
+            micro = next(iter(t.loader.epoch(0, 0)))
+            t.train_step(micro)
+            assert len(calls) == (2 if on else 1) * len(micro)
+    plain = train(cfg, tmp_path / "plain", progress=False)
+    ckpt = train(cfg.override(grad_checkpointing=True), tmp_path / "ckpt", progress=False)
+    np.testing.assert_allclose([r["loss"] for r in ckpt.steps], [r["loss"] for r in plain.steps], rtol=1e-5)
+    assert_close_weights(weights(tmp_path / "plain" / "model"), weights(tmp_path / "ckpt" / "model"))
+
+
 def test_attention_kernels_train_the_same_function(tmp_path: Path) -> None:
     """On CPU "auto" picks the explicit softmax (faster backward); the fused kernel gives the same steps."""
     from vitkit.models.vit import Attention

@@ -24,12 +24,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.bench.fast import optimize_for_inference
-from vitkit.bench.peak import Peak, has_native_bf16, measure_peak
+from vitkit import hardware
+from vitkit.bench.peak import Peak, measure_peak
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
+from vitkit.inference import optimize_for_inference
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
+from vitkit.train.distributed import checkpoint_activations
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16", "int8")
 TASKS = ("inference", "train")
@@ -208,15 +210,15 @@ class Runner:
 
 
 def build_model(spec: BenchSpec) -> tuple[VisionTransformer, Preprocess]:
-    """The vitkit model and its preprocessing: a checkpoint when ``spec.model`` is a path, else a fresh
+    """The vitkit model and its preprocessing: a checkpoint when ``spec.model`` names one, else a fresh
     variant whose head is given random (non-zero) weights so that outputs and top-1 agreement mean
     something."""
-    from vitkit.checkpoints import load_checkpoint
+    from vitkit.checkpoints import is_variant_name, load_checkpoint
     from vitkit.models import create_model
 
     torch.manual_seed(spec.seed)
     size = (spec.image_size, spec.image_size)
-    if Path(spec.model).exists():
+    if not is_variant_name(spec.model):  # a path, URL, registry name or hub id
         loaded = load_checkpoint(spec.model, image_size=spec.image_size)
         model, pre = loaded.model, replace(loaded.meta.preprocess, image_size=size)
     else:
@@ -266,23 +268,6 @@ def _input_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-class Checkpointed(nn.Module):
-    """A vitkit model whose blocks recompute their activations in the backward pass (activation
-    checkpointing): less memory for one more forward of the blocks."""
-
-    def __init__(self, model: VisionTransformer) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from torch.utils.checkpoint import checkpoint
-
-        z = self.model.embed(x)  # (B, T, D)
-        for blk in self.model.blocks:
-            z = checkpoint(lambda t, b=blk: b(t)[0], z, use_reentrant=False)
-        return self.model.forward_head(self.model.norm(z))
-
-
 def _logits_fn(module: nn.Module, hf: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     return (lambda x: module(pixel_values=x).logits) if hf else module
 
@@ -307,7 +292,7 @@ def inference_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor
             runners.append(_inference_runner(impl, precision, fn, x, spec))
         if spec.fast and precision != "bf16-autocast" and not (precision == "int8" and device.type != "cpu"):
             # int8 keeps attention, norms and the head in bf16 where the CPU has bf16 instructions
-            bf16 = precision == "bf16" or (precision == "int8" and has_native_bf16(device))
+            bf16 = precision == "bf16" or (precision == "int8" and hardware.has_native_bf16(device))
             dtype = torch.bfloat16 if bf16 else torch.float32
             fast = optimize_for_inference(model, dtype, int8=precision == "int8", batch_size=spec.batch_size)
             runners.append(_inference_runner("vitkit-fast", precision, fast, x, spec))
@@ -365,7 +350,7 @@ def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) ->
                 if ckpt and hf_impl:
                     enable = getattr(module, "activation_checkpointing_enable", None)  # transformers >= 5.x
                     (enable or module.gradient_checkpointing_enable)()  # type: ignore[operator]
-                forward_module: nn.Module = Checkpointed(module) if ckpt and not hf_impl else module  # type: ignore[arg-type]
+                forward_module: nn.Module = checkpoint_activations(module) if ckpt and not hf_impl else module
                 if spec.compile:
                     forward_module = _compiled(forward_module, "train")
                 fn = _logits_fn(forward_module, hf_impl)
@@ -420,9 +405,7 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
     """Run one benchmark and return the results as a JSON-ready dict (see ``format_report``)."""
     spec.validate()
     say = progress or (lambda msg: None)
-    device = torch.device(spec.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda requested but CUDA is not available")
+    device = hardware.resolve_device(spec.device)
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     model, pre = build_model(spec)
     if spec.compare and "transformers" in spec.compare:

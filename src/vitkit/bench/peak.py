@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from vitkit import hardware
+
 # Each kernel runs `iters` rounds of ACC independent multiply-adds on 512-bit registers; ACC covers the
 # instruction latency so that the loop is throughput-bound. Returns a value derived from every
 # accumulator so that nothing is optimised away.
@@ -130,32 +132,6 @@ class Peak:
         return asdict(self)
 
 
-def cpu_flags() -> set[str]:
-    """The CPU feature flags from /proc/cpuinfo (empty when unavailable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def has_native_bf16(device: torch.device | str = "cpu") -> bool:
-    """Whether ``device`` computes in bf16 natively: a CUDA GPU that supports it, or a CPU with AVX512_BF16
-    or AMX. Elsewhere PyTorch emulates bf16 matmuls, tens of times slower than fp32."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_available() and bool(torch.cuda.is_bf16_supported())
-    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-
-
-def has_vnni() -> bool:
-    """Whether this CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX)."""
-    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
 def _compiler() -> str | None:
     for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
         if name and shutil.which(name):
@@ -207,7 +183,7 @@ def _run_threads(fn: Any, iters: int, threads: int) -> float:
 def fma_loop_peak(precision: str, threads: int | None = None, seconds: float = 0.3) -> Peak | None:
     """Instruction peak of this CPU for ``precision`` on ``threads`` cores; None if it cannot be measured
     (no compiler, or no instruction for ``precision``: bf16 without AVX512_BF16, int8 without VNNI)."""
-    flags = cpu_flags()
+    flags = hardware.cpu_flags()
     usable = [k for k in _KERNELS[precision] if set(k[1]) <= flags]
     if not usable:
         return None

@@ -1,7 +1,8 @@
 """Checkpoint formats: one declarative, shape-checked key map per foreign layout.
 
-``load_checkpoint(path)`` detects the format from the file's structure (or takes ``format=``), converts
-it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
+``load_checkpoint(name)`` takes a local path, a URL, a registry name (``vitkit models``) or a Hugging Face Hub
+id (resolved by :mod:`vitkit.hub`), detects the format from the file's structure (or takes ``format=``),
+converts it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
 ``save_checkpoint(model, path, format)`` writes any format that can represent the model exactly.
 
 | name       | what                                                              |
@@ -16,6 +17,7 @@ it to vitkit's layout, builds the model and returns it with its metadata (prepro
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -26,6 +28,7 @@ from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, check_st
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import check_not_input, complete_dir
+from vitkit.hub import Resolved, label_names, label_set_for, resolve
 from vitkit.models.vit import VisionTransformer
 
 
@@ -111,6 +114,14 @@ FORMATS: dict[str, Format] = {
 }
 
 
+def is_variant_name(name: str | os.PathLike[str]) -> bool:
+    """True when ``name`` names a model variant (``B/16``, ``R50+B/16``) rather than a checkpoint: it is no
+    local path and is spelled like a variant (size letters / patch digits). Everything else (paths, URLs,
+    registry names, hub ids) is a checkpoint."""
+    text = os.fspath(name)
+    return not os.path.exists(text) and re.fullmatch(r"(?:ViT-)?(?:R\d*\+)?[A-Za-z]{1,3}/\d{1,3}", text) is not None
+
+
 def detect_format(path: str | os.PathLike[str]) -> str:
     """Name of the format of the checkpoint at ``path``, judged from its structure (never from its name)."""
     p = complete_dir(Path(path))
@@ -127,15 +138,60 @@ def detect_format(path: str | os.PathLike[str]) -> str:
     )
 
 
-def read_checkpoint(path: str | os.PathLike[str], format: str | None = None) -> Checkpoint:
-    """The checkpoint converted to vitkit's state-dict layout, not yet placed in a model."""
-    p = complete_dir(Path(path))
-    name = format or detect_format(p)
+def read_checkpoint(
+    path: str | os.PathLike[str], format: str | None = None, *, cache_dir: str | os.PathLike[str] | None = None
+) -> Checkpoint:
+    """The checkpoint converted to vitkit's state-dict layout, not yet placed in a model.
+
+    ``path``: a local file or folder (always wins), an ``http(s)://`` / ``gs://`` URL, a registry name or a
+    Hugging Face Hub id ``org/name[@revision]``; remote ones are downloaded once into the cache
+    (``cache_dir``, default :func:`vitkit.hub.cache_dir`).
+    """
+    local = complete_dir(Path(path))
+    found = resolve(local if local.exists() else path, cache_dir=cache_dir)
+    name = format or (found.entry.format if found.entry else None) or detect_format(found.path)
     if name not in FORMATS:
         raise ConfigError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
-    return FORMATS[name].load(p)
+    ckpt = FORMATS[name].load(found.path)
+    return replace(ckpt, meta=_with_source_metadata(ckpt.meta, ckpt.cfg.num_classes, found))
+
+
+# Formats that hold no class names of their own: Google's .npz files (their 1000 / 21843-way heads are
+# ImageNet's, in the standard order) and timm state dicts without a label list.
+_NAMELESS_FORMATS = ("official", "big_vision", "timm")
+
+
+def _with_source_metadata(meta: CheckpointMeta, num_classes: int, found: Resolved) -> CheckpointMeta:
+    """Add what the name told: the registry entry's labels and preprocessing, where it came from."""
+    provenance = dict(meta.provenance)
+    if found.kind != "local":
+        provenance["resolved"] = {
+            k: v
+            for k, v in {"name": found.name, "kind": found.kind, "url": found.url, "repo_id": found.repo_id,
+                         "revision": found.revision}.items()
+            if v is not None
+        }  # fmt: skip
+    names = meta.class_names
+    preprocess = meta.preprocess
+    entry = found.entry
+    if entry is not None:
+        provenance["registry"] = {
+            "name": entry.name, "top1": entry.top1, "top1_source": entry.top1_source, "source": entry.source,
+        }  # fmt: skip
+        if names is None and entry.num_classes == num_classes:
+            names = label_names(entry.label_set)
+        p = entry.preprocess
+        preprocess = replace(
+            preprocess, mean=tuple(p["mean"]), std=tuple(p["std"]), resize=p["resize"], interpolation=p["interpolation"]
+        )
+    elif names is None and meta.format in _NAMELESS_FORMATS:
+        label_set = label_set_for(num_classes)
+        if label_set is not None:
+            names = label_names(label_set)
+            provenance["class_names"] = (
+                f"{label_set} (shipped names: the file holds none, its head is {num_classes}-way)"
+            )
+    return replace(meta, class_names=names, preprocess=preprocess, provenance=provenance)
 
 
 def load_checkpoint(
@@ -145,15 +201,16 @@ def load_checkpoint(
     num_classes: int | None = None,
     image_size: int | tuple[int, int] | None = None,
     pos_interpolation: str = "bilinear",
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> Loaded:
-    """Load any supported checkpoint as a ready model plus metadata.
+    """Load any supported checkpoint (a path, URL, registry name or hub id) as a ready model plus metadata.
 
     ``num_classes``: replace the head by a zero-initialised one for this many classes (dropping the
     pre-logits layer) when it differs from the checkpoint's. ``image_size``: change the resolution,
     resampling the position-embedding grid (``"bilinear"`` reproduces the official ``interpolate_posembed``
     exactly, ``"bicubic"`` is timm's choice).
     """
-    ckpt = read_checkpoint(path, format)
+    ckpt = read_checkpoint(path, format, cache_dir=cache_dir)
     check_state(ckpt)
     model = empty_model(ckpt.cfg)
     model.load_state_dict(ckpt.state, strict=True)
@@ -174,10 +231,17 @@ def load_pretrained(
     num_classes: int | None = None,
     image_size: int | tuple[int, int] | None = None,
     pos_interpolation: str = "bilinear",
+    cache_dir: str | os.PathLike[str] | None = None,
 ) -> VisionTransformer:
-    """Load any supported checkpoint as a ViT (in eval mode); see :func:`load_checkpoint`."""
+    """Load any supported checkpoint (a path, URL, registry name or hub id) as a ViT in eval mode; see
+    :func:`load_checkpoint`."""
     return load_checkpoint(
-        path, format=format, num_classes=num_classes, image_size=image_size, pos_interpolation=pos_interpolation
+        path,
+        format=format,
+        num_classes=num_classes,
+        image_size=image_size,
+        pos_interpolation=pos_interpolation,
+        cache_dir=cache_dir,
     ).model
 
 
@@ -229,6 +293,7 @@ __all__ = [
     "detect_format",
     "empty_model",
     "expected_state",
+    "is_variant_name",
     "load_checkpoint",
     "load_pretrained",
     "read_checkpoint",

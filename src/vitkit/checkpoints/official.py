@@ -50,7 +50,7 @@ from vitkit.checkpoints.keymap import (
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
-from vitkit.models.resnet import resnet_reduction
+from vitkit.models.resnet import GN_GROUPS, resnet_reduction
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 BLOCK = "Transformer/encoderblock_{i}"
@@ -107,18 +107,25 @@ def looks_like(keys: Mapping[str, Any] | list[str]) -> bool:
     return npz_files.layout(list(keys)) == "official"
 
 
-def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], int] | None:
-    """(stage depths, width factor) of a hybrid's ResNet stem, or None for a plain ViT."""
+def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], float] | None:
+    """(stage depths, width factor) of a hybrid's ResNet stem, or None for a plain ViT.
+
+    The official root has ``int(64 * width_factor)`` channels for any factor, so the factor is width / 64
+    (exact in binary floating point); the 32-group GroupNorm is what limits the width.
+    """
     if "conv_root/kernel" not in arrays:
         return None
     width = int(arrays["conv_root/kernel"].shape[-1])
-    if width % 64:
-        raise CheckpointError(f"{source}: ResNet root width {width} is not a multiple of 64")
+    if width < GN_GROUPS or width % GN_GROUPS:
+        raise CheckpointError(
+            f"{source}: ResNet root width {width} is not a positive multiple of {GN_GROUPS} (GroupNorm groups)"
+        )
     layers: list[int] = []
     while any(k.startswith(f"block{len(layers) + 1}/unit1/") for k in arrays):
         n = len(layers) + 1
         layers.append(max(int(m.group(1)) for k in arrays if (m := re.match(rf"block{n}/unit(\d+)/", k))))
-    return tuple(layers), width // 64
+    factor = width / 64
+    return tuple(layers), int(factor) if factor.is_integer() else factor
 
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:

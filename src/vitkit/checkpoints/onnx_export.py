@@ -44,11 +44,14 @@ def export_onnx(
     dynamic_batch: bool = False,
     opset: int = DEFAULT_OPSET,
     batch_size: int = 2,
+    metadata: dict[str, str] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write ``model`` (eval mode, native resolution) as an ONNX file; ``dynamic_batch`` frees the batch axis.
 
-    An existing file is replaced only with ``overwrite``."""
+    An existing file is replaced only with ``overwrite``. ``metadata``: key/value strings stored in the model's
+    ``metadata_props`` (vitkit writes ``class_names`` and ``preprocess`` as JSON there; onnxruntime exposes them
+    as ``session.get_modelmeta().custom_metadata_map``)."""
     try:
         import onnxscript  # noqa: F401  (the dynamo exporter needs it)
     except ImportError:
@@ -75,6 +78,8 @@ def export_onnx(
         )
     if program is None:
         raise VitkitError(f"{out}: the ONNX exporter produced no program")
+    if metadata:
+        program.model.metadata_props.update(metadata)
     program.save(str(out))
     return out
 

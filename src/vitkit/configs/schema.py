@@ -125,6 +125,7 @@ class TrainConfig:
     loss: Literal["softmax", "sigmoid"] = "softmax"
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast for forward/backward, fp32 master weights
     compile: bool = False
+    grad_checkpointing: bool = False  # recompute block activations in the backward pass (less memory)
     # attention kernel of training steps: "auto" = the explicit softmax on CPU (its backward is faster than
     # PyTorch's fused CPU kernel) unless its stored probabilities would pass 1 GiB, else fused SDPA (flash,
     # and always on GPU); the same function either way. Evaluation always runs the fused kernel.

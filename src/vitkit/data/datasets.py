@@ -7,6 +7,8 @@
     ds = open_dataset("path/to/cifar-10-batches-py", "test")
     ds = open_dataset("arrays.npz", "train")      # images + labels arrays
     ds = open_dataset("shards/", "train")         # WebDataset tar shards: <root>/<split>-*.tar
+    ds = open_dataset("saved/", "test")           # Hugging Face datasets: save_to_disk folder, .parquet/.arrow
+    ds = open_dataset("org/name", "train")        # a Hub dataset id from the local datasets cache (offline)
 
 An :class:`ImageDataset` has ``classes`` (index -> name), ``len(ds)``, ``ds[i] -> (PIL RGB image, label)``
 and iterates as (image, label) pairs. ``ds.labels`` gives every label without decoding images.
@@ -37,12 +39,16 @@ def open_dataset(
     *,
     skip_bad: bool = False,
     classes: Sequence[str] | None = None,
+    image_column: str | None = None,
+    label_column: str | None = None,
 ) -> ImageDataset:
     """Open a labelled image dataset by source and split.
 
     ``source``: ``"digits"`` (scikit-learn's bundled 8x8 digits; splits train/test, a fixed stratified 80/20
     split), an ImageFolder root, a CIFAR-10/100 python-pickle folder, an ``.npz`` file, or WebDataset tar
-    shards (a ``.tar`` file, a folder of them, or a brace pattern ``train-{000..099}.tar``).
+    shards (a ``.tar`` file, a folder of them, or a brace pattern ``train-{000..099}.tar``), or a Hugging Face
+    dataset (a ``save_to_disk`` folder, ``.parquet``/``.arrow`` files, a Hub id ``org/name`` from the local
+    cache; see :mod:`vitkit.data.hf_datasets`; ``image_column`` / ``label_column`` name its columns).
 
     ``skip_bad``: drop unreadable items (zero-byte, corrupt, truncated, empty class folders, samples
     without a label) and list them in ``ds.skipped`` instead of raising DataError.
@@ -63,15 +69,26 @@ def open_dataset(
 
     if is_shard_source(name):
         return open_webdataset(name, split, skip_bad=skip_bad, classes=expected)
+    from vitkit.data import hf_datasets as hfd
+
+    if hfd.is_hf_source(name) or hfd.is_hub_dataset_id(name):
+        return hfd.open_hf_dataset(
+            name, split, skip_bad=skip_bad, classes=expected, image_column=image_column, label_column=label_column
+        )
+    if image_column is not None or label_column is not None:
+        raise DataError(f"{name}: image_column/label_column apply to Hugging Face datasets only")
     path = Path(name)
     if not path.exists():
-        raise DataError(f"{name}: no such file or directory (expected 'digits', a folder, an .npz or .tar shards)")
+        raise DataError(
+            f"{name}: no such file or directory (expected 'digits', a folder, an .npz, .tar shards, "
+            "a Hugging Face dataset or Hub id)"
+        )
     if path.is_file():
         if path.suffix == ".npz":
             from vitkit.data.npz import open_npz
 
             return open_npz(path, split, classes=expected)
-        raise DataError(f"{name}: unsupported dataset file (expected an .npz, or .tar WebDataset shards)")
+        raise DataError(f"{name}: unsupported dataset file (expected .npz, .tar WebDataset shards, .parquet or .arrow)")
     from vitkit.data.cifar import find_cifar, open_cifar
 
     cifar = find_cifar(path)

@@ -1,7 +1,7 @@
 """Evaluation: accuracy metrics, batched feature extraction, the paper's few-shot linear probe."""
 
 from vitkit.evaluate.evaluate import EvalReport, evaluate_dataset, fewshot_dataset, write_eval_report
-from vitkit.evaluate.features import Extracted, extract, resolve_device
+from vitkit.evaluate.features import Extracted, extract
 from vitkit.evaluate.fewshot import FewShotResult, RidgeProbe, fewshot_evaluate, sample_episodes
 from vitkit.evaluate.metrics import Metrics, compute_metrics, confusion_matrix, read_label_sets, topk_correct
 
@@ -18,7 +18,6 @@ __all__ = [
     "fewshot_dataset",
     "fewshot_evaluate",
     "read_label_sets",
-    "resolve_device",
     "sample_episodes",
     "topk_correct",
     "write_eval_report",

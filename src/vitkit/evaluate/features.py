@@ -18,22 +18,8 @@ from tqdm import tqdm
 
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
+from vitkit.hardware import resolve_device
 from vitkit.models.vit import VisionTransformer
-
-
-def resolve_device(name: str | None = None) -> torch.device:
-    """``None``/"auto": CUDA when available, else CPU; otherwise the named device, checked to exist."""
-    if name in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ConfigError(f"--device: unknown device {name!r} (use cpu, cuda, cuda:1, mps or auto)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"--device {name}: CUDA is not available on this machine")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError(f"--device {name}: MPS is not available on this machine")
-    return device
 
 
 def is_map_style(dataset: Any) -> bool:

@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 
-def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) -> torch.Tensor:
-    """Fixed 2-D sin-cos table of shape (1, gh * gw, dim), as big_vision's ``posemb_sincos_2d``.
+def sincos_2d(
+    grid: tuple[int, int], dim: int, temperature: float = 10_000.0, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Fixed 2-D sin-cos table of shape (1, gh * gw, dim), as big_vision's ``posemb_sincos_2d``, on ``device``.
 
     The first half of the channels encodes the column (x), the second half the row (y); within each half,
     sines come before cosines. ``dim`` must be divisible by 4.
@@ -21,8 +23,9 @@ def sincos_2d(grid: tuple[int, int], dim: int, temperature: float = 10_000.0) ->
     gh, gw = grid
     if dim % 4 != 0:
         raise ValueError(f"sincos2d position embeddings need a width divisible by 4, got {dim}")
-    y, x = torch.meshgrid(torch.arange(gh, dtype=torch.float64), torch.arange(gw, dtype=torch.float64), indexing="ij")
-    omega = torch.arange(dim // 4, dtype=torch.float64) / (dim // 4 - 1 if dim > 4 else 1)
+    f64 = {"dtype": torch.float64, "device": device}
+    y, x = torch.meshgrid(torch.arange(gh, **f64), torch.arange(gw, **f64), indexing="ij")  # type: ignore[arg-type]
+    omega = torch.arange(dim // 4, **f64) / (dim // 4 - 1 if dim > 4 else 1)  # type: ignore[arg-type]
     omega = 1.0 / temperature**omega  # (D/4,)
     y = y.flatten()[:, None] * omega[None, :]  # (N, D/4)
     x = x.flatten()[:, None] * omega[None, :]  # (N, D/4)
@@ -37,7 +40,7 @@ def resample_grid(
     num_prefix: int,
     method: str = "bilinear",
 ) -> torch.Tensor:
-    """Resample a learned (1, prefix + gh * gw, D) position embedding to a new patch grid.
+    """Resample a learned (1, prefix + gh * gw, D) position embedding to a new patch grid, on its device.
 
     The prefix (class-token) slots are kept as they are; the grid is interpolated in 2-D.
 
@@ -75,10 +78,10 @@ def _zoom_linear(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         if n_in == n_out:
             continue
         if n_in == 1 or n_out == 1:
-            idx = torch.zeros(n_out, dtype=torch.long)
+            idx = torch.zeros(n_out, dtype=torch.long, device=x.device)
             x = x.index_select(axis, idx)
             continue
-        coord = torch.arange(n_out, dtype=torch.float64) * ((n_in - 1) / (n_out - 1))
+        coord = torch.arange(n_out, dtype=x.dtype, device=x.device) * ((n_in - 1) / (n_out - 1))
         lo = coord.floor().clamp(max=n_in - 2).long()
         w = (coord - lo).reshape([-1 if a == axis else 1 for a in range(x.ndim)])
         x = x.index_select(axis, lo) * (1 - w) + x.index_select(axis, lo + 1) * w

@@ -6,7 +6,7 @@ A hybrid ViT feeds the feature map of a (partial) ResNet to the transformer inst
 Faithful to the official definition:
 
 - root: weight-standardised 7 x 7 conv, stride 2 -> GroupNorm -> ReLU -> 3 x 3 max-pool, stride 2;
-- stage n (``block{n}``) has ``layers[n-1]`` bottleneck units ``unit{m}``, width ``64 * wf * 2^(n-1)``; the
+- stage n (``block{n}``) has ``layers[n-1]`` bottleneck units ``unit{m}``, width ``int(64 * wf) * 2^(n-1)``; the
   first stage keeps the resolution, every later one halves it in the 3 x 3 conv of its first unit;
 - a unit is conv1 (1 x 1) -> GN -> ReLU -> conv2 (3 x 3, stride) -> GN -> ReLU -> conv3 (1 x 1, 4x width) -> GN,
   added to the input (through conv_proj + gn_proj when the shape changes), then ReLU;
@@ -103,9 +103,9 @@ class Bottleneck(nn.Module):
 class ResNetStem(nn.Module):
     """Root block plus ``len(layers)`` stages; ``layers=()`` is the root alone (R+Ti/16)."""
 
-    def __init__(self, layers: tuple[int, ...], width_factor: int = 1, in_channels: int = 3) -> None:
+    def __init__(self, layers: tuple[int, ...], width_factor: float = 1, in_channels: int = 3) -> None:
         super().__init__()
-        width = 64 * width_factor
+        width = resnet_root_width(width_factor)
         self.conv_root = StdConv2d(in_channels, width, 7, stride=2)
         self.gn_root = group_norm(width)
         channels = width
@@ -144,7 +144,9 @@ class ResNetStem(nn.Module):
 class HybridEmbed(nn.Module):
     """ResNet stem, then a ``patch_size`` conv (with bias, official name ``embedding``) to D channels."""
 
-    def __init__(self, layers: tuple[int, ...], width_factor: int, patch_size: int, in_channels: int, dim: int) -> None:
+    def __init__(
+        self, layers: tuple[int, ...], width_factor: float, patch_size: int, in_channels: int, dim: int
+    ) -> None:
         super().__init__()
         self.resnet = ResNetStem(layers, width_factor, in_channels)
         self.patch_size = patch_size
@@ -160,6 +162,12 @@ class HybridEmbed(nn.Module):
         self.resnet.init_weights()
         lecun_normal_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)  # type: ignore[arg-type]
+
+
+def resnet_root_width(width_factor: float) -> int:
+    """Channels of the root conv: ``int(64 * width_factor)`` as in vit_jax's ``models_vit.py`` (any factor whose
+    width the 32-group GroupNorm divides, e.g. 0.5 -> 32); stage n is ``2^(n-1)`` times as wide."""
+    return int(64 * width_factor)
 
 
 def resnet_reduction(layers: tuple[int, ...]) -> int:

@@ -23,7 +23,7 @@ from torch import nn
 
 from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
-from vitkit.models.resnet import HybridEmbed, resnet_reduction
+from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
 
 Classifier = Literal["token", "gap"]
 PosEmbed = Literal["learned", "sincos2d"]
@@ -57,7 +57,7 @@ class ViTConfig:
     qkv_bias: bool = True
     head_bias_init: float = 0.0  # -10 for the official ImageNet-21k pre-training heads
     resnet_layers: tuple[int, ...] | None = None  # hybrid: ResNet stage depths, e.g. (3, 4, 9); () = root only
-    resnet_width: int = 1  # hybrid: ResNet width factor (64 * width channels in the root)
+    resnet_width: float = 1  # hybrid: ResNet width factor, int(64 * width) channels in the root (official)
     name: str | None = None  # variant name such as "B/16", informational
     extra: dict[str, Any] = field(default_factory=dict, compare=False)  # free-form, kept in checkpoints
 
@@ -83,8 +83,15 @@ class ViTConfig:
             if side <= 0 or side % self.stride:
                 what = "patch size" if self.resnet_layers is None else "hybrid stride (ResNet x patch)"
                 raise bad(f"image size {self.image_size} is not a multiple of {what} {self.stride}")
-        if self.resnet_layers is not None and (self.resnet_width < 1 or min(self.resnet_layers, default=1) < 1):
-            raise bad("resnet_layers must be positive stage depths and resnet_width >= 1")
+        if self.resnet_layers is not None:
+            if min(self.resnet_layers, default=1) < 1:
+                raise bad("resnet_layers must be positive stage depths")
+            root = resnet_root_width(self.resnet_width)
+            if root < GN_GROUPS or root % GN_GROUPS:
+                raise bad(
+                    f"resnet_width {self.resnet_width} gives a ResNet root of {root} channels; the official "
+                    f"GroupNorm ({GN_GROUPS} groups) needs a positive multiple of {GN_GROUPS}"
+                )
         if self.classifier not in ("token", "gap"):
             raise bad(f"classifier must be 'token' or 'gap', got {self.classifier!r}")
         if self.pos_embed not in ("learned", "sincos2d"):
@@ -369,8 +376,7 @@ class VisionTransformer(nn.Module):
     def init_buffers(self) -> None:
         """Compute the fixed (non-learned) tensors: the sin-cos table when there is one."""
         if self.pos_embed is None:
-            table = sincos_2d(self.cfg.grid_size, self.cfg.hidden_size)
-            self.pos_table = table.to(self.pos_table.device)
+            self.pos_table = sincos_2d(self.cfg.grid_size, self.cfg.hidden_size, device=self.pos_table.device)
 
     @staticmethod
     def _make_stem(cfg: ViTConfig) -> nn.Module:
@@ -438,8 +444,8 @@ class VisionTransformer(nn.Module):
         grid = self.grid_of(x)
         x = self.patch_embed(x)  # (B, N, D)
         if self.pos_embed is None:  # fixed sin-cos on the patches; the class token gets none
-            table = self.pos_table if grid == self.cfg.grid_size else sincos_2d(grid, x.shape[-1])
-            x = x + table.to(device=x.device, dtype=x.dtype)
+            table = self.pos_table if grid == self.cfg.grid_size else sincos_2d(grid, x.shape[-1], device=x.device)
+            x = x + table.to(x.dtype)
             if self.cls_token is not None:
                 x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         else:

@@ -298,6 +298,6 @@ class _Unavailable(Exception):
 
 
 def _version() -> str:
-    from vitkit import __version__
+    from vitkit.version import __version__
 
     return __version__

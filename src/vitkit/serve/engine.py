@@ -20,9 +20,9 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
-from vitkit.bench.peak import has_native_bf16
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
+from vitkit.hardware import has_native_bf16
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 
@@ -100,7 +100,7 @@ class ServedModel:
     def __init__(
         self, loaded: Loaded, precision: str = "auto", max_batch: int = 8, device: torch.device | str = "cpu"
     ) -> None:
-        from vitkit import optimize_for_inference  # the fast path, wherever the package keeps it
+        from vitkit.inference import optimize_for_inference
 
         self.loaded = loaded
         self.device = torch.device(device)
@@ -149,7 +149,7 @@ class ServedModel:
             "num_classes": cfg.num_classes,
             "classes": self.class_names,
             "image_size": list(self.preprocess.image_size),
-            "patch_size": self.model.stem_stride,
+            "patch_size": self.model.cfg.stride,
             "depth": cfg.depth,
             "num_heads": cfg.num_heads,
             "classifier": cfg.classifier,

@@ -12,14 +12,17 @@ gradients and optimiser state are sharded across processes -- for the large vari
 from __future__ import annotations
 
 import os
+import types
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from vitkit.errors import ConfigError
+from vitkit.hardware import resolve_device
 
 
 @dataclass(frozen=True)
@@ -39,23 +42,12 @@ class DistInfo:
         return self.rank == 0
 
 
-def pick_device(preference: str, local_rank: int = 0) -> torch.device:
-    if preference == "auto":
-        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-    dev = torch.device(preference)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' requested but CUDA is not available")
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device(f"cuda:{local_rank}")
-    return dev
-
-
 def setup(device: str = "auto") -> DistInfo:
     """Join the process group torchrun set up (if any) and pick this process's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = pick_device(device, local_rank)
+    dev = resolve_device(device, local_rank)
     if world <= 1:
         return DistInfo(device=dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -75,8 +67,33 @@ def teardown(info: DistInfo, clean: bool = True) -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: nn.Module, strategy: str, info: DistInfo) -> nn.Module:
-    """The model as trained: itself (1 process), DDP, or FSDP2-sharded in place (blocks, then the root)."""
+def checkpoint_activations(model: nn.Module) -> nn.Module:
+    """Activation checkpointing, in place: every transformer block keeps only its input in the forward pass
+    and recomputes its activations in the backward pass (less memory for one more forward of the blocks).
+
+    Only the blocks' ``forward`` changes (non-reentrant ``torch.utils.checkpoint``); parameter names, the
+    state dict, DDP/FSDP wrapping and ``torch.compile`` see the same model. Without gradients (evaluation)
+    blocks run as usual.
+    """
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.forward = types.MethodType(_checkpointed_forward, block)
+    return model
+
+
+def _checkpointed_forward(block: nn.Module, *args: Any) -> Any:
+    from torch.utils.checkpoint import checkpoint
+
+    forward = type(block).forward.__get__(block)
+    if not torch.is_grad_enabled():
+        return forward(*args)
+    return checkpoint(forward, *args, use_reentrant=False)
+
+
+def wrap(model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing: bool = False) -> nn.Module:
+    """The model as trained: itself (1 process), DDP, or FSDP2-sharded in place (blocks, then the root);
+    with ``grad_checkpointing``, its blocks recompute their activations in the backward pass first."""
+    if grad_checkpointing:
+        checkpoint_activations(model)
     if not info.enabled:
         return model
     if strategy == "ddp":

@@ -125,7 +125,7 @@ class Trainer:
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
         self.explicit_attention = self._explicit_attention()
         self.net.set_fused_attention(not self.explicit_attention)
-        self.model = distr.wrap(self.net, cfg.distributed, self.dist)
+        self.model = distr.wrap(self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing)
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
         self.ema = EMA(self.net, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay else None

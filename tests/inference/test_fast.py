@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import randomize_
-from vitkit import optimize_for_inference
-from vitkit.bench import fast, peak
-from vitkit.bench.fast import FastBlock, InferenceViT, Int8Linear
+from vitkit import hardware, optimize_for_inference
+from vitkit.inference import fast
+from vitkit.inference.fast import FastBlock, InferenceViT, Int8Linear
 from vitkit.models import create_model
 
 
@@ -89,9 +89,9 @@ def test_activations_use_7_bits_without_vnni(monkeypatch: pytest.MonkeyPatch) ->
     q, scale, zero = fast.quantize_dynamic_u7(x)
     assert q.max() <= 127 and q.min() == 0
     assert ((q.float() - zero) * scale - x).abs().max() <= scale / 2 + 1e-6
-    monkeypatch.setattr(peak, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
     assert fast.default_quantizer() is fast.quantize_dynamic_u7
-    monkeypatch.setattr(peak, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
     assert fast.default_quantizer() is fast.quantize_dynamic_u8
 
 

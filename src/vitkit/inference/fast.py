@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.bench.peak import has_vnni
+from vitkit import hardware
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
@@ -172,7 +172,7 @@ Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def default_quantizer() -> Quantizer:
     """Full-range uint8 activations where the CPU has VNNI, 7-bit ones where it does not."""
-    return quantize_dynamic_u8 if has_vnni() else quantize_dynamic_u7
+    return quantize_dynamic_u8 if hardware.has_vnni() else quantize_dynamic_u7
 
 
 class CompiledQuantizer:

@@ -1,0 +1,304 @@
+"""Hugging Face ``datasets`` on disk, read with the ``datasets`` library (``pip install 'vitkit[datasets]'``).
+
+Sources ``open_dataset`` routes here:
+
+- a ``save_to_disk`` folder (a ``DatasetDict`` with one sub-folder per split, or a single ``Dataset``, which
+  is the "train" split);
+- ``.parquet`` / ``.arrow`` files, or a folder of them (split from the file names, ``train-00000-of-00001.parquet``,
+  ``data/test-*.parquet``; a lone file is the "train" split);
+- a Hub dataset id ``org/name`` served from the local ``datasets`` / Hub cache (offline mode,
+  ``HF_HUB_OFFLINE=1``, works when it was downloaded before).
+
+Columns: the image column is the one of ``Image`` type (else one named image/img), the label column the one of
+``ClassLabel`` type (else one named label/labels); give them with ``image_column=`` / ``label_column=`` or in the
+source, ``data.parquet?image=img&label=fine_label``, when there are several. ``ClassLabel`` names become the
+class names; string labels are sorted into classes; plain integers name classes "0".."max".
+
+A row whose image cannot be decoded, or whose label is missing, raises DataError naming its index
+(``skip_bad=True`` drops such rows and lists them in ``ds.skipped``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from vitkit.data.base import (
+    ImageDataset,
+    MissingSplitError,
+    Skipped,
+    check_class_map,
+    default_classes,
+    relabel,
+    split_candidates,
+)
+from vitkit.errors import DataError
+
+IMAGE_NAMES = ("image", "img", "images", "picture", "pixel_values")
+LABEL_NAMES = ("label", "labels", "fine_label", "class", "target", "y")
+HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+FILE_SUFFIXES = (".parquet", ".arrow")
+
+
+def _datasets() -> Any:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "reading Hugging Face datasets needs the datasets package: pip install 'vitkit[datasets]' "
+            "(or pip install datasets)"
+        ) from None
+    return datasets
+
+
+def split_source(source: str) -> tuple[str, dict[str, str]]:
+    """``path?image=img&label=y`` -> (path, {"image": "img", "label": "y"})."""
+    if "?" not in source:
+        return source, {}
+    path, _, query = source.partition("?")
+    opts = dict(urllib.parse.parse_qsl(query, keep_blank_values=False))
+    unknown = sorted(set(opts) - {"image", "label"})
+    if unknown:
+        raise DataError(f"{source}: unknown option {unknown[0]!r} (use ?image=COLUMN&label=COLUMN)")
+    return path, opts
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A ``save_to_disk`` folder: a DatasetDict (dataset_dict.json) or a Dataset (state.json + arrow files)."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def _data_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path] if path.suffix in FILE_SUFFIXES else []
+    return sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file() and "cache-" not in p.name)
+
+
+def is_hf_source(source: str) -> bool:
+    """Whether ``open_dataset`` should read ``source`` with ``datasets``."""
+    path = Path(split_source(source)[0])
+    if path.is_file():
+        return path.suffix in FILE_SUFFIXES
+    if path.is_dir():
+        if is_saved_dataset(path):
+            return True
+        # a folder of parquet/arrow files and no class folders of images
+        files = _data_files(path)
+        return bool(files) and not any(
+            e.is_dir() and not e.name.startswith(".") and e.name != "data" and not _data_files(Path(e.path))
+            for e in os.scandir(path)
+        )
+    return False
+
+
+def is_hub_dataset_id(source: str) -> bool:
+    path = split_source(source)[0]
+    return not os.path.exists(path) and HUB_DATASET_ID.match(path) is not None
+
+
+def _load(datasets: Any, path_text: str, split: str) -> Any:
+    """The ``datasets.Dataset`` of ``split`` (aliases tried), MissingSplitError when there is none."""
+    path = Path(path_text)
+    try:
+        if path.exists() and is_saved_dataset(path):
+            obj = datasets.load_from_disk(str(path))
+        elif path.exists():
+            files = _data_files(path)
+            if not files:
+                raise DataError(f"{path}: no .parquet or .arrow files")
+            kind = "parquet" if files[0].suffix == ".parquet" else "arrow"
+            if path.is_file():
+                obj = datasets.load_dataset(kind, data_files={"train": str(path)})
+            else:
+                obj = datasets.load_dataset(str(path))
+        else:
+            obj = _load_hub_dataset(datasets, path_text)
+    except DataError:
+        raise
+    except FileNotFoundError as e:
+        if not path.exists():
+            raise DataError(
+                f"{path_text}: no such file or directory, and not a dataset in the local Hugging Face cache "
+                f"(offline mode: download it first with datasets.load_dataset on a connected machine) ({e})"
+            ) from None
+        raise DataError(f"{path_text}: {e}") from None
+    except ImportError as e:  # e.g. a builder needing an extra package
+        raise DataError(f"{path_text}: {e}") from None
+    except Exception as e:  # datasets raises many types (DatasetNotFoundError, ConnectionError, ArrowInvalid...)
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not path.exists():
+            raise DataError(
+                f"{path_text}: no such file or directory, and not a Hub dataset in the local Hugging Face cache "
+                f"({first})"
+            ) from None
+        raise DataError(f"{path_text}: cannot read as a Hugging Face dataset ({first})") from None
+    if isinstance(obj, datasets.DatasetDict):
+        for name in split_candidates(split):
+            if name in obj:
+                return obj[name]
+        raise MissingSplitError(f"{path_text}: no split {split!r} (splits: {', '.join(obj)})")
+    if split_candidates(split)[0] != "train":
+        raise MissingSplitError(f"{path_text}: a single dataset without splits; it serves split 'train' only")
+    return obj
+
+
+def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
+    """A Hub dataset by id: through ``datasets`` (its cache in offline mode), else from the snapshot of the
+    repository in huggingface_hub's cache (where ``datasets`` keeps the downloaded data files)."""
+    try:
+        return datasets.load_dataset(repo_id)
+    except Exception as first:
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+        except Exception:
+            raise first from None
+        return datasets.load_dataset(str(folder))
+
+
+def _pick(
+    kind: str, source: str, given: str | None, columns: list[str], typed: list[str], names: tuple[str, ...]
+) -> str:
+    option = f"{kind}_column= / ?{kind}=COLUMN"
+    if given is not None:
+        if given not in columns:
+            raise DataError(f"{source}: no column {given!r} (columns: {', '.join(columns)})")
+        return given
+    if len(typed) == 1:
+        return typed[0]
+    if len(typed) > 1:
+        raise DataError(f"{source}: several {kind} columns ({', '.join(typed)}); choose one with {option}")
+    named = [c for c in columns if c.lower() in names]
+    if len(named) == 1:
+        return named[0]
+    raise DataError(
+        f"{source}: cannot tell the {kind} column among {', '.join(columns)}; name it with {option}"
+        if not named
+        else f"{source}: several {kind} columns ({', '.join(named)}); choose one with {option}"
+    )
+
+
+class HFDataset(ImageDataset):
+    """A split of a Hugging Face dataset; images decoded on access (Pillow), labels read once."""
+
+    def __init__(
+        self, source: str, split: str, table: Any, image_column: str, rows: np.ndarray, labels: np.ndarray,
+        classes: list[str], skipped: list[Skipped],
+    ) -> None:  # fmt: skip
+        super().__init__(source, split, classes, labels)
+        self.table = table
+        self.image_column = image_column
+        self.rows = rows  # dataset row of each item (rows dropped by skip_bad are absent)
+        self.skipped = skipped
+
+    def describe(self, index: int) -> str:
+        return f"{self.source} ({self.split}) row {int(self.rows[index])}"
+
+    def load_image(self, index: int) -> Image.Image:
+        row = int(self.rows[index])
+        return decode_cell(self.table[row][self.image_column], f"{self.source} ({self.split}) row {row}")
+
+
+def decode_cell(value: Any, what: str) -> Image.Image:
+    """An image cell (``{"bytes", "path"}`` with decoding off, raw bytes, or an array) -> a PIL image."""
+    try:
+        if isinstance(value, Image.Image):
+            return value
+        if isinstance(value, dict):
+            data, path = value.get("bytes"), value.get("path")
+            if data is None and path:
+                with open(path, "rb") as f:
+                    data = f.read()
+            value = data
+        if isinstance(value, bytes | bytearray):
+            if not value:
+                raise DataError(f"{what}: empty image (0 bytes)")
+            img = Image.open(io.BytesIO(value))
+            img.load()
+            return img
+        if value is None:
+            raise DataError(f"{what}: no image (null)")
+        arr = np.asarray(value)
+        if arr.dtype != np.uint8:
+            raise DataError(f"{what}: image array of dtype {arr.dtype} (expected uint8)")
+        return Image.fromarray(arr)
+    except DataError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, TypeError) as e:
+        raise DataError(f"{what}: unreadable image ({e})") from None
+
+
+def _labels_and_classes(table: Any, column: str, source: str, datasets: Any) -> tuple[np.ndarray, list[str], list[int]]:
+    """(int64 labels with -1 for missing, class names, rows with a missing label)."""
+    feature = table.features[column]
+    values = table.data.column(column).to_pylist() if table._indices is None else list(table[column])
+    missing = [i for i, v in enumerate(values) if v is None or (isinstance(v, int) and v < 0)]
+    if isinstance(feature, datasets.ClassLabel):
+        labels = np.asarray([-1 if v is None else int(v) for v in values], dtype=np.int64)
+        return labels, list(feature.names), missing
+    if all(isinstance(v, str) for v in values if v is not None):
+        classes = sorted({v for v in values if v is not None})
+        index = {c: i for i, c in enumerate(classes)}
+        return np.asarray([-1 if v is None else index[v] for v in values], dtype=np.int64), classes, missing
+    if all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in values if v is not None):
+        labels = np.asarray([-1 if v is None else int(v) for v in values], dtype=np.int64)
+        return labels, default_classes(labels[labels >= 0]), missing
+    kind = type(next(v for v in values if v is not None)).__name__ if len(missing) < len(values) else "null"
+    raise DataError(f"{source}: label column {column!r} holds {kind} values (expected class ids or names)")
+
+
+def open_hf_dataset(
+    source: str,
+    split: str = "train",
+    *,
+    skip_bad: bool = False,
+    classes: list[str] | None = None,
+    image_column: str | None = None,
+    label_column: str | None = None,
+) -> HFDataset:
+    """One split of a Hugging Face dataset (see the module docstring for the sources it reads)."""
+    datasets = _datasets()
+    path_text, opts = split_source(source)
+    table = _load(datasets, path_text, split)
+    columns = list(table.column_names)
+    features = table.features
+    images = [c for c in columns if isinstance(features[c], datasets.Image)]
+    label_types = [c for c in columns if isinstance(features[c], datasets.ClassLabel)]
+    img_col = _pick("image", path_text, image_column or opts.get("image"), columns, images, IMAGE_NAMES)
+    lab_col = _pick("label", path_text, label_column or opts.get("label"), columns, label_types, LABEL_NAMES)
+    if isinstance(features[img_col], datasets.Image):
+        table = table.cast_column(img_col, datasets.Image(decode=False))
+    labels, found, missing = _labels_and_classes(table, lab_col, path_text, datasets)
+    what = f"{path_text} ({split})"
+    skipped: list[Skipped] = []
+    keep = np.ones(len(labels), dtype=bool)
+    if missing:
+        if not skip_bad:
+            raise DataError(f"{what} row {missing[0]}: no label in column {lab_col!r}")
+        for i in missing:
+            skipped.append(Skipped(f"{what} row {i}", "no label"))
+        keep[missing] = False
+    if labels.size and labels.max() >= len(found):
+        bad = int(np.argmax(labels >= len(found)))  # first row whose label is out of range
+        raise DataError(f"{what} row {bad}: label {int(labels[bad])} outside the {len(found)} classes of {lab_col!r}")
+    names = check_class_map(path_text, found, classes)
+    if skip_bad:
+        for row in np.flatnonzero(keep).tolist():
+            try:
+                decode_cell(table[row][img_col], f"{what} row {row}")
+            except DataError as e:
+                skipped.append(Skipped(f"{what} row {row}", str(e).split(": ", 1)[-1]))
+                keep[row] = False
+    rows = np.flatnonzero(keep)
+    if not rows.size:
+        raise DataError(f"{what}: no readable rows")
+    labels = relabel(labels[rows], found, names)
+    return HFDataset(path_text, split, table, img_col, rows, labels, names, skipped)

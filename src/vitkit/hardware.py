@@ -1,0 +1,57 @@
+"""What the machine can do: CPU instruction sets, native bf16, int8 dot products, and the one device resolver.
+
+Every part of vitkit that picks a device (training, evaluation, analysis, benchmarks, inference) goes through
+:func:`resolve_device`, and every capability check through the functions here, so "auto" means one thing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vitkit.errors import ConfigError
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags from /proc/cpuinfo (empty when unavailable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def has_native_bf16(device: torch.device | str = "cpu") -> bool:
+    """Whether ``device`` computes in bf16 natively: a CUDA GPU that supports it, or a CPU with AVX512_BF16
+    or AMX. Elsewhere PyTorch emulates bf16 matmuls, tens of times slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_available() and bool(torch.cuda.is_bf16_supported())
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX)."""
+    return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+
+
+def resolve_device(name: str | None = "auto", local_rank: int = 0) -> torch.device:
+    """``None``/"auto": this process's GPU (``cuda:<local_rank>``) when CUDA is available, else the CPU.
+    A named device is checked to exist; a bare "cuda" means this process's GPU."""
+    if name in (None, "", "auto"):
+        return torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"--device: unknown device {name!r} (use cpu, cuda, cuda:1, mps or auto)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {name}: CUDA is not available on this machine")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"--device {name}: MPS is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device(f"cuda:{local_rank}")
+    return device

@@ -1,0 +1,164 @@
+"""Checkpoint names -> local files.
+
+``resolve(name)`` accepts, in this order:
+
+1. a path that exists locally (always wins, whatever it looks like);
+2. an ``http(s)://`` or ``gs://`` URL (public buckets: ``gs://b/p`` is fetched from storage.googleapis.com);
+3. a short name from the registry of Google's released checkpoints (``vitkit models``);
+4. a Hugging Face Hub id ``org/name`` or ``org/name@revision`` (transformers or timm layout), fetched
+   through ``huggingface_hub``: its cache, revisions, offline mode (``HF_HUB_OFFLINE=1``) and token
+   (``HF_TOKEN`` / ``hf auth login``).
+
+A name that resolves nowhere is an error listing what was tried.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from vitkit.errors import CheckpointError, VitkitError
+from vitkit.hub import registry
+from vitkit.hub.download import DownloadError, download, gs_to_https, is_cached, is_url
+from vitkit.hub.registry import Entry
+
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+
+
+class NotFound(CheckpointError):
+    """A checkpoint name that is no local path, URL, registry name or hub id."""
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a checkpoint name led."""
+
+    name: str  # as given
+    path: Path  # a local file or folder
+    kind: str  # "local", "url", "registry" or "hub"
+    entry: Entry | None = None  # for registry names
+    url: str | None = None
+    repo_id: str | None = None
+    revision: str | None = None
+
+
+def parse_hub_id(name: str) -> tuple[str, str | None] | None:
+    """``org/name[@rev]`` -> (repo id, revision), None when ``name`` is not shaped like a hub id."""
+    m = HUB_ID.match(name)
+    if not m or looks_like_path(name):
+        return None
+    return m.group("repo"), m.group("rev")
+
+
+def resolve(
+    name: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None, progress: bool = True
+) -> Resolved:
+    """The local file or folder a checkpoint name designates, downloading it into the cache if needed."""
+    text = os.fspath(name)
+    if os.path.exists(text):
+        return Resolved(text, Path(text), "local")
+    if is_url(text):
+        return Resolved(text, download(text, cache=cache_dir, progress=progress), "url", url=gs_to_https(text))
+    missing = f"{text}: no such file or directory"
+    if looks_like_path(text):
+        raise NotFound(f"{missing} (and not a URL, registry name or Hugging Face Hub id)")
+    entry = registry.lookup(text)  # raises AmbiguousName with the candidates
+    if entry is not None:
+        path = download(entry.url, cache=cache_dir, sha256=entry.sha256, progress=progress)
+        return Resolved(text, path, "registry", entry=entry, url=gs_to_https(entry.url))
+    close = registry.close_names(text)
+    tried = "registry: no such name" + (f" (close: {', '.join(close)})" if close else " (vitkit models lists them)")
+    hub = parse_hub_id(text)
+    if hub is None:
+        raise NotFound(f"{missing}; {tried}; not a URL or an org/name[@revision] Hugging Face Hub id")
+    repo_id, revision = hub
+    try:
+        folder = fetch_hub(repo_id, revision)
+    except VitkitError as e:
+        raise NotFound(f"{missing}; {tried}; Hugging Face Hub: {e}") from None
+    return Resolved(text, folder, "hub", repo_id=repo_id, revision=revision)
+
+
+def looks_like_path(text: str) -> bool:
+    """Spelled as a file path (absolute, relative with ./ or ../, ~, several folders, a weights suffix)."""
+    return (
+        text.startswith(("/", "./", "../", "~", "\\"))
+        or text.count("/") > 1
+        or (os.sep != "/" and os.sep in text)
+        or Path(text).suffix.lower() in (".npz", ".safetensors", ".pth", ".pt", ".bin", ".onnx", ".json")
+    )
+
+
+def is_cached_name(name: str, cache_dir: str | os.PathLike[str] | None = None) -> bool:
+    """Whether a registry name or URL is already in the cache (no network)."""
+    entry = registry.lookup(name) if not is_url(name) else None
+    return is_cached(entry.url if entry else name, cache_dir)
+
+
+# ---- Hugging Face Hub ----------------------------------------------------------------------------------
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot folder of a hub repository's config and weights (huggingface_hub's cache)."""
+    from huggingface_hub import hf_hub_download
+
+    label = f"{repo_id}@{revision}" if revision else repo_id
+    config = _hub_file(hf_hub_download, repo_id, "config.json", revision, label, required=True)
+    assert config is not None
+    folder = Path(config).parent
+    weights = None
+    for fname in WEIGHT_FILES:
+        weights = _hub_file(hf_hub_download, repo_id, fname, revision, label, required=False)
+        if weights is not None:
+            break
+    if weights is None:
+        raise VitkitError(
+            f"{label}: none of {', '.join(WEIGHT_FILES)} in the repository (or, offline, in the local cache)"
+        )
+    if weights.endswith(".index.json"):
+        import json
+
+        shards = sorted(set(json.loads(Path(weights).read_text()).get("weight_map", {}).values()))
+        for shard in shards:
+            _hub_file(hf_hub_download, repo_id, shard, revision, label, required=True)
+    _hub_file(hf_hub_download, repo_id, "preprocessor_config.json", revision, label, required=False)
+    return folder
+
+
+def _hub_file(
+    fetch: Callable[..., str], repo_id: str, filename: str, revision: str | None, label: str, required: bool
+) -> str | None:
+    from huggingface_hub import errors as hf_errors
+
+    try:
+        return str(fetch(repo_id=repo_id, filename=filename, revision=revision))
+    except hf_errors.LocalEntryNotFoundError:
+        if not required:
+            return None
+        raise VitkitError(
+            f"{label}: {filename} is not in the local Hugging Face cache and the Hub cannot be reached (offline "
+            f"mode or no network); connect and run vitkit download {label}, or pass a local folder"
+        ) from None
+    except hf_errors.EntryNotFoundError:
+        if required:
+            raise VitkitError(f"{label}: the repository has no {filename}") from None
+        return None
+    except hf_errors.GatedRepoError:
+        raise VitkitError(
+            f"{label}: gated repository; accept its terms on huggingface.co and log in (hf auth login or HF_TOKEN)"
+        ) from None
+    except hf_errors.RepositoryNotFoundError:
+        raise VitkitError(
+            f"{label}: no such repository (or a private one: log in with hf auth login or HF_TOKEN)"
+        ) from None
+    except hf_errors.RevisionNotFoundError:
+        raise VitkitError(f"{label}: no revision {revision!r} in {repo_id}") from None
+    except hf_errors.HfHubHTTPError as e:
+        raise VitkitError(f"{label}: Hugging Face Hub error ({str(e).splitlines()[0]})") from None
+    except OSError as e:
+        raise DownloadError(f"{label}: {filename}: {e.strerror or e}") from None

@@ -1,0 +1,6 @@
+"""Inference: the fast path (``optimize_for_inference``, a model transform that keeps the function) and
+prediction over image files (``predict``)."""
+
+from vitkit.inference.fast import optimize_for_inference
+
+__all__ = ["optimize_for_inference"]

@@ -1,0 +1,111 @@
+"""Helpers of the hub tests (imported by them; no conftest.py, whose module name the top-level one owns).
+
+A real HTTP server on loopback: serves files (with Range), cuts a connection mid-body, answers 404, serves
+wrong bytes, or stalls. ``private_caches``: vitkit's and huggingface_hub's caches in temp dirs, Hub offline."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+
+@dataclass
+class Server:
+    base: str
+    files: dict[str, bytes] = field(default_factory=dict)
+    cut_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent before cutting (every request)
+    cut_times: dict[str, int] = field(default_factory=dict)  # path -> how many requests get cut
+    wrong: dict[str, bytes] = field(default_factory=dict)  # path -> bytes served instead of files[path]
+    stall: dict[str, float] = field(default_factory=dict)  # path -> seconds to wait before answering
+    log: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
+
+    def url(self, path: str) -> str:
+        return self.base + path
+
+
+def _handler(state: Server) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # keep test output clean
+            pass
+
+        def do_GET(self) -> None:
+            path = self.path
+            state.log.append((path, self.headers.get("Range")))
+            if path in state.stall:
+                time.sleep(state.stall[path])
+            if path not in state.files:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            body = state.wrong.get(path, state.files[path])
+            start = 0
+            m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
+            if m:
+                start = int(m.group(1))
+                if start >= len(body):
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{len(body)}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(206)
+                self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+            else:
+                self.send_response(200)
+            chunk = body[start:]
+            self.send_header("Content-Length", str(len(chunk)))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+            if state.cut_times.get(path, 0) > 0:
+                state.cut_times[path] -= 1
+                self.wfile.write(chunk[: state.cut_after[path]])
+                self.wfile.flush()
+                self.connection.shutdown(socket.SHUT_RDWR)
+                self.close_connection = True
+                return
+            self.wfile.write(chunk)
+
+    return Handler
+
+
+@contextmanager
+def serve() -> Iterator[Server]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    state = Server(base=f"http://127.0.0.1:{server.server_address[1]}")
+    server.RequestHandlerClass = _handler(state)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield state
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(name="http_server")
+def http_server_fixture() -> Iterator[Server]:
+    with serve() as state:
+        yield state
+
+
+@pytest.fixture(autouse=True, name="private_caches")
+def private_caches_fixture(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing a test does lands in the user's caches: vitkit's and huggingface_hub's point at temp dirs,
+    and the Hub is offline (tests never touch the internet)."""
+    import huggingface_hub.constants as hf_constants
+
+    root = tmp_path_factory.mktemp("caches")
+    monkeypatch.setenv("VITKIT_HOME", str(root / "vitkit"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(root / "hf-hub"))
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
