@@ -15,7 +15,7 @@ import os
 import warnings
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -132,36 +132,47 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
     return decode_image(p, p)
 
 
-def decode_image(source: str | os.PathLike[str] | bytes, name: str) -> Image.Image:
-    """The one decoder of every command (datasets, shards, predict, analyze): a file path or the encoded
+class ImageTooLarge(DataError):
+    """An image whose header declares more pixels than the decoder's limit (a decompression bomb)."""
+
+
+def decode_image(
+    source: str | os.PathLike[str] | bytes, name: str, *, max_pixels: int | Literal["default"] | None = "default"
+) -> Image.Image:
+    """The one decoder of every command (datasets, shards, predict, analyze, serve): a file path or the encoded
     bytes -> a fully decoded PIL image (palette images as RGBA). ``name`` identifies it in errors.
 
-    Anything Pillow rejects -- unknown format, truncation, a header declaring more than
-    :func:`max_image_pixels` pixels (a decompression bomb), or a decoder failure on malformed bytes --
-    becomes one DataError naming the item, so ``skip_bad`` can count and drop it like any other bad file.
+    Anything Pillow rejects -- unknown format, truncation, a header declaring more than ``max_pixels`` pixels
+    (default :func:`max_image_pixels`; checked before any pixel is decoded), a decoder failure on malformed
+    bytes -- becomes one DataError naming the item (:class:`ImageTooLarge` for too many pixels), so
+    ``skip_bad`` can count and drop it like any other bad file.
     """
+    if isinstance(source, bytes) and not source:
+        raise DataError(f"{name}: empty image data (0 bytes)")
+    limit = max_image_pixels() if max_pixels == "default" else max_pixels
     fp: Any = io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is enforced below
             with Image.open(fp) as img:
-                limit = max_image_pixels()
                 w, h = img.size
                 if limit is not None and w * h > limit:
-                    raise DataError(
-                        f"{name}: image declares {w}x{h} pixels, more than the {limit:,}-pixel limit "
+                    raise ImageTooLarge(
+                        f"{name}: image of {w}x{h} = {w * h} pixels exceeds the limit of {limit} pixels "
                         "(a decompression bomb or a corrupt header)"
                     )
+                if w * h == 0:
+                    raise DataError(f"{name}: image of {w}x{h} pixels has no pixels")
                 img.load()
                 return img.copy() if img.mode != "P" else img.convert("RGBA")
     except DataError:
         raise
-    except Image.DecompressionBombError as e:
-        raise DataError(f"{name}: {e}") from None
+    except Image.DecompressionBombError as e:  # Pillow's own check in open(), at twice its limit
+        raise ImageTooLarge(f"{name}: {e}") from None
     except UnidentifiedImageError:
         raise DataError(f"{name}: not a recognised image file") from None
     except MemoryError:
-        raise DataError(f"{name}: too large to decode in memory") from None
+        raise ImageTooLarge(f"{name}: too large to decode in memory") from None
     except Exception as e:
         raise DataError(f"{name}: corrupt or truncated image ({type(e).__name__}: {e})") from None
 

@@ -53,7 +53,7 @@ class ImageFolder(ImageDataset):
 
 
 def _subdirs(path: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    return sorted(e.name for e in os.scandir(path) if not e.name.startswith(".") and _is_dir(e))
 
 
 def _split_dir(root: Path, split: str) -> Path | None:
@@ -135,8 +135,22 @@ def _is_candidate(e: os.DirEntry[str]) -> bool:
 
 def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
     """The image files of a class folder (sorted), and its image-named symbolic links that lead nowhere."""
-    files = sorted(e.path for e in os.scandir(folder) if e.is_file() and _is_candidate(e))
+    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is_file(e))
     return files, _broken_links(folder, _is_candidate)
+
+
+def _is_dir(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_dir()
+    except OSError:  # a symbolic link loop: reported by _broken_links
+        return False
+
+
+def _is_file(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_file()
+    except OSError:  # a symbolic link loop: reported by _broken_links
+        return False
 
 
 def _broken_links(folder: Path, wanted: Callable[[os.DirEntry[str]], bool]) -> list[tuple[str, str]]:

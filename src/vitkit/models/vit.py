@@ -154,8 +154,8 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-_POSITIVE_INTS = ("patch_size", "in_channels", "hidden_size", "depth", "num_heads", "mlp_dim", "resnet_width")
-_FINITE_FLOATS = ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init")
+_POSITIVE_INTS = ("patch_size", "in_channels", "hidden_size", "depth", "num_heads", "mlp_dim")
+_FINITE_FLOATS = ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width")
 MAX_TENSOR_ELEMENTS = 2**36  # 256 GiB in fp32: no single weight of any real ViT comes near (H/14's largest: 6.6M)
 
 
@@ -194,6 +194,9 @@ def _check_fields(cfg: ViTConfig) -> None:
         "head (width x num_classes)": max(rep or D, D) * cfg.num_classes,
         "position embedding (tokens x hidden_size)": tokens * D,
     }
+    if cfg.resnet_layers is not None:  # the last stage's 1x1 convolutions: 2048 x 512 channels at width 1
+        stage = max(int(64 * cfg.resnet_width), 0) * 8
+        largest["ResNet stages (resnet_width)"] = 4 * stage * stage
     for what, n in largest.items():
         if n > MAX_TENSOR_ELEMENTS:
             raise bad(f"the {what} would hold {n:,} weights, more than any ViT ({MAX_TENSOR_ELEMENTS:,} at most)")
