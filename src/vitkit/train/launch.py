@@ -143,11 +143,10 @@ def finetune_config(
 
 def finetune_image_size(native: tuple[int, int], stride: int, recipe_size: tuple[int, int]) -> tuple[int, int]:
     """The default fine-tuning resolution for a checkpoint trained at ``native`` (see :func:`finetune_config`)."""
-    out = []
-    for side, target in zip(native, recipe_size, strict=True):
-        scaled = min(side * target / PRETRAIN_RESOLUTION, max(side, target))
-        out.append(max(1, round(scaled / stride)) * stride)
-    return out[0], out[1]
+    # one scale for both sides (the aspect ratio is kept): the recipe's over 224 px, capped per side
+    scale = min(min(t / PRETRAIN_RESOLUTION, max(n, t) / n) for n, t in zip(native, recipe_size, strict=True))
+    h, w = (max(1, round(n * scale / stride)) * stride for n in native)
+    return h, w
 
 
 def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
