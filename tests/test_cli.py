@@ -217,3 +217,9 @@ def test_train_notes_emulated_bf16(
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert ("no bf16 instructions" in err) is not native
+
+
+def test_a_bad_set_value_is_one_line_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "train", "--steps", "1", "--quiet", "--set", "optim.lr=abc")
+    assert code == 2
+    assert err.strip() == "vitkit train: error: --set optim.lr=abc: expected a number"

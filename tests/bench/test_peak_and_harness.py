@@ -10,7 +10,8 @@ import torch
 
 from vitkit import hardware
 from vitkit.bench import peak as peak_mod
-from vitkit.bench.harness import BenchSpec, Timing, format_report, peak_memory, run_bench
+from vitkit.bench.harness import BenchSpec, format_report, run_bench
+from vitkit.bench.measure import Timing, peak_memory
 from vitkit.errors import ConfigError
 
 FLAGS = hardware.cpu_flags()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from conftest import randomize_
-from vitkit.bench.peers import to_transformers, transformers_state_dict
+from vitkit.bench.peers import to_transformers
+from vitkit.checkpoints.hf import transformers_state
 from vitkit.errors import ConfigError
 from vitkit.models import create_model
 
@@ -24,7 +25,7 @@ def test_transformers_peer_has_the_same_function(gelu: str) -> None:
 
 def test_classic_hub_layout_names() -> None:
     model = create_model("Ti/16", num_classes=5, image_size=32, depth=1)
-    sd = transformers_state_dict(model, layout="4")
+    _, sd = transformers_state(model, "vit.", "hub")
     for key in (
         "vit.encoder.layer.0.attention.attention.query.weight",
         "vit.encoder.layer.0.attention.output.dense.bias",

@@ -12,7 +12,7 @@ from test_cli import run
 from vitkit.configs import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from vitkit.errors import CheckpointError
 from vitkit.evaluate.weights import load_for_eval
-from vitkit.train.launch import run as train_run
+from vitkit.train import train as train_run
 from vitkit.train.state import latest_state
 
 

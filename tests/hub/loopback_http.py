@@ -25,6 +25,7 @@ class Server:
     cut_times: dict[str, int] = field(default_factory=dict)  # path -> how many requests get cut
     wrong: dict[str, bytes] = field(default_factory=dict)  # path -> bytes served instead of files[path]
     stall: dict[str, float] = field(default_factory=dict)  # path -> seconds to wait before answering
+    no_range: set[str] = field(default_factory=set)  # paths served whole (200) even when a Range is asked
     log: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
 
     def url(self, path: str) -> str:
@@ -51,7 +52,7 @@ def _handler(state: Server) -> type[BaseHTTPRequestHandler]:
             body = state.wrong.get(path, state.files[path])
             start = 0
             m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
-            if m:
+            if m and path not in state.no_range:
                 start = int(m.group(1))
                 if start >= len(body):
                     self.send_response(416)
@@ -79,9 +80,14 @@ def _handler(state: Server) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
+class _Quiet(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: object) -> None:
+        pass  # a client that hangs up on a cut connection is what the tests want
+
+
 @contextmanager
 def serve() -> Iterator[Server]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    server = _Quiet(("127.0.0.1", 0), BaseHTTPRequestHandler)
     state = Server(base=f"http://127.0.0.1:{server.server_address[1]}")
     server.RequestHandlerClass = _handler(state)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

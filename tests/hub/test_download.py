@@ -52,6 +52,25 @@ def test_cut_download_resumes_in_the_next_call(http_server: Server, tmp_path: Pa
     assert not partial_path(url, tmp_path).exists()
 
 
+def test_server_without_range_support_restarts(http_server: Server, tmp_path: Path) -> None:
+    url = http_server.url("/big.npz")
+    http_server.files["/big.npz"] = BODY
+    http_server.no_range.add("/big.npz")
+    http_server.cut_after["/big.npz"], http_server.cut_times["/big.npz"] = 1_000_000, 1
+    path = download(url, cache=tmp_path, progress=False, sha256=DIGEST)  # the 200 answer rewrites from byte 0
+    assert path.read_bytes() == BODY and [r for _, r in http_server.log] == [None, "bytes=1000000-"]
+
+
+def test_stale_partial_longer_than_the_file_is_restarted(http_server: Server, tmp_path: Path) -> None:
+    url = http_server.url("/m.npz")
+    http_server.files["/m.npz"] = BODY
+    part = partial_path(url, tmp_path)
+    part.parent.mkdir(parents=True)
+    part.write_bytes(os.urandom(len(BODY) + 10))  # left by an older, longer version of the file
+    assert download(url, cache=tmp_path, progress=False).read_bytes() == BODY
+    assert [r for _, r in http_server.log] == [f"bytes={len(BODY) + 10}-", None]  # 416, then from scratch
+
+
 def test_wrong_digest_is_refused_and_discarded(http_server: Server, tmp_path: Path) -> None:
     url = http_server.url("/m.npz")
     http_server.files["/m.npz"] = BODY

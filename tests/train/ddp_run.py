@@ -11,7 +11,7 @@ from pathlib import Path
 
 from train_helpers import tiny_config
 
-from vitkit.train.launch import run
+from vitkit.train import train
 
 
 def main() -> None:
@@ -19,7 +19,7 @@ def main() -> None:
     cfg = tiny_config(
         **{"distributed": strategy, "ema_decay": 0.9, "aug.randaug_layers": 1, "aug.randaug_magnitude": 5}
     )
-    result = run(cfg, out, progress=False)
+    result = train(cfg, out, progress=False)
     if result.rank == 0:
         rows = [{"step": r["step"], "loss": r["loss"], "lr": r["lr"]} for r in result.steps]
         (out / "losses.json").write_text(json.dumps({"steps": rows, "top1": result.final_top1}))

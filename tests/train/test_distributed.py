@@ -14,7 +14,7 @@ import torch
 from train_helpers import assert_close_weights, tiny_config, weights
 
 from conftest import SRC
-from vitkit.train.launch import run
+from vitkit.train import train
 
 HERE = Path(__file__).parent
 
@@ -33,7 +33,7 @@ def _single(out: Path) -> dict:
     cfg = tiny_config(**{"ema_decay": 0.9, "aug.randaug_layers": 1, "aug.randaug_magnitude": 5})
     torch.set_num_threads(1)  # the same per-process arithmetic as the workers
     try:
-        result = run(cfg, out, progress=False)
+        result = train(cfg, out, progress=False)
     finally:
         torch.set_num_threads(os.cpu_count() or 1)
     return {

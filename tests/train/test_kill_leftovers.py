@@ -10,7 +10,7 @@ import pytest
 from train_helpers import tiny_config
 
 from vitkit.checkpoints import load_checkpoint
-from vitkit.train.launch import run
+from vitkit.train import train
 from vitkit.train.trainer import Trainer
 
 
@@ -37,7 +37,7 @@ def test_resume_cleans_what_a_kill_left(tmp_path: Path, capsys: pytest.CaptureFi
     (root / "checkpoints" / ".step-000000012.tmp-0123abcd").mkdir()
     (root / ".my-notes").mkdir()  # not a vitkit name: kept
     capsys.readouterr()
-    result = run(None, resume=root, progress=False)
+    result = train(resume=root, progress=False)
     assert result.step == 22
     assert "restored best from an interrupted replace" in capsys.readouterr().err
     hidden = sorted(p.name for p in root.rglob(".*"))

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from vitkit.cli import main
-from vitkit.configs import get_recipe
-from vitkit.train.launch import finetune_config, finetune_image_size, shortened_warmup, train_config
+from vitkit.configs import apply_overrides, get_recipe
+from vitkit.configs.overrides import finetune_config, finetune_image_size, shortened_warmup
 from vitkit.train.optim import lr_at
 
 
@@ -36,9 +36,9 @@ def test_warmup_shrinks_with_a_shorter_run() -> None:
     assert (cfg.steps, cfg.optim.warmup_steps) == (500, 100)
     assert shortened_warmup(cfg, None, 15) == {"optim.warmup_steps": 3, "optim.warmup_epochs": 0.0}
     assert shortened_warmup(cfg, None, 5000) == {}  # longer: the recipe's warm-up stays
-    digits = train_config("digits", epochs=7)
+    digits = apply_overrides(get_recipe("digits"), {"epochs": 7.0})
     assert digits.optim.warmup_epochs == pytest.approx(0.2)  # 2 of 70 epochs
-    assert train_config("digits", steps=700).optim.warmup_steps == 20
+    assert apply_overrides(get_recipe("digits"), {"steps": 700}).optim.warmup_steps == 20
     lrs = [lr_at(s, base_lr=0.01, total_steps=15, warmup_steps=3, schedule="cosine") for s in range(15)]
     assert max(lrs) == lrs[2] == 0.01 and lrs[-1] < 0.001  # the learning rate decays within the 15 steps
 

@@ -16,7 +16,6 @@ from train_helpers import assert_close_weights, assert_same_weights, tiny_config
 from vitkit import load_checkpoint
 from vitkit.errors import ConfigError, DataError
 from vitkit.train import Trainer, train
-from vitkit.train.launch import run
 from vitkit.train.state import list_states, read_state
 from vitkit.train.trainer import NonFiniteLossError
 
@@ -90,7 +89,7 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
     trainer.close()
     assert [s for s, _ in list_states(tmp_path / "cut" / "checkpoints")] == [11, 12]
 
-    resumed = run(None, resume=tmp_path / "cut", progress=False)
+    resumed = train(resume=tmp_path / "cut", progress=False)
     assert resumed.steps[0]["step"] == 13
     assert _losses(before[:12] + resumed.steps) == _losses(ref.steps)
     assert _losses(before[12:15]) == _losses(resumed.steps[:3])  # the lost steps recomputed identically
@@ -192,9 +191,9 @@ def test_bad_image_in_training_data_names_the_file(tmp_path: Path, sample_jpeg: 
 
 def test_run_folder_is_never_overwritten(tmp_path: Path) -> None:
     cfg = tiny_config(**{"steps": 1, "epochs": None, "data.val_split": None})
-    run(cfg, tmp_path / "r", progress=False)
+    train(cfg, tmp_path / "r", progress=False)
     with pytest.raises(ConfigError, match="already holds a run"):
-        run(cfg, tmp_path / "r", progress=False)
+        train(cfg, tmp_path / "r", progress=False)
 
 
 def test_finetune_from_a_run_at_a_higher_resolution(tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
 """The reference peer for benchmarks: Hugging Face transformers' ``ViTForImageClassification`` holding
 exactly the weights of a vitkit model.
 
-This is a minimal, self-contained weight copy for the classic configuration (class token, learned
-position embedding, no pre-logits layer), enough to run both implementations side by side on the same
-function. It handles both transformers parameter layouts: 5.x (``vit.layers.N.attention.q_proj``) and
-the classic 4.x one (``vit.encoder.layer.N.attention.attention.query``).
+The names and the config come from the Hugging Face checkpoint format (:mod:`vitkit.checkpoints.hf`), the
+same adapter ``vitkit convert --to hf`` writes with; the peer is that folder built in memory. Both
+transformers parameter layouts are handled: 5.x (``vit.layers.N.attention.q_proj``) and the classic 4.x one
+(``vit.encoder.layer.N.attention.attention.query``).
 """
 
 from __future__ import annotations
@@ -14,96 +14,21 @@ from typing import Any
 import torch
 from torch import nn
 
+from vitkit.checkpoints import hf
 from vitkit.errors import ConfigError
-from vitkit.models.vit import Block, VisionTransformer
-
-# vitkit block parameter -> (transformers 5.x name, transformers 4.x name), relative to the layer
-_BLOCK_NAMES = {
-    "norm1": ("layernorm_before", "layernorm_before"),
-    "norm2": ("layernorm_after", "layernorm_after"),
-    "proj": ("attention.o_proj", "attention.output.dense"),
-    "fc1": ("mlp.fc1", "intermediate.dense"),
-    "fc2": ("mlp.fc2", "output.dense"),
-}
-_QKV_NAMES = (
-    ("attention.q_proj", "attention.k_proj", "attention.v_proj"),
-    ("attention.attention.query", "attention.attention.key", "attention.attention.value"),
-)
+from vitkit.models.vit import VisionTransformer
 
 
 def transformers_config(model: VisionTransformer, attn_implementation: str = "sdpa") -> Any:
-    """The transformers ``ViTConfig`` describing the same architecture as ``model``."""
+    """The transformers ``ViTConfig`` describing the same classifier as ``model``."""
     from transformers import ViTConfig as HFConfig
 
-    cfg = model.cfg
-    problems = []
-    if cfg.classifier != "token":
-        problems.append("classifier 'gap'")
-    if cfg.pos_embed != "learned":
-        problems.append("sin-cos position embeddings")
-    if cfg.representation_size:
-        problems.append("a pre-logits layer")
-    if cfg.num_classes <= 0:
-        problems.append("no classification head")
-    if cfg.image_size[0] != cfg.image_size[1]:
-        problems.append("a non-square image size")
-    if type(model.patch_embed).__name__ != "PatchEmbed":
-        problems.append("a hybrid stem")
-    if problems:
-        raise ConfigError(f"transformers' ViTForImageClassification cannot represent {', '.join(problems)}")
-    kwargs: dict[str, Any] = {
-        "hidden_size": cfg.hidden_size,
-        "num_hidden_layers": cfg.depth,
-        "num_attention_heads": cfg.num_heads,
-        "intermediate_size": cfg.mlp_dim,
-        "hidden_act": "gelu_pytorch_tanh" if cfg.gelu == "tanh" else "gelu",
-        "hidden_dropout_prob": 0.0,
-        "attention_probs_dropout_prob": 0.0,
-        "layer_norm_eps": cfg.layer_norm_eps,
-        "image_size": cfg.image_size[0],
-        "patch_size": cfg.patch_size,
-        "num_channels": cfg.in_channels,
-        "qkv_bias": cfg.qkv_bias,
-        "num_labels": cfg.num_classes,
-    }
-    hf = HFConfig(**kwargs)
-    hf._attn_implementation = attn_implementation
-    return hf
-
-
-def transformers_state_dict(model: VisionTransformer, layout: str = "5") -> dict[str, torch.Tensor]:
-    """vitkit weights under transformers' names (``layout`` "5": 5.x names, "4": classic hub names)."""
-    new = layout == "5"
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
-    out = {
-        "vit.embeddings.cls_token": sd["cls_token"],
-        "vit.embeddings.position_embeddings": sd["pos_embed"],
-        "vit.embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
-        "vit.embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
-        "vit.layernorm.weight": sd["norm.weight"],
-        "vit.layernorm.bias": sd["norm.bias"],
-        "classifier.weight": sd["head.weight"],
-        "classifier.bias": sd["head.bias"],
-    }
-    D = model.cfg.hidden_size
-    for i, blk in enumerate(model.blocks):
-        assert isinstance(blk, Block)
-        layer = f"vit.layers.{i}." if new else f"vit.encoder.layer.{i}."
-        modules = {
-            "norm1": blk.norm1,
-            "norm2": blk.norm2,
-            "proj": blk.attn.proj,
-            "fc1": blk.mlp.fc1,
-            "fc2": blk.mlp.fc2,
-        }
-        for ours, names in _BLOCK_NAMES.items():
-            for p in ("weight", "bias"):
-                out[layer + names[0 if new else 1] + "." + p] = getattr(modules[ours], p).detach()
-        for j, name in enumerate(_QKV_NAMES[0 if new else 1]):  # split the fused (3D, D) qkv into q, k, v
-            out[layer + name + ".weight"] = blk.attn.qkv.weight.detach()[j * D : (j + 1) * D]
-            if blk.attn.qkv.bias is not None:
-                out[layer + name + ".bias"] = blk.attn.qkv.bias.detach()[j * D : (j + 1) * D]
-    return out
+    why = hf.unrepresentable(model.cfg) or ("no classification head" if model.cfg.num_classes <= 0 else None)
+    if why:
+        raise ConfigError(f"transformers' ViTForImageClassification cannot represent this model: {why}")
+    config = HFConfig(**hf.hf_config(model.cfg, None))
+    config._attn_implementation = attn_implementation
+    return config
 
 
 def to_transformers(model: VisionTransformer, attn_implementation: str = "sdpa") -> nn.Module:
@@ -113,12 +38,13 @@ def to_transformers(model: VisionTransformer, attn_implementation: str = "sdpa")
 
     ref = next(model.parameters())
     with torch.device("meta"):
-        hf = ViTForImageClassification(transformers_config(model, attn_implementation))
-    expected = set(hf.state_dict())
-    sd = transformers_state_dict(model, "5" if "vit.layers.0.layernorm_before.weight" in expected else "4")
+        peer = ViTForImageClassification(transformers_config(model, attn_implementation))
+    expected = set(peer.state_dict())
+    style = "v5" if "vit.layers.0.layernorm_before.weight" in expected else "hub"
+    _, sd = hf.transformers_state(model, "vit.", style)
     missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
     if missing or unexpected:
         raise ConfigError(f"transformers ViT layout not recognised: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    hf.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)
-    module: nn.Module = hf
+    peer.load_state_dict({k: v.clone() for k, v in sd.items()}, strict=True, assign=True)  # no aliasing
+    module: nn.Module = peer
     return module.to(device=ref.device, dtype=ref.dtype).eval()

@@ -21,7 +21,9 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+import torch
 
 from vitkit.checkpoints import big_vision, hf, npz_files, official, timm_format, vitkit_format
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, check_state, empty_model, expected_state
@@ -29,6 +31,7 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import check_not_input, complete_dir
 from vitkit.hub import Resolved, label_names, label_set_for, resolve
+from vitkit.models.variants import create_model
 from vitkit.models.vit import VisionTransformer
 
 
@@ -213,7 +216,11 @@ def load_checkpoint(
     ckpt = read_checkpoint(path, format, cache_dir=cache_dir)
     check_state(ckpt)
     model = empty_model(ckpt.cfg)
-    model.load_state_dict(ckpt.state, strict=True)
+    try:
+        model.load_state_dict(ckpt.state, strict=True)
+    except RuntimeError as e:  # missing, unexpected or mis-shaped tensors: one line naming the first
+        detail = " ".join(str(e).split("\n", 2)[1:2]).strip().rstrip(".") or str(e).splitlines()[0]
+        raise CheckpointError(f"{ckpt.meta.source}: weights do not match the config ({detail})") from None
     meta = ckpt.meta
     if num_classes is not None and num_classes != ckpt.cfg.num_classes:
         model.reset_head(num_classes)
@@ -222,6 +229,35 @@ def load_checkpoint(
         model.resize_image(image_size, method=pos_interpolation)
         meta = replace(meta, preprocess=replace(meta.preprocess, image_size=model.cfg.image_size))
     return Loaded(model.eval(), meta)
+
+
+_LOAD_OPTIONS = ("format", "num_classes", "image_size", "pos_interpolation", "cache_dir")
+
+
+def loaded_from(name_or_path: str | os.PathLike[str], *, device: str | None = None, **overrides: Any) -> Loaded:
+    """A variant name ("B/16") or any checkpoint (path, URL, registry name, hub id) as a model plus metadata.
+
+    A variant is freshly initialised with ``overrides`` (any ViTConfig field) and gets the default
+    preprocessing at its resolution; a checkpoint goes through :func:`load_checkpoint`, which takes
+    ``format``, ``num_classes``, ``image_size``, ``pos_interpolation`` and ``cache_dir``. ``None`` values
+    are left out. ``device="meta"`` builds shapes only (no memory, no initialisation cost).
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if is_variant_name(name_or_path):
+        with torch.device(device or "cpu"):
+            model = create_model(os.fspath(name_or_path), **given)
+        pre = Preprocess(image_size=model.cfg.image_size, grayscale=model.cfg.in_channels == 1)
+        return Loaded(model.eval(), CheckpointMeta("variant", os.fspath(name_or_path), pre))
+    unknown = sorted(set(given) - set(_LOAD_OPTIONS))
+    if unknown:
+        raise ConfigError(f"{name_or_path}: a checkpoint takes {', '.join(_LOAD_OPTIONS)}, not {', '.join(unknown)}")
+    loaded = load_checkpoint(name_or_path, **given)
+    return loaded if device is None else replace(loaded, model=loaded.model.to(device))
+
+
+def model_from(name_or_path: str | os.PathLike[str], **overrides: Any) -> VisionTransformer:
+    """A variant name or any checkpoint as a model: see :func:`loaded_from`."""
+    return loaded_from(name_or_path, **overrides).model
 
 
 def load_pretrained(
@@ -296,6 +332,8 @@ __all__ = [
     "is_variant_name",
     "load_checkpoint",
     "load_pretrained",
+    "loaded_from",
+    "model_from",
     "read_checkpoint",
     "save_checkpoint",
 ]

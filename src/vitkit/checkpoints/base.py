@@ -55,6 +55,28 @@ def empty_model(cfg: ViTConfig) -> VisionTransformer:
     return model
 
 
+def model_numel(cfg: ViTConfig) -> int:
+    """Values in the state dict of a model with ``cfg``, computed without allocating it (a one-block model
+    on the meta device, plus ``depth - 1`` more blocks)."""
+    with torch.device("meta"):
+        one = VisionTransformer(dataclasses.replace(cfg, depth=1))
+    total = sum(t.numel() for t in one.state_dict().values())
+    block = sum(t.numel() for t in one.blocks[0].state_dict().values())
+    return total + (cfg.depth - 1) * block
+
+
+def check_fits_file(cfg: ViTConfig, numel_in_file: int, source: str) -> None:
+    """Refuse a config that describes a much bigger model than the tensors the checkpoint holds, before
+    building it (a hostile ``"hidden_size": 40000`` would otherwise allocate tens of GB). Up to twice the file
+    is let through, so that a file missing a tensor or two is refused by the key map naming them."""
+    need = model_numel(cfg)
+    if need > 2 * numel_in_file + 2 * cfg.hidden_size:
+        raise CheckpointError(
+            f"{source}: the config describes a model of {need:,} values but the file holds only "
+            f"{numel_in_file:,}; not allocating it (config and weights do not match)"
+        )
+
+
 def expected_state(cfg: ViTConfig) -> dict[str, torch.Tensor]:
     """The state dict a model with ``cfg`` expects, as meta tensors (shapes and dtypes, no memory)."""
     with torch.device("meta"):

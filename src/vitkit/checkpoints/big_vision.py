@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import npz_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, expected_state, export_state, require
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -186,7 +186,11 @@ def load(path: Path) -> Checkpoint:
     arrays, prefix, outside = npz_files.strip_prefix(npz_files.read_npz(path), str(path))
     scan = any(k.startswith(SCAN) for k in arrays)
     arrays = normalise(arrays, str(path))
-    cfg = infer_config(arrays, str(path))
+    try:
+        cfg = infer_config(arrays, str(path))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    check_fits_file(cfg, sum(int(a.size) for a in arrays.values()), str(path))
     state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
     provenance: dict[str, Any] = {"layout": "big_vision", "prefix": prefix, "scan": scan}
     if outside:

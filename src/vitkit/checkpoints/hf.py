@@ -35,6 +35,7 @@ from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.base import (
     Checkpoint,
     CheckpointMeta,
+    check_fits_file,
     expected_state,
     export_state,
     require,
@@ -209,6 +210,7 @@ def load(path: Path) -> Checkpoint:
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
     cfg = config_from_hf(doc, weights, prefix, str(path))
+    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     style = _style(weights, prefix, str(path))
     ignored = {f"{prefix}embeddings.mask_token"}  # used only for masked image modelling inputs
     if cfg.num_classes > 0:
@@ -279,6 +281,28 @@ def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
     }
 
 
+def unrepresentable(cfg: ViTConfig) -> str | None:
+    """Why transformers' ViT cannot compute the function of a model with this config (None when it can)."""
+    if cfg.resnet_layers is not None:
+        return "transformers' ViT has no hybrid ResNet stem"
+    if cfg.classifier != "token":
+        return "transformers' ViT pools the class token; this model uses GAP (classifier 'gap')"
+    if cfg.num_classes > 0 and cfg.representation_size:
+        return "ViTForImageClassification has no pre-logits layer (reset the head, or export with num_classes=0)"
+    return None
+
+
+def transformers_state(
+    model: VisionTransformer, prefix: str = "vit.", style: str = "hub"
+) -> tuple[ViTConfig, dict[str, torch.Tensor]]:
+    """``model``'s weights under transformers' names (``style`` as in :func:`key_map`), with the config they
+    describe (a sin-cos table stored as a learned one: the same function). The caller checks
+    :func:`unrepresentable` first."""
+    cfg, state = with_learned_posemb(model.cfg, export_state(model))
+    arrays = from_state_dict(key_map(cfg, prefix, style), state)
+    return cfg, {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+
+
 def save(
     model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
 ) -> Path:
@@ -290,19 +314,9 @@ def save(
     plain resize (HF's ViTImageProcessor cannot centre-crop).
     """
     torch_files.check_folder_output(Path(path), overwrite)
-    cfg = model.cfg
-    target = "a transformers ViT folder"
-    require(cfg.resnet_layers is None, target, "transformers' ViT has no hybrid ResNet stem")
-    require(cfg.classifier == "token", target, "transformers' ViT pools the class token; this model uses GAP")
-    require(
-        cfg.num_classes == 0 or not cfg.representation_size,
-        target,
-        "ViTForImageClassification has no pre-logits layer (reset the head, or export with num_classes=0)",
-    )
-    cfg, state = with_learned_posemb(cfg, export_state(model))
-    prefix = "vit." if cfg.num_classes > 0 else ""
-    arrays = from_state_dict(key_map(cfg, prefix, "hub"), state)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    why = unrepresentable(model.cfg)
+    require(why is None, "a transformers ViT folder", why or "")
+    cfg, tensors = transformers_state(model, "vit." if model.cfg.num_classes > 0 else "", "hub")
     files: dict[str, bytes | str] = {
         CONFIG: json.dumps(hf_config(cfg, meta.class_names if meta else None), indent=2) + "\n",
     }

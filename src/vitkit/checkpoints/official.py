@@ -28,6 +28,7 @@ from vitkit.checkpoints import npz_files
 from vitkit.checkpoints.base import (
     Checkpoint,
     CheckpointMeta,
+    check_fits_file,
     expected_state,
     export_state,
     require,
@@ -180,7 +181,11 @@ read_npz = npz_files.read_npz
 def load(path: Path) -> Checkpoint:
     """Read an official .npz into vitkit's layout, shape-checked, with the official preprocessing."""
     arrays, prefix, outside = npz_files.strip_prefix(read_npz(str(path)), str(path))
-    cfg = infer_config(arrays, str(path))
+    try:
+        cfg = infer_config(arrays, str(path))
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    check_fits_file(cfg, sum(int(a.size) for a in arrays.values()), str(path))
     state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
     if prefix:

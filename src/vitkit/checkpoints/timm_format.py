@@ -43,6 +43,7 @@ from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.base import (
     Checkpoint,
     CheckpointMeta,
+    check_fits_file,
     expected_state,
     export_state,
     require,
@@ -267,6 +268,7 @@ def load(
     cfg, no_embed_class = infer_config(
         weights, sidecar, str(path), num_heads=num_heads, gelu=gelu, layer_norm_eps=layer_norm_eps
     )
+    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
     state = to_state_dict(key_map(cfg, no_embed_class=no_embed_class), arrays, expected_state(cfg), source=str(path))
     labels = (sidecar or {}).get("label_names")

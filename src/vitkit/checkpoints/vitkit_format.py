@@ -13,17 +13,18 @@ folder is replaced only when it is a vitkit checkpoint and ``overwrite=True``; a
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from vitkit import fileio
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -72,6 +73,9 @@ def load(path: Path) -> Checkpoint:
     if not w_path.is_file():
         raise CheckpointError(f"{w_path}: no such file")
     try:
+        with safe_open(str(w_path), "pt") as f:  # the header only: sizes before any allocation
+            numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+        check_fits_file(cfg, numel, str(path))
         state = load_file(str(w_path))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{w_path}: unreadable safetensors file ({e})") from None

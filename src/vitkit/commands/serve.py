@@ -5,27 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from vitkit.commands.args import positive_float, positive_int
 from vitkit.errors import ConfigError, VitkitError
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
-def positive_float(text: str, allow_zero: bool = False) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be {'non-negative' if allow_zero else 'positive'}, got {text}")
-    return value
 
 
 def require_extra(*modules: str, extra: str = "serve") -> None:

@@ -222,4 +222,7 @@ def _coerce(tp: Any, v: Any, where: str) -> Any:
         return tuple(v)
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp)
+    if expected and not (isinstance(v, tp) and (tp is bool or not isinstance(v, bool))):
+        raise ConfigError(f"{where}: expected {expected}, got {v!r}")
     return v

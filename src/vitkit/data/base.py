@@ -163,13 +163,17 @@ def default_classes(labels: np.ndarray) -> list[str]:
     return [str(i) for i in range(int(labels.max()) + 1 if labels.size else 0)]
 
 
+class ClassMapError(DataError):
+    """The source names a class that is not among the expected ones."""
+
+
 def check_class_map(source: str, found: Sequence[str], expected: Sequence[str] | None) -> list[str]:
     """The class list to use: ``expected`` when given (``found`` must be a subset of it), else ``found``."""
     if expected is None:
         return list(found)
     unknown = [c for c in found if c not in set(expected)]
     if unknown:
-        raise DataError(f"{source}: class {unknown[0]!r} is not among the {len(expected)} expected classes")
+        raise ClassMapError(f"{source}: class {unknown[0]!r} is not among the {len(expected)} expected classes")
     return list(expected)
 
 

@@ -24,8 +24,12 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from vitkit.data.base import ImageDataset, MissingSplitError, check_class_map, relabel
+import numpy as np
+from PIL import Image
+
+from vitkit.data.base import ClassMapError, ImageDataset, MissingSplitError, check_class_map, relabel
 from vitkit.errors import DataError
 
 # ------------------------------------------------------------------------------------------------------
@@ -39,6 +43,7 @@ def open_dataset(
     *,
     skip_bad: bool = False,
     classes: Sequence[str] | None = None,
+    strict_classes: bool = True,
     image_column: str | None = None,
     label_column: str | None = None,
 ) -> ImageDataset:
@@ -54,9 +59,26 @@ def open_dataset(
     without a label) and list them in ``ds.skipped`` instead of raising DataError.
 
     ``classes``: the class list the labels must index into (e.g. a checkpoint's); the source's own class
-    names must be a subset of it, so indices never shift between a training and an evaluation split.
+    names must be a subset of it, so indices never shift between a training and an evaluation split. With
+    ``strict_classes=False`` a source whose names are not a subset keeps its own classes instead of failing
+    (evaluation then compares labels by index, or by name when both sides hold the same set).
     """
-    name = os.fspath(source)
+    try:
+        return _open(os.fspath(source), split, skip_bad, classes, image_column, label_column)
+    except ClassMapError:
+        if strict_classes:
+            raise
+        return _open(os.fspath(source), split, skip_bad, None, image_column, label_column)
+
+
+def _open(
+    name: str,
+    split: str,
+    skip_bad: bool,
+    classes: Sequence[str] | None,
+    image_column: str | None,
+    label_column: str | None,
+) -> ImageDataset:
     expected = list(classes) if classes is not None else None
     if name == "digits":
         from vitkit.data.digits import open_digits
@@ -111,3 +133,17 @@ def open_split_or_none(
         return open_dataset(source, split, skip_bad=skip_bad, classes=classes)
     except MissingSplitError:
         return None
+
+
+def sample_images(dataset: ImageDataset | Any, n: int) -> tuple[list[Image.Image], list[str]]:
+    """``n`` examples spread evenly over a dataset (the first ``n`` of a stream), with names such as
+    ``"test[12] cat"`` (split, index, class)."""
+    classes = list(dataset.classes)
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        idx = np.unique(np.linspace(0, len(dataset) - 1, num=min(n, len(dataset))).round().astype(int)).tolist()
+        picked = [(i, *dataset[i]) for i in idx]
+    else:
+        picked = [(i, img, label) for i, (img, label) in zip(range(n), dataset, strict=False)]
+    split = getattr(dataset, "split", "")
+    names = [f"{split}[{i}] {classes[label] if label < len(classes) else label}" for i, _, label in picked]
+    return [img for _, img, _ in picked], names

@@ -21,6 +21,7 @@ A row whose image cannot be decoded, or whose label is missing, raises DataError
 from __future__ import annotations
 
 import io
+import logging
 import os
 import re
 import urllib.parse
@@ -152,7 +153,11 @@ def _load(datasets: Any, path_text: str, split: str) -> Any:
 def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
     """A Hub dataset by id: through ``datasets`` (its cache in offline mode), else from the snapshot of the
     repository in huggingface_hub's cache (where ``datasets`` keeps the downloaded data files)."""
+    loggers = [logging.getLogger(n) for n in ("datasets", "huggingface_hub")]
+    levels = [lg.level for lg in loggers]
     try:
+        for lg in loggers:  # every retry of an unreachable Hub is logged; the error that follows says it
+            lg.setLevel(logging.ERROR)
         return datasets.load_dataset(repo_id)
     except Exception as first:
         from huggingface_hub import snapshot_download
@@ -162,6 +167,9 @@ def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
         except Exception:
             raise first from None
         return datasets.load_dataset(str(folder))
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _pick(

@@ -12,9 +12,11 @@ a seeded order and shuffles within windows of a few shards, so reading stays mos
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +39,35 @@ LABEL_EXTS = ("cls", "label", "target")
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
-def expand_braces(pattern: str) -> list[str]:
-    """``a-{000..002}.tar`` -> [a-000.tar, a-001.tar, a-002.tar] (zero padding kept; several braces ok)."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    lo, hi = m.group(1), m.group(2)
-    width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
-    out = []
-    for i in range(int(lo), int(hi) + 1):
-        out += expand_braces(pattern[: m.start()] + str(i).zfill(width) + pattern[m.end() :])
-    return out
+MAX_SHARDS = 1_000_000  # a brace pattern naming more shards than this is refused before it is expanded
+
+
+def iter_braces(pattern: str, limit: int = MAX_SHARDS) -> Iterator[str]:
+    """``a-{000..002}.tar`` -> a-000.tar, a-001.tar, a-002.tar, lazily (zero padding kept; several braces ok).
+
+    The count is checked first: a pattern naming more than ``limit`` names is an error naming the pattern.
+    """
+    parts: list[str] = []  # literal text between the ranges
+    ranges: list[tuple[range, int]] = []  # (values, zero-padded width)
+    count, start = 1, 0
+    for m in _BRACE.finditer(pattern):
+        lo, hi = m.group(1), m.group(2)
+        if len(lo) > 18 or len(hi) > 18 or int(hi) < int(lo):
+            raise DataError(f"{pattern}: invalid range {{{lo}..{hi}}} (ascending, at most 18 digits)")
+        count *= int(hi) - int(lo) + 1
+        if count > limit:
+            raise DataError(f"{pattern}: names more than {limit:,} shards; refusing to expand it")
+        parts.append(pattern[start : m.start()])
+        ranges.append((range(int(lo), int(hi) + 1), len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0))
+        start = m.end()
+    tail = pattern[start:]
+    for values in itertools.product(*(r for r, _ in ranges)):
+        yield "".join(p + str(v).zfill(w) for p, v, (_, w) in zip(parts, values, ranges, strict=True)) + tail
+
+
+def expand_braces(pattern: str, limit: int = MAX_SHARDS) -> list[str]:
+    """All names of a brace pattern (see :func:`iter_braces`)."""
+    return list(iter_braces(pattern, limit))
 
 
 def is_shard_source(name: str) -> bool:
@@ -61,10 +81,11 @@ def is_shard_source(name: str) -> bool:
 def find_shards(name: str, split: str) -> tuple[list[Path], Path]:
     """The shard files of ``split`` and the folder they live in."""
     if "{" in name or name.endswith(".tar"):
-        files = [Path(f) for f in expand_braces(name)]
-        for f in files:
+        files = []
+        for f in map(Path, iter_braces(name)):  # lazily: stops at the first missing shard
             if not f.is_file():
                 raise DataError(f"{f}: no such shard")
+            files.append(f)
         return files, files[0].parent
     root = Path(name)
     for s in split_candidates(split):

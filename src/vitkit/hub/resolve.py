@@ -14,9 +14,11 @@ A name that resolves nowhere is an error listing what was tried.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,13 +132,26 @@ def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
     return folder
 
 
+@contextmanager
+def _quiet_hub_logs() -> Iterator[None]:
+    """huggingface_hub logs every retry of an unreachable host as a warning; the error that follows says it."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _hub_file(
     fetch: Callable[..., str], repo_id: str, filename: str, revision: str | None, label: str, required: bool
 ) -> str | None:
     from huggingface_hub import errors as hf_errors
 
     try:
-        return str(fetch(repo_id=repo_id, filename=filename, revision=revision))
+        with _quiet_hub_logs():
+            return str(fetch(repo_id=repo_id, filename=filename, revision=revision))
     except hf_errors.LocalEntryNotFoundError:
         if not required:
             return None

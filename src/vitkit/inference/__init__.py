@@ -2,5 +2,6 @@
 prediction over image files (``predict``)."""
 
 from vitkit.inference.fast import optimize_for_inference
+from vitkit.inference.predict import Prediction, predict
 
-__all__ = ["optimize_for_inference"]
+__all__ = ["Prediction", "optimize_for_inference", "predict"]

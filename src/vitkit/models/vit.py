@@ -25,6 +25,27 @@ from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
 
+# Upper bounds of a config's sizes: far above any published ViT (ViT-22B: width 6144, MLP 24576, depth 48),
+# they keep a hostile config.json from asking for unbounded memory before anything else can be checked.
+_MAX_WIDTH = 1 << 16
+_MAX_TOKENS = 1 << 20
+_MAX_IMAGE_SIDE = 1 << 16
+_MAX_RESNET_STAGES, _MAX_RESNET_UNITS = 8, 64
+_INT_RANGES = {
+    "patch_size": (1, 4096),
+    "in_channels": (1, 1024),
+    "num_classes": (0, 10_000_000),
+    "hidden_size": (1, _MAX_WIDTH),
+    "depth": (1, 1024),
+    "num_heads": (1, _MAX_WIDTH),
+    "mlp_dim": (1, 4 * _MAX_WIDTH),
+}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 Classifier = Literal["token", "gap"]
 PosEmbed = Literal["learned", "sincos2d"]
 Gelu = Literal["exact", "tanh"]
@@ -63,20 +84,53 @@ class ViTConfig:
 
     def __post_init__(self) -> None:
         size = self.image_size
-        sides = [size] if isinstance(size, int) else list(size) if isinstance(size, (tuple, list)) else None
-        if sides is None or len(sides) not in (1, 2) or not all(_is_int(s) and s > 0 for s in sides):
-            raise ValueError(f"invalid ViT config: image_size must be a positive integer or [H, W], got {size!r}")
-        size = (int(sides[0]), int(sides[-1]))
-        object.__setattr__(self, "image_size", size)
+        if isinstance(size, int) and not isinstance(size, bool):
+            size = (size, size)
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(_is_int(s) for s in size)):
+            raise ValueError(f"invalid ViT config: image_size must be an integer or two, got {size!r}")
+        object.__setattr__(self, "image_size", (int(size[0]), int(size[1])))
         if self.resnet_layers is not None:
-            object.__setattr__(self, "resnet_layers", tuple(int(n) for n in self.resnet_layers))
+            layers = self.resnet_layers
+            if not (isinstance(layers, (tuple, list)) and all(_is_int(n) for n in layers)):
+                raise ValueError(f"invalid ViT config: resnet_layers must be a list of integers, got {layers!r}")
+            object.__setattr__(self, "resnet_layers", tuple(int(n) for n in layers))
         self.validate()
 
     def validate(self) -> None:
+        """Types, ranges and sizes, checked before anything is allocated (configs come from untrusted files):
+        every size has an upper bound far above any published ViT, so a hostile config cannot ask for
+        unbounded memory; checkpoint loaders also check the size against the tensors in the file."""
+
         def bad(msg: str) -> ValueError:
             return ValueError(f"invalid ViT config: {msg}")
 
-        _check_fields(self)
+        for name, (lo, hi) in _INT_RANGES.items():
+            value = getattr(self, name)
+            if not _is_int(value):
+                raise bad(f"{name} must be an integer, got {value!r}")
+            if not lo <= value <= hi:
+                raise bad(f"{name} {value} is outside {lo}..{hi}")
+        if self.representation_size is not None and not (
+            _is_int(self.representation_size) and 1 <= self.representation_size <= _MAX_WIDTH
+        ):
+            raise bad(f"representation_size must be None or an integer in 1..{_MAX_WIDTH}")
+        for name in ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value!r}")
+        if self.resnet_width > 64:
+            raise bad(f"resnet_width must be at most 64, got {self.resnet_width!r}")
+        if not 0.0 < self.layer_norm_eps <= 1.0:
+            raise bad(f"layer_norm_eps must be in (0, 1], got {self.layer_norm_eps!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise bad(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
+        if self.resnet_layers is not None and (
+            len(self.resnet_layers) > _MAX_RESNET_STAGES or max(self.resnet_layers, default=1) > _MAX_RESNET_UNITS
+        ):
+            raise bad(f"resnet_layers: at most {_MAX_RESNET_STAGES} stages of at most {_MAX_RESNET_UNITS} units")
+        for side in self.image_size:
+            if not 0 < side <= _MAX_IMAGE_SIDE:
+                raise bad(f"image size {self.image_size} is outside 1..{_MAX_IMAGE_SIDE} pixels per side")
         if self.hidden_size % self.num_heads:
             raise bad(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         for side in self.image_size:
@@ -103,6 +157,9 @@ class ViTConfig:
         for name in ("dropout", "attention_dropout", "drop_path"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise bad(f"{name} must be in [0, 1)")
+        gh, gw = self.grid_size
+        if gh * gw > _MAX_TOKENS:
+            raise bad(f"{gh}x{gw} = {gh * gw} tokens; at most {_MAX_TOKENS} (image size / patch size)")
 
     @property
     def stride(self) -> int:
@@ -148,58 +205,6 @@ class ViTConfig:
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-_POSITIVE_INTS = ("patch_size", "in_channels", "hidden_size", "depth", "num_heads", "mlp_dim")
-_FINITE_FLOATS = ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width")
-MAX_TENSOR_ELEMENTS = 2**36  # 256 GiB in fp32: no single weight of any real ViT comes near (H/14's largest: 6.6M)
-
-
-def _check_fields(cfg: ViTConfig) -> None:
-    """Types and ranges of every field, before any arithmetic on them: a config read from a file may hold
-    strings, negatives, NaN or sizes whose tensors could never be allocated."""
-
-    def bad(msg: str) -> ValueError:
-        return ValueError(f"invalid ViT config: {msg}")
-
-    for name in _POSITIVE_INTS:
-        v = getattr(cfg, name)
-        if not _is_int(v) or v < 1:
-            raise bad(f"{name} must be a positive integer, got {v!r}")
-    if not _is_int(cfg.num_classes) or cfg.num_classes < 0:
-        raise bad(f"num_classes must be a non-negative integer, got {cfg.num_classes!r}")
-    rep = cfg.representation_size
-    if rep is not None and (not _is_int(rep) or rep < 1):
-        raise bad(f"representation_size must be a positive integer or null, got {rep!r}")
-    for name in _FINITE_FLOATS:
-        v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise bad(f"{name} must be a finite number, got {v!r}")
-    if not cfg.layer_norm_eps > 0:
-        raise bad(f"layer_norm_eps must be positive, got {cfg.layer_norm_eps!r}")
-    if not isinstance(cfg.qkv_bias, bool):
-        raise bad(f"qkv_bias must be true or false, got {cfg.qkv_bias!r}")
-    if cfg.resnet_layers is not None and not all(_is_int(n) for n in cfg.resnet_layers):
-        raise bad(f"resnet_layers must be integers, got {list(cfg.resnet_layers)!r}")
-    D, P = cfg.hidden_size, cfg.patch_size
-    tokens = (cfg.image_size[0] // P) * (cfg.image_size[1] // P) + 1
-    largest = {
-        "patch embedding (hidden_size x in_channels x patch_size^2)": D * cfg.in_channels * P * P,
-        "attention q/k/v (3 x hidden_size^2)": 3 * D * D,
-        "MLP (hidden_size x mlp_dim)": D * cfg.mlp_dim,
-        "head (width x num_classes)": max(rep or D, D) * cfg.num_classes,
-        "position embedding (tokens x hidden_size)": tokens * D,
-    }
-    if cfg.resnet_layers is not None:  # the last stage's 1x1 convolutions: 2048 x 512 channels at width 1
-        stage = max(int(64 * cfg.resnet_width), 0) * 8
-        largest["ResNet stages (resnet_width)"] = 4 * stage * stage
-    for what, n in largest.items():
-        if n > MAX_TENSOR_ELEMENTS:
-            raise bad(f"the {what} would hold {n:,} weights, more than any ViT ({MAX_TENSOR_ELEMENTS:,} at most)")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import base64
 import io
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_map
 from vitkit.checkpoints import Loaded, load_checkpoint, preprocess
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.hardware import has_native_bf16
+from vitkit.inference import optimize_for_inference
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 
@@ -81,21 +83,28 @@ class ServedModel:
     """A loaded checkpoint ready to answer: ``predict`` (fast path) and ``attention`` (fp32 model).
 
     ``precision``: ``auto``, ``fp32``, ``bf16`` or ``int8`` (see :func:`resolve_precision`); ``max_batch``
-    chooses oneDNN's weight layout for the batches the server will run (any batch works).
+    chooses oneDNN's weight layout for the batches the server will run (any batch works). ``fast=False``
+    predicts with the checkpoint's own fp32 model (no second copy of the weights; the demo's choice).
     """
 
     def __init__(
-        self, loaded: Loaded, precision: str = "auto", max_batch: int = 8, device: torch.device | str = "cpu"
+        self,
+        loaded: Loaded,
+        precision: str = "auto",
+        max_batch: int = 8,
+        device: torch.device | str = "cpu",
+        fast: bool = True,
     ) -> None:
-        from vitkit.inference import optimize_for_inference
-
         self.loaded = loaded
         self.device = torch.device(device)
         self.model = loaded.model.eval().to(self.device)
         self.preprocess = loaded.meta.preprocess
         if self.model.cfg.num_classes <= 0:
             raise ConfigError(f"{loaded.meta.source}: the model has no classification head; nothing to serve")
-        self.precision = resolve_precision(precision, self.device)
+        self.precision = resolve_precision(precision, self.device) if fast else "fp32"
+        if not fast:
+            self.fast: torch.nn.Module = self.model
+            return
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         if self.precision == "int8":
             dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
@@ -113,8 +122,9 @@ class ServedModel:
         precision: str = "auto",
         max_batch: int = 8,
         device: torch.device | str = "cpu",
+        fast: bool = True,
     ) -> ServedModel:
-        return cls(load_checkpoint(path, format=format), precision, max_batch, device)
+        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast)
 
     # ---- facts ----------------------------------------------------------------------------------------
 
@@ -130,8 +140,8 @@ class ServedModel:
         """The model card: name, classes, resolution, preprocessing, precision."""
         cfg, meta = self.model.cfg, self.loaded.meta
         return {
-            "name": cfg.name,
-            "checkpoint": os.path.basename(os.path.normpath(meta.source)),
+            "name": cfg.name or f"ViT D={cfg.hidden_size} L={cfg.depth} P={self.model.cfg.stride}",
+            "checkpoint": "/".join(Path(os.path.normpath(meta.source)).parts[-2:]),
             "format": meta.format,
             "num_classes": cfg.num_classes,
             "classes": self.class_names,

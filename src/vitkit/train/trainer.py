@@ -22,7 +22,6 @@ and two running sums are enough, and a resumed run equals an uninterrupted one e
 from __future__ import annotations
 
 import contextlib
-import csv
 import json
 import math
 import os
@@ -38,19 +37,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.checkpoints import load_checkpoint, vitkit_format
+from vitkit.checkpoints import vitkit_format
 from vitkit.checkpoints.base import empty_model
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset, skipped_note
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer
-from vitkit.data.transforms import RANDAUGMENT_OPS, RandAugment, TrainTransform, triple
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
-from vitkit.models import create_model
-from vitkit.models.vit import VisionTransformer, ViTConfig
+from vitkit.train import build, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
@@ -76,6 +72,17 @@ class TrainResult:
     val_split: str | None = None  # which split final_top1 was measured on
     final_metrics: dict[str, float] = field(default_factory=dict)
     rank: int = 0  # the process that produced this result (only process 0 writes and prints)
+
+    def summary(self) -> str:
+        """The lines ``vitkit train`` prints at the end."""
+        lines = []
+        if self.final_top1 is not None:
+            n = int(self.final_metrics.get("val_count", 0))
+            lines.append(f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n})")
+        if self.skipped_steps:
+            lines.append(f"skipped {self.skipped_steps} steps with a non-finite loss or gradient")
+        lines.append(f"run folder: {self.run_dir} ({self.step} steps, {self.seconds:.1f} s)")
+        return "\n".join(lines)
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:
@@ -120,7 +127,7 @@ class Trainer:
             if note:
                 print(f"note: {note}", file=sys.stderr)
         self.classes = self.train_set.classes
-        net, pre = self._build_model()
+        net, pre = build.build_model(cfg, self.classes)
         self.preprocess = pre
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
         self.explicit_attention = self._explicit_attention()
@@ -131,7 +138,7 @@ class Trainer:
         self.ema = EMA(self.net, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay else None
         self.loader = TrainLoader(
             self.train_set,
-            self._train_transform(),
+            build.train_transform(cfg, self.preprocess),
             global_batch=cfg.data.batch_size,
             seed=cfg.seed,
             accum_steps=cfg.accum_steps,
@@ -187,37 +194,6 @@ class Trainer:
             return train, None
         return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
 
-    def _build_model(self) -> tuple[VisionTransformer, Preprocess]:
-        """A fresh model (seeded), or a checkpoint with a new zero head at the data's resolution."""
-        cfg, d = self.cfg, self.cfg.data
-        m = cfg.model
-        gray = bool(d.grayscale)
-        if m.init_from:
-            loaded = load_checkpoint(m.init_from, image_size=d.image_size, pos_interpolation=m.pos_interpolation)
-            net = loaded.model
-            if loaded.meta.class_names != self.classes:  # new labels: a zero head, no pre-logits (paper)
-                net.reset_head(len(self.classes))
-            if m.overrides:  # regularisation changes (dropout, drop_path) on the loaded weights
-                net = _with_overrides(net, m.overrides, m.init_from)
-            gray = loaded.meta.preprocess.grayscale if d.grayscale is None else d.grayscale
-            if net.cfg.in_channels != (1 if gray else 3):
-                raise ConfigError(
-                    f"{m.init_from}: the model takes {net.cfg.in_channels} input channels but data.grayscale is {gray}"
-                )
-            ref = loaded.meta.preprocess
-            mean, std = d.mean or ref.mean, d.std or ref.std
-        else:
-            torch.manual_seed(cfg.seed)
-            overrides = {"num_classes": len(self.classes), "image_size": d.image_size, "in_channels": 1 if gray else 3}
-            overrides.update(m.overrides)
-            net = create_model(m.name, **overrides) if m.name else create_model(ViTConfig(), **overrides)
-            mean, std = d.mean or INCEPTION_MEAN, d.std or INCEPTION_STD
-        net.train()
-        pre = Preprocess(
-            d.image_size, triple(mean), triple(std), d.eval_resize, d.eval_crop_pct, cfg.aug.interpolation, gray
-        )
-        return net, pre
-
     def _explicit_attention(self) -> bool:
         """The attention kernel for training steps (evaluation always runs the fused one). "auto": the
         explicit softmax on CPU, whose backward is faster than PyTorch's fused CPU kernel at every ViT length
@@ -232,30 +208,6 @@ class Trainer:
         micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
         kept = micro_batch * m.num_heads * tokens**2 * 4 * m.depth  # fp32 probabilities of every layer
         return kept <= EXPLICIT_ATTENTION_BYTES
-
-    def _train_transform(self) -> TrainTransform:
-        aug = self.cfg.aug.resolved()
-        ra = None
-        if aug.randaug_layers > 0:
-            ops = tuple(aug.randaug_ops) if aug.randaug_ops else RANDAUGMENT_OPS
-            try:
-                ra = RandAugment(aug.randaug_layers, aug.randaug_magnitude, ops, aug.randaug_fill)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-        p = self.preprocess
-        return TrainTransform(
-            p.image_size,
-            aug.crop,
-            aug.crop_scale,
-            aug.crop_ratio,
-            aug.pad,
-            aug.flip,
-            ra,
-            p.mean,
-            p.std,
-            p.grayscale,
-            aug.interpolation,
-        )
 
     # ---- one optimiser step -------------------------------------------------------------------------
 
@@ -464,7 +416,7 @@ class Trainer:
         if not self.dist.is_main:
             return
         row = {"step": int(rec["step"]), "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"]}
-        _append_csv(self.run_dir / "steps.csv", {**row, "images_per_s": round(images_per_s, 1)})
+        logs.append_csv(self.run_dir / "steps.csv", {**row, "images_per_s": round(images_per_s, 1)})
         if self._tb is not None:
             for k in ("loss", "lr", "grad_norm"):
                 self._tb.add_scalar(f"train/{k}", rec[k], int(rec["step"]))
@@ -474,7 +426,7 @@ class Trainer:
         self.epoch_rows.append(row)
         if not self.dist.is_main:
             return
-        _append_csv(self.run_dir / "metrics.csv", row)
+        logs.append_csv(self.run_dir / "metrics.csv", row)
         if self._tb is not None:
             for k, v in row.items():
                 if k not in ("epoch", "step") and isinstance(v, (int, float)) and v == v:
@@ -487,8 +439,8 @@ class Trainer:
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         if resumed:  # drop what the interrupted run logged after its last checkpoint
             for name in ("steps.csv", "metrics.csv"):
-                _truncate_csv(self.run_dir / name, self.step)
-            self.epoch_rows = _read_csv(self.run_dir / "metrics.csv")
+                logs.truncate_csv(self.run_dir / name, self.step)
+            self.epoch_rows = logs.read_csv(self.run_dir / "metrics.csv")
         else:
             for name in ("steps.csv", "metrics.csv"):
                 (self.run_dir / name).unlink(missing_ok=True)
@@ -572,7 +524,7 @@ class Trainer:
             bar.close()
         self.save_model("model", val_top1=last_eval.get("val_top1"))
         if self.dist.is_main:
-            plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png")
+            logs.plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png")
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None
@@ -608,83 +560,70 @@ def _holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
 
 
-def _with_overrides(net: VisionTransformer, overrides: dict[str, Any], source: str) -> VisionTransformer:
-    """The same weights in a model whose config has ``overrides`` (only non-shape fields can change)."""
-    d = net.cfg.to_dict()
-    d.update(overrides)
-    try:
-        new = VisionTransformer(ViTConfig.from_dict(d))
-        new.load_state_dict(net.state_dict(), strict=True)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise ConfigError(f"{source}: model overrides {sorted(overrides)} cannot apply to a checkpoint ({e})") from None
-    return new
+def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
+    """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder)."""
+    state = train_state.resolve_resume(path)
+    meta = train_state.read_state_meta(state)
+    check_config_unchanged(state.parent.parent / "config.json", meta["config"])
+    return TrainConfig.from_dict(meta["config"]), state.parent.parent, state
 
 
-# ---- CSV logs and the plot ---------------------------------------------------------------------------
-
-
-def _append_csv(path: Path, row: dict[str, Any]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            w.writeheader()
-        w.writerow(row)
-
-
-def _read_csv(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    with path.open(newline="") as f:
-        return [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
-
-
-def _num(v: str) -> Any:
-    try:
-        f = float(v)
-    except ValueError:
-        return v
-    return int(f) if f.is_integer() and "." not in v and "e" not in v.lower() else f
-
-
-def _truncate_csv(path: Path, step: int) -> None:
-    rows = [r for r in _read_csv(path) if int(r["step"]) <= step]
-    path.unlink(missing_ok=True)
-    for r in rows:
-        _append_csv(path, r)
-
-
-def plot_curves(metrics_csv: Path, out_png: Path) -> None:
-    """Train/validation loss and validation top-1 per epoch, as a PNG (matplotlib, Agg backend)."""
-    rows = _read_csv(metrics_csv)
-    if not rows:
+def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
+    """Refuse to resume when the run's ``config.json`` no longer says what its checkpoint was trained with:
+    ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
+    if not path.is_file():
         return
-    import matplotlib
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
+    diffs = _differences(saved, doc, "")
+    if diffs:
+        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+        raise ConfigError(
+            f"{path}: edited since its checkpoint was written ({shown}); --resume continues a run exactly as it "
+            "was configured: undo the edit, or start a new run with the new settings"
+        )
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    ep = [float(r["epoch"]) for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax1.plot(ep, [float(r["train_loss"]) for r in rows], label="train loss")
-    ax1.plot(ep, [float(r["val_loss"]) for r in rows], label="validation loss")
-    ax1.set_xlabel("epoch")
-    ax1.set_ylabel("loss")
-    ax1.legend()
-    ax2.plot(ep, [100 * float(r["val_top1"]) for r in rows], color="C2")
-    ax2.set_xlabel("epoch")
-    ax2.set_ylabel("validation top-1 (%)")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+def _differences(old: Any, new: Any, where: str) -> list[str]:
+    """'field: old -> new' for every leaf where two JSON documents differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            path = f"{where}.{k}" if where else str(k)
+            if k not in new:
+                out.append(f"{path}: removed")
+            elif k not in old:
+                out.append(f"{path}: added")
+            else:
+                out += _differences(old[k], new[k], path)
+        return out
+    return [] if old == new else [f"{where}: {json.dumps(old)} -> {json.dumps(new)}"]
 
 
 def train(
-    cfg: TrainConfig, run_dir: str | Path, *, resume: str | Path | None = None, progress: bool = True
+    cfg: TrainConfig | None = None,
+    run_dir: str | Path | None = None,
+    *,
+    resume: str | Path | None = None,
+    progress: bool = True,
 ) -> TrainResult:
-    """Build a :class:`Trainer` for ``cfg`` and run it (resuming from ``resume`` when given)."""
-    with Trainer(cfg, run_dir, progress=progress) as trainer:
-        return trainer.fit(resume)
+    """Train ``cfg`` into ``run_dir`` (default ``runs/<name>``, numbered when taken; a given folder must not
+    hold a run yet), or continue the run at ``resume`` exactly (its saved config; 1..N processes alike)."""
+    state: Path | None = None
+    if resume is not None:
+        if cfg is not None or run_dir is not None:
+            raise ConfigError("resume continues a run with its saved config and folder; give only resume=")
+        cfg, folder, state = resume_config(resume)
+        trainer = Trainer(cfg, folder, progress=progress, claim=False)
+    elif cfg is None:
+        raise ConfigError("nothing to run: give a config or a run to resume")
+    else:
+        folder = Path(run_dir) if run_dir is not None else Path("runs") / cfg.name
+        trainer = Trainer(cfg, folder, progress=progress, claim="numbered" if run_dir is None else "exclusive")
+    with trainer:
+        return trainer.fit(state)
 
 
-__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "soft_cross_entropy", "step_seed", "train"]
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "resume_config", "soft_cross_entropy", "step_seed", "train"]

@@ -1,0 +1,134 @@
+"""What the command modules share: the one-line-error parser, argument types, and option groups."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors ("vitkit predict: error: ... (see --help)")."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class IntermixedParser(Parser):
+    """A subcommand parser whose file list may come before or after options (``cmd CKPT --opt x a.jpg b.jpg``).
+
+    argparse's intermixed parsing calls ``parse_known_args`` again internally; the flag routes those inner
+    calls to the plain parser.
+    """
+
+    _inner = False
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        if self._inner:
+            return super().parse_known_args(args, namespace)
+        self._inner = True
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._inner = False
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """ "224" -> (224, 224); "224x320" -> (224, 320)."""
+    try:
+        parts = [int(p) for p in text.lower().split("x")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)") from None
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or min(parts) <= 0:
+        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)")
+    return parts[0], parts[1]
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def note_skipped(ds: Any) -> Any:
+    """Print what ``--skip-bad`` dropped from a dataset (one line), and return the dataset."""
+    from vitkit.data.base import skipped_note
+
+    note = skipped_note(ds)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return ds
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def positive_float(text: str, allow_zero: bool = False) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be {'non-negative' if allow_zero else 'positive'}, got {text}")
+    return value
+
+
+def add_load_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", help="input checkpoint format, if detection should be overridden")
+    p.add_argument("--image-size", type=image_size, help="new resolution, e.g. 384 or 384x512 (resamples pos-emb)")
+    p.add_argument(
+        "--pos-interpolation",
+        choices=["bilinear", "bicubic"],
+        default="bilinear",
+        help="position-embedding resampling for --image-size: bilinear = official interpolate_posembed "
+        "(scipy zoom order 1, default), bicubic = timm/HF",
+    )
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint: a vitkit folder or run folder, a Google .npz, ... (any format)")
+    p.add_argument("--format", help="checkpoint format, if detection should be overridden")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default: auto)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default 64)")
+    w = p.add_mutually_exclusive_group()
+    w.add_argument(
+        "--ema", dest="weights", action="store_const", const="ema", default="default",
+        help="a training run: use the EMA (Polyak-averaged) weights of its latest checkpoint "
+        "(default: the run's model/, which holds the EMA weights when the run used EMA)",
+    )  # fmt: skip
+    w.add_argument(
+        "--no-ema", dest="weights", action="store_const", const="raw",
+        help="a training run: use the raw, non-averaged weights of its latest checkpoint",
+    )  # fmt: skip
+
+
+def add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument(
+        "--data",
+        required=required,
+        help="dataset: 'digits', an ImageFolder root, a CIFAR python folder, an .npz, or WebDataset shards",
+    )
+    p.add_argument("--workers", type=nonnegative_int, default=0, help="image-decoding worker processes (default 0)")
+    p.add_argument("--skip-bad", action="store_true", help="skip unreadable images instead of failing")
+
+
+def load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:
+    from vitkit.evaluate.weights import load_for_eval
+
+    loaded, note = load_for_eval(args.checkpoint, format=args.format, weights=args.weights, image_size=image_size)
+    if note:
+        print(f"note: {args.checkpoint}: {note}", file=sys.stderr)
+    return loaded

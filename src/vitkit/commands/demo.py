@@ -1,0 +1,52 @@
+"""``vitkit demo CKPT``: a web page (Gradio) with predictions, attention rollout and the model's figures."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+from vitkit.commands.serve import add_model_options, require_extra
+from vitkit.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="web page: upload an image, see the top-5, attention rollout, per-layer/head attention, model figures",
+        description="Open a Gradio page for a checkpoint: upload, paste or pick a sample image; the top-5 classes "
+        "as bars, the attention rollout overlaid on the image, one layer's raw attention per head (layer and head "
+        "selectors), and the model's position-embedding similarity and patch-embedding filter figures. "
+        "Needs: pip install 'vitkit[demo]'.",
+    )
+    add_model_options(p)
+    p.add_argument("--port", type=int, default=7860, help="TCP port (default 7860)")
+    p.add_argument("--samples", nargs="*", default=[], metavar="IMAGE", help="more sample images to offer")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    require_extra("gradio", extra="demo")
+    import torch
+
+    from vitkit.checkpoints.preprocess import load_image
+    from vitkit.serve.demo import build_demo, launch
+    from vitkit.serve.engine import ServedModel
+
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port}: must be 1..65535")
+    samples = [Path(s) for s in args.samples]
+    for s in samples:
+        load_image(s)  # a bad sample is an error naming it, before the page starts
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    served = ServedModel.from_checkpoint(
+        args.checkpoint, format=args.format, precision="fp32", device=args.device, fast=False
+    )
+    with tempfile.TemporaryDirectory(prefix="vitkit-demo-") as work:
+        demo = build_demo(served, Path(work), samples)
+        card = served.card()
+        print(f"vitkit demo: {card['name']} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        launch(demo, args.host, args.port, [work, *{str(s.resolve().parent) for s in samples}])
+    return 0

@@ -1,0 +1,241 @@
+"""``vitkit eval``, ``vitkit fewshot``, ``vitkit analyze``: a checkpoint measured and looked inside."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from vitkit.commands.args import (
+    IntermixedParser,
+    add_checkpoint_args,
+    add_data_args,
+    image_size,
+    load_for_eval,
+    note_skipped,
+    positive_int,
+)
+from vitkit.errors import VitkitError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    _add_eval(sub)
+    _add_fewshot(sub)
+    _add_analyze(sub)
+
+
+def _shots(text: str) -> list[int]:
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid shots {text!r} (use e.g. 1,5,10,25)") from None
+    if not values or values[0] <= 0:
+        raise argparse.ArgumentTypeError(f"invalid shots {text!r}: positive integers, e.g. 1,5,10,25")
+    return values
+
+
+def _l2(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid l2 {text!r} (a positive number, or auto)") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"l2 must be positive, got {text}")
+    return value
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    from vitkit.evaluate.metrics import LABEL_FILE_HELP
+
+    p = sub.add_parser(
+        "eval",
+        help="accuracy of a checkpoint on a dataset: top-1/top-5, per class, confusion matrix, ReaL",
+        description="Evaluate a checkpoint (any supported format) on a dataset split. Preprocessing comes from "
+        "the checkpoint. Writes metrics.json, per_class.csv, confusion.csv and confusion.png into --out.",
+        epilog=LABEL_FILE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_checkpoint_args(p)
+    add_data_args(p, required=True)
+    p.add_argument("--split", default="test", help="dataset split (default: test)")
+    p.add_argument("--real-labels", metavar="FILE", help="label-set file for ReaL-style accuracy (format below)")
+    p.add_argument("--out", help="output folder (default: eval/<checkpoint name>-<split>)")
+    p.add_argument("--json", action="store_true", help="print the metrics as JSON")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitkit.data.datasets import open_dataset
+    from vitkit.evaluate.evaluate import evaluate_dataset, write_eval_report
+    from vitkit.hardware import resolve_device
+
+    device = resolve_device(args.device)
+    loaded = load_for_eval(args)
+    dataset = note_skipped(
+        open_dataset(
+            args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names, strict_classes=False
+        )
+    )
+    report = evaluate_dataset(
+        loaded.model,
+        dataset,
+        loaded.meta.preprocess,
+        class_names=loaded.meta.class_names,
+        label_file=args.real_labels,
+        batch_size=args.batch_size,
+        device=device,
+        workers=args.workers,
+    )
+    out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
+    paths = write_eval_report(report, out)
+    for note in report.notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return 0
+    m = report.metrics
+    print(f"{args.checkpoint} on {args.data} [{args.split}]: {m.num_examples} examples")
+    print(f"  top-1 {m.top1:.2%}   top-{m.k} {m.top5:.2%}")
+    if m.real is not None:
+        print(f"  ReaL top-1 {m.real:.2%} over {m.real_count} examples with a label set")
+    worst = sorted((a, n) for n, a in zip(report.class_names, m.per_class, strict=True) if a == a)[:3]
+    print("  lowest per-class accuracy: " + ", ".join(f"{n} {a:.1%}" for a, n in worst))
+    print(f"  wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _add_fewshot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "fewshot",
+        help="the paper's few-shot linear evaluation of a frozen checkpoint",
+        description="Few-shot linear evaluation (paper sec. 4.1; big_vision fewshot_lsr): frozen pre-logits "
+        "features, k examples per class from the training split, features standardised on them, bias column, "
+        "closed-form L2-regularised least squares onto {-1,1}^K targets, accuracy on the whole test split; "
+        "mean and standard deviation over seeds.",
+    )
+    add_checkpoint_args(p)
+    add_data_args(p, required=True)
+    p.add_argument("--train-split", default="train", help="split the shots are drawn from (default: train)")
+    p.add_argument("--test-split", default="test", help="split accuracy is measured on (default: test)")
+    p.add_argument("--shots", type=_shots, default=[1, 5, 10, 25], help="comma-separated (default 1,5,10,25)")
+    p.add_argument("--seeds", type=positive_int, default=3, help="number of random draws (default 3)")
+    p.add_argument(
+        "--l2",
+        type=_l2,
+        default=2.0**10,
+        help="L2 regularisation: a number (default 1024 = 2^10, as big_vision) or 'auto' to choose it per "
+        "draw on held-out training examples from a grid 2^-6 .. 2^16",
+    )
+    p.add_argument("--heldout", type=positive_int, default=10, help="held-out examples per class for --l2 auto")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--out", help="also write the JSON results to this file")
+    p.set_defaults(func=cmd_fewshot)
+
+
+def cmd_fewshot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitkit.data.datasets import open_dataset
+    from vitkit.evaluate.evaluate import fewshot_dataset
+    from vitkit.hardware import resolve_device
+
+    device = resolve_device(args.device)
+    loaded = load_for_eval(args)
+    train = note_skipped(open_dataset(args.data, args.train_split, skip_bad=args.skip_bad))
+    test = note_skipped(open_dataset(args.data, args.test_split, skip_bad=args.skip_bad))
+    result = fewshot_dataset(
+        loaded.model,
+        train,
+        test,
+        loaded.meta.preprocess,
+        shots=args.shots,
+        seeds=range(args.seeds),
+        l2=args.l2,
+        heldout_per_class=args.heldout,
+        batch_size=args.batch_size,
+        device=device,
+        workers=args.workers,
+    )
+    doc = {"checkpoint": args.checkpoint, "data": args.data, **result.to_dict()}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        print(f"{args.checkpoint}: few-shot linear probe on {args.data} ({args.train_split} -> {args.test_split})")
+        print(result.table())
+    return 0
+
+
+def _add_analyze(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "analyze",
+        help="the paper's figures: patch-embedding PCA, position-embedding similarity, attention distance, rollout",
+        description="Look inside a ViT (paper fig. 6, 7, 11): principal components of the patch-embedding "
+        "filters, cosine similarity of position embeddings, mean attention distance per head vs depth "
+        "(averaged over the images; class token excluded, attention renormalised over patches), attention "
+        "rollout from the class token (GAP models: mean over tokens) overlaid on each image, and one layer's "
+        "raw attention maps. Writes PNGs and summary.json into --out.",
+    )
+    p.__class__ = IntermixedParser  # images may follow options
+    add_checkpoint_args(p)
+    p.set_defaults(batch_size=16)
+    p.add_argument("images", nargs="*", help="image files for the attention analyses")
+    add_data_args(p, required=False)
+    p.add_argument("--split", default="test", help="dataset split for --data (default: test)")
+    p.add_argument("--num-images", type=positive_int, default=128, help="images taken from --data (default 128)")
+    p.add_argument("--out", default="analysis", help="output folder (default: analysis)")
+    p.add_argument(
+        "--layer", type=int, default=-1, help="layer of the raw attention maps, 1..L; negative counts from the end "
+        "(default -1: the last)",
+    )  # fmt: skip
+    p.add_argument("--head", type=int, help="head of the raw attention maps, 1..heads (default: all heads)")
+    p.add_argument("--max-overlays", type=positive_int, default=8, help="images shown in figures (default 8)")
+    p.add_argument("--image-size", type=image_size, help="analyse at another resolution, e.g. 384 or 224x320")
+    p.set_defaults(func=cmd_analyze)
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from vitkit.analysis.analyze import AnalyzeOptions, analyze
+    from vitkit.checkpoints.preprocess import load_image
+    from vitkit.data.datasets import open_dataset, sample_images
+    from vitkit.hardware import resolve_device
+
+    device = resolve_device(args.device)
+    loaded = load_for_eval(args, image_size=args.image_size)
+    images = [load_image(path) for path in args.images]  # fail on a bad file before any compute
+    names = [os.path.basename(path) for path in args.images]
+    if args.data:
+        dataset = note_skipped(open_dataset(args.data, args.split, skip_bad=args.skip_bad))
+        more, more_names = sample_images(dataset, args.num_images)
+        images += more
+        names += more_names
+    L, h = loaded.model.cfg.depth, loaded.model.cfg.num_heads
+    if args.layer == 0 or not -L <= args.layer <= L:
+        raise VitkitError(f"--layer {args.layer}: the model has {L} layers (1..{L}, or -1 for the last)")
+    if args.head is not None and not 1 <= args.head <= h:
+        raise VitkitError(f"--head {args.head}: the model has {h} heads (1..{h})")
+    opts = AnalyzeOptions(
+        layer=args.layer - 1 if args.layer > 0 else args.layer,
+        head=None if args.head is None else args.head - 1,
+        batch_size=args.batch_size,
+        max_overlays=args.max_overlays,
+    )
+    summary = analyze(
+        loaded.model, loaded.meta.preprocess, images, names, args.out, opts=opts, device=device,
+        source=args.checkpoint,
+    )  # fmt: skip
+    print(f"{args.checkpoint}: analysed {len(images)} image(s); wrote to {args.out}/")
+    for key, value in summary.items():
+        if isinstance(value, dict):
+            print(f"  {key:<30} {value.get('figure') or value.get('skipped')}")
+    if "attention_distance" in summary:
+        per_layer = summary["attention_distance"]["per_layer_mean"]
+        print("  mean attention distance per layer (pixels): " + " ".join(f"{v:.1f}" for v in per_layer))
+    return 0

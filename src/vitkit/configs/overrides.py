@@ -1,0 +1,231 @@
+"""Changing a recipe's config: typed ``--set KEY=VALUE`` and the command line's few named options.
+
+Every value is checked against the schema's annotation (``TrainConfig`` and, under ``model.overrides.``,
+``ViTConfig``): ``--set optim.lr=abc`` is a one-line error naming the key, never a crash later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from vitkit.configs.recipes import get_recipe
+from vitkit.configs.schema import TrainConfig
+from vitkit.errors import ConfigError
+from vitkit.models.vit import ViTConfig
+
+ARCHITECTURE_FIELDS = ("patch_size", "hidden_size", "depth", "num_heads", "mlp_dim")
+PRETRAIN_RESOLUTION = 224  # the paper pre-trains at 224 px; fine-tuning recipes' sizes are relative to it
+MODEL_OVERRIDES = "model.overrides."
+
+
+def field_type(path: str) -> Any:
+    """The annotation of a dotted config field (``optim.lr`` -> float; ``model.overrides.depth`` -> int)."""
+    if path.startswith(MODEL_OVERRIDES):
+        name = path[len(MODEL_OVERRIDES) :]
+        hints = typing.get_type_hints(ViTConfig)
+        if name not in hints or "." in name:
+            raise ConfigError(f"unknown model field {name!r} (--set {path}=...)")
+        return hints[name]
+    tp: Any = TrainConfig
+    for part in path.split("."):
+        if not dataclasses.is_dataclass(tp) or part not in (hints := typing.get_type_hints(tp)):
+            raise ConfigError(f"unknown config field {path!r}")
+        tp = hints[part]
+    return tp
+
+
+def parse_value(tp: Any, text: str, key: str) -> Any:
+    """Command-line text -> a value of annotation ``tp``; ConfigError naming ``key`` when it is not one."""
+
+    def bad(expected: str) -> ConfigError:
+        return ConfigError(f"--set {key}={text}: expected {expected}")
+
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if text.strip().lower() in ("null", "none") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return parse_value(inner[0] if len(inner) == 1 else Any, text, key)
+    if tp is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise bad("true or false")
+    if tp is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise bad("an integer") from None
+    if tp is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise bad("a number") from None
+    if tp is str:
+        return _json_string(text)
+    if origin is Literal:
+        value = _json_string(text)
+        if value not in args:
+            raise bad("one of " + ", ".join(repr(a) for a in args))
+        return value
+    if origin is tuple:
+        parts = _json_list(text)
+        if parts is None:
+            parts = [p for p in text.replace(",", " ").split()]
+        item_types = [args[0]] * len(parts) if len(args) == 2 and args[1] is Ellipsis else list(args)
+        if len(parts) == 1 and len(item_types) > 1 and len(set(item_types)) == 1:
+            parts = parts * len(item_types)  # "224" -> (224, 224)
+        if len(parts) != len(item_types):
+            raise bad(f"{len(item_types)} values")
+        return tuple(parse_value(t, str(p), key) for t, p in zip(item_types, parts, strict=True))
+    if origin is dict or tp is dict:
+        try:
+            value = json.loads(text)
+        except ValueError:
+            raise bad("a JSON object") from None
+        if not isinstance(value, dict):
+            raise bad("a JSON object")
+        return value
+    try:  # Any
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _json_string(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        try:
+            return str(json.loads(text))
+        except ValueError:
+            pass
+    return text
+
+
+def _json_list(text: str) -> list[Any] | None:
+    if not text.strip().startswith("["):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, list) else None
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """["optim.lr=3e-3", "model.overrides.depth=6"] -> {"optim.lr": 0.003, "model.overrides.depth": 6}, each
+    value typed by the schema."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        out[key] = parse_value(field_type(key), text, key)
+    return out
+
+
+def apply_overrides(cfg: TrainConfig, changes: Mapping[str, Any] = {}, sets: Sequence[str] = ()) -> TrainConfig:
+    """``cfg`` with named options changed (dotted fields, e.g. from ``vitkit train``'s flags), then ``--set``.
+
+    A named variant (``model.name``) replaces the recipe's architecture (its regularisation overrides stay);
+    ``epochs`` replaces the recipe's length unless ``steps`` is given too.
+    """
+    changes = {k: v for k, v in changes.items() if v is not None}
+    if "model.name" in changes and "model.overrides" not in changes:
+        kept = {k: v for k, v in cfg.model.overrides.items() if k not in ARCHITECTURE_FIELDS}
+        changes["model.overrides"] = kept
+    if "epochs" in changes:
+        changes.setdefault("steps", None)
+    changes.update(shortened_warmup(cfg, changes.get("epochs"), changes.get("steps")))
+    for key, value in changes.items():
+        if value is not None:
+            _check(field_type(key), value, key)
+    cfg = cfg.override(**changes)
+    parsed = parse_sets(sets)
+    model_fields = {k[len(MODEL_OVERRIDES) :]: v for k, v in parsed.items() if k.startswith(MODEL_OVERRIDES)}
+    parsed = {k: v for k, v in parsed.items() if not k.startswith(MODEL_OVERRIDES)}
+    if model_fields:
+        parsed["model.overrides"] = {**parsed.get("model.overrides", cfg.model.overrides), **model_fields}
+    return cfg.override(**parsed)
+
+
+def _check(tp: Any, value: Any, key: str) -> None:
+    """A named option's value against the schema (the CLI's types already did this; the Python API may not)."""
+    if isinstance(value, str) and tp is not str and typing.get_origin(tp) is not Literal:
+        opt = typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
+        if not opt:
+            raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def finetune_config(
+    checkpoint: str,
+    data: str,
+    recipe: str = "paper-finetune",
+    image_size: tuple[int, int] | None = None,
+    *,
+    notes: list[str] | None = None,
+) -> TrainConfig:
+    """A fine-tuning recipe starting from ``checkpoint`` on ``data`` (``vitkit finetune``).
+
+    Without an image size: the recipe's resolution relative to the paper's 224 px pre-training (384 px for
+    ``paper-finetune``: x 384/224), applied to the checkpoint's own resolution and rounded to its stride --
+    224 -> 384 px for a paper checkpoint, 16 -> 28 px for the digits model (384 px would be 9,216 tokens
+    there) -- never above the larger of the checkpoint's and the recipe's resolution. The choice is appended
+    to ``notes`` (the CLI prints it).
+    """
+    from vitkit.checkpoints import read_checkpoint
+
+    cfg = get_recipe(recipe)
+    if not cfg.model.init_from and cfg.model.name is not None:
+        raise ConfigError(f"recipe {recipe!r} trains from scratch; use a fine-tuning recipe (paper-finetune, ...)")
+    if image_size is None:
+        ckpt_cfg = read_checkpoint(checkpoint).cfg
+        image_size = finetune_image_size(ckpt_cfg.image_size, ckpt_cfg.stride, cfg.data.image_size)
+        if notes is not None:
+            (h, w), (rh, rw) = ckpt_cfg.image_size, cfg.data.image_size
+            notes.append(
+                f"fine-tuning at {image_size[0]}x{image_size[1]} px: the checkpoint's {h}x{w} px scaled as recipe "
+                f"{recipe} scales the paper's {PRETRAIN_RESOLUTION} px ({rh}x{rw}); --image-size to choose"
+            )
+    return cfg.override(**{"model.init_from": checkpoint, "data.source": data, "data.image_size": image_size})
+
+
+def finetune_image_size(native: tuple[int, int], stride: int, recipe_size: tuple[int, int]) -> tuple[int, int]:
+    """The default fine-tuning resolution for a checkpoint trained at ``native`` (see :func:`finetune_config`)."""
+    # one scale for both sides (the aspect ratio is kept): the recipe's over 224 px, capped per side
+    scale = min(min(t / PRETRAIN_RESOLUTION, max(n, t) / n) for n, t in zip(native, recipe_size, strict=True))
+    h, w = (max(1, round(n * scale / stride)) * stride for n in native)
+    return h, w
+
+
+def shortened_warmup(cfg: TrainConfig, epochs: float | None, steps: int | None) -> dict[str, Any]:
+    """The warm-up overrides for a run whose length ``--epochs`` / ``--steps`` replace: a recipe's warm-up is
+    sized for its own length, so a shorter run keeps the same fraction of warm-up (a 15-step fine-tune of the
+    500-step recipe warms up for 3 steps, not 100 -- its learning rate then decays as the recipe intends).
+    A longer run keeps the recipe's warm-up. When the lengths are in different units and the warm-up is in the
+    recipe's other unit (10k steps in a 90-epoch recipe, run for 100 steps), the proportion needs the epoch
+    length, known only when the data is opened: the trainer then says so if warm-up fills the run."""
+    o = cfg.optim
+    if not (o.warmup_steps or o.warmup_epochs) or (epochs is None and steps is None):
+        return {}
+    new_unit, new = ("steps", float(steps)) if steps is not None else ("epochs", float(epochs or 0))
+    old_unit, old = ("steps", cfg.steps) if cfg.steps is not None else ("epochs", cfg.epochs)
+    if not old or old <= 0 or new <= 0:
+        return {}
+    if new_unit == old_unit:
+        f = new / old
+        if f >= 1:
+            return {}
+        return {"optim.warmup_steps": round(o.warmup_steps * f), "optim.warmup_epochs": o.warmup_epochs * f}
+    if old_unit == "epochs" and o.warmup_steps == 0:  # warm-up in epochs of an epoch recipe, run in steps
+        return {"optim.warmup_steps": round(o.warmup_epochs / old * new), "optim.warmup_epochs": 0.0}
+    if old_unit == "steps" and o.warmup_epochs == 0:  # warm-up in steps of a step recipe, run in epochs
+        return {"optim.warmup_steps": 0, "optim.warmup_epochs": o.warmup_steps / old * new}
+    return {}

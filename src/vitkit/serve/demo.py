@@ -1,0 +1,199 @@
+"""``vitkit demo``: a Gradio page that shows what a checkpoint predicts and what it attends to.
+
+Upload, paste or pick a sample image; the page shows the top-5 classes as bars, the attention rollout
+overlaid on the image as the model sees it, one layer's raw attention (a head, or the mean of the heads),
+and the model's own figures: position-embedding similarity and the principal components of the
+patch-embedding filters (paper fig. 7). Predictions and attention come from the checkpoint's fp32 model
+(``forward_intermediates``), so the labels are those of ``vitkit predict``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from matplotlib import colormaps
+from PIL import Image
+
+from vitkit.analysis import plots
+from vitkit.analysis.analyze import display_image
+from vitkit.analysis.attention import rollout_maps, upsample_maps
+from vitkit.analysis.embeddings import NotApplicable, patch_embedding_pca, position_embeddings, position_similarity
+from vitkit.serve.engine import ServedModel
+
+DISPLAY_PX = 336  # overlays are shown at least this large (nearest-neighbour upscaling of the model input)
+MEAN_OF_HEADS = "mean of heads"
+
+
+def overlay(img: np.ndarray, heat: np.ndarray) -> Image.Image:
+    """An image (H, W[, 3]) in [0, 1] blended with a [0, 1] heat map in 'jet', upscaled for display."""
+    rgb = np.repeat(img[..., None], 3, axis=-1) if img.ndim == 2 else img
+    blend = np.clip(0.5 * rgb + 0.5 * colormaps["jet"](heat)[..., :3], 0, 1)
+    out = Image.fromarray(np.round(blend * 255).astype(np.uint8))
+    scale = max(1, -(-DISPLAY_PX // max(out.size)))
+    return out.resize((out.width * scale, out.height * scale), Image.Resampling.NEAREST)
+
+
+def model_figures(served: ServedModel, out_dir: Path) -> dict[str, Path | str]:
+    """The weight-only figures of the model as PNGs in ``out_dir`` (a message where one does not apply)."""
+    model = served.model
+    figs: dict[str, Path | str] = {}
+    pe, grid = position_embeddings(model)
+    kind = "learned" if model.cfg.pos_embed == "learned" else "fixed 2-D sin-cos"
+    figs["position"] = plots.plot_position_similarity(
+        position_similarity(pe, grid), out_dir / "position_embedding_similarity.png", f"Position embedding ({kind})"
+    )
+    try:
+        pca = patch_embedding_pca(model, 28)
+        figs["filters"] = plots.plot_patch_pca(
+            pca.components, pca.explained_variance_ratio, out_dir / "patch_embedding_pca.png"
+        )
+    except NotApplicable as e:
+        figs["filters"] = str(e)
+    return figs
+
+
+class DemoModel:
+    """The computations behind the page, independent of Gradio (tested directly)."""
+
+    def __init__(self, served: ServedModel) -> None:
+        self.served = served
+        cfg = served.model.cfg
+        self.depth, self.num_heads, self.prefix = cfg.depth, cfg.num_heads, cfg.num_prefix_tokens
+
+    def analyse(self, img: Image.Image) -> dict[str, Any]:
+        """Top classes, rollout overlay and everything needed to draw raw attention maps later."""
+        x = self.served.to_tensor(img)[None]  # (1, C, H, W)
+        attns, logits, grid = self.served.attentions(x)
+        probs = logits.softmax(dim=-1)[0]
+        k = min(5, self.served.num_classes)
+        top = self.served.top_k(probs, k)
+        size = (x.shape[-2], x.shape[-1])
+        shown = display_image(img, self.served.preprocess)
+        roll = upsample_maps(rollout_maps(attns, grid, self.prefix), size)[0].numpy()
+        return {
+            "labels": {t["label"]: t["prob"] for t in top},
+            "top": top,
+            "rollout": overlay(shown, roll),
+            "attentions": [a.cpu() for a in attns],
+            "grid": grid,
+            "size": size,
+            "shown": shown,
+        }
+
+    def layer_view(self, state: dict[str, Any] | None, layer: int, head: str) -> Image.Image | None:
+        """Layer ``layer`` (1-based) attention of the class token (GAP: mean query) for one head or their mean."""
+        if not state:
+            return None
+        layer = min(max(int(layer), 1), self.depth) - 1
+        maps = self.served.layer_maps(state["attentions"], state["grid"], layer, state["size"])[0]  # (h, H, W)
+        if head == MEAN_OF_HEADS:
+            heat = maps.mean(axis=0)
+            lo, hi = heat.min(), heat.max()
+            heat = (heat - lo) / max(hi - lo, 1e-12)
+        else:
+            heat = maps[int(head.split()[-1]) - 1]
+        return overlay(state["shown"], heat)
+
+
+def default_samples(out_dir: Path) -> list[Path]:
+    """Sample images written into ``out_dir``: scikit-learn's two photos and three bundled 8x8 digits."""
+    from sklearn.datasets import load_digits, load_sample_image
+
+    paths = []
+    for name in ("china.jpg", "flower.jpg"):
+        p = out_dir / name
+        Image.fromarray(load_sample_image(name)).save(p, quality=90)
+        paths.append(p)
+    digits = load_digits()
+    for label in (0, 3, 7):
+        i = int(np.flatnonzero(digits.target == label)[-1])
+        arr = np.round(digits.images[i] / 16.0 * 255).astype(np.uint8)
+        p = out_dir / f"digit_{label}.png"
+        Image.fromarray(arr, mode="L").resize((64, 64), Image.Resampling.NEAREST).save(p)
+        paths.append(p)
+    return paths
+
+
+def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()) -> Any:
+    """The Gradio Blocks page for ``served``; figures and samples are written into ``work_dir``."""
+    import gradio as gr
+
+    demo_model = DemoModel(served)
+    card = served.card()
+    figs = model_figures(served, work_dir)
+    examples = [[str(p)] for p in [*default_samples(work_dir), *samples]]
+    head_choices = [MEAN_OF_HEADS] + [f"head {i + 1}" for i in range(demo_model.num_heads)]
+    query = "class token" if demo_model.prefix else "mean over tokens (GAP model)"
+    H, W = card["image_size"]
+
+    def on_image(img: Image.Image | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:
+        if img is None:
+            return None, None, None, None, ""
+        state = demo_model.analyse(img)
+        best = state["top"][0]
+        line = f"**Prediction: {best['label']}** ({best['prob']:.1%})"
+        return state["labels"], state["rollout"], demo_model.layer_view(state, layer, head), state, line
+
+    with gr.Blocks(title=f"vitkit demo: {card['name']}", analytics_enabled=False) as demo:
+        gr.Markdown(
+            f"# vitkit demo: {card['name']}\n"
+            f"`{card['checkpoint']}` ({card['format']}) · {card['num_classes']} classes · input {H}x{W} px · "
+            f"patch {card['patch_size']} · {card['depth']} layers x {card['num_heads']} heads · "
+            f"classifier: {card['classifier']}"
+        )
+        state = gr.State(None)
+        with gr.Row():
+            with gr.Column():
+                image = gr.Image(
+                    type="pil", sources=["upload", "clipboard"], label="Image: upload, paste, or pick a sample",
+                    elem_id="input-image",
+                )  # fmt: skip
+                gr.Examples(examples=examples, inputs=image, label="Samples")
+            with gr.Column():
+                verdict = gr.Markdown(elem_id="verdict")
+                top5 = gr.Label(num_top_classes=5, label="Top-5", elem_id="top5")
+            with gr.Column():
+                rollout = gr.Image(
+                    label=f"Attention rollout ({query} -> pixels)", interactive=False, elem_id="rollout",
+                    format="png",
+                )  # fmt: skip
+        with gr.Row():
+            with gr.Column(scale=1):
+                layer = gr.Slider(1, demo_model.depth, value=demo_model.depth, step=1, label="Layer")
+                head = gr.Dropdown(head_choices, value=MEAN_OF_HEADS, label="Head")
+            with gr.Column(scale=2):
+                raw = gr.Image(
+                    label=f"Raw attention of the {query}", interactive=False, elem_id="raw-attention", format="png"
+                )
+        with gr.Row():
+            gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False)
+            if isinstance(figs["filters"], Path):
+                gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False)
+            else:
+                gr.Markdown(f"Patch-embedding filters: not shown ({figs['filters']}).")
+        image.change(on_image, [image, layer, head], [top5, rollout, raw, state, verdict])
+        layer.change(demo_model.layer_view, [state, layer, head], raw)
+        head.change(demo_model.layer_view, [state, layer, head], raw)
+    return demo
+
+
+def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[str]]) -> None:
+    """Serve the page (blocks until Ctrl-C); no share link, no analytics, no external fonts."""
+    import gradio as gr
+
+    theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace"])
+    torch.set_grad_enabled(False)
+    demo.launch(
+        server_name=host,
+        server_port=port,
+        share=False,
+        ssr_mode=False,
+        allowed_paths=[str(p) for p in allowed],
+        theme=theme,
+        show_error=True,
+    )
