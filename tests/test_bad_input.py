@@ -62,9 +62,13 @@ def _edited(src: Path, dst: Path, cfg: Callable[[dict[str, Any]], None] | None =
 
 CORRUPTIONS: dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | None, str]] = {
     "missing fields": (lambda m: [m.pop("hidden_size"), m.pop("depth")], None, "lacks hidden_size, depth"),
-    "patch size -4": (lambda m: m.update(patch_size=-4), None, "patch_size must be a positive integer, got -4"),
-    "hidden size overflow": (lambda m: m.update(hidden_size=2**62, num_heads=1), None, "more than any ViT"),
-    "wrong type": (lambda m: m.update(hidden_size="32"), None, "hidden_size must be a positive integer, got '32'"),
+    "patch size -4": (lambda m: m.update(patch_size=-4), None, "patch_size -4 is outside 1..4096"),
+    "hidden size overflow": (
+        lambda m: m.update(hidden_size=2**62, num_heads=1),
+        None,
+        "hidden_size 4611686018427387904 is outside",
+    ),
+    "wrong type": (lambda m: m.update(hidden_size="32"), None, "hidden_size must be an integer, got '32'"),
     "NaN eps": (lambda m: m.update(layer_norm_eps=float("nan")), None, "layer_norm_eps must be a finite number"),
     "shape mismatch": (None, lambda t: t.update({"head.weight": torch.zeros(3, 3)}), "'head.weight' has shape (3, 3)"),
     "extra tensor": (None, lambda t: t.update(surprise=torch.zeros(2)), "unexpected tensor 'surprise'"),
