@@ -119,3 +119,22 @@ def test_bad_specs_are_config_errors() -> None:
         run_bench(BenchSpec(task="train", precisions=("bf16",)))
     with pytest.raises(ConfigError, match="compare"):
         run_bench(BenchSpec(compare=("timm",)))
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16_tflops"),
+    [
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA L40", 181.0),  # not the L4 entry
+        ("NVIDIA L40S", 362.1),
+        ("NVIDIA H100 80GB HBM3", 989.4),  # SXM5
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.5),  # not the SXM value
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_gpu_peak_table_matches_whole_words(name: str, bf16_tflops: float | None) -> None:
+    got = peak_mod.gpu_spec_peak(name, "bf16")
+    assert (None if got is None else got.flops / 1e12) == bf16_tflops
