@@ -70,8 +70,16 @@ CORRUPTIONS: dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | Non
     ),
     "wrong type": (lambda m: m.update(hidden_size="32"), None, "hidden_size must be an integer, got '32'"),
     "NaN eps": (lambda m: m.update(layer_norm_eps=float("nan")), None, "layer_norm_eps must be a finite number"),
-    "shape mismatch": (None, lambda t: t.update({"head.weight": torch.zeros(3, 3)}), "'head.weight' has shape (3, 3)"),
-    "extra tensor": (None, lambda t: t.update(surprise=torch.zeros(2)), "unexpected tensor 'surprise'"),
+    "shape mismatch": (
+        None,
+        lambda t: t.update({"head.weight": torch.zeros(3, 3)}),
+        "weights do not match the config (size mismatch for head.weight",
+    ),
+    "extra tensor": (
+        None,
+        lambda t: t.update(surprise=torch.zeros(2)),
+        'weights do not match the config (Unexpected key(s) in state_dict: "surprise"',
+    ),
 }
 
 

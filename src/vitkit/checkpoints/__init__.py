@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from vitkit.checkpoints import big_vision, hf, npz_files, official, timm_format, vitkit_format
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, check_state, empty_model, expected_state
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import check_not_input, complete_dir
@@ -214,7 +214,6 @@ def load_checkpoint(
     exactly, ``"bicubic"`` is timm's choice).
     """
     ckpt = read_checkpoint(path, format, cache_dir=cache_dir)
-    check_state(ckpt)
     model = empty_model(ckpt.cfg)
     try:
         model.load_state_dict(ckpt.state, strict=True)

@@ -83,29 +83,6 @@ def expected_state(cfg: ViTConfig) -> dict[str, torch.Tensor]:
         return VisionTransformer(cfg).state_dict()
 
 
-def check_state(ckpt: Checkpoint) -> None:
-    """Refuse a state dict that does not fit its config, naming the first missing, unexpected or mis-shaped
-    tensor (before any model memory is allocated; a partial or shape-cast load never happens)."""
-    want = expected_state(ckpt.cfg)
-    have = ckpt.state
-    src = ckpt.meta.source
-    missing = [k for k in want if k not in have]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise CheckpointError(f"{src}: missing tensor {missing[0]!r}{more} for its config")
-    extra = [k for k in have if k not in want]
-    if extra:
-        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-        raise CheckpointError(f"{src}: unexpected tensor {extra[0]!r}{more} (not part of a model with its config)")
-    for k, t in want.items():
-        got = have[k]
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(t.shape):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise CheckpointError(f"{src}: tensor {k!r} has shape {shape}, its config implies {tuple(t.shape)}")
-        if not (got.is_floating_point() or got.dtype == t.dtype):
-            raise CheckpointError(f"{src}: tensor {k!r} has dtype {got.dtype}, expected a floating-point tensor")
-
-
 def export_state(model: VisionTransformer) -> dict[str, torch.Tensor]:
     """The model's state dict on the CPU (detached), for writing in another layout."""
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
