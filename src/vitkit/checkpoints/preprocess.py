@@ -11,6 +11,7 @@ was trained on. Two resize modes cover the common conventions:
 from __future__ import annotations
 
 import os
+import struct
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
@@ -133,5 +134,8 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
             return img.copy() if img.mode != "P" else img.convert("RGBA")
     except UnidentifiedImageError:
         raise DataError(f"{p}: not a recognised image file") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"{p}: corrupt or truncated image ({e})") from None
+    except Image.DecompressionBombError as e:  # declared size far beyond any real image: refused, not decoded
+        raise DataError(f"{p}: image too large to decode ({e})") from None
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError, ZeroDivisionError,
+            struct.error) as e:  # what Pillow's decoders raise on corrupt data  # fmt: skip
+        raise DataError(f"{p}: corrupt or truncated image ({type(e).__name__}: {e})") from None
