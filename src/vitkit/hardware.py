@@ -55,3 +55,10 @@ def resolve_device(name: str | None = "auto", local_rank: int = 0) -> torch.devi
     if device.type == "cuda" and device.index is None:
         device = torch.device(f"cuda:{local_rank}")
     return device
+
+
+def has_tf32(device: torch.device | str) -> bool:
+    """Whether fp32 matmuls on ``device`` can run on TF32 tensor cores: CUDA GPUs of compute capability 8.0
+    (Ampere) and later."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)

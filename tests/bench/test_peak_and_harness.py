@@ -10,7 +10,8 @@ import torch
 
 from vitkit import hardware
 from vitkit.bench import peak as peak_mod
-from vitkit.bench.harness import BenchSpec, Timing, format_report, peak_memory, run_bench
+from vitkit.bench.harness import BenchSpec, format_report, run_bench
+from vitkit.bench.measure import Timing, peak_memory
 from vitkit.errors import ConfigError
 
 FLAGS = hardware.cpu_flags()
@@ -88,9 +89,13 @@ def test_inference_bench_against_transformers() -> None:
     real = rows["transformers [fp32]"]["agreement_real_images"]
     assert real["images"] == 24 + 104 and real["top1_agreement"] == 1.0 and real["rel_err"] < 1e-5
     assert rows["vitkit-fast [bf16]"]["agreement_vs_fp32"]["rel_err"] < 3e-2
-    assert rows["vitkit [bf16]"]["speedup_vs_peer_same_precision"] > 0
-    assert rows["vitkit [fp32]"]["timing"]["times_s"].__len__() == 2
-    assert rows["vitkit [fp32]"]["fraction_of_peak"] > 0
+    ours, peer = rows["vitkit [bf16]"], rows["transformers [bf16]"]
+    assert ours["speedup_vs_peer_same_precision"] == pytest.approx(ours["img_per_s"] / peer["img_per_s"])
+    assert len(rows["vitkit [fp32]"]["timing"]["times_s"]) == 2
+    fp32 = rows["vitkit [fp32]"]
+    assert fp32["img_per_s"] == pytest.approx(spec.batch_size / fp32["timing"]["median_s"])
+    assert fp32["fraction_of_peak"] == pytest.approx(fp32["achieved_flops"] / result["peaks"]["fp32"]["flops"])
+    assert fp32["achieved_flops"] == pytest.approx(result["gflops_per_image"] * 1e9 * fp32["img_per_s"])
     assert result["peaks"]["bf16"]["method"] in ("fma-loop", "matmul")
     assert "latency_b1_ms" in rows["vitkit [bf16]"]
     assert "x same" in format_report(result)
@@ -118,3 +123,22 @@ def test_bad_specs_are_config_errors() -> None:
         run_bench(BenchSpec(task="train", precisions=("bf16",)))
     with pytest.raises(ConfigError, match="compare"):
         run_bench(BenchSpec(compare=("timm",)))
+
+
+@pytest.mark.parametrize(
+    ("name", "bf16_tflops"),
+    [
+        ("NVIDIA L4", 121.0),
+        ("NVIDIA L40", 181.0),  # not the L4 entry
+        ("NVIDIA L40S", 362.1),
+        ("NVIDIA H100 80GB HBM3", 989.4),  # SXM5
+        ("NVIDIA H100 PCIe", 756.0),
+        ("NVIDIA H100 NVL", 835.5),  # not the SXM value
+        ("NVIDIA H200 NVL", 835.5),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_gpu_peak_table_matches_whole_words(name: str, bf16_tflops: float | None) -> None:
+    got = peak_mod.gpu_spec_peak(name, "bf16")
+    assert (None if got is None else got.flops / 1e12) == bf16_tflops

@@ -83,6 +83,10 @@ def test_no_embed_class_position_embedding(tmp_path: Path) -> None:
     sd = random_timm_state()
     sd["pos_embed"] = sd["pos_embed"][:, 1:].clone()
     torch.save(sd, tmp_path / "deit3.pth")
+    # 16 entries and a class token: a 4x4 grid without class slot, or a slot plus 15 (3x5): not guessed
+    with pytest.raises(CheckpointError, match=r"either a 4x4 grid with no class slot .* non-square grid of 15"):
+        vitkit.load_pretrained(tmp_path / "deit3.pth")
+    (tmp_path / "config.json").write_text(json.dumps({"architecture": "deit3_small", "model_args": {"img_size": 32}}))
     model = vitkit.load_pretrained(tmp_path / "deit3.pth")
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():

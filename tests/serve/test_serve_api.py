@@ -103,6 +103,9 @@ def test_health_model_card_openapi(client: TestClient, ckpt: Path) -> None:
     assert {"/health", "/metrics", "/model"} <= set(spec["paths"])
     docs = client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()
+    if "/docs-assets/" in docs.text:  # served from the installed bundle: works without internet access
+        js = client.get("/docs-assets/swagger-ui-bundle.js")
+        assert js.status_code == 200 and len(js.content) > 100_000
 
 
 def flat_png(width: int, height: int) -> bytes:

@@ -2,6 +2,7 @@
 
 - ``peak``: the machine's peak FLOP/s, measured in the same run (C FMA loop, or large-matmul fallback);
 - ``harness``: ``run_bench(BenchSpec(...))``: throughput, latency, memory, fraction of peak, agreement;
+- ``measure``: timing of alternating runners and peak memory of one call;
 - ``peers``: transformers' ViT holding the same weights;
 - ``curve``: throughput against image size, and attention's N^2 share.
 """

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -280,20 +281,27 @@ def measure_peak(precision: str, device: torch.device | str = "cpu", threads: in
     return matmul_peak(precision, device)
 
 
-# Vendor dense (no sparsity) peak rates in TFLOP/s, bf16 and fp32 (tf32 off), for GPUs a run may land on.
-_GPU_SPEC_TFLOPS = {
-    "H200": {"bf16": 989.4, "fp32": 66.9},
-    "H100 PCIe": {"bf16": 756.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "fp32": 66.9},  # SXM5
-    "A100": {"bf16": 312.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.1, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp32": 30.3},
+# Vendor dense (no sparsity) peak rates in TFLOP/s, bf16 and fp32 (tf32 off), for GPUs a run may land on,
+# keyed by (model, variant): both must be whole words of the device name (so "L40" is not "L4" or "L40S",
+# and "H100 NVL" is not the SXM part); variant None is the model's default (SXM for H100/H200).
+_GPU_SPEC_TFLOPS: dict[tuple[str, str | None], dict[str, float]] = {
+    ("H200", "NVL"): {"bf16": 835.5, "fp32": 60.0},
+    ("H200", None): {"bf16": 989.4, "fp32": 66.9},
+    ("H100", "NVL"): {"bf16": 835.5, "fp32": 60.0},
+    ("H100", "PCIE"): {"bf16": 756.0, "fp32": 51.2},
+    ("H100", None): {"bf16": 989.4, "fp32": 66.9},  # SXM5
+    ("A100", None): {"bf16": 312.0, "fp32": 19.5},
+    ("L40S", None): {"bf16": 362.1, "fp32": 91.6},
+    ("L40", None): {"bf16": 181.0, "fp32": 90.5},
+    ("L4", None): {"bf16": 121.0, "fp32": 30.3},
 }
 
 
 def gpu_spec_peak(device_name: str, precision: str) -> Peak | None:
-    """The vendor's dense peak for a known GPU (matched by name), or None."""
-    for key, rates in _GPU_SPEC_TFLOPS.items():  # ordered: "H100 PCIe" is tried before "H100"
-        if key.lower() in device_name.lower() and precision in rates:
-            return Peak(precision, rates[precision] * 1e12, "vendor-spec", 1, f"{key} dense {precision}")
+    """The vendor's dense peak for a known GPU (matched by whole words of its name), or None."""
+    words = set(re.findall(r"[A-Z0-9]+", device_name.upper()))
+    for (model, variant), rates in _GPU_SPEC_TFLOPS.items():  # ordered: variants before their model's default
+        if model in words and (variant is None or variant in words) and precision in rates:
+            name = f"{model} {variant}" if variant else model
+            return Peak(precision, rates[precision] * 1e12, "vendor-spec", 1, f"{name} dense {precision}")
     return None

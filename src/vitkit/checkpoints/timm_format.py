@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ def infer_config(
     num_heads: int | None = None,
     gelu: str | None = None,
     layer_norm_eps: float | None = None,
+    image_size: tuple[int, int] | None = None,
 ) -> tuple[ViTConfig, bool]:
     """(config, no_embed_class) from shapes, the optional sidecar config and explicit overrides."""
     for marker, what in UNSUPPORTED.items():
@@ -192,24 +194,11 @@ def infer_config(
         raise CheckpointError(f"{source}: global_pool={pool!r} is not supported (token or avg)")
     depth = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks."))
     heads = num_heads or args.get("num_heads") or HEADS_BY_WIDTH.get(D) or max(D // 64, 1)
-    no_embed_class = False
-    size = args.get("img_size") or ((sidecar or {}).get("pretrained_cfg") or {}).get("input_size", [None])[1:]
     if "pos_embed" not in weights:
         raise CheckpointError(f"{source}: no pos_embed (models without position embedding are not supported)")
     n = int(weights["pos_embed"].shape[1])
-    if token:
-        no_embed_class = bool(args.get("no_embed_class", _square(n) and not _square(n - 1)))
-    grid_tokens = n - (1 if token and not no_embed_class else 0)
-    if isinstance(size, int) or (isinstance(size, list) and len(size) == 2):
-        image = (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
-    else:
-        try:
-            side = grid_side(grid_tokens)
-        except ValueError:
-            raise CheckpointError(
-                f"{source}: {grid_tokens} position tokens are not a square grid and no config gives the image size"
-            ) from None
-        image = (side * P, side * P)
+    size = image_size or args.get("img_size") or ((sidecar or {}).get("pretrained_cfg") or {}).get("input_size", [])[1:]
+    image, no_embed_class = _grid_layout(n, token, P, size, args.get("no_embed_class"), source)
     try:
         cfg = ViTConfig(
             image_size=image,
@@ -239,6 +228,47 @@ def _square(n: int) -> bool:
     return n > 0 and int(np.sqrt(n)) ** 2 == n
 
 
+def _grid_layout(
+    n: int, token: bool, patch: int, size: Any, no_embed_class: Any, source: str
+) -> tuple[tuple[int, int], bool]:
+    """(image size, no_embed_class) for a ``pos_embed`` of ``n`` entries.
+
+    With an image size (timm's config: ``model_args.img_size`` or ``pretrained_cfg.input_size``; or given),
+    the grid is known and the entry count says whether the class token has a slot. Without one, only a
+    square grid can be assumed, and ``n`` entries with a class token are ambiguous when ``n`` is a square:
+    a sqrt(n) x sqrt(n) grid with no class slot (timm ``no_embed_class``), or a class slot plus a non-square
+    grid of n - 1 (a 32x48 image with 8 px patches: 1 + 24 = 25) -- refused rather than guessed.
+    """
+    if isinstance(size, int) or (isinstance(size, (list, tuple)) and len(size) == 2):
+        image = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
+        if image[0] % patch or image[1] % patch:
+            raise CheckpointError(f"{source}: image size {image} is not a multiple of the patch size {patch}")
+        grid = (image[0] // patch) * (image[1] // patch)
+        if not token and n == grid:
+            return image, False
+        if token and n in (grid, grid + 1) and (no_embed_class is None or bool(no_embed_class) == (n == grid)):
+            return image, n == grid
+        raise CheckpointError(
+            f"{source}: pos_embed has {n} entries, but the image size {image} with {patch} px patches gives "
+            f"{grid} grid tokens{' (plus a class slot unless no_embed_class)' if token else ''}"
+        )
+    if token and no_embed_class is None and _square(n) and n > 1:
+        raise CheckpointError(
+            f"{source}: {n} position entries are either a {math.isqrt(n)}x{math.isqrt(n)} grid with no class slot "
+            f"(timm no_embed_class) or a class slot plus a non-square grid of {n - 1}; put timm's config.json "
+            "(model_args.img_size) beside the weights, or pass image_size to timm_format.load"
+        )
+    nec = bool(no_embed_class) if token and no_embed_class is not None else False
+    grid_tokens = n - (1 if token and not nec else 0)
+    try:
+        side = grid_side(grid_tokens)
+    except ValueError:
+        raise CheckpointError(
+            f"{source}: {grid_tokens} position tokens are not a square grid and no config gives the image size"
+        ) from None
+    return (side * patch, side * patch), nec
+
+
 def preprocess_from(sidecar: Mapping[str, Any] | None, image_size: tuple[int, int]) -> Preprocess:
     """timm's pretrained_cfg as a Preprocess; timm's ViT defaults (0.9 centre crop, bicubic) without one."""
     pc: dict[str, Any] = dict((sidecar or {}).get("pretrained_cfg") or {})
@@ -254,11 +284,17 @@ def preprocess_from(sidecar: Mapping[str, Any] | None, image_size: tuple[int, in
 
 
 def load(
-    path: Path, *, num_heads: int | None = None, gelu: str | None = None, layer_norm_eps: float | None = None
+    path: Path,
+    *,
+    num_heads: int | None = None,
+    gelu: str | None = None,
+    layer_norm_eps: float | None = None,
+    image_size: tuple[int, int] | None = None,
 ) -> Checkpoint:
     """Read a timm ViT state dict (file or hub folder) into vitkit's layout, shape-checked.
 
-    ``num_heads``, ``gelu`` ("exact"/"tanh") and ``layer_norm_eps`` override what the file cannot tell.
+    ``num_heads``, ``gelu`` ("exact"/"tanh"), ``layer_norm_eps`` and ``image_size`` (the resolution the
+    weights were trained at) override what the file cannot tell.
     """
     weights_path = _weights_path(path)
     if weights_path is None:
@@ -266,7 +302,13 @@ def load(
     weights = torch_files.read_state_file(weights_path)
     sidecar = _sidecar(path)
     cfg, no_embed_class = infer_config(
-        weights, sidecar, str(path), num_heads=num_heads, gelu=gelu, layer_norm_eps=layer_norm_eps
+        weights,
+        sidecar,
+        str(path),
+        num_heads=num_heads,
+        gelu=gelu,
+        layer_norm_eps=layer_norm_eps,
+        image_size=image_size,
     )
     check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}

@@ -96,6 +96,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     served = ServedModel.from_checkpoint(
         args.checkpoint, format=args.format, precision=args.precision, max_batch=args.max_batch, device=args.device
     )
+    if args.precision == "bf16" and args.device == "cpu":
+        from vitkit.hardware import has_native_bf16
+
+        if not has_native_bf16("cpu"):
+            print(
+                "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
+                "(tens of times slower than fp32); --precision auto picks fp32 here",
+                file=sys.stderr,
+            )
     served.warm_up(args.max_batch)
     app = create_app(served, opts)
     card = served.card()

@@ -34,6 +34,13 @@ class Batch:
     images: torch.Tensor  # (B, C, H, W)
     labels: torch.Tensor  # (B,) int64
     indices: torch.Tensor  # (B,) dataset indices, for debugging and tests
+    valid: torch.Tensor | None = None  # (B,) bool: False marks padding (multi-process evaluation); None: all valid
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copies, for ``DataLoader(pin_memory=True)`` (its pinning thread calls this on custom
+        batch types): only from pinned memory do ``.to(cuda, non_blocking=True)`` copies overlap compute."""
+        valid = None if self.valid is None else self.valid.pin_memory()
+        return Batch(self.images.pin_memory(), self.labels.pin_memory(), self.indices.pin_memory(), valid)
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,9 @@ class _Samples(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
         try:
-            img, label = self.dataset[index]
+            # TrainTransform crops before it resizes, so it may decode a JPEG at reduced scale
+            lazy = self.train and getattr(self.transform, "decodes_lazily", False)
+            img, label = self.dataset.lazy_item(index) if lazy else self.dataset[index]
             fn: Any = self.transform
             x = fn(img, sample_rng(self.seed, epoch, index)) if self.train else fn(img)
         except DataError as e:
@@ -179,7 +188,21 @@ def eval_batches(
     workers: int = 0,
     pin_memory: bool = False,
 ) -> Iterator[Batch]:
-    """Every sample once, rank r taking indices r, r + world, ... (no padding, nothing dropped)."""
-    idx = list(range(rank, len(dataset), world))
+    """Every sample once, rank r taking indices r, r + world, ... (nothing dropped).
+
+    Every rank yields the same number of batches of the same sizes: a sharded (FSDP) model enters collectives
+    in every forward pass, so a rank that stopped one batch early would leave the others waiting forever.
+    A rank with fewer samples than rank 0 repeats one of its samples (or sample 0) to fill up, and marks the
+    repeats with ``Batch.valid`` False; leave them out of every count.
+    """
+    n = len(dataset)
+    idx = list(range(rank, n, world))
+    real = len(idx)
+    if world > 1 and n:
+        idx += [idx[-1] if idx else 0] * (-(-n // world) - real)  # up to rank 0's count, ceil(n / world)
     keys = [[(0, i) for i in idx[s : s + batch_size]] for s in range(0, len(idx), batch_size)]
-    yield from _loader(_Samples(dataset, transform, 0, train=False), keys, workers, pin_memory)
+    batches = _loader(_Samples(dataset, transform, 0, train=False), keys, workers, pin_memory)
+    for start, b in zip(range(0, len(idx), batch_size), batches, strict=True):
+        if start + len(b.labels) > real:
+            b.valid = torch.arange(start, start + len(b.labels)) < real
+        yield b

@@ -47,7 +47,8 @@ def resample_grid(
     ``method``:
       - ``"bilinear"``: corner-aligned linear interpolation. This is exactly what the official
         ``interpolate_posembed`` computes with ``scipy.ndimage.zoom(..., order=1)``.
-      - ``"bicubic"``: half-pixel bicubic interpolation (as timm and Hugging Face do).
+      - ``"bicubic"``: timm's ``resample_abs_pos_embed`` default: half-pixel bicubic with ``antialias=True``
+        (PyTorch's antialiased kernel, a = -0.5, which differs from the plain bicubic one even when enlarging).
     """
     if tuple(old_grid) == tuple(new_grid):
         return posemb
@@ -60,7 +61,7 @@ def resample_grid(
     if method == "bilinear":
         x = _zoom_linear(x, new_grid)
     elif method == "bicubic":
-        x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False)
+        x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False, antialias=True)
     else:
         raise ValueError(f"unknown position-embedding resampling method {method!r} (bilinear, bicubic)")
     x = x.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d).to(posemb.dtype)

@@ -210,7 +210,25 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         summary=f"{card['name']} ({card['checkpoint']}): image classification with a Vision Transformer",
         version=_version(),
         lifespan=lifespan,
+        docs_url=None if _swagger_assets() else "/docs",
     )
+    assets = _swagger_assets()
+    if assets:  # the docs page's JavaScript and CSS from the installed bundle, not from a CDN
+        from fastapi.openapi.docs import get_swagger_ui_html
+        from fastapi.staticfiles import StaticFiles
+
+        app.mount("/docs-assets", StaticFiles(directory=assets), name="docs-assets")
+
+        @app.get("/docs", include_in_schema=False)
+        async def docs() -> Response:
+            return get_swagger_ui_html(
+                openapi_url="/openapi.json",
+                title="vitkit serve - API docs",
+                swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+                swagger_css_url="/docs-assets/swagger-ui.css",
+                swagger_favicon_url="/docs-assets/favicon-32x32.png",
+            )
+
     app.state.batcher, app.state.metrics, app.state.served = batcher, metrics, served
 
     @app.exception_handler(RequestError)
@@ -295,6 +313,16 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
 
 class _Unavailable(Exception):
     pass
+
+
+def _swagger_assets() -> str | None:
+    """The folder of Swagger UI's files from the ``swagger-ui-bundle`` package, when installed (so /docs works
+    on machines without internet access); None: FastAPI's default page, which loads them from a CDN."""
+    try:
+        from swagger_ui_bundle import swagger_ui_path
+    except ImportError:
+        return None
+    return str(swagger_ui_path)
 
 
 def _version() -> str:

@@ -13,6 +13,7 @@ import base64
 import io
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,8 +153,8 @@ class ServedModel:
         """The model card: name, classes, resolution, preprocessing, precision."""
         cfg, meta = self.model.cfg, self.loaded.meta
         return {
-            "name": cfg.name,
-            "checkpoint": os.path.basename(os.path.normpath(meta.source)),
+            "name": cfg.name or f"ViT D={cfg.hidden_size} L={cfg.depth} P={self.model.cfg.stride}",
+            "checkpoint": "/".join(Path(os.path.normpath(meta.source)).parts[-2:]),
             "format": meta.format,
             "num_classes": cfg.num_classes,
             "classes": self.class_names,

@@ -11,7 +11,9 @@ gradients and optimiser state are sharded across processes -- for the large vari
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import types
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -21,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vitkit.errors import ConfigError
+from vitkit.errors import ConfigError, VitkitError
 from vitkit.hardware import resolve_device
 
 
@@ -32,6 +34,7 @@ class DistInfo:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     backend: str | None = None  # None: a single process, no process group
+    local_world: int = 1  # processes on this machine (they share its cores)
 
     @property
     def enabled(self) -> bool:
@@ -55,7 +58,8 @@ def setup(device: str = "auto") -> DistInfo:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
-    return DistInfo(rank, world, local_rank, dev, backend)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return DistInfo(rank, world, local_rank, dev, backend, local_world)
 
 
 def teardown(info: DistInfo, clean: bool = True) -> None:
@@ -65,6 +69,58 @@ def teardown(info: DistInfo, clean: bool = True) -> None:
         if clean:
             dist.barrier()
         dist.destroy_process_group()
+
+
+FAILURE_KEY = "vitkit/failure"  # in the process group's store: the first failed process's one-line error
+SEEN_KEY = "vitkit/failure_seen"  # how many other processes have read it
+
+
+class PeerFailure(VitkitError):
+    """Another process of the run failed; the message is that process's error."""
+
+
+class FailureNotice:
+    """What a process whose run raised ``error`` tells the others, through the rendezvous store at
+    MASTER_ADDR:MASTER_PORT (torchrun's, or process 0's), before it leaves the group.
+
+    The first failure is recorded; a process that fails later because of it (a collective whose peer left:
+    gloo's "connection closed by peer") finds it and gets it as ``peer``, a :class:`PeerFailure` to raise
+    instead of its own error. Leaving the group (``teardown(clean=False)``) makes the peers' pending
+    collectives fail at once, so nobody waits out the process-group timeout; the failed process then waits
+    (``wait_for_peers``, a few seconds at most) until the others have read its error, because the store may
+    be served by its own process. Under torchrun the agent also stops the remaining processes when one exits.
+    """
+
+    def __init__(self, info: DistInfo, error: BaseException) -> None:
+        self.info, self.peer, self.store = info, None, None
+        if not (info.enabled and dist.is_initialized()):
+            return
+        try:  # a client of its own: the group's may already be closed by the failure; held until wait_for_peers
+            self.store = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=5)
+            )
+        except (KeyError, ValueError, RuntimeError):
+            return
+        text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        mine = f"process {info.rank}: {text if isinstance(error, VitkitError) else f'{type(error).__name__}: {text}'}"
+        try:
+            value = self.store.compare_set(FAILURE_KEY, "", mine)  # the first failure wins
+            first = value.decode() if isinstance(value, bytes) else str(value)
+            if first != mine:
+                self.store.add(SEEN_KEY, 1)
+                self.peer = PeerFailure(f"stopped because {first}")
+        except (RuntimeError, ValueError):  # the store is gone with the process that served it
+            self.store = None
+
+    def wait_for_peers(self, timeout: float = 10.0) -> None:
+        """After leaving the group: wait until every other process has read this failure (or ``timeout``)."""
+        if self.store is None or self.peer is not None:
+            return
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(RuntimeError, ValueError):
+            while self.store.add(SEEN_KEY, 0) < self.info.world - 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        self.store = None
 
 
 def checkpoint_activations(model: nn.Module) -> nn.Module:
@@ -89,9 +145,14 @@ def _checkpointed_forward(block: nn.Module, *args: Any) -> Any:
     return checkpoint(forward, *args, use_reentrant=False)
 
 
-def wrap(model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing: bool = False) -> nn.Module:
+def wrap(
+    model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing: bool = False, precision: str = "fp32"
+) -> nn.Module:
     """The model as trained: itself (1 process), DDP, or FSDP2-sharded in place (blocks, then the root);
-    with ``grad_checkpointing``, its blocks recompute their activations in the backward pass first."""
+    with ``grad_checkpointing``, its blocks recompute their activations in the backward pass first.
+
+    FSDP2 on GPUs under ``precision="bf16"`` gathers parameters and computes in bf16 and reduces gradients
+    in fp32 (``fsdp_mixed_precision``); the sharded fp32 parameters stay the optimiser's master copy."""
     if grad_checkpointing:
         checkpoint_activations(model)
     if not info.enabled:
@@ -106,11 +167,22 @@ def wrap(model: nn.Module, strategy: str, info: DistInfo, *, grad_checkpointing:
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(info.device.type, (info.world,))
+        mp = fsdp_mixed_precision(precision, info.device)
         for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return model
     raise ConfigError(f"unknown distributed strategy {strategy!r} (ddp, fsdp)")
+
+
+def fsdp_mixed_precision(precision: str, device: torch.device) -> Any:
+    """FSDP2's MixedPrecisionPolicy: bf16 parameters (all-gathers, compute) with fp32 gradient reduction for
+    bf16 on a GPU; full fp32 otherwise (on CPUs bf16 runs as autocast only)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16" and device.type == "cuda":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:

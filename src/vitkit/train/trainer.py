@@ -46,6 +46,7 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
+from vitkit.hardware import has_tf32
 from vitkit.train import build, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
@@ -111,6 +112,10 @@ class Trainer:
         self.progress = progress
         self.dist = distr.setup(cfg.device)
         self.device = self.dist.device
+        # fp32 matmuls on TF32 tensor cores where the GPU has them (PyTorch's default is full fp32); put back on close
+        self._matmul_precision = torch.get_float32_matmul_precision()
+        if has_tf32(self.device):
+            torch.set_float32_matmul_precision("high")
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
         self.skipped = 0
@@ -120,7 +125,8 @@ class Trainer:
         self.epoch_rows: list[dict[str, Any]] = []
         self._tb: Any = None
 
-        self.workers = min(cfg.data.workers, os.cpu_count() or 1)  # a recipe's 8 workers on a 2-core machine: 2
+        # loader workers per process: a recipe's 8 on a 2-core machine are 2; N processes share the cores
+        self.workers = min(cfg.data.workers, max(1, (os.cpu_count() or 1) // self.dist.local_world))
         self.train_set, self.val_set = self._open_data()
         self.classes = self.train_set.classes
         net, pre = build.build_model(cfg, self.classes)
@@ -128,7 +134,9 @@ class Trainer:
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
         self.explicit_attention = self._explicit_attention()
         self.net.set_fused_attention(not self.explicit_attention)
-        self.model = distr.wrap(self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing)
+        self.model = distr.wrap(
+            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=cfg.precision
+        )
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
         self.ema = EMA(self.net, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay else None
@@ -281,10 +289,14 @@ class Trainer:
                 rank=self.dist.rank,
                 world=self.dist.world,
                 workers=self.workers,
+                pin_memory=self.device.type == "cuda",
             ):
-                x, y = b.images.to(self.device), b.labels.to(self.device)
+                x, y = b.images.to(self.device, non_blocking=True), b.labels.to(self.device, non_blocking=True)
                 with self._autocast():
                     logits = self.forward(x).float()
+                if b.valid is not None:  # padding that keeps every process's forward passes in step
+                    keep = b.valid.to(self.device)
+                    logits, y = logits[keep], y[keep]
                 totals[0] += (logits.argmax(-1) == y).sum()
                 totals[1] += F.cross_entropy(logits, y, reduction="sum")
                 totals[2] += y.numel()
@@ -534,12 +546,20 @@ class Trainer:
             self._tb.close()
             self._tb = None
         distr.teardown(self.dist, clean)
+        torch.set_float32_matmul_precision(self._matmul_precision)
 
     def __enter__(self) -> Trainer:
         return self
 
-    def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(clean=exc_type is None)
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        notice = distr.FailureNotice(self.dist, exc)  # tell the other processes (distributed.py)
+        self.close(clean=False)
+        if notice.peer is not None:  # this process stopped because another failed: report that one's error
+            raise notice.peer from None
+        notice.wait_for_peers()
 
 
 def _holds_run(path: Path) -> bool:

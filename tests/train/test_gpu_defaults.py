@@ -1,0 +1,47 @@
+"""GPU defaults, tested without a GPU: pinned batches, TF32 selection, FSDP2's bf16 mixed-precision policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
+
+from vitkit import hardware
+from vitkit.data.loader import Batch
+from vitkit.train.distributed import fsdp_mixed_precision
+
+
+def test_dataloader_pinning_reaches_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DataLoader(pin_memory=True) pins a custom batch only through its pin_memory() method; without one the
+    batch stayed in pageable memory and every non_blocking copy to the GPU was synchronous."""
+    pinned: list[torch.Tensor] = []
+
+    def fake_pin(t: torch.Tensor, *args: object) -> torch.Tensor:  # no accelerator here to pin for
+        out = t.clone()
+        pinned.append(out)
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    batch = Batch(torch.zeros(2, 3, 4, 4), torch.tensor([1, 2]), torch.tensor([5, 6]), torch.tensor([True, False]))
+    out = dataloader_pin(batch)
+    assert isinstance(out, Batch)
+    assert {id(t) for t in (out.images, out.labels, out.indices, out.valid)} == {id(t) for t in pinned}
+    assert torch.equal(out.labels, batch.labels) and torch.equal(out.valid, batch.valid)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("capability", "expected"), [((7, 0), False), ((8, 0), True), ((9, 0), True)])
+def test_tf32_on_gpus_that_have_it(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], expected: bool
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert hardware.has_tf32("cuda:0") is expected
+    assert hardware.has_tf32("cpu") is False
+
+
+def test_fsdp_bf16_policy_computes_in_bf16_and_reduces_in_fp32() -> None:
+    policy = fsdp_mixed_precision("bf16", torch.device("cuda", 0))
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    for precision, device in (("fp32", torch.device("cuda", 0)), ("bf16", torch.device("cpu"))):
+        policy = fsdp_mixed_precision(precision, device)
+        assert policy.param_dtype is None and policy.reduce_dtype is None  # full precision
