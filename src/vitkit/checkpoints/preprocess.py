@@ -147,8 +147,11 @@ def open_lazy(path: str | os.PathLike[str]) -> Image.Image:
         img = Image.open(p)
     except UnidentifiedImageError:
         raise DataError(f"{p}: not a recognised image file") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise DataError(f"{p}: corrupt or truncated image ({e})") from None
+    except Image.DecompressionBombError as e:  # as load_image: refused before any pixel memory
+        raise DataError(f"{p}: image too large to decode ({e})") from None
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError, ZeroDivisionError,
+            struct.error) as e:  # what Pillow's decoders raise on corrupt data  # fmt: skip
+        raise DataError(f"{p}: corrupt or truncated image ({type(e).__name__}: {e})") from None
     if isinstance(img, JpegImageFile) and img.mode in ("RGB", "L") and len(img.tile) == 1:
         return img
     img.close()
@@ -176,7 +179,8 @@ def decode_crop(
         if scale > 1:
             img.draft(img.mode, (W // scale, H // scale))  # Pillow picks 1/scale: W // (W // s) == s
         img.load()
-    except (OSError, SyntaxError, ValueError) as e:
+    except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError, ZeroDivisionError,
+            struct.error) as e:  # what Pillow's decoders raise on corrupt data  # fmt: skip
         img.close()
         raise DataError(f"{getattr(img, 'filename', '') or 'JPEG'}: corrupt or truncated image ({e})") from None
     return img, (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
