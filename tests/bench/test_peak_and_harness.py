@@ -89,9 +89,13 @@ def test_inference_bench_against_transformers() -> None:
     real = rows["transformers [fp32]"]["agreement_real_images"]
     assert real["images"] == 24 + 104 and real["top1_agreement"] == 1.0 and real["rel_err"] < 1e-5
     assert rows["vitkit-fast [bf16]"]["agreement_vs_fp32"]["rel_err"] < 3e-2
-    assert rows["vitkit [bf16]"]["speedup_vs_peer_same_precision"] > 0
-    assert rows["vitkit [fp32]"]["timing"]["times_s"].__len__() == 2
-    assert rows["vitkit [fp32]"]["fraction_of_peak"] > 0
+    ours, peer = rows["vitkit [bf16]"], rows["transformers [bf16]"]
+    assert ours["speedup_vs_peer_same_precision"] == pytest.approx(ours["img_per_s"] / peer["img_per_s"])
+    assert len(rows["vitkit [fp32]"]["timing"]["times_s"]) == 2
+    fp32 = rows["vitkit [fp32]"]
+    assert fp32["img_per_s"] == pytest.approx(spec.batch_size / fp32["timing"]["median_s"])
+    assert fp32["fraction_of_peak"] == pytest.approx(fp32["achieved_flops"] / result["peaks"]["fp32"]["flops"])
+    assert fp32["achieved_flops"] == pytest.approx(result["gflops_per_image"] * 1e9 * fp32["img_per_s"])
     assert result["peaks"]["bf16"]["method"] in ("fma-loop", "matmul")
     assert "latency_b1_ms" in rows["vitkit [bf16]"]
     assert "x same" in format_report(result)

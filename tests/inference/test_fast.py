@@ -47,7 +47,11 @@ def test_bf16_fast_path_within_bf16_tolerance_and_any_resolution() -> None:
             ref, out = model(x), fast(x)
         assert out.dtype == torch.bfloat16
         assert _rel(out, ref) < 3e-2
-        assert (out.float().argmax(-1) == ref.argmax(-1)).float().mean() >= 0.75
+        # top-1 may only differ where bf16 rounding could swap the two best logits
+        top2 = ref.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * (out.float() - ref).abs().max()
+        assert clear.sum() >= 4  # the check below covers most of the batch
+        assert torch.equal(out.float().argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 def test_unpacked_path_is_the_same_computation() -> None:

@@ -55,10 +55,11 @@ def test_parameter_counts_every_variant(name: str) -> None:
 
 
 def test_paper_table1_sizes() -> None:
-    # Paper Table 1 rounds to millions: B 86M, L 307M, H 632M (counted at 224 px, patch 16 / 14)
-    assert math.isclose(count_parameters(meta_model("B/16")) / 1e6, 86, abs_tol=1)
-    assert math.isclose(count_parameters(meta_model("L/16")) / 1e6, 307, abs_tol=3)
-    assert math.isclose(count_parameters(meta_model("H/14")) / 1e6, 632, abs_tol=1)
+    # Paper Table 1, in whole millions (truncated): B 86M, H 632M (224 px, patch 16 / 14). Its "307M" for
+    # Large is not what the official code builds (304,326,632, tested exactly above).
+    assert count_parameters(meta_model("B/16")) // 1_000_000 == 86
+    assert count_parameters(meta_model("H/14")) // 1_000_000 == 632
+    assert count_parameters(meta_model("L/16")) // 1_000_000 == 304
 
 
 def test_variant_names_accepted_in_several_spellings() -> None:

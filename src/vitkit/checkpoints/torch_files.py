@@ -11,6 +11,7 @@ import os
 import pickle
 import re
 import shutil
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,10 @@ def read_state_file(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
     try:
         obj: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+    except (
+        OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError,
+        AttributeError, OverflowError, UnicodeDecodeError, zipfile.BadZipFile,
+    ) as e:  # a corrupt pickle or zip container: torch surfaces many kinds  # fmt: skip
         raise CheckpointError(f"{path}: not a readable weights-only PyTorch checkpoint ({_one_line(e)})") from None
     for key in ("state_dict", "model", "module"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):

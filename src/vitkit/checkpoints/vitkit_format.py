@@ -68,8 +68,8 @@ def load(path: Path) -> Checkpoint:
         preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
     except FileNotFoundError:
         raise CheckpointError(f"{cfg_path}: no such file") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({type(e).__name__}: {e})") from None
     if not w_path.is_file():
         raise CheckpointError(f"{w_path}: no such file")
     try:

@@ -81,6 +81,12 @@ class ImageDataset:
         """Decode item ``index`` (any mode; ``__getitem__`` converts to RGB). Raises DataError naming it."""
         raise NotImplementedError
 
+    def lazy_item(self, index: int) -> tuple[Image.Image, int]:
+        """Like ``ds[index]``, but a JPEG file may come back opened and not yet decoded (RGB or L), for a
+        training transform that decodes only the scale its random crop needs (``preprocess.decode_crop``).
+        Sources without files decode as ``ds[index]`` does."""
+        return self[index]
+
     def describe(self, index: int) -> str:
         """A human-readable name of item ``index`` (its file, or source[index]) for error messages."""
         return f"{self.source}[{index}]"

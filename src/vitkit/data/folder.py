@@ -20,13 +20,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import load_image
+from vitkit.checkpoints.preprocess import is_lazy_jpeg, load_image, open_lazy
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
     Skipped,
     check_class_map,
     split_candidates,
+    to_rgb,
 )
 from vitkit.errors import DataError
 
@@ -47,6 +48,10 @@ class ImageFolder(ImageDataset):
 
     def load_image(self, index: int) -> Image.Image:
         return load_image(self.paths[index])
+
+    def lazy_item(self, index: int) -> tuple[Image.Image, int]:
+        img = open_lazy(self.paths[index])
+        return (img if is_lazy_jpeg(img) else to_rgb(img)), int(self.labels[index])
 
     def describe(self, index: int) -> str:
         return self.paths[index]
