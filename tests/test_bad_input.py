@@ -180,3 +180,29 @@ def test_eval_warns_when_class_names_differ(capsys: pytest.CaptureFixture[str], 
     taken.write_text("mine")
     line = one_line_error(capsys, "eval", str(ckpt), "--data", str(tmp_path / "d"), "--out", str(taken))
     assert f"{taken}: exists and is not a folder" in line and taken.read_text() == "mine"
+
+
+def test_fewshot_and_bench_never_overwrite_a_named_file(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                         ckpt: Path) -> None:  # fmt: skip
+    """fewshot --out and bench --json/--plot: an existing file is refused (before any work) and kept as it was,
+    unless --overwrite (issue 13, item 1: never overwrite what vitkit did not write)."""
+    notes = tmp_path / "notes.json"
+    notes.write_text("mine\n")
+    err = one_line_error(capsys, "fewshot", str(ckpt), "--data", "digits", "--out", str(notes))
+    assert str(notes) in err and "--overwrite" in err
+    for opt in ("--json", "--plot"):
+        err = one_line_error(capsys, "bench", "Ti/16", "--image-size", "32", opt, str(notes))
+        assert str(notes) in err and "--overwrite" in err
+    assert notes.read_text() == "mine\n"
+    err = one_line_error(capsys, "bench", "Ti/16", "--json", str(tmp_path))
+    assert "folder" in err
+
+
+def test_fewshot_overwrite_replaces_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpt: Path) -> None:
+    out = tmp_path / "fewshot.json"
+    out.write_text("old\n")
+    code, _, err = run(capsys, "fewshot", str(ckpt), "--data", "digits", "--shots", "1", "--seeds", "1",
+                       "--out", str(out), "--overwrite")  # fmt: skip
+    assert code == 0, err
+    assert json.loads(out.read_text())["checkpoint"] == str(ckpt)
+    assert not list(tmp_path.glob(".*"))  # no temp file left beside it

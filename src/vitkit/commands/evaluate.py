@@ -133,7 +133,8 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--heldout", type=positive_int, default=10, help="held-out examples per class for --l2 auto")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--out", help="also write the JSON results to this file")
+    p.add_argument("--out", help="also write the JSON results to this file (an existing file needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=cmd_fewshot)
 
 
@@ -142,8 +143,11 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
     from vitkit.data.datasets import open_dataset
     from vitkit.evaluate.evaluate import fewshot_dataset
+    from vitkit.fileio import check_output_file, write_file_atomic
     from vitkit.hardware import resolve_device
 
+    if args.out:  # refused before the work, never after it
+        check_output_file(Path(args.out), overwrite=args.overwrite)
     device = resolve_device(args.device)
     loaded = load_for_eval(args)
     train = note_skipped(open_dataset(args.data, args.train_split, skip_bad=args.skip_bad))
@@ -163,8 +167,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     )
     doc = {"checkpoint": args.checkpoint, "data": args.data, **result.to_dict()}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        write_file_atomic(Path(args.out), lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
