@@ -228,7 +228,7 @@ def write_errors(target: Path) -> Iterator[None]:
         raise CheckpointError(f"{target}: cannot write ({reason}); its previous contents, if any, are kept") from None
 
 
-def write_file_atomic(out: Path, write: Callable[[Path], None]) -> Path:
+def write_file_atomic(out: Path, write: Callable[[Path], object]) -> Path:
     """``write(tmp)`` to a hidden sibling, flush, and rename it onto ``out`` (a crash leaves the old file)."""
     with write_errors(out):
         out.parent.mkdir(parents=True, exist_ok=True)
