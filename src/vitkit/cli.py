@@ -8,6 +8,7 @@ and exit status 2; no tracebacks.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -52,8 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VitkitError as e:
         print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
-        print(f"vitkit {args.command}: error: {e.filename or ''}: {e.strerror}", file=sys.stderr)
+    except BrokenPipeError:  # the reader went away (vitkit info B/16 --json | head -1): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
+        return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
+    except OSError as e:  # the disk or file system said no (full, read-only, a file where a folder goes...)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"vitkit {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"vitkit {args.command}: interrupted", file=sys.stderr)

@@ -20,7 +20,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from vitkit.errors import CheckpointError, ConfigError
@@ -213,14 +213,30 @@ def check_report_dir(out: Path, names: Callable[[str], bool], json_key: tuple[st
             )
 
 
-def write_file_atomic(out: Path, write: Callable[[Path], None]) -> Path:
-    """``write(tmp)`` to a hidden sibling, flush, and rename it onto ``out`` (a crash leaves the old file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(out)
+@contextlib.contextmanager
+def write_errors(target: Path) -> Iterator[None]:
+    """Turn a failed write (disk full, read-only file system, no permission; safetensors' own I/O errors
+    included) into one CheckpointError naming ``target``. The writers all go through a temporary name, so
+    whatever ``target`` held before is still there."""
+    from safetensors import SafetensorError
+
     try:
-        write(tmp)
-        fsync(tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+        yield
+    except (OSError, SafetensorError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        reason = reason.removeprefix("Error while serializing: ")
+        raise CheckpointError(f"{target}: cannot write ({reason}); its previous contents, if any, are kept") from None
+
+
+def write_file_atomic(out: Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` to a hidden sibling, flush, and rename it onto ``out`` (a crash leaves the old file)."""
+    with write_errors(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = temp_path(out)
+        try:
+            write(tmp)
+            fsync(tmp)
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
     return out

@@ -256,10 +256,20 @@ def test_webdataset_bad_samples(tmp_path: Path) -> None:
         _add(tf, "c.cls", b"1")
     with pytest.raises(DataError, match=r"bad\.tar: sample 'b' has no label member"):
         open_dataset(shard)
-    ds = open_dataset(shard, skip_bad=True)
-    assert len(ds) == 2 and len(ds.skipped) == 1
-    with pytest.raises(DataError, match=r"bad\.tar:c\.png: not a recognised image"):
-        ds[1]
+    ds = open_dataset(shard, skip_bad=True)  # skip_bad decodes every image once: the garbage one is dropped too
+    assert len(ds) == 1 and [s.reason for s in ds.skipped] == [
+        "sample 'b' has no label member (.cls)",
+        "not a recognised image file",
+    ]
+    assert ds.skipped[1].item.endswith("bad.tar:c.png")
+    whole = tmp_path / "whole.tar"
+    with tarfile.open(whole, "w") as tf:
+        _add(tf, "a.png", _png_bytes(1))
+        _add(tf, "a.cls", b"0")
+        _add(tf, "c.png", b"garbage")
+        _add(tf, "c.cls", b"1")
+    with pytest.raises(DataError, match=r"whole\.tar:c\.png: not a recognised image"):
+        open_dataset(whole)[1]  # without skip_bad: found when decoded
     cut = tmp_path / "cut.tar"
     cut.write_bytes(shard.read_bytes()[:1500])
     with pytest.raises(DataError, match=r"cut\.tar: corrupt or truncated tar shard"):

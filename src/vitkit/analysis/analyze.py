@@ -36,7 +36,7 @@ from vitkit.analysis.embeddings import (
     position_similarity,
     similarity_summary,
 )
-from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import Preprocess, convert_image
 from vitkit.errors import ConfigError
 from vitkit.fileio import check_report_dir
 from vitkit.models.vit import VisionTransformer
@@ -124,7 +124,7 @@ def attention_analysis(
 
 def display_image(img: Image.Image, preprocess: Preprocess) -> np.ndarray:
     """The image as the model sees it (resized, cropped), (H, W) or (H, W, 3) in [0, 1], for figures."""
-    img = preprocess.resized(img.convert("L" if preprocess.grayscale else "RGB"))
+    img = preprocess.resized(convert_image(img, "L" if preprocess.grayscale else "RGB"))
     return np.asarray(img, dtype=np.float32) / 255.0
 
 

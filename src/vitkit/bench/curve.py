@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vitkit.fileio import write_file_atomic
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
 
@@ -59,8 +60,7 @@ def plot_cost_curve(results: list[dict[str, Any]], path: str | Path) -> Path:
     model = results[0]["model_name"] if results else ""
     fig.suptitle(f"{model} {results[0]['spec']['task'] if results else ''}: cost vs image size", fontsize=10)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    try:
+        return write_file_atomic(Path(path), lambda tmp: fig.savefig(tmp, dpi=90, format="png"))
+    finally:
+        plt.close(fig)

@@ -209,7 +209,10 @@ def load(path: Path) -> Checkpoint:
     doc = _read_json(path / CONFIG)
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
-    cfg = config_from_hf(doc, weights, prefix, str(path))
+    try:
+        cfg = config_from_hf(doc, weights, prefix, str(path))
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong-typed fields (null, lists ...)
+        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
     check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     style = _style(weights, prefix, str(path))
     ignored = {f"{prefix}embeddings.mask_token"}  # used only for masked image modelling inputs
@@ -226,13 +229,16 @@ def load(path: Path) -> Checkpoint:
     skipped = sorted(k for k in ignored if k in weights)
     if skipped:
         provenance["ignored"] = skipped
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=preprocess_from(path, cfg.image_size),
-        class_names=class_names_from(doc, cfg.num_classes),
-        provenance=provenance,
-    )
+    try:
+        meta = CheckpointMeta(
+            format=FORMAT,
+            source=str(path),
+            preprocess=preprocess_from(path, cfg.image_size),
+            class_names=class_names_from(doc, cfg.num_classes),
+            provenance=provenance,
+        )
+    except (TypeError, ValueError, OverflowError, AttributeError) as e:
+        raise CheckpointError(f"{path}: invalid labels or preprocessing config ({type(e).__name__}: {e})") from None
     return Checkpoint(cfg, state, meta)
 
 

@@ -12,6 +12,8 @@ image tower of a two-tower model). The layouts differ in module names:
 
 from __future__ import annotations
 
+import zipfile
+import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from vitkit.checkpoints.keymap import Array
 from vitkit.errors import CheckpointError
 from vitkit.fileio import check_output_file, write_file_atomic
 
+# what reading a corrupt .npz (a zip of .npy members) raises: zip structure, CRC, deflate, header errors
+NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, KeyError)
 PREFIXES = ("", "opt/target/", "params/", "params/img/")
 
 
@@ -56,7 +60,7 @@ def file_layout(path: Path) -> str | None:
     try:
         with np.load(path, allow_pickle=False) as z:
             return layout(z.files)
-    except (OSError, ValueError, EOFError):
+    except NPZ_ERRORS:
         return None
 
 
@@ -67,7 +71,7 @@ def read_npz(path: str | Path) -> dict[str, Array]:
             return {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise CheckpointError(f"{path}: no such file") from None
-    except (OSError, ValueError, EOFError) as e:
+    except NPZ_ERRORS as e:
         raise CheckpointError(f"{path}: not a readable .npz checkpoint ({e})") from None
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shutil
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,14 +36,28 @@ def read_state_file(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
     try:
         obj: Any = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable weights-only PyTorch checkpoint ({e})") from None
+    except (
+        OSError, RuntimeError, pickle.UnpicklingError, EOFError, ValueError, KeyError, IndexError, TypeError,
+        AttributeError, OverflowError, UnicodeDecodeError, zipfile.BadZipFile,
+    ) as e:  # a corrupt pickle or zip container: torch surfaces many kinds  # fmt: skip
+        raise CheckpointError(f"{path}: not a readable weights-only PyTorch checkpoint ({_one_line(e)})") from None
     for key in ("state_dict", "model", "module"):
         if isinstance(obj, dict) and isinstance(obj.get(key), dict):
             obj = obj[key]
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
         raise CheckpointError(f"{path}: expected a state dict (a mapping of names to tensors)")
     return {str(k).removeprefix("module."): v for k, v in obj.items()}
+
+
+def _one_line(e: BaseException) -> str:
+    """torch.load's multi-paragraph refusals, reduced to their cause ("it stores numpy arrays ...")."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    m = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    if m:
+        return f"it needs {m.group(1)}, which a weights-only load refuses to import or run"
+    m = re.search(r"WeightsUnpickler error: ([^\n]*)", text)
+    line = m.group(1) if m else next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    return line if len(line) <= 200 else line[:197] + "..."
 
 
 def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -97,16 +113,19 @@ def write_folder(
     """
     out = Path(path)
     check_folder_output(out, overwrite)
-    tmp = fileio.make_temp_dir(out)
-    try:
-        metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata)
-        for name, text in files.items():
-            (tmp / name).write_text(text)
-        fileio.sync_tree(tmp)
-        fileio.replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with fileio.write_errors(out):
+        tmp = fileio.make_temp_dir(out)
+        try:
+            metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
+            save_file(
+                {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata
+            )
+            for name, text in files.items():
+                (tmp / name).write_text(text)
+            fileio.sync_tree(tmp)
+            fileio.replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -35,6 +35,14 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 
 
+# The fields that decide the tensors' shapes or the function computed: a vitkit config.json always holds them,
+# and one that lacks any is refused rather than filled with defaults (a different model, silently).
+REQUIRED_MODEL_FIELDS = (
+    "image_size", "patch_size", "in_channels", "num_classes", "hidden_size", "depth", "num_heads", "mlp_dim",
+    "classifier", "pos_embed", "representation_size", "gelu", "layer_norm_eps", "qkv_bias", "resnet_layers",
+)  # fmt: skip
+
+
 def looks_like(path: Path) -> bool:
     cfg = path / CONFIG
     if not (path.is_dir() and cfg.is_file()):
@@ -49,12 +57,19 @@ def load(path: Path) -> Checkpoint:
     cfg_path, w_path = path / CONFIG, path / WEIGHTS
     try:
         meta = json.loads(cfg_path.read_text())
+        if not isinstance(meta, dict) or not isinstance(meta.get("model"), dict):
+            raise CheckpointError(f'{cfg_path}: invalid vitkit config (no "model" object)')
+        missing = [k for k in REQUIRED_MODEL_FIELDS if k not in meta["model"]]
+        if missing:
+            raise CheckpointError(
+                f"{cfg_path}: the model config lacks {', '.join(missing)} (vitkit writes every field)"
+            )
         cfg = ViTConfig.from_dict(meta["model"])
         preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
     except FileNotFoundError:
         raise CheckpointError(f"{cfg_path}: no such file") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({e})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({type(e).__name__}: {e})") from None
     if not w_path.is_file():
         raise CheckpointError(f"{w_path}: no such file")
     try:
@@ -104,14 +119,15 @@ def save(
         "provenance": provenance or {},
     }
     state = state_dict_tensors(model)
-    tmp = fileio.make_temp_dir(out)
-    try:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
-        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-        fileio.sync_tree(tmp)
-        fileio.replace_dir(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with fileio.write_errors(out):
+        tmp = fileio.make_temp_dir(out)
+        try:
+            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
+            (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+            fileio.sync_tree(tmp)
+            fileio.replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

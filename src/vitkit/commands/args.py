@@ -46,6 +46,26 @@ def image_size(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def note_skipped(ds: Any) -> Any:
+    """Print what ``--skip-bad`` dropped from a dataset (one line), and return the dataset."""
+    from vitkit.data.base import skipped_note
+
+    note = skipped_note(ds)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return ds
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -101,7 +121,7 @@ def add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
         required=required,
         help="dataset: 'digits', an ImageFolder root, a CIFAR python folder, an .npz, or WebDataset shards",
     )
-    p.add_argument("--workers", type=int, default=0, help="image-decoding worker processes (default 0)")
+    p.add_argument("--workers", type=nonnegative_int, default=0, help="image-decoding worker processes (default 0)")
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable images instead of failing")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from vitkit.commands.args import positive_int
 
@@ -47,8 +48,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--threads", type=positive_int, help="CPU threads (default: torch's, one per core)")
-    p.add_argument("--json", metavar="FILE", help="write all results as JSON")
+    p.add_argument("--json", metavar="FILE", help="write all results as JSON (an existing file needs --overwrite)")
     p.add_argument("--plot", metavar="PNG", help="with several image sizes: plot the cost curve")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --json / --plot files")
     p.set_defaults(func=cmd_bench)
 
 
@@ -59,8 +61,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from vitkit.bench.curve import attention_share, plot_cost_curve
     from vitkit.bench.harness import BenchSpec, format_report, run_bench
     from vitkit.checkpoints import model_from
+    from vitkit.fileio import check_output_file, write_file_atomic
     from vitkit.hardware import has_native_bf16
 
+    for out in (args.json, args.plot):  # refused before minutes of measuring, never after them
+        if out:
+            check_output_file(Path(out), overwrite=args.overwrite)
     precisions = tuple(args.precision or ["bf16" if has_native_bf16(args.device) else "fp32"])
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -93,8 +99,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     bar.close()
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results if len(results) > 1 else results[0], f, indent=2)
+        doc = results if len(results) > 1 else results[0]
+        write_file_atomic(Path(args.json), lambda tmp: tmp.write_text(json.dumps(doc, indent=2)))
     if args.plot:
         print(f"cost curve: {plot_cost_curve(results, args.plot)}")
     return 0

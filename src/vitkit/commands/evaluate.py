@@ -13,6 +13,7 @@ from vitkit.commands.args import (
     add_data_args,
     image_size,
     load_for_eval,
+    note_skipped,
     positive_int,
 )
 from vitkit.errors import VitkitError
@@ -75,8 +76,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     loaded = load_for_eval(args)
-    dataset = open_dataset(
-        args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names, strict_classes=False
+    dataset = note_skipped(
+        open_dataset(
+            args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names, strict_classes=False
+        )
     )
     report = evaluate_dataset(
         loaded.model,
@@ -130,7 +133,8 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--heldout", type=positive_int, default=10, help="held-out examples per class for --l2 auto")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
-    p.add_argument("--out", help="also write the JSON results to this file")
+    p.add_argument("--out", help="also write the JSON results to this file (an existing file needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.set_defaults(func=cmd_fewshot)
 
 
@@ -139,12 +143,15 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
     from vitkit.data.datasets import open_dataset
     from vitkit.evaluate.evaluate import fewshot_dataset
+    from vitkit.fileio import check_output_file, write_file_atomic
     from vitkit.hardware import resolve_device
 
+    if args.out:  # refused before the work, never after it
+        check_output_file(Path(args.out), overwrite=args.overwrite)
     device = resolve_device(args.device)
     loaded = load_for_eval(args)
-    train = open_dataset(args.data, args.train_split, skip_bad=args.skip_bad)
-    test = open_dataset(args.data, args.test_split, skip_bad=args.skip_bad)
+    train = note_skipped(open_dataset(args.data, args.train_split, skip_bad=args.skip_bad))
+    test = note_skipped(open_dataset(args.data, args.test_split, skip_bad=args.skip_bad))
     result = fewshot_dataset(
         loaded.model,
         train,
@@ -160,8 +167,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     )
     doc = {"checkpoint": args.checkpoint, "data": args.data, **result.to_dict()}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+        write_file_atomic(Path(args.out), lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -209,7 +215,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     images = [load_image(path) for path in args.images]  # fail on a bad file before any compute
     names = [os.path.basename(path) for path in args.images]
     if args.data:
-        dataset = open_dataset(args.data, args.split, skip_bad=args.skip_bad)
+        dataset = note_skipped(open_dataset(args.data, args.split, skip_bad=args.skip_bad))
         more, more_names = sample_images(dataset, args.num_images)
         images += more
         names += more_names

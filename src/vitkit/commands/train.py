@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from vitkit.commands.args import image_size, positive_float, positive_int
+from vitkit.commands.args import image_size, nonnegative_int, positive_float, positive_int
 from vitkit.configs import TrainConfig
 from vitkit.errors import VitkitError
 
@@ -22,8 +22,8 @@ OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
      "help": "global batch size (all processes, accumulation)"}),
     ("--lr", "optim.lr", {"type": positive_float, "help": "base learning rate"}),
     ("--image-size", "data.image_size", {"type": image_size, "help": "training resolution, e.g. 384 or 224x320"}),
-    ("--seed", "seed", {"type": int, "help": "seed for initialisation, data order, augmentation, dropout"}),
-    ("--workers", "data.workers", {"type": int, "help": "data-loading worker processes per training process"}),
+    ("--seed", "seed", {"type": nonnegative_int, "help": "seed for initialisation, data order, augmentation, dropout"}),
+    ("--workers", "data.workers", {"type": nonnegative_int, "help": "data-loading worker processes per process"}),
     ("--precision", "precision", {"choices": ["fp32", "bf16"], "help": "bf16: autocast with fp32 master weights"}),
     ("--compile", "compile", {"action": "store_true", "default": None, "help": "torch.compile the model"}),
     ("--grad-checkpointing", "grad_checkpointing", {"action": "store_true", "default": None,
@@ -152,7 +152,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from vitkit.configs import apply_overrides, finetune_config
     from vitkit.train import train
 
-    base = finetune_config(args.checkpoint, getattr(args, "data.source"), args.recipe, getattr(args, "data.image_size"))
+    notes: list[str] = []
+    base = finetune_config(
+        args.checkpoint, getattr(args, "data.source"), args.recipe, getattr(args, "data.image_size"), notes=notes
+    )
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     cfg = apply_overrides(base, _changes(args), args.sets)
     _note_emulated_bf16(cfg)
     result = train(cfg, args.out, progress=not args.quiet)

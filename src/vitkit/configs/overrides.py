@@ -19,7 +19,7 @@ from vitkit.errors import ConfigError
 from vitkit.models.vit import ViTConfig
 
 ARCHITECTURE_FIELDS = ("patch_size", "hidden_size", "depth", "num_heads", "mlp_dim")
-FINETUNE_RESOLUTION = 384  # the paper fine-tunes at 384 px (rounded to a multiple of the patch size)
+PRETRAIN_RESOLUTION = 224  # the paper pre-trains at 224 px; fine-tuning recipes' sizes are relative to it
 MODEL_OVERRIDES = "model.overrides."
 
 
@@ -143,6 +143,7 @@ def apply_overrides(cfg: TrainConfig, changes: Mapping[str, Any] = {}, sets: Seq
         changes["model.overrides"] = kept
     if "epochs" in changes:
         changes.setdefault("steps", None)
+    changes.update(shortened_warmup(cfg, changes.get("epochs"), changes.get("steps")))
     for key, value in changes.items():
         if value is not None:
             _check(field_type(key), value, key)
@@ -164,11 +165,20 @@ def _check(tp: Any, value: Any, key: str) -> None:
 
 
 def finetune_config(
-    checkpoint: str, data: str, recipe: str = "paper-finetune", image_size: tuple[int, int] | None = None
+    checkpoint: str,
+    data: str,
+    recipe: str = "paper-finetune",
+    image_size: tuple[int, int] | None = None,
+    *,
+    notes: list[str] | None = None,
 ) -> TrainConfig:
     """A fine-tuning recipe starting from ``checkpoint`` on ``data`` (``vitkit finetune``).
 
-    Without an image size, the paper's 384 px rounded to a multiple of the checkpoint's patch size.
+    Without an image size: the recipe's resolution relative to the paper's 224 px pre-training (384 px for
+    ``paper-finetune``: x 384/224), applied to the checkpoint's own resolution and rounded to its stride --
+    224 -> 384 px for a paper checkpoint, 16 -> 28 px for the digits model (384 px would be 9,216 tokens
+    there) -- never above the larger of the checkpoint's and the recipe's resolution. The choice is appended
+    to ``notes`` (the CLI prints it).
     """
     from vitkit.checkpoints import read_checkpoint
 
@@ -176,7 +186,46 @@ def finetune_config(
     if not cfg.model.init_from and cfg.model.name is not None:
         raise ConfigError(f"recipe {recipe!r} trains from scratch; use a fine-tuning recipe (paper-finetune, ...)")
     if image_size is None:
-        patch = read_checkpoint(checkpoint).cfg.patch_size
-        side = max(1, round(FINETUNE_RESOLUTION / patch)) * patch
-        image_size = (side, side)
+        ckpt_cfg = read_checkpoint(checkpoint).cfg
+        image_size = finetune_image_size(ckpt_cfg.image_size, ckpt_cfg.stride, cfg.data.image_size)
+        if notes is not None:
+            (h, w), (rh, rw) = ckpt_cfg.image_size, cfg.data.image_size
+            notes.append(
+                f"fine-tuning at {image_size[0]}x{image_size[1]} px: the checkpoint's {h}x{w} px scaled as recipe "
+                f"{recipe} scales the paper's {PRETRAIN_RESOLUTION} px ({rh}x{rw}); --image-size to choose"
+            )
     return cfg.override(**{"model.init_from": checkpoint, "data.source": data, "data.image_size": image_size})
+
+
+def finetune_image_size(native: tuple[int, int], stride: int, recipe_size: tuple[int, int]) -> tuple[int, int]:
+    """The default fine-tuning resolution for a checkpoint trained at ``native`` (see :func:`finetune_config`)."""
+    # one scale for both sides (the aspect ratio is kept): the recipe's over 224 px, capped per side
+    scale = min(min(t / PRETRAIN_RESOLUTION, max(n, t) / n) for n, t in zip(native, recipe_size, strict=True))
+    h, w = (max(1, round(n * scale / stride)) * stride for n in native)
+    return h, w
+
+
+def shortened_warmup(cfg: TrainConfig, epochs: float | None, steps: int | None) -> dict[str, Any]:
+    """The warm-up overrides for a run whose length ``--epochs`` / ``--steps`` replace: a recipe's warm-up is
+    sized for its own length, so a shorter run keeps the same fraction of warm-up (a 15-step fine-tune of the
+    500-step recipe warms up for 3 steps, not 100 -- its learning rate then decays as the recipe intends).
+    A longer run keeps the recipe's warm-up. When the lengths are in different units and the warm-up is in the
+    recipe's other unit (10k steps in a 90-epoch recipe, run for 100 steps), the proportion needs the epoch
+    length, known only when the data is opened: the trainer then says so if warm-up fills the run."""
+    o = cfg.optim
+    if not (o.warmup_steps or o.warmup_epochs) or (epochs is None and steps is None):
+        return {}
+    new_unit, new = ("steps", float(steps)) if steps is not None else ("epochs", float(epochs or 0))
+    old_unit, old = ("steps", cfg.steps) if cfg.steps is not None else ("epochs", cfg.epochs)
+    if not old or old <= 0 or new <= 0:
+        return {}
+    if new_unit == old_unit:
+        f = new / old
+        if f >= 1:
+            return {}
+        return {"optim.warmup_steps": round(o.warmup_steps * f), "optim.warmup_epochs": o.warmup_epochs * f}
+    if old_unit == "epochs" and o.warmup_steps == 0:  # warm-up in epochs of an epoch recipe, run in steps
+        return {"optim.warmup_steps": round(o.warmup_epochs / old * new), "optim.warmup_epochs": 0.0}
+    if old_unit == "steps" and o.warmup_epochs == 0:  # warm-up in steps of a step recipe, run in epochs
+        return {"optim.warmup_steps": 0, "optim.warmup_epochs": o.warmup_steps / old * new}
+    return {}

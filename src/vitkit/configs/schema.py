@@ -178,6 +178,10 @@ class TrainConfig:
             raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.keep_last < 1:
             raise ConfigError("keep_last must be at least 1")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
+        if isinstance(self.data.workers, bool) or not isinstance(self.data.workers, int) or self.data.workers < 0:
+            raise ConfigError(f"data.workers must be a non-negative integer, got {self.data.workers!r}")
         self.aug.resolved()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from vitkit.checkpoints.preprocess import convert_image
 from vitkit.errors import DataError
 
 # Split names that mean "held-out data", tried in this order when a source has no split of the exact name.
@@ -80,6 +81,12 @@ class ImageDataset:
         """Decode item ``index`` (any mode; ``__getitem__`` converts to RGB). Raises DataError naming it."""
         raise NotImplementedError
 
+    def lazy_item(self, index: int) -> tuple[Image.Image, int]:
+        """Like ``ds[index]``, but a JPEG file may come back opened and not yet decoded (RGB or L), for a
+        training transform that decodes only the scale its random crop needs (``preprocess.decode_crop``).
+        Sources without files decode as ``ds[index]`` does."""
+        return self[index]
+
     def describe(self, index: int) -> str:
         """A human-readable name of item ``index`` (its file, or source[index]) for error messages."""
         return f"{self.source}[{index}]"
@@ -113,14 +120,19 @@ class ArrayDataset(ImageDataset):
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> RGB (16-bit and float greyscale are rescaled to 8 bits first)."""
-    if img.mode == "RGB":
-        return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I", "F"):
-        arr = np.asarray(img, dtype=np.float64)
-        hi = 65535.0 if img.mode.startswith("I;16") else max(float(arr.max()), 1.0)
-        img = Image.fromarray(np.clip(arr / hi * 255.0 + 0.5, 0, 255).astype(np.uint8))
-    return img.convert("RGB")
+    """Any Pillow mode -> RGB (16-bit and float greyscale are rescaled to 8 bits first): the conversion of
+    every command, :func:`vitkit.checkpoints.preprocess.convert_image`."""
+    return convert_image(img, "RGB")
+
+
+def skipped_note(ds: ImageDataset) -> str | None:
+    """The one-line account of what ``skip_bad`` dropped from ``ds`` (None when nothing was), for the console:
+    how many items, and the first one with its reason."""
+    if not ds.skipped:
+        return None
+    first = ds.skipped[0]
+    first_one = f"first: {first.item}: {first.reason}"
+    return f"{ds.source} [{ds.split}]: skipped {len(ds.skipped)} bad item(s), kept {len(ds)} ({first_one})"
 
 
 def as_uint8_images(arr: np.ndarray, what: str) -> np.ndarray:

@@ -12,19 +12,22 @@ extension (README.txt, .DS_Store) are ignored; hidden entries too.
 
 from __future__ import annotations
 
+import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import load_image
+from vitkit.checkpoints.preprocess import is_lazy_jpeg, load_image, open_lazy
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
     Skipped,
     check_class_map,
     split_candidates,
+    to_rgb,
 )
 from vitkit.errors import DataError
 
@@ -46,12 +49,16 @@ class ImageFolder(ImageDataset):
     def load_image(self, index: int) -> Image.Image:
         return load_image(self.paths[index])
 
+    def lazy_item(self, index: int) -> tuple[Image.Image, int]:
+        img = open_lazy(self.paths[index])
+        return (img if is_lazy_jpeg(img) else to_rgb(img)), int(self.labels[index])
+
     def describe(self, index: int) -> str:
         return self.paths[index]
 
 
 def _subdirs(path: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+    return sorted(e.name for e in os.scandir(path) if not e.name.startswith(".") and _is_dir(e))
 
 
 def _split_dir(root: Path, split: str) -> Path | None:
@@ -96,13 +103,17 @@ def open_image_folder(
     paths: list[str] = []
     labels: list[int] = []
     skipped: list[Skipped] = []
+    for link, why in _broken_links(base, lambda e: not e.name.startswith(".")):  # class folders
+        if not skip_bad:
+            raise DataError(f"{link}: {why}")
+        skipped.append(Skipped(link, why))
     for cls in found:
         folder = base / cls
-        files = sorted(
-            e.path
-            for e in os.scandir(folder)
-            if e.is_file() and not e.name.startswith(".") and Path(e.name).suffix.lower() in IMAGE_EXTENSIONS
-        )
+        files, broken = _image_files(folder)
+        for link, why in broken:
+            if not skip_bad:
+                raise DataError(f"{link}: {why}")
+            skipped.append(Skipped(link, why))
         if not files:
             if not skip_bad:
                 raise DataError(f"{folder}: empty class folder (no image files); remove it or pass skip_bad")
@@ -121,6 +132,48 @@ def open_image_folder(
     if not paths:
         raise DataError(f"{base}: no readable images")
     return ImageFolder(root, split, paths, np.asarray(labels, dtype=np.int64), names, skipped)
+
+
+def _is_candidate(e: os.DirEntry[str]) -> bool:
+    return not e.name.startswith(".") and Path(e.name).suffix.lower() in IMAGE_EXTENSIONS
+
+
+def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """The image files of a class folder (sorted), and its image-named symbolic links that lead nowhere."""
+    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is_file(e))
+    return files, _broken_links(folder, _is_candidate)
+
+
+def _is_dir(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_dir()
+    except OSError:  # a symbolic link loop: reported by _broken_links
+        return False
+
+
+def _is_file(e: os.DirEntry[str]) -> bool:
+    try:
+        return e.is_file()
+    except OSError:  # a symbolic link loop: reported by _broken_links
+        return False
+
+
+def _broken_links(folder: Path, wanted: Callable[[os.DirEntry[str]], bool]) -> list[tuple[str, str]]:
+    """(path, reason) of the symbolic links in ``folder`` that are dangling or loop: they are reported
+    like any other bad item, never dropped silently."""
+    out = []
+    for e in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not (e.is_symlink() and wanted(e)):
+            continue
+        try:
+            os.stat(e.path)
+        except OSError as err:
+            target = os.readlink(e.path)
+            if err.errno == errno.ELOOP:
+                out.append((e.path, f"symbolic link loop (-> {target})"))
+            else:
+                out.append((e.path, f"dangling symbolic link (-> {target}: {err.strerror})"))
+    return out
 
 
 def _drop_undecodable(paths: list[str], labels: list[int], skipped: list[Skipped]) -> tuple[list[str], list[int]]:

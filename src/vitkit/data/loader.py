@@ -84,7 +84,9 @@ class _Samples(torch.utils.data.Dataset):
     def __getitem__(self, key: tuple[int, int]) -> Any:
         epoch, index = key
         try:
-            img, label = self.dataset[index]
+            # TrainTransform crops before it resizes, so it may decode a JPEG at reduced scale
+            lazy = self.train and getattr(self.transform, "decodes_lazily", False)
+            img, label = self.dataset.lazy_item(index) if lazy else self.dataset[index]
             fn: Any = self.transform
             x = fn(img, sample_rng(self.seed, epoch, index)) if self.train else fn(img)
         except DataError as e:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vitkit.checkpoints.npz_files import NPZ_ERRORS
 from vitkit.data.base import (
     ArrayDataset,
     MissingSplitError,
@@ -44,7 +45,7 @@ def open_npz(path: Path, split: str = "train", *, classes: list[str] | None = No
         raise DataError(f"{path}: empty file (0 bytes)")
     try:
         z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
+    except NPZ_ERRORS as e:
         raise DataError(f"{path}: not a readable .npz file ({e})") from None
     with z:
         files = set(z.files)
@@ -64,7 +65,7 @@ def open_npz(path: Path, split: str = "train", *, classes: list[str] | None = No
             if found is None and classes is None:  # one class list for every split of the file
                 every = [as_labels(z[k], f"{path}:{k}") for k in sorted(files) if k.endswith("labels") or k[:1] == "y"]
                 found = default_classes(np.concatenate(every))
-        except ValueError as e:  # object arrays refused by allow_pickle=False, corrupt members
+        except NPZ_ERRORS as e:  # object arrays refused by allow_pickle=False, corrupt members
             raise DataError(f"{path}: unreadable array ({e})") from None
     if images.shape[0] != labels.shape[0]:
         raise DataError(f"{path}: {images.shape[0]} images in '{img_key}' but {labels.shape[0]} labels in '{lab_key}'")

@@ -12,7 +12,6 @@ a seeded order and shuffles within windows of a few shards, so reading stays mos
 
 from __future__ import annotations
 
-import io
 import itertools
 import os
 import re
@@ -22,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from vitkit.checkpoints.preprocess import decode_image
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -148,15 +148,11 @@ class WebDataset(ImageDataset):
         return bytes(data)
 
     def load_image(self, index: int) -> Image.Image:
-        data = self._read(index)
         try:
-            with Image.open(io.BytesIO(data)) as img:
-                img.load()
-                return img.copy()
-        except UnidentifiedImageError:
-            raise DataError(f"{self.describe(index)}: not a recognised image") from None
-        except (OSError, SyntaxError, ValueError) as e:
-            raise DataError(f"{self.describe(index)}: corrupt or truncated image ({e})") from None
+            data = self._read(index)
+        except OSError as e:
+            raise DataError(f"{self.describe(index)}: unreadable shard ({e.strerror or e})") from None
+        return decode_image(data, self.describe(index))
 
     def describe(self, index: int) -> str:
         shard = self.shards[int(self.shard_of[index])]
@@ -263,4 +259,28 @@ def open_webdataset(
     if names != found:
         lut = np.asarray([names.index(c) for c in found], dtype=np.int64)
         labels = lut[labels]
-    return WebDataset(os.fspath(name), split, shards, shard_of, offsets, sizes, labels, names, skipped)
+    ds = WebDataset(os.fspath(name), split, shards, shard_of, offsets, sizes, labels, names, skipped)
+    return _drop_undecodable(ds) if skip_bad else ds
+
+
+def _drop_undecodable(ds: WebDataset) -> WebDataset:
+    """``skip_bad``: decode every image once now (as for ImageFolder trees) and drop, counting, the bad ones."""
+    keep: list[int] = []
+    for i in range(len(ds)):
+        try:
+            ds.load_image(i)
+        except DataError as e:
+            where = ds.describe(i)
+            ds.skipped.append(Skipped(where, str(e).removeprefix(f"{where}: ")))
+            continue
+        keep.append(i)
+    ds.close()
+    if len(keep) == len(ds):
+        return ds
+    if not keep:
+        raise DataError(f"{ds.source}: no readable images for split {ds.split!r} ({len(ds.skipped)} skipped)")
+    idx = np.asarray(keep, dtype=np.int64)
+    return WebDataset(
+        ds.source, ds.split, ds.shards, ds.shard_of[idx], ds.offsets[idx], ds.sizes[idx], ds.labels[idx],
+        ds.classes, ds.skipped,
+    )  # fmt: skip

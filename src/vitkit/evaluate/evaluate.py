@@ -51,7 +51,13 @@ def align_labels(
         return np.array([index[name] for name in dataset_classes], dtype=np.int64), [
             "dataset classes are in a different order from the checkpoint's; labels remapped by class name"
         ]
-    return None, ["the dataset's class names differ from the checkpoint's; labels are compared by index"]
+    differ = [(d, m) for d, m in zip(dataset_classes, model_classes, strict=False) if d != m]
+    shown = ", ".join(f"{d!r} vs {m!r}" for d, m in differ[:3]) + (", ..." if len(differ) > 3 else "")
+    return None, [
+        f"WARNING: the dataset's class names differ from the checkpoint's at {len(differ)} of {num_classes} "
+        f"indices (dataset vs checkpoint: {shown}); labels are compared by index, so the accuracy is only "
+        "meaningful if each index means the same class on both sides"
+    ]
 
 
 @dataclass

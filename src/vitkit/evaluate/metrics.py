@@ -162,7 +162,10 @@ def read_label_sets(
 
 
 def _parse_label_file(p: Path) -> list[object] | dict[str, object]:
-    text = p.read_text()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{p}: not a UTF-8 text label file ({e.reason} at byte {e.start})") from None
     if p.suffix.lower() == ".csv":
         rows = list(csv.reader(text.splitlines()))
         if not rows or [c.strip().lower() for c in rows[0][:2]] != ["key", "labels"]:

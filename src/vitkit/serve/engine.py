@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
-from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.errors import ConfigError, VitkitError
+from vitkit.checkpoints import Loaded, load_checkpoint, preprocess
+from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.hardware import has_native_bf16
 from vitkit.inference import optimize_for_inference
 
@@ -48,7 +48,8 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
 
 
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
-    """Decode untrusted image bytes, refusing oversized images from their header before any pixel is read.
+    """Decode untrusted image bytes with the decoder every command uses, refusing oversized images from their
+    header before any pixel is read.
 
     Raises RequestError: 400 for empty, unrecognised, corrupt or truncated data; 413 for an image with more
     than ``max_pixels`` pixels (decompression bombs: a few KB of PNG can claim 10^10 pixels).
@@ -56,25 +57,11 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     if not data:
         raise RequestError(400, "empty body: send the image file's bytes")
     try:
-        img = Image.open(io.BytesIO(data))
-    except UnidentifiedImageError:
-        raise RequestError(400, "not a recognised image file (send JPEG, PNG, WebP, BMP, GIF, TIFF, ...)") from None
-    except Image.DecompressionBombError as e:
-        raise RequestError(413, f"image too large: {e}") from None
-    except Exception as e:  # Pillow's plugins raise assorted errors on malformed headers
-        raise RequestError(400, f"could not read the image header ({type(e).__name__}: {e})") from None
-    w, h = img.size
-    if w * h > max_pixels:
-        raise RequestError(413, f"image of {w}x{h} = {w * h} pixels exceeds the limit of {max_pixels} pixels")
-    if w * h == 0:
-        raise RequestError(400, f"image of {w}x{h} pixels has no pixels")
-    try:
-        img.load()
-    except Image.DecompressionBombError as e:
-        raise RequestError(413, f"image too large: {e}") from None
-    except Exception as e:  # truncated or corrupt data: OSError, SyntaxError, ValueError, EOFError, ...
-        raise RequestError(400, f"corrupt or truncated image ({type(e).__name__}: {e})") from None
-    return img.convert("RGBA") if img.mode == "P" else img
+        return preprocess.decode_image(data, "image", max_pixels=max_pixels)
+    except preprocess.ImageTooLarge as e:
+        raise RequestError(413, str(e)) from None
+    except DataError as e:
+        raise RequestError(400, str(e)) from None
 
 
 def png_base64(gray: np.ndarray) -> str:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from vitkit.errors import CheckpointError
-from vitkit.fileio import clean_stale, complete_dir, fsync, make_temp_dir, remove_tree, replace_dir
+from vitkit.fileio import clean_stale, complete_dir, fsync, make_temp_dir, remove_tree, replace_dir, write_errors
 
 STATE_FORMAT = "vitkit-train-state"
 STATE_VERSION = 1
@@ -87,19 +87,20 @@ def write_state(
 ) -> Path:
     """Write one checkpoint atomically, then keep only the newest ``keep_last``."""
     root = Path(folder)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / state_name(step)
-    tmp = make_temp_dir(final)
-    try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
-        doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
-        (tmp / META).write_text(json.dumps(doc, indent=1) + "\n")
-        for f in (tmp / TENSORS, tmp / META, tmp):
-            fsync(f)
-        replace_dir(tmp, final)  # the same step saved again (after a resume) is swapped out first
-        fsync(root)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with write_errors(root):
+        root.mkdir(parents=True, exist_ok=True)
+        final = root / state_name(step)
+        tmp = make_temp_dir(final)
+        try:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+            doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
+            (tmp / META).write_text(json.dumps(doc, indent=1) + "\n")
+            for f in (tmp / TENSORS, tmp / META, tmp):
+                fsync(f)
+            replace_dir(tmp, final)  # the same step saved again (after a resume) is swapped out first
+            fsync(root)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     for _, path in list_states(root)[:-keep_last]:
         remove_tree(path)
     return final

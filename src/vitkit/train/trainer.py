@@ -40,7 +40,7 @@ from torch import nn
 from vitkit.checkpoints import vitkit_format
 from vitkit.checkpoints.base import empty_model
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset
+from vitkit.data.base import ImageDataset, skipped_note
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer
@@ -128,6 +128,10 @@ class Trainer:
         # loader workers per process: a recipe's 8 on a 2-core machine are 2; N processes share the cores
         self.workers = min(cfg.data.workers, max(1, (os.cpu_count() or 1) // self.dist.local_world))
         self.train_set, self.val_set = self._open_data()
+        for ds in (self.train_set, self.val_set):
+            note = skipped_note(ds) if ds is not None and self.dist.is_main else None
+            if note:
+                print(f"note: {note}", file=sys.stderr)
         self.classes = self.train_set.classes
         net, pre = build.build_model(cfg, self.classes)
         self.preprocess = pre
@@ -158,12 +162,22 @@ class Trainer:
         spe = self.loader.steps_per_epoch
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round((cfg.epochs or 0) * spe))
         self.warmup_steps = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
+        if self.warmup_steps >= self.total_steps > 1 and cfg.optim.schedule != "constant" and self.dist.is_main:
+            print(
+                f"note: the warm-up ({self.warmup_steps} steps) fills the whole run ({self.total_steps} steps), so "
+                "the learning rate never decays; shorten it with --set optim.warmup_steps=N (and "
+                "optim.warmup_epochs=0)",
+                file=sys.stderr,
+            )
 
     # ---- setup -----------------------------------------------------------------------------------------
 
     def _claim(self, base: Path, mode: bool | str) -> Path:
         """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
         n = 0
+        for p in (base, *base.parents):  # a file where the run folder (or a folder above it) should be
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
         if self.dist.is_main:
             if mode == "numbered":
                 while _holds_run(base if n == 0 else base.with_name(f"{base.name}-{n}")):
@@ -570,7 +584,42 @@ def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
     """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder)."""
     state = train_state.resolve_resume(path)
     meta = train_state.read_state_meta(state)
+    check_config_unchanged(state.parent.parent / "config.json", meta["config"])
     return TrainConfig.from_dict(meta["config"]), state.parent.parent, state
+
+
+def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
+    """Refuse to resume when the run's ``config.json`` no longer says what its checkpoint was trained with:
+    ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
+    if not path.is_file():
+        return
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
+    diffs = _differences(saved, doc, "")
+    if diffs:
+        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+        raise ConfigError(
+            f"{path}: edited since its checkpoint was written ({shown}); --resume continues a run exactly as it "
+            "was configured: undo the edit, or start a new run with the new settings"
+        )
+
+
+def _differences(old: Any, new: Any, where: str) -> list[str]:
+    """'field: old -> new' for every leaf where two JSON documents differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            path = f"{where}.{k}" if where else str(k)
+            if k not in new:
+                out.append(f"{path}: removed")
+            elif k not in old:
+                out.append(f"{path}: added")
+            else:
+                out += _differences(old[k], new[k], path)
+        return out
+    return [] if old == new else [f"{where}: {json.dumps(old)} -> {json.dumps(new)}"]
 
 
 def train(

@@ -1,0 +1,199 @@
+"""Training input pipeline on photo-sized JPEGs: decode + inception crop + flip + normalise, images per second
+of one worker (one process, one thread), vitkit's sample path against the plain Pillow full decode; and
+the default-worker loader of the S/16 recipe against the S/16 training step it feeds.
+
+    PYTHONPATH=src python benchmarks/input_pipeline.py [--images 200] [--sizes 224,160,128] [--rounds 5]
+
+The ImageFolder is made here from scikit-learn's two sample photos (china.jpg, flower.jpg, 640x427):
+random 4:3 crops resized to 500x375 (every fourth one turned to portrait 375x500), random flips, JPEG
+quality 90 (Pillow's default 4:2:0), one class per photo.
+
+- plain: ``Image.open(f).convert("RGB")`` (full decode), the same inception-crop box, Pillow bilinear
+  resize of that box, flip, ``(np.asarray(img, float32) / 255 - mean) / std`` then CHW: the textbook path
+  (and vitkit's before this benchmark).
+- vitkit: ``ImageFolder.lazy_item`` + ``TrainTransform`` (the trainer's path): the JPEG header is read,
+  the crop box drawn, the JPEG decoded at 1/2, 1/4 or 1/8 scale when the box keeps at least the output
+  size at that scale (``Image.draft``), the same region resized, normalised plane by plane.
+- vitkit, full decode: the same transform given fully decoded images (what the normalisation alone gains).
+
+Each round runs the three over every image (same seeds, so the same boxes), rounds alternate; medians.
+Same region: for every sample, mean |vitkit - plain| in 0..255 levels, against the same for the plain
+crop moved by 2 px (full-resolution pixels): the first must be far below the second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD
+from vitkit.data.datasets import open_dataset
+from vitkit.data.transforms import TrainTransform, inception_crop_box, sample_rng
+
+
+def make_folder(root: Path, n: int, seed: int = 0) -> Path:
+    """``n`` JPEGs of 500x375 / 375x500 in root/train/{china,flower}/."""
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images()
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        k = i % 2
+        src = photos.images[k]
+        H, W = src.shape[:2]
+        w = int(rng.integers(320, W + 1))
+        h = min(H, round(w * 3 / 4))
+        x, y = int(rng.integers(0, W - w + 1)), int(rng.integers(0, H - h + 1))
+        img = Image.fromarray(src[y : y + h, x : x + w]).resize((500, 375), Image.Resampling.BICUBIC)
+        if rng.random() < 0.5:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if i % 4 == 3:
+            img = img.transpose(Image.Transpose.ROTATE_90)
+        folder = root / "train" / Path(photos.filenames[k]).stem
+        folder.mkdir(parents=True, exist_ok=True)
+        img.save(folder / f"{i:04d}.jpg", quality=90)
+    return root
+
+
+def plain_sample(path: str, size: int, rng: np.random.Generator, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:
+    img = Image.open(path).convert("RGB")  # full decode
+    box = inception_crop_box(img.width, img.height, rng)
+    img = img.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    if rng.random() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    arr = (np.asarray(img, dtype=np.float32) / 255.0 - mean) / std
+    return torch.from_numpy(np.ascontiguousarray(arr.transpose(2, 0, 1)))
+
+
+def moved_box(box: tuple[int, int, int, int], width: int, height: int) -> tuple[int, int, int, int]:
+    """``box`` moved by 2 px along each axis where it fits (right/down, else left/up)."""
+    dx = 2 if box[2] + 2 <= width else (-2 if box[0] >= 2 else 0)
+    dy = 2 if box[3] + 2 <= height else (-2 if box[1] >= 2 else 0)
+    return box[0] + dx, box[1] + dy, box[2] + dx, box[3] + dy
+
+
+def region_check(ds, size: int) -> tuple[float, float, int]:  # type: ignore[no-untyped-def]
+    """Mean |vitkit - plain| over samples decoded at reduced scale, the same with the plain box moved
+    by 2 px, and how many samples were reduced."""
+    tf = TrainTransform((size, size), flip=False)
+    same, moved, reduced = [], [], 0
+    for i in range(len(ds)):
+        lazy, _ = ds.lazy_item(i)
+        full = Image.open(ds.paths[i]).convert("RGB")
+        box = inception_crop_box(full.width, full.height, sample_rng(0, 0, i), tf.crop_scale, tf.crop_ratio)
+        if min(box[2] - box[0], box[3] - box[1]) < 2 * size:
+            continue  # decoded at full scale: the same pixels
+        reduced += 1
+        ours = np.asarray(tf.augment(lazy, sample_rng(0, 0, i)), dtype=np.float32)
+        ref = np.asarray(full.resize((size, size), Image.Resampling.BILINEAR, box=box), dtype=np.float32)
+        shifted = moved_box(box, full.width, full.height)
+        other = np.asarray(full.resize((size, size), Image.Resampling.BILINEAR, box=shifted), dtype=np.float32)
+        same.append(float(np.abs(ours - ref).mean()))
+        moved.append(float(np.abs(other - ref).mean()))
+    return (statistics.mean(same) if same else 0.0), (statistics.mean(moved) if moved else 0.0), reduced
+
+
+def per_worker(ds, sizes: list[int], rounds: int) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)  # a DataLoader worker's setting
+    mean, std = np.asarray(IMAGENET_MEAN, np.float32), np.asarray(IMAGENET_STD, np.float32)
+    n = len(ds)
+    print(f"\nper worker (1 process, 1 thread), {n} JPEGs, inception crop (0.05-1, 3/4-4/3) + flip + normalise")
+    print("| output | plain Pillow full decode (img/s) | vitkit, full decode | vitkit | vitkit / plain |")
+    print("|---|---|---|---|---|")
+    for size in sizes:
+        tf = TrainTransform((size, size), mean=IMAGENET_MEAN, std=IMAGENET_STD)
+        runs: dict[str, list[float]] = {"plain": [], "eager": [], "lazy": []}
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for i in range(n):
+                plain_sample(ds.paths[i], size, sample_rng(0, 0, i), mean, std)
+            runs["plain"].append(n / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for i in range(n):
+                tf(ds[i][0], sample_rng(0, 0, i))
+            runs["eager"].append(n / (time.perf_counter() - t0))
+            t0 = time.perf_counter()
+            for i in range(n):
+                tf(ds.lazy_item(i)[0], sample_rng(0, 0, i))
+            runs["lazy"].append(n / (time.perf_counter() - t0))
+        med = {k: statistics.median(v) for k, v in runs.items()}
+        print(
+            f"| {size} px | {med['plain']:.0f} | {med['eager']:.0f} | {med['lazy']:.0f} | "
+            f"**{med['lazy'] / med['plain']:.2f}x** (rounds: "
+            + ", ".join(f"{a / b:.2f}" for a, b in zip(runs["lazy"], runs["plain"], strict=True))
+            + ") |"
+        )
+    print("\nsame region (samples decoded at reduced scale; mean |difference| in 0..255 levels):")
+    for size in sizes:
+        same, moved, k = region_check(ds, size)
+        print(f"  {size} px: {k}/{n} reduced; vitkit vs plain {same:.2f}; plain vs plain moved 2 px {moved:.2f}")
+
+
+def loader_vs_step(root: Path, steps: int) -> None:
+    """The plain-vit-s16 recipe on this folder, batch 32: training step img/s on a fixed batch (loader
+    idle), then the loader alone with the trainer's default worker count (no training running)."""
+    from vitkit.configs import get_recipe
+    from vitkit.train.trainer import Trainer
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    cfg = get_recipe("plain-vit-s16", source=str(root)).override(
+        **{"data.batch_size": 32, "data.val_split": None, "optim.warmup_steps": 10}, steps=1000
+    )
+    with tempfile.TemporaryDirectory() as out, Trainer(cfg, Path(out) / "run", progress=False) as tr:
+        batches = [g for g, _ in zip(tr.loader.epoch(0), range(2), strict=False)]
+        tr.train_step(batches[0])  # warm-up
+        t0 = time.perf_counter()
+        for s in range(steps):
+            tr.train_step(batches[s % len(batches)])
+        step_ips = steps * 32 / (time.perf_counter() - t0)
+        t0, images = time.perf_counter(), 0
+        for epoch in range(2):
+            for group in tr.loader.epoch(epoch):
+                images += sum(b.images.shape[0] for b in group)
+        load_ips = images / (time.perf_counter() - t0)
+        print(
+            f"\nS/16 (plain-vit-s16 recipe: RandAugment(2, 10), Mixup 0.2, {cfg.precision}), batch 32:\n"
+            f"  training step {step_ips:.1f} img/s ({steps} steps, fixed batch)\n"
+            f"  loader, {tr.workers} workers (the trainer's default on {os.cpu_count()} cores), 2 epochs: "
+            f"{load_ips:.0f} img/s = {load_ips / step_ips:.1f}x the step"
+        )
+
+
+def cpu_name() -> str:
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.machine()
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=200)
+    ap.add_argument("--sizes", default="224,160,128")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=6, help="S/16 training steps timed (0: skip)")
+    args = ap.parse_args()
+    print(f"{cpu_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = make_folder(Path(tmp) / "photos", args.images)
+        ds = open_dataset(str(root), "train")
+        per_worker(ds, [int(s) for s in args.sizes.split(",")], args.rounds)
+        if args.steps:
+            loader_vs_step(root, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Defaults that must fit the checkpoint and the run (issue 13, items 6 and 7): fine-tuning resolution relative to
+the checkpoint's, warm-up shortened with the run, and ``--resume`` refusing an edited config."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from vitkit.cli import main
+from vitkit.configs import apply_overrides, get_recipe
+from vitkit.configs.overrides import finetune_config, finetune_image_size, shortened_warmup
+from vitkit.train.optim import lr_at
+
+
+@pytest.mark.parametrize(
+    ("native", "stride", "recipe", "expected"),
+    [
+        ((224, 224), 16, (384, 384), (384, 384)),  # the paper: 224 -> 384
+        ((16, 16), 4, (384, 384), (28, 28)),  # the digits model: not 384 px (9,216 tokens)
+        ((384, 384), 16, (384, 384), (384, 384)),  # already fine-tuned: stays
+        ((224, 320), 32, (384, 384), (256, 384)),  # aspect kept, capped at 384, rounded to the stride
+        ((224, 224), 16, (224, 224), (224, 224)),  # finetune-small keeps the checkpoint's resolution
+    ],
+)
+def test_finetune_resolution_is_relative_to_the_checkpoint(
+    native: tuple[int, int], stride: int, recipe: tuple[int, int], expected: tuple[int, int]
+) -> None:
+    assert finetune_image_size(native, stride, recipe) == expected
+
+
+def test_warmup_shrinks_with_a_shorter_run() -> None:
+    cfg = get_recipe("paper-finetune")
+    assert (cfg.steps, cfg.optim.warmup_steps) == (500, 100)
+    assert shortened_warmup(cfg, None, 15) == {"optim.warmup_steps": 3, "optim.warmup_epochs": 0.0}
+    assert shortened_warmup(cfg, None, 5000) == {}  # longer: the recipe's warm-up stays
+    digits = apply_overrides(get_recipe("digits"), {"epochs": 7.0})
+    assert digits.optim.warmup_epochs == pytest.approx(0.2)  # 2 of 70 epochs
+    assert apply_overrides(get_recipe("digits"), {"steps": 700}).optim.warmup_steps == 20
+    lrs = [lr_at(s, base_lr=0.01, total_steps=15, warmup_steps=3, schedule="cosine") for s in range(15)]
+    assert max(lrs) == lrs[2] == 0.01 and lrs[-1] < 0.001  # the learning rate decays within the 15 steps
+
+
+def test_finetune_15_steps_on_a_16px_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["train", "--steps", "2", "--out", str(tmp_path / "base"), "--quiet"]) == 0
+    notes: list[str] = []
+    cfg = finetune_config(str(tmp_path / "base"), "digits", notes=notes)
+    assert cfg.data.image_size == (28, 28) and "28x28 px" in notes[0] and "16x16" in notes[0]
+    capsys.readouterr()
+    argv = ["finetune", str(tmp_path / "base"), "--data", "digits", "--steps", "15", "--batch-size", "32"]
+    assert main([*argv, "--out", str(tmp_path / "ft"), "--quiet"]) == 0
+    assert "note: fine-tuning at 28x28 px" in capsys.readouterr().err
+    config = json.loads((tmp_path / "ft" / "config.json").read_text())
+    assert config["data"]["image_size"] == [28, 28] and config["optim"]["warmup_steps"] == 3
+    with open(tmp_path / "ft" / "steps.csv") as f:
+        lr = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f)}
+    assert lr[15] < lr[10] < config["optim"]["lr"]
+
+    # editing the run's config and resuming is refused, naming the change
+    doc = json.loads((tmp_path / "ft" / "config.json").read_text())
+    doc["optim"]["lr"] = 0.5
+    (tmp_path / "ft" / "config.json").write_text(json.dumps(doc))
+    assert main(["train", "--resume", str(tmp_path / "ft")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config.json: edited since its checkpoint was written (optim.lr: 0.01 -> 0.5)" in err[0]
