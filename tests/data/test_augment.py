@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -145,3 +147,27 @@ def test_epoch_order_is_seeded_and_shard_local() -> None:
     assert sorted(order) == list(range(50))
     for w in range(5):  # each window of 10 samples comes from exactly 2 shards
         assert len(set(shard_of[order[10 * w : 10 * w + 10]])) == 2
+
+
+class _PidTransform:
+    """A train transform that paints the id of the process that decoded the sample."""
+
+    def __call__(self, img: object, rng: np.random.Generator) -> torch.Tensor:
+        return torch.full((1, 2, 2), float(os.getpid()), dtype=torch.float64)
+
+
+def test_loader_workers_persist_across_epochs_with_the_same_batches() -> None:
+    """Worker processes start once per run, not once per epoch (issue 13 item 10), and every epoch's batches
+    (with a resume mid-epoch) still equal the single-process ones."""
+    ds = open_dataset("digits", "test")
+    t = TrainTransform((8, 8), crop="pad", pad=1, flip=True, grayscale=True)
+    one = TrainLoader(ds, t, global_batch=64, seed=5)
+    many = TrainLoader(ds, t, global_batch=64, seed=5, workers=2)
+    for epoch, start in ((0, 0), (1, 2), (2, 0)):
+        a, b = list(one.epoch(epoch, start)), list(many.epoch(epoch, start))
+        assert len(a) == len(b) == 5 - start
+        assert all(torch.equal(x[0].images, y[0].images) for x, y in zip(a, b, strict=True))
+    pids = TrainLoader(ds, _PidTransform(), global_batch=64, seed=5, workers=2)  # type: ignore[arg-type]
+    seen = [{float(v) for s in pids.epoch(e) for v in s[0].images.flatten().unique()} for e in range(3)]
+    assert len(seen[0]) == 2 and os.getpid() not in seen[0]
+    assert seen[0] == seen[1] == seen[2]  # the same two worker processes served every epoch

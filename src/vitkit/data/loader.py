@@ -102,19 +102,41 @@ def _collate(items: list[Any]) -> Batch | _Bad:
     return Batch(torch.stack(xs), torch.tensor(labels, dtype=torch.int64), torch.tensor(idx, dtype=torch.int64))
 
 
-def _loader(samples: _Samples, keys: list[list[tuple[int, int]]], workers: int, pin: bool) -> Iterator[Batch]:
-    dl = torch.utils.data.DataLoader(
+class _KeySchedule:
+    """A batch sampler whose batches of keys are set before each pass: one DataLoader (and, with workers,
+    one set of persistent worker processes) serves every epoch of a run."""
+
+    def __init__(self) -> None:
+        self.keys: list[list[tuple[int, int]]] = []
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        return iter(list(self.keys))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _dataloader(samples: _Samples, keys: Any, workers: int, pin: bool, persistent: bool = False) -> Any:
+    return torch.utils.data.DataLoader(
         samples,
         batch_sampler=keys,
         num_workers=workers,
         collate_fn=_collate,
         pin_memory=pin,
         prefetch_factor=4 if workers else None,
+        persistent_workers=persistent and workers > 0,
     )
+
+
+def _batches(dl: Any) -> Iterator[Batch]:
     for b in dl:
         if isinstance(b, _Bad):
             raise DataError(b.message)
         yield b
+
+
+def _loader(samples: _Samples, keys: list[list[tuple[int, int]]], workers: int, pin: bool) -> Iterator[Batch]:
+    return _batches(_dataloader(samples, keys, workers, pin))
 
 
 class TrainLoader:
@@ -145,6 +167,10 @@ class TrainLoader:
         self.micro_batch = global_batch // (accum_steps * world)
         self.samples = _Samples(dataset, transform, seed, train=True)
         self.pin_memory = pin_memory
+        # workers persist across epochs (no process start-up and dataset copy per epoch); the keys of each
+        # pass are set on the schedule, so every sample's draws stay a function of (seed, epoch, index)
+        self._schedule = _KeySchedule()
+        self._dl: Any = None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -170,7 +196,10 @@ class TrainLoader:
             for step in range(start_step, self.steps_per_epoch)
             for micro in self.step_indices(order, step)
         ]
-        it = _loader(self.samples, keys, self.workers, self.pin_memory)
+        self._schedule.keys = keys
+        if self._dl is None:
+            self._dl = _dataloader(self.samples, self._schedule, self.workers, self.pin_memory, persistent=True)
+        it = _batches(self._dl)
         while True:
             group = [b for _, b in zip(range(self.accum_steps), it, strict=False)]
             if not group:
