@@ -206,3 +206,27 @@ def test_fewshot_overwrite_replaces_the_file(capsys: pytest.CaptureFixture[str],
     assert code == 0, err
     assert json.loads(out.read_text())["checkpoint"] == str(ckpt)
     assert not list(tmp_path.glob(".*"))  # no temp file left beside it
+
+
+@pytest.mark.parametrize(("field", "value"), [("provenance", [["a"]]), ("provenance", True), ("class_names", [1, 2])])
+def test_wrong_typed_metadata_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpt: Path,
+                                          field: str, value: Any) -> None:  # fmt: skip
+    """Found by the fuzzing harness in CI: a non-object provenance crashed the name resolver's metadata merge."""
+    bad = Path(_edited(ckpt, tmp_path / "bad"))
+    doc = json.loads((bad / "config.json").read_text())
+    doc[field] = value
+    (bad / "config.json").write_text(json.dumps(doc))
+    assert field in one_line_error(capsys, "info", str(bad))
+
+
+def test_cifar_pickle_naming_an_unknown_encoding_is_one_line(tmp_path: Path) -> None:
+    """Found by the fuzzing harness in CI: ``_codecs.encode(..., 'atin1')`` inside a pickle raised LookupError."""
+    from vitkit.data.cifar import safe_unpickle
+    from vitkit.errors import DataError
+
+    path = tmp_path / "data_batch_1"
+    path.write_bytes(
+        b"\x80\x02}q\x00X\x04\x00\x00\x00dataq\x01c_codecs\nencode\nq\x02X\x01\x00\x00\x00aX\x05\x00\x00\x00atin1\x86R\x73."
+    )
+    with pytest.raises(DataError, match="data_batch_1"):
+        safe_unpickle(path)

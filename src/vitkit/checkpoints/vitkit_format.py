@@ -66,6 +66,11 @@ def load(path: Path) -> Checkpoint:
             )
         cfg = ViTConfig.from_dict(meta["model"])
         preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
+        names = meta.get("class_names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise CheckpointError(f'{cfg_path}: invalid vitkit config ("class_names" must be a list of strings)')
+        if not isinstance(meta.get("provenance") or {}, dict):
+            raise CheckpointError(f'{cfg_path}: invalid vitkit config ("provenance" must be an object)')
     except FileNotFoundError:
         raise CheckpointError(f"{cfg_path}: no such file") from None
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:

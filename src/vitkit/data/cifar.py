@@ -62,6 +62,7 @@ def safe_unpickle(path: Path) -> dict[str, Any]:
         AttributeError,
         IndexError,
         KeyError,
+        LookupError,  # an unknown text encoding named inside the pickle
         OverflowError,
     ) as e:
         raise DataError(f"{path}: corrupt or truncated CIFAR pickle ({type(e).__name__}: {e})") from None
