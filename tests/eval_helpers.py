@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import numpy as np
 from PIL import Image
 
-from conftest import randomize_
+from helpers import randomize_
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from conftest import FIXTURES
+FIXTURES = Path(__file__).parent / "fixtures"
+SRC = Path(__file__).parents[1] / "src"
 
 
 def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
@@ -19,3 +22,17 @@ def official_io() -> tuple[torch.Tensor, np.ndarray]:
     """The official code's fixture batch (NCHW tensor) and the logits it produced for it."""
     io = np.load(FIXTURES / "official_vit_tiny.io.npz")
     return torch.from_numpy(io["inputs_nhwc"]).permute(0, 3, 1, 2), io["logits"]
+
+
+def randomize_(model: torch.nn.Module, std: float = 0.05) -> torch.nn.Module:
+    """Give every parameter non-trivial random values (zero-initialised heads would hide bugs).
+
+    LayerNorm scales are drawn around 1 so activations keep a sensible size.
+    """
+    with torch.no_grad():
+        for m in model.modules():
+            for name, p in m.named_parameters(recurse=False):
+                p.normal_(0.0, std)
+                if isinstance(m, torch.nn.LayerNorm) and name == "weight":
+                    p.add_(1.0)
+    return model

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vitkit
-from conftest import randomize_
+from helpers import randomize_
 
 
 def test_model_from_and_predict_read_a_saved_checkpoint(tmp_path: Path, sample_jpeg: Path) -> None:

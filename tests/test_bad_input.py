@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import SRC, randomize_
+from helpers import SRC, randomize_
 from vitkit.checkpoints.vitkit_format import save
 from vitkit.cli import main
 from vitkit.models import create_model

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FIXTURES, SRC
+from helpers import FIXTURES, SRC
 from vitkit.cli import build_parser, main
 
 CKPT = str(FIXTURES / "official_vit_tiny.npz")

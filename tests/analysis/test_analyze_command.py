@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import randomize_
+from helpers import randomize_
 from test_cli import run
 from vitkit import create_model, save_pretrained
 from vitkit.checkpoints.preprocess import Preprocess

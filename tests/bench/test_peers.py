@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import randomize_
+from helpers import randomize_
 from vitkit.bench.peers import to_transformers
 from vitkit.checkpoints.hf import transformers_state
 from vitkit.errors import ConfigError

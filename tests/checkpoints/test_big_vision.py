@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import vitkit
-from conftest import FIXTURES, randomize_
-from helpers import official_io, rel_err
+from helpers import FIXTURES, official_io, randomize_, rel_err
 from vitkit.checkpoints import big_vision as bv
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.errors import CheckpointError

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vitkit
-from conftest import FIXTURES, randomize_
+from helpers import FIXTURES, randomize_
 from vitkit.checkpoints import detect_format, load_checkpoint
 from vitkit.checkpoints.onnx_export import export_onnx, validate_onnx
 from vitkit.cli import main

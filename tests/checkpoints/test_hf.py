@@ -12,8 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import vitkit
-from conftest import randomize_
-from helpers import rel_err
+from helpers import randomize_, rel_err
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError

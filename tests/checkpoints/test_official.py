@@ -11,8 +11,7 @@ import scipy.ndimage
 import torch
 
 import vitkit
-from conftest import FIXTURES
-from helpers import official_io, rel_err
+from helpers import FIXTURES, official_io, rel_err
 from vitkit.checkpoints import detect_format, load_checkpoint
 from vitkit.checkpoints import official as off
 from vitkit.errors import CheckpointError

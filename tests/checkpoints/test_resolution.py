@@ -8,7 +8,7 @@ import scipy.ndimage
 import torch
 
 import vitkit
-from conftest import FIXTURES
+from helpers import FIXTURES
 
 CKPT = FIXTURES / "official_vit_tiny.npz"
 

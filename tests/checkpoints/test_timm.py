@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 import vitkit
-from conftest import randomize_
-from helpers import rel_err
+from helpers import randomize_, rel_err
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.checkpoints import timm_format as tf
 from vitkit.errors import CheckpointError

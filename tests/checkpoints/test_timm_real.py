@@ -13,8 +13,7 @@ import torch
 from safetensors.torch import save_file
 from timm_real import import_timm
 
-from conftest import randomize_
-from helpers import rel_err
+from helpers import randomize_, rel_err
 from vitkit.checkpoints import load_checkpoint
 from vitkit.errors import CheckpointError
 

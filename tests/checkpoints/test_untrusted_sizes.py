@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import vitkit
-from conftest import FIXTURES
+from helpers import FIXTURES
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
 from vitkit.checkpoints.base import model_numel
 from vitkit.data.datasets import open_dataset

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vitkit
-from conftest import randomize_
+from helpers import randomize_
 from vitkit.checkpoints import detect_format, load_checkpoint
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import FIXTURES, SRC
+from helpers import FIXTURES, SRC
 from test_cli import run
 from vitkit.data.base import MissingSplitError
 from vitkit.data.datasets import open_dataset

@@ -11,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import randomize_
+from helpers import randomize_
 from test_cli import run
 from vitkit import save_pretrained
 from vitkit.checkpoints.preprocess import Preprocess

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import vitkit  # noqa: E402
-from conftest import FIXTURES  # noqa: E402
+from helpers import FIXTURES  # noqa: E402
 from vitkit.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
 from vitkit.checkpoints.preprocess import load_image  # noqa: E402
 from vitkit.data.datasets import open_dataset  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import randomize_
+from helpers import randomize_
 from test_cli import run
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
 from vitkit.models import create_model

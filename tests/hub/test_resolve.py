@@ -16,7 +16,7 @@ import pytest
 import torch
 from loopback_http import Server, http_server_fixture, private_caches_fixture  # noqa: F401 (fixtures)
 
-from conftest import FIXTURES, SRC, randomize_
+from helpers import FIXTURES, SRC, randomize_
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
 from vitkit.errors import CheckpointError
 from vitkit.hub import lookup

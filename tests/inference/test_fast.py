@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import randomize_
+from helpers import randomize_
 from vitkit import hardware, optimize_for_inference
 from vitkit.inference import fast
 from vitkit.inference.fast import FastBlock, InferenceViT, Int8Linear

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import randomize_
+from helpers import randomize_
 from vitkit.models import create_model
 
 

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from conftest import randomize_
+from helpers import randomize_
 from vitkit.errors import ConfigError
 from vitkit.models import VARIANTS, VisionTransformer, ViTConfig, count_parameters, create_model, list_models
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from conftest import randomize_
+from helpers import randomize_
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.checkpoints.vitkit_format import save
 from vitkit.models import create_model

@@ -22,7 +22,7 @@ import pytest
 from PIL import Image
 from serve_helpers import free_port, make_checkpoint
 
-from conftest import SRC
+from helpers import SRC
 from vitkit.cli import main
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

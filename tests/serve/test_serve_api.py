@@ -18,7 +18,7 @@ pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient
 from serve_helpers import CLASSES, image_bytes, make_checkpoint, metric, png_header_bomb
 
-from conftest import FIXTURES
+from helpers import FIXTURES
 from vitkit.analysis.attention import rollout_maps, upsample_maps
 from vitkit.cli import main
 from vitkit.serve.app import ServeOptions, create_app

@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 from serve_helpers import free_port, image_bytes, make_checkpoint, metric, uvicorn_thread  # noqa: E402
 
-from conftest import SRC  # noqa: E402
+from helpers import SRC  # noqa: E402
 from vitkit.serve.app import ServeOptions, create_app  # noqa: E402
 from vitkit.serve.batcher import Batcher, Closed, QueueFull  # noqa: E402
 from vitkit.serve.engine import ServedModel  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 from train_helpers import assert_close_weights, tiny_config, weights
 
-from conftest import SRC
+from helpers import SRC
 from vitkit.train import train
 
 HERE = Path(__file__).parent
