@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def one_hot_smooth(labels: torch.Tensor, num_classes: int, smoothing: float = 0.0) -> torch.Tensor:
@@ -66,3 +67,11 @@ class Mixer:
         else:
             x = lam * x + (1.0 - lam) * partner
         return x, lam * target + (1.0 - lam) * target.flip(0)
+
+
+def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, kind: str = "softmax") -> torch.Tensor:
+    """Mean over the batch of softmax cross-entropy, or of sigmoid cross-entropy summed over classes."""
+    logits = logits.float()
+    if kind == "sigmoid":
+        return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
+    return -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()

@@ -27,7 +27,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from vitkit.errors import CheckpointError
+from vitkit.configs import TrainConfig
+from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import clean_stale, complete_dir, fsync, make_temp_dir, remove_tree, replace_dir, write_errors
 
 STATE_FORMAT = "vitkit-train-state"
@@ -170,3 +171,45 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -
         state.setdefault(name, {}).update(extra)
     groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in doc["param_groups"]]
     return {"state": state, "param_groups": groups}
+
+
+def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
+    """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder)."""
+    state = resolve_resume(path)
+    meta = read_state_meta(state)
+    check_config_unchanged(state.parent.parent / "config.json", meta["config"])
+    return TrainConfig.from_dict(meta["config"]), state.parent.parent, state
+
+
+def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
+    """Refuse to resume when the run's ``config.json`` no longer says what its checkpoint was trained with:
+    ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
+    if not path.is_file():
+        return
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
+    diffs = _differences(saved, doc, "")
+    if diffs:
+        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
+        raise ConfigError(
+            f"{path}: edited since its checkpoint was written ({shown}); --resume continues a run exactly as it "
+            "was configured: undo the edit, or start a new run with the new settings"
+        )
+
+
+def _differences(old: Any, new: Any, where: str) -> list[str]:
+    """'field: old -> new' for every leaf where two JSON documents differ."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            path = f"{where}.{k}" if where else str(k)
+            if k not in new:
+                out.append(f"{path}: removed")
+            elif k not in old:
+                out.append(f"{path}: added")
+            else:
+                out += _differences(old[k], new[k], path)
+        return out
+    return [] if old == new else [f"{where}: {json.dumps(old)} -> {json.dumps(new)}"]

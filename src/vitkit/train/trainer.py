@@ -43,7 +43,7 @@ from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset, skipped_note
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
-from vitkit.data.mix import Mixer
+from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
 from vitkit.hardware import has_tf32
@@ -52,6 +52,7 @@ from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
+from vitkit.train.state import resume_config
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
 
@@ -89,14 +90,6 @@ class TrainResult:
 def step_seed(seed: int, step: int, rank: int) -> int:
     """A 63-bit seed for the global torch RNG at ``step`` (dropout, stochastic depth)."""
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def soft_cross_entropy(logits: torch.Tensor, target: torch.Tensor, kind: str = "softmax") -> torch.Tensor:
-    """Mean over the batch of softmax cross-entropy, or of sigmoid cross-entropy summed over classes."""
-    logits = logits.float()
-    if kind == "sigmoid":
-        return F.binary_cross_entropy_with_logits(logits, target, reduction="none").sum(-1).mean()
-    return -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
 
 
 class Trainer:
@@ -578,48 +571,6 @@ class Trainer:
 
 def _holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
-
-
-def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
-    """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder)."""
-    state = train_state.resolve_resume(path)
-    meta = train_state.read_state_meta(state)
-    check_config_unchanged(state.parent.parent / "config.json", meta["config"])
-    return TrainConfig.from_dict(meta["config"]), state.parent.parent, state
-
-
-def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
-    """Refuse to resume when the run's ``config.json`` no longer says what its checkpoint was trained with:
-    ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
-    if not path.is_file():
-        return
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
-    diffs = _differences(saved, doc, "")
-    if diffs:
-        shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
-        raise ConfigError(
-            f"{path}: edited since its checkpoint was written ({shown}); --resume continues a run exactly as it "
-            "was configured: undo the edit, or start a new run with the new settings"
-        )
-
-
-def _differences(old: Any, new: Any, where: str) -> list[str]:
-    """'field: old -> new' for every leaf where two JSON documents differ."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for k in sorted(set(old) | set(new), key=str):
-            path = f"{where}.{k}" if where else str(k)
-            if k not in new:
-                out.append(f"{path}: removed")
-            elif k not in old:
-                out.append(f"{path}: added")
-            else:
-                out += _differences(old[k], new[k], path)
-        return out
-    return [] if old == new else [f"{where}: {json.dumps(old)} -> {json.dumps(new)}"]
 
 
 def train(
