@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -36,3 +37,15 @@ def randomize_(model: torch.nn.Module, std: float = 0.05) -> torch.nn.Module:
                 if isinstance(m, torch.nn.LayerNorm) and name == "weight":
                     p.add_(1.0)
     return model
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``vitkit ARGV`` in-process: (exit status, stdout, stderr)."""
+    from vitkit.cli import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse exits for --help and usage errors
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

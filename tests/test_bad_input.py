@@ -16,23 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helpers import SRC, randomize_
+from helpers import SRC, randomize_, run_cli
 from vitkit.checkpoints.vitkit_format import save
-from vitkit.cli import main
 from vitkit.models import create_model
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def one_line_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    code, _, err = run(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("note:") and "%|" not in ln]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     return lines[0]
@@ -172,7 +162,7 @@ def test_eval_warns_when_class_names_differ(capsys: pytest.CaptureFixture[str], 
         (tmp_path / "d" / "test" / cls).mkdir(parents=True)
         for i in range(2):
             Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(tmp_path / "d" / "test" / cls / f"{i}.png")
-    code, _, err = run(capsys, "eval", str(ckpt), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "ev"))
+    code, _, err = run_cli(capsys, "eval", str(ckpt), "--data", str(tmp_path / "d"), "--out", str(tmp_path / "ev"))
     assert code == 0
     assert "WARNING: the dataset's class names differ from the checkpoint's at 2 of 2 indices" in err
     assert "'x' vs 'a'" in err
@@ -201,7 +191,7 @@ def test_fewshot_and_bench_never_overwrite_a_named_file(capsys: pytest.CaptureFi
 def test_fewshot_overwrite_replaces_the_file(capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpt: Path) -> None:
     out = tmp_path / "fewshot.json"
     out.write_text("old\n")
-    code, _, err = run(capsys, "fewshot", str(ckpt), "--data", "digits", "--shots", "1", "--seeds", "1",
+    code, _, err = run_cli(capsys, "fewshot", str(ckpt), "--data", "digits", "--shots", "1", "--seeds", "1",
                        "--out", str(out), "--overwrite")  # fmt: skip
     assert code == 0, err
     assert json.loads(out.read_text())["checkpoint"] == str(ckpt)

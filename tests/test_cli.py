@@ -11,19 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import FIXTURES, SRC
+from helpers import FIXTURES, SRC, run_cli
 from vitkit.cli import build_parser, main
 
 CKPT = str(FIXTURES / "official_vit_tiny.npz")
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # argparse exits for --help and usage errors
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def subcommands() -> list[str]:
@@ -34,29 +25,29 @@ def subcommands() -> list[str]:
 
 @pytest.mark.parametrize("command", subcommands())
 def test_every_subcommand_has_help(capsys: pytest.CaptureFixture[str], command: str) -> None:
-    code, out, _ = run(capsys, command, "--help")
+    code, out, _ = run_cli(capsys, command, "--help")
     assert code == 0 and "usage: vitkit" in out
 
 
 def test_info_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(capsys, "info", "B/16")
+    code, out, _ = run_cli(capsys, "info", "B/16")
     assert code == 0 and "86,567,656" in out and "17.56 GMACs = 35.13 GFLOPs" in out
-    code, out, _ = run(capsys, "info", "L/16", "--image-size", "384", "--num-classes", "10", "--json")
+    code, out, _ = run_cli(capsys, "info", "L/16", "--image-size", "384", "--num-classes", "10", "--json")
     doc = json.loads(out)
     assert doc["tokens"] == 577 and doc["config"]["num_classes"] == 10
     assert doc["gflops"] == pytest.approx(2 * doc["gmacs"])
-    code, out, _ = run(capsys, "info", CKPT)
+    code, out, _ = run_cli(capsys, "info", CKPT)
     assert code == 0 and "GELU tanh" in out
 
 
 def test_predict_prints_top_k(capsys: pytest.CaptureFixture[str], sample_jpeg: Path) -> None:
-    code, out, err = run(capsys, "predict", "--checkpoint", CKPT, str(sample_jpeg), str(sample_jpeg), "--json")
+    code, out, err = run_cli(capsys, "predict", "--checkpoint", CKPT, str(sample_jpeg), str(sample_jpeg), "--json")
     assert code == 0, err
     lines = [json.loads(line) for line in out.splitlines()]
     assert len(lines) == 2 and len(lines[0]["top"]) == 5  # the fixture has 5 classes
     probs = [t["prob"] for t in lines[0]["top"]]
     assert probs == sorted(probs, reverse=True) and sum(probs) == pytest.approx(1.0, abs=1e-5)
-    code, out, _ = run(capsys, "predict", "-c", CKPT, str(sample_jpeg), "--top-k", "2")
+    code, out, _ = run_cli(capsys, "predict", "-c", CKPT, str(sample_jpeg), "--top-k", "2")
     assert code == 0 and "1. class" in out and "3." not in out
 
 
@@ -75,7 +66,7 @@ def test_predict_prints_top_k(capsys: pytest.CaptureFixture[str], sample_jpeg: P
 def test_errors_are_one_line(
     capsys: pytest.CaptureFixture[str], sample_jpeg: Path, argv: list[str], needle: str
 ) -> None:
-    code, _out, err = run(capsys, *[str(sample_jpeg) if a == "IMG" else a for a in argv])
+    code, _out, err = run_cli(capsys, *[str(sample_jpeg) if a == "IMG" else a for a in argv])
     assert code == 2
     assert needle in err
     assert len(err.strip().splitlines()) == 1, err
@@ -85,7 +76,7 @@ def test_errors_are_one_line(
 def test_corrupt_image_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     bad = tmp_path / "bad.jpg"
     bad.write_bytes(b"\xff\xd8\xff garbage")
-    code, _, err = run(capsys, "predict", "-c", CKPT, str(bad))
+    code, _, err = run_cli(capsys, "predict", "-c", CKPT, str(bad))
     assert code == 2 and str(bad) in err and len(err.strip().splitlines()) == 1
 
 
@@ -110,7 +101,7 @@ TINY_TRAIN = ["--image-size", "8", "--batch-size", "256", "--set", f"model.overr
 
 def test_train_then_predict_and_finetune(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    code, out, err = run(capsys, "train", "--epochs", "2", "--lr", "0.003", "--out", str(run_dir), *TINY_TRAIN)
+    code, out, err = run_cli(capsys, "train", "--epochs", "2", "--lr", "0.003", "--out", str(run_dir), *TINY_TRAIN)
     assert code == 0, err
     assert "test accuracy:" in out and "/359)" in out and f"run folder: {run_dir}" in out
     assert (run_dir / "model" / "model.safetensors").is_file() and (run_dir / "curves.png").is_file()
@@ -121,7 +112,7 @@ def test_train_then_predict_and_finetune(capsys: pytest.CaptureFixture[str], tmp
 
     img_path = tmp_path / "digit.png"
     open_dataset("digits", "test")[0][0].save(img_path)
-    code, out, err = run(capsys, "predict", "-c", str(run_dir), str(img_path), "--json")
+    code, out, err = run_cli(capsys, "predict", "-c", str(run_dir), str(img_path), "--json")
     assert code == 0, err
     assert len(json.loads(out)["top"]) == 5
     # fine-tune the run on a 3-class folder at 16 px
@@ -131,14 +122,14 @@ def test_train_then_predict_and_finetune(capsys: pytest.CaptureFixture[str], tmp
             Image.new("L", (8, 8), 60 * i + j).save(tmp_path / "data" / cls / f"{j}.png")
     ft = tmp_path / "ft"
     argv = ["finetune", str(run_dir), "--data", str(tmp_path / "data"), "--steps", "2", "--batch-size", "4"]
-    code, out, err = run(capsys, *argv, "--image-size", "16", "--out", str(ft), "--quiet")
+    code, out, err = run_cli(capsys, *argv, "--image-size", "16", "--out", str(ft), "--quiet")
     assert code == 0, err
     assert f"run folder: {ft}" in out
     cfg = json.loads((ft / "config.json").read_text())
     assert cfg["optim"]["name"] == "sgd" and cfg["model"]["init_from"] == str(run_dir)
     assert json.loads((ft / "model" / "config.json").read_text())["class_names"] == ["x", "y", "z"]
     # resuming a finished run is a no-op that ends at the same step
-    code, out, err = run(capsys, "train", "--resume", str(ft), "--quiet")
+    code, out, err = run_cli(capsys, "train", "--resume", str(ft), "--quiet")
     assert code == 0 and "(2 steps" in out, err
 
 
@@ -157,7 +148,7 @@ def test_train_then_predict_and_finetune(capsys: pytest.CaptureFixture[str], tmp
     ],
 )
 def test_training_errors_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
-    code, _out, err = run(capsys, *argv)
+    code, _out, err = run_cli(capsys, *argv)
     assert code == 2
     assert needle in err
     assert len(err.strip().splitlines()) == 1, err
@@ -220,6 +211,6 @@ def test_train_notes_emulated_bf16(
 
 
 def test_a_bad_set_value_is_one_line_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:
-    code, _, err = run(capsys, "train", "--steps", "1", "--quiet", "--set", "optim.lr=abc")
+    code, _, err = run_cli(capsys, "train", "--steps", "1", "--quiet", "--set", "optim.lr=abc")
     assert code == 2
     assert err.strip() == "vitkit train: error: --set optim.lr=abc: expected a number"

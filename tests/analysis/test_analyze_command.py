@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import randomize_
-from test_cli import run
+from helpers import randomize_, run_cli
 from vitkit import create_model, save_pretrained
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
@@ -39,7 +38,7 @@ def test_analyze_writes_every_figure_and_a_summary(
 
     Image.fromarray(load_sample_image("flower.jpg")).resize((96, 64)).save(flower)
     out = tmp_path / "out"
-    code, stdout, err = run(
+    code, stdout, err = run_cli(
         capsys, "analyze", str(checkpoints[kind]), str(sample_jpeg), str(flower), "--out", str(out),
         "--layer", "2", "--head", "3", "--device", "cpu", "--batch-size", "1",
     )  # fmt: skip
@@ -64,7 +63,9 @@ def test_analyze_writes_every_figure_and_a_summary(
 def test_analyze_without_images_and_at_another_resolution(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, checkpoints: dict[str, Path]
 ) -> None:
-    code, _, err = run(capsys, "analyze", str(checkpoints["token"]), "--out", str(tmp_path), "--image-size", "64x32")
+    code, _, err = run_cli(
+        capsys, "analyze", str(checkpoints["token"]), "--out", str(tmp_path), "--image-size", "64x32"
+    )
     assert code == 0, err
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["grid"] == [4, 2] and summary["attention"] == {"skipped": "no images given"}
@@ -87,7 +88,7 @@ def test_analyze_without_images_and_at_another_resolution(
 def test_analyze_errors_are_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, checkpoints: dict[str, Path], extra: list[str], message: str
 ) -> None:
-    code, _, err = run(capsys, "analyze", str(checkpoints["token"]), "--out", str(tmp_path), *extra)
+    code, _, err = run_cli(capsys, "analyze", str(checkpoints["token"]), "--out", str(tmp_path), *extra)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
@@ -95,7 +96,7 @@ def test_analyze_images_from_a_dataset(capsys: pytest.CaptureFixture[str], tmp_p
     """Images taken evenly from a dataset split, options before the (empty) image list; grey digits model."""
     model = create_model("Ti/16", patch_size=2, image_size=8, in_channels=1, depth=2, num_heads=3, num_classes=10)
     ckpt = save_pretrained(randomize_(model), tmp_path / "m", preprocess=Preprocess(image_size=8, grayscale=True))  # type: ignore[arg-type]
-    code, _, err = run(
+    code, _, err = run_cli(
         capsys, "analyze", str(ckpt), "--data", "digits", "--num-images", "20", "--max-overlays", "3",
         "--out", str(tmp_path / "o"),
     )  # fmt: skip

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import vitkit
-from helpers import FIXTURES, randomize_
+from helpers import FIXTURES, randomize_, run_cli
 from vitkit.checkpoints import detect_format, load_checkpoint
 from vitkit.checkpoints.onnx_export import export_onnx, validate_onnx
-from vitkit.cli import main
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
@@ -21,20 +20,11 @@ CKPT = FIXTURES / "official_vit_tiny.npz"
 TARGETS = {"vitkit": "v", "official": "o.npz", "big_vision": "bv.npz", "hf": "hf", "timm": "t.safetensors"}
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(argv))
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_convert_official_to_every_format_and_back(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     io = np.load(FIXTURES / "official_vit_tiny.io.npz")
     x = torch.from_numpy(io["inputs_nhwc"]).permute(0, 3, 1, 2)
     for fmt, name in TARGETS.items():
-        code, out, err = run(capsys, "convert", str(CKPT), str(tmp_path / name), "--to", fmt)
+        code, out, err = run_cli(capsys, "convert", str(CKPT), str(tmp_path / name), "--to", fmt)
         assert code == 0, err
         assert "rel err 0," in out or "rel err 0\n" in out, out  # every target holds this model exactly
         assert detect_format(tmp_path / name) == fmt
@@ -47,7 +37,7 @@ def test_convert_official_to_every_format_and_back(capsys: pytest.CaptureFixture
 def test_convert_keeps_class_names_and_changes_resolution(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     model = randomize_(vitkit.create_model("Ti/16", image_size=32, patch_size=8, depth=1, num_classes=2)).eval()
     vitkit.save_pretrained(model, tmp_path / "src", class_names=["cat", "dog"])
-    code, _out, err = run(
+    code, _out, err = run_cli(
         capsys, "convert", str(tmp_path / "src"), str(tmp_path / "hf"), "--to", "hf", "--image-size", "48x64",
         "--pos-interpolation", "bicubic",
     )  # fmt: skip
@@ -62,7 +52,7 @@ def test_convert_keeps_class_names_and_changes_resolution(capsys: pytest.Capture
 def test_convert_refusal_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     model = vitkit.create_model("Ti/16", image_size=32, classifier="gap", num_classes=2)
     vitkit.save_pretrained(model, tmp_path / "gap")
-    code, _, err = run(capsys, "convert", str(tmp_path / "gap"), str(tmp_path / "hf"), "--to", "hf")
+    code, _, err = run_cli(capsys, "convert", str(tmp_path / "gap"), str(tmp_path / "hf"), "--to", "hf")
     assert code == 2 and "GAP" in err and len(err.strip().splitlines()) == 1
 
 
@@ -82,7 +72,7 @@ def test_onnx_matches_pytorch_in_onnxruntime(tmp_path: Path, name: str, kw: dict
 
 
 def test_export_command_reports_errors(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, err = run(capsys, "export", str(CKPT), str(tmp_path / "m.onnx"), "--image-size", "48")
+    code, out, err = run_cli(capsys, "export", str(CKPT), str(tmp_path / "m.onnx"), "--image-size", "48")
     assert code == 0, err
     rel = float(out.rsplit("rel err ", 1)[1])
     assert rel < 1e-5 and "(B, 3, 48, 48)" in out

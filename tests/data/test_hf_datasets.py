@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import FIXTURES, SRC
-from test_cli import run
+from helpers import FIXTURES, SRC, run_cli
 from vitkit.data.base import MissingSplitError
 from vitkit.data.datasets import open_dataset
 from vitkit.errors import DataError
@@ -139,6 +138,6 @@ def test_eval_command_reads_a_saved_dataset(capsys: pytest.CaptureFixture[str], 
     rows = {"image": [{"bytes": png(i * 40), "path": None} for i in range(5)], "label": [0, 1, 2, 3, 4]}
     datasets.DatasetDict({"test": datasets.Dataset.from_dict(rows, features=feats)}).save_to_disk(tmp_path / "d")
     ckpt = str(FIXTURES / "official_vit_tiny.npz")
-    code, out, err = run(capsys, "eval", ckpt, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "e"))
+    code, out, err = run_cli(capsys, "eval", ckpt, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "e"))
     assert code == 0, err
     assert f"on {tmp_path / 'd'} [test]: 5 examples" in out

@@ -11,8 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import randomize_
-from test_cli import run
+from helpers import randomize_, run_cli
 from vitkit import save_pretrained
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
@@ -43,7 +42,9 @@ def digits_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_eval_on_digits(capsys: pytest.CaptureFixture[str], tmp_path: Path, digits_ckpt: Path) -> None:
     out = tmp_path / "ev"
-    code, stdout, err = run(capsys, "eval", str(digits_ckpt), "--data", "digits", "--out", str(out), "--device", "cpu")
+    code, stdout, err = run_cli(
+        capsys, "eval", str(digits_ckpt), "--data", "digits", "--out", str(out), "--device", "cpu"
+    )
     assert code == 0, err
     assert "359 examples" in stdout and "top-5" in stdout
     doc = json.loads((out / "metrics.json").read_text())
@@ -59,7 +60,7 @@ def test_eval_on_digits(capsys: pytest.CaptureFixture[str], tmp_path: Path, digi
 
 
 def test_fewshot_on_digits(capsys: pytest.CaptureFixture[str], tmp_path: Path, digits_ckpt: Path) -> None:
-    code, stdout, err = run(
+    code, stdout, err = run_cli(
         capsys, "fewshot", str(digits_ckpt), "--data", "digits", "--shots", "1,5", "--seeds", "2", "--l2", "auto",
         "--json", "--out", str(tmp_path / "fs.json"),
     )  # fmt: skip
@@ -68,7 +69,7 @@ def test_fewshot_on_digits(capsys: pytest.CaptureFixture[str], tmp_path: Path, d
     assert doc == json.loads((tmp_path / "fs.json").read_text())
     assert doc["l2_mode"] == "auto" and set(doc["shots"]) == {"1", "5"} and len(doc["shots"]["5"]["per_seed"]) == 2
     assert doc["shots"]["5"]["mean"] > 0.3  # even random ViT features carry digit identity: far above 10% chance
-    code, stdout, err = run(capsys, "fewshot", str(digits_ckpt), "--data", "digits", "--shots", "2", "--seeds", "1")
+    code, stdout, err = run_cli(capsys, "fewshot", str(digits_ckpt), "--data", "digits", "--shots", "2", "--seeds", "1")
     assert code == 0 and "2^10" in stdout, err
 
 
@@ -85,7 +86,7 @@ def test_eval_on_an_image_folder_missing_a_class(capsys: pytest.CaptureFixture[s
     pre = Preprocess(image_size=8)
     ckpt = save_pretrained(tiny(3, 8), tmp_path / "model", preprocess=pre, class_names=["a", "b", "c"])
     (tmp_path / "real.csv").write_text("key,labels\na0.png,a b c\nc2.png,\n")
-    code, stdout, err = run(
+    code, stdout, err = run_cli(
         capsys, "eval", str(ckpt), "--data", str(tmp_path / "data"), "--split", "val", "--out", str(tmp_path / "o"),
         "--real-labels", str(tmp_path / "real.csv"), "--json",
     )  # fmt: skip
@@ -117,5 +118,5 @@ def test_eval_on_an_image_folder_missing_a_class(capsys: pytest.CaptureFixture[s
 def test_errors_are_one_line(
     capsys: pytest.CaptureFixture[str], digits_ckpt: Path, argv: list[str], message: str
 ) -> None:
-    code, _, err = run(capsys, *(a.format(ckpt=digits_ckpt) for a in argv))
+    code, _, err = run_cli(capsys, *(a.format(ckpt=digits_ckpt) for a in argv))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

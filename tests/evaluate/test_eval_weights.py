@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_cli import run
+from helpers import run_cli
 from vitkit.configs import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from vitkit.errors import CheckpointError
 from vitkit.evaluate.weights import load_for_eval
@@ -72,7 +72,7 @@ def test_ema_is_an_error_where_there_is_none(runs: dict[str, Path]) -> None:
 def test_eval_command_with_raw_weights(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, runs: dict[str, Path]
 ) -> None:
-    code, out, err = run(capsys, "eval", str(runs["ema"]), "--data", "digits", "--no-ema", "--out", str(tmp_path))
+    code, out, err = run_cli(capsys, "eval", str(runs["ema"]), "--data", "digits", "--no-ema", "--out", str(tmp_path))
     assert code == 0 and "raw (non-averaged) weights of training step 6" in err and "top-1" in out
-    code, _, err = run(capsys, "fewshot", str(runs["plain"]), "--data", "digits", "--ema", "--shots", "1")
+    code, _, err = run_cli(capsys, "fewshot", str(runs["plain"]), "--data", "digits", "--ema", "--shots", "1")
     assert code == 2 and "trained without EMA" in err and len(err.strip().splitlines()) == 1

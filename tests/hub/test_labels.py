@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import randomize_
-from test_cli import run
+from helpers import randomize_, run_cli
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
 from vitkit.models import create_model
 
@@ -26,7 +25,7 @@ def imagenet_npz(tmp_path: Path) -> Path:
 def test_predict_prints_imagenet_names(
     capsys: pytest.CaptureFixture[str], imagenet_npz: Path, sample_jpeg: Path
 ) -> None:
-    code, out, _ = run(capsys, "predict", "-c", str(imagenet_npz), str(sample_jpeg), "--top-k", "1")
+    code, out, _ = run_cli(capsys, "predict", "-c", str(imagenet_npz), str(sample_jpeg), "--top-k", "1")
     assert code == 0 and "1. golden retriever" in out
     loaded = load_checkpoint(imagenet_npz)
     assert "imagenet-1k" in loaded.meta.provenance["class_names"]
@@ -37,7 +36,7 @@ def test_names_survive_convert(
     capsys: pytest.CaptureFixture[str], imagenet_npz: Path, tmp_path: Path, fmt: str
 ) -> None:
     out = tmp_path / ("out.safetensors" if fmt == "timm" else "out")
-    code, _, err = run(capsys, "convert", str(imagenet_npz), str(out), "--to", fmt)
+    code, _, err = run_cli(capsys, "convert", str(imagenet_npz), str(out), "--to", fmt)
     assert code == 0, err
     names = load_checkpoint(out).meta.class_names
     assert names is not None and len(names) == 1000 and names[207] == "golden retriever"
@@ -52,9 +51,9 @@ def test_custom_names_survive_convert_and_export(capsys: pytest.CaptureFixture[s
     model = randomize_(create_model("Ti/16", image_size=32, num_classes=3))
     src = save_checkpoint(model, tmp_path / "src", "vitkit", class_names=["ant", "bee", "cow"])
     for fmt, out in (("hf", tmp_path / "hf"), ("timm", tmp_path / "t.safetensors"), ("vitkit", tmp_path / "v")):
-        assert run(capsys, "convert", str(src), str(out), "--to", fmt)[0] == 0
+        assert run_cli(capsys, "convert", str(src), str(out), "--to", fmt)[0] == 0
         assert load_checkpoint(out).meta.class_names == ["ant", "bee", "cow"], fmt
-    code, _, err = run(capsys, "export", str(tmp_path / "hf"), str(tmp_path / "m.onnx"))
+    code, _, err = run_cli(capsys, "export", str(tmp_path / "hf"), str(tmp_path / "m.onnx"))
     assert code == 0, err
     meta = ort.InferenceSession(str(tmp_path / "m.onnx")).get_modelmeta().custom_metadata_map
     assert json.loads(meta["class_names"]) == ["ant", "bee", "cow"]

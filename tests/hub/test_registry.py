@@ -78,16 +78,16 @@ def test_readme_table_is_the_generated_one() -> None:
 def test_models_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     import json
 
-    from test_cli import run
+    from helpers import run_cli
 
-    code, out, _ = run(capsys, "models", "--filter", "i21k-i1k", "--cache-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "models", "--filter", "i21k-i1k", "--cache-dir", str(tmp_path))
     lines = out.splitlines()
     assert code == 0 and lines[0].split()[:3] == ["name", "arch", "params"]
     row = next(line for line in lines if line.startswith("ViT-L_16-i21k-i1k-384 "))
     assert row.split()[1:] == ["L/16", "303.7M", "384", "ImageNet-21k", "ImageNet-1k", "85.15", "no"]
     assert lines[-1].startswith("7 models")
-    code, out, _ = run(capsys, "models", "--filter", "R_Ti_16", "--json", "--cache-dir", str(tmp_path))
+    code, out, _ = run_cli(capsys, "models", "--filter", "R_Ti_16", "--json", "--cache-dir", str(tmp_path))
     rows = json.loads(out)
     assert code == 0 and {r["architecture"] for r in rows} == {"R+Ti/16"} and len(rows) == 3
     assert all(r["cached"] is False and r["url"].startswith("gs://vit_models/augreg/R_Ti_16") for r in rows)
-    assert run(capsys, "models", "--filter", "no-such-thing")[0] == 1
+    assert run_cli(capsys, "models", "--filter", "no-such-thing")[0] == 1
