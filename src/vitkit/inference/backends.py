@@ -271,8 +271,7 @@ def optimize_with_backend(
     timings = time_candidates(candidates, x)
     best = min(timings, key=lambda k: timings[k])
     chosen = candidates[best]
-    chosen.backend = best  # type: ignore[assignment]  (the torch fast path gets the attribute too)
-    chosen.auto_timings = timings  # type: ignore[assignment]
+    vars(chosen).update(backend=best, auto_timings=timings)  # the torch fast path is labelled too
     return chosen
 
 
