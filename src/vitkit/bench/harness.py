@@ -506,7 +506,7 @@ def format_report(result: dict[str, Any]) -> str:
             "(float vs float, int8 vs int8)"
         )
     for r in result["results"]:
-        if r["impl"] == "vitkit-fast" and len(r.get("speedup_vs_peers") or {}) > 1:
+        if r["impl"] == "vitkit-fast" and r.get("speedup_vs_peers") and r["peer_best"] != r["runner"]:
             each = ", ".join(f"{v:.2f}x {k}" for k, v in r["speedup_vs_peers"].items())
             lines.append(f"  {r['runner']}: {each}")
     lines.append(
