@@ -33,6 +33,17 @@ from vitkit import hardware
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
+# The MLP's hidden activation per chunk of rows (CPU). Whole, B/16 at batch 32 makes it 37 MiB, above glibc's
+# largest mmap threshold (32 MiB): every call then maps fresh pages and faults them in (220k page faults,
+# 0.36 s of kernel time per call, measured), and it leaves L3 between fc1 and fc2. Chunks of ~10 MiB: +5%.
+MLP_CHUNK_BYTES = 10 << 20
+
+
+def chunk_rows(rows: int, row_bytes: int, budget: int) -> int:
+    """Rows per chunk when ``rows`` rows of ``row_bytes`` each are split into equal chunks of at most
+    ``budget`` bytes (at least one row)."""
+    chunks = max(1, -(-rows * row_bytes // budget))
+    return max(1, -(-rows // chunks))
 
 
 def _has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
@@ -102,16 +113,21 @@ class FastBlock(nn.Module):
         # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
         self.explicit_attention = pack and block.attn.qkv.weight.device.type == "cpu"
         self.scores_bytes = SCORES_CHUNK_BYTES
+        # CPU: the MLP runs over chunks of rows (MLP_CHUNK_BYTES); its weights are packed for that many rows
+        hidden = self.fc1_features = block.mlp.fc1.out_features
+        self.mlp_bytes = MLP_CHUNK_BYTES if self.explicit_attention else 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         if quantize is not None:
             self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize)
             self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
-            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, rows, quantize)
-            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", rows, quantize)
+            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize)
+            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
-            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, rows, pack)
-            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", rows, pack)
+            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, mlp_rows, pack)
+            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", mlp_rows, pack)
 
     def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
         # x: (B*T, D)
@@ -131,6 +147,15 @@ class FastBlock(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
         o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
         x = self.proj(o, x)  # x + proj(o)
+        step = chunk_rows(BT, self.fc1_features * x.element_size(), self.mlp_bytes) if self.mlp_bytes else BT
+        if step >= BT:
+            return self.mlp(x)
+        out = torch.empty_like(x)
+        for i in range(0, BT, step):
+            out[i : i + step] = self.mlp(x[i : i + step])
+        return out
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
 
 
