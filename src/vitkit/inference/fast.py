@@ -134,14 +134,8 @@ class FastBlock(nn.Module):
         BT, D = x.shape
         T, h, d = BT // batch, self.num_heads, self.head_dim
         qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
-        if self.explicit_attention:  # softmax(q k^T) v as two batched GEMMs; the scale is in q already
-            q, k, v = qkv.contiguous().view(3, batch * h, T, d).unbind(0)  # 3 x (B*h, T, d)
-            o = torch.empty_like(q)
-            step = max(1, self.scores_bytes // (T * T * q.element_size()))  # scores of a chunk stay in cache
-            for i in range(0, batch * h, step):
-                probs = torch.bmm(q[i : i + step], k[i : i + step].transpose(1, 2)).softmax(dim=-1)  # (n, T, T)
-                torch.bmm(probs, v[i : i + step], out=o[i : i + step])
-            o = o.view(batch, h, T, d)
+        if self.explicit_attention:
+            o = self.explicit(qkv, batch, T)
         else:
             q, k, v = qkv.unbind(0)  # 3 x (B, h, T, d), strided views
             o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
@@ -154,6 +148,25 @@ class FastBlock(nn.Module):
         for i in range(0, BT, step):
             out[i : i + step] = self.mlp(x[i : i + step])
         return out
+
+    def explicit(self, qkv: torch.Tensor, batch: int, T: int) -> torch.Tensor:
+        """softmax(q k^T) v as two batched GEMMs (the scale is in q already) over groups of images, and within
+        a group over chunks of heads, whose (T, T) scores stay in cache (``scores_bytes``). q, k and v are
+        made contiguous one group at a time: the copy of the whole (3, B, h, T, d) at once ran at a quarter of
+        the speed of the same copy per group, in cache (B/16 b32: 7 ms of 130 per layer, measured).
+        qkv: (3, B, h, T, d) view -> (B, h, T, d)."""
+        h, d = self.num_heads, self.head_dim
+        o = qkv.new_empty(batch, h, T, d)
+        image_bytes = h * T * T * qkv.element_size()
+        images = chunk_rows(batch, image_bytes, self.scores_bytes)  # images per group
+        heads = max(1, self.scores_bytes // (T * T * qkv.element_size()))  # (image, head) pairs per chunk
+        for b in range(0, batch, images):
+            q, k, v = qkv[:, b : b + images].contiguous().view(3, -1, T, d).unbind(0)  # 3 x (n*h, T, d)
+            out = o[b : b + images].view(-1, T, d)
+            for i in range(0, q.shape[0], heads):
+                probs = torch.bmm(q[i : i + heads], k[i : i + heads].transpose(1, 2)).softmax(dim=-1)  # (n, T, T)
+                torch.bmm(probs, v[i : i + heads], out=out[i : i + heads])
+        return o
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
