@@ -6,10 +6,12 @@ The transform keeps the model's function and changes how it is computed:
   layout for the batch size seen, so no GEMM reorders its weights per call;
 - bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
   second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
-- attention: on CPU, softmax(q k^T) v as two batched GEMMs over chunks of heads small enough for their
-  scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths, 4-30%
-  end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded
-  into the query weights;
+- attention: on CPU, softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads)
+  small enough for their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's
+  sequence lengths, 4-30% end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the
+  1/sqrt(d) scale is folded into the query weights;
+- on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
+  glibc's mmap threshold: no page faults per call);
 - optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
   per call: dynamic quantisation; 7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
   ``torch.compile`` of the whole forward instead of hand packing.
