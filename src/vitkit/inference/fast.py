@@ -24,6 +24,7 @@ final norm and head are the original model's own modules, cast to the dtype. The
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -330,6 +331,8 @@ def optimize_for_inference(
     compile: bool = False,
     int8: bool = False,
     batch_size: int | None = None,
+    backend: str = "torch",
+    calibration: torch.Tensor | None = None,
 ) -> nn.Module:
     """A copy of ``model`` for fast inference that computes the same function (up to ``dtype`` rounding).
 
@@ -340,7 +343,18 @@ def optimize_for_inference(
     compiles). On CPU the eager pre-packed path is the faster one (see BENCHMARKS.md); ``compile`` is the
     choice on CUDA. The original model is left untouched. The result has ``forward`` (logits) and
     ``forward_features``; it runs without gradients.
+
+    ``backend``: "torch" (the above), "onnxruntime" or "openvino" (exported to ONNX and run by that engine,
+    ``calibration`` images for OpenVINO's int8; see ``vitkit.inference.backends``: callable like the model,
+    no ``forward_features``), or "auto": whichever of these is fastest here in a short measurement.
     """
+    if backend != "torch":
+        from vitkit.inference.backends import optimize_with_backend
+
+        ours = functools.partial(
+            optimize_for_inference, model, dtype, compile=compile, int8=int8, batch_size=batch_size
+        )
+        return optimize_with_backend(model, dtype, backend, int8, batch_size, calibration, ours)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     device = next(model.parameters()).device
