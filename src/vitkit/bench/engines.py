@@ -23,17 +23,18 @@ run every timed call starts after ``SETTLE_S`` of idle time, when no pool spins 
 from __future__ import annotations
 
 import tempfile
-from typing import TYPE_CHECKING
-
-import torch
 
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, VitkitError
-from vitkit.inference.backends import ENGINES, engine_model, engine_precisions, export_for_engines, require_engine
+from vitkit.inference.backends import (
+    ENGINES,
+    EngineModel,
+    engine_model,
+    engine_precisions,
+    export_for_engines,
+    require_engine,
+)
 from vitkit.models.vit import VisionTransformer
-
-if TYPE_CHECKING:
-    from vitkit.bench.harness import BenchSpec, Runner
 
 ENGINE_PEERS = ENGINES
 SETTLE_S = 0.05  # idle time before each timed call when engines alternate with torch (its OpenMP spins ~10 ms)
@@ -44,26 +45,26 @@ def engines_in(compare: tuple[str, ...]) -> list[str]:
     return [p for p in compare if p in ENGINE_PEERS]
 
 
-def check_engines(spec: BenchSpec) -> None:
+def check_engines(compare: tuple[str, ...], precisions: tuple[str, ...], task: str, device: str) -> None:
     """Fail before any measuring when an engine peer cannot run: a missing package (one line naming the
     extra), a training benchmark, or a GPU."""
-    engines = engines_in(spec.compare)
+    engines = engines_in(compare)
     if not engines:
         return
-    if spec.task != "inference" or spec.device != "cpu":
+    if task != "inference" or device != "cpu":
         raise ConfigError(f"--compare {' '.join(engines)}: the engines are inference peers on the CPU")
     for e in engines:
         try:
-            require_engine(e, int8="int8" in spec.precisions)
+            require_engine(e, int8="int8" in precisions)
         except VitkitError as err:
             raise VitkitError(f"--compare {e}: {err}") from None
 
 
-def engine_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor, pre: Preprocess) -> list[Runner]:
-    """A runner for every (engine, precision) of the spec the engine computes in, on one shared export."""
-    from vitkit.bench.harness import Runner
-
-    wanted = [(e, p) for p in spec.precisions for e in engines_in(spec.compare) if p in engine_precisions(e)]
+def engine_models(
+    compare: tuple[str, ...], precisions: tuple[str, ...], model: VisionTransformer, pre: Preprocess
+) -> list[EngineModel]:
+    """A model for every (engine, precision) asked for that the engine computes in, on one shared export."""
+    wanted = [(e, p) for p in precisions for e in engines_in(compare) if p in engine_precisions(e)]
     if not wanted:
         return []
     calibration = None
@@ -71,19 +72,6 @@ def engine_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor, p
         from vitkit.bench.images import real_image_batch
 
         calibration = real_image_batch(pre)[:CALIBRATION_IMAGES]
-    runners = []
     with tempfile.TemporaryDirectory(prefix="vitkit-bench-") as tmp:
         onnx_path = export_for_engines(model, tmp)
-        for engine, precision in wanted:
-            fn = engine_model(onnx_path, engine, precision, calibration=calibration)
-            x1 = x[:1].clone()
-
-            def step(fn=fn) -> None:
-                fn(x)
-
-            def latency(fn=fn, x1=x1) -> None:
-                fn(x1)
-
-            name = f"{engine} [{precision}]"
-            runners.append(Runner(name, engine, precision, step, fn, latency, info={"engine": fn.detail}))
-    return runners
+        return [engine_model(onnx_path, e, p, calibration=calibration) for e, p in wanted]

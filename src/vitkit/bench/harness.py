@@ -23,12 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit import hardware
-from vitkit.bench.engines import SETTLE_S, check_engines, engine_runners, engines_in
+from vitkit.bench.engines import SETTLE_S, check_engines, engine_models, engines_in
 from vitkit.bench.measure import Timing, peak_memory, synchronize, time_alternating
 from vitkit.bench.peak import Peak, measure_peak
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.inference import optimize_for_inference
+from vitkit.inference.backends import EngineModel
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
 from vitkit.train.distributed import checkpoint_activations
@@ -199,6 +200,13 @@ def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, 
     return Runner(name, impl, precision, step, output, latency)
 
 
+def _engine_runner(fn: EngineModel, x: torch.Tensor) -> Runner:
+    """An ONNX Runtime / OpenVINO model (``vitkit.bench.engines``) as a runner: float images in, logits out."""
+    x1 = x[:1].clone()
+    name = f"{fn.backend} [{fn.precision}]"
+    return Runner(name, fn.backend, fn.precision, lambda: fn(x), fn, lambda: fn(x1), info={"engine": fn.detail})
+
+
 def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) -> list[Runner]:
     """One training step (forward, cross-entropy, backward, AdamW) per (implementation, precision).
 
@@ -290,7 +298,7 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
         from vitkit.bench.peers import transformers_config
 
         transformers_config(model)  # fail early, naming what transformers cannot represent
-    check_engines(spec)
+    check_engines(spec.compare, spec.precisions, spec.task, spec.device)
     gen = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(spec.batch_size, model.cfg.in_channels, spec.image_size, spec.image_size, generator=gen)
     x = x.to(device)
@@ -303,7 +311,7 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
             peaks[kind] = measure_peak(kind, device)
     say("building runners")
     runners = inference_runners(spec, model, x) if spec.task == "inference" else train_runners(spec, model, x)
-    runners += engine_runners(spec, model, x, pre) if engines_in(spec.compare) else []
+    runners += [_engine_runner(m, x) for m in engine_models(spec.compare, spec.precisions, model, pre)]
     settle = SETTLE_S if engines_in(spec.compare) else 0.0
     for r in runners:  # warm-up; the first call includes compilation / lazy packing
         say(f"warm-up {r.name}")
