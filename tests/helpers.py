@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import torch
 
+from vitkit.models import VisionTransformer, create_model
+
 FIXTURES = Path(__file__).parent / "fixtures"
 SRC = Path(__file__).parents[1] / "src"
 
@@ -23,6 +25,12 @@ def official_io() -> tuple[torch.Tensor, np.ndarray]:
     """The official code's fixture batch (NCHW tensor) and the logits it produced for it."""
     io = np.load(FIXTURES / "official_vit_tiny.io.npz")
     return torch.from_numpy(io["inputs_nhwc"]).permute(0, 3, 1, 2), io["logits"]
+
+
+def meta_model(name: str, **overrides: object) -> VisionTransformer:
+    """``create_model(name, **overrides)`` on the meta device: shapes and parameter counts, no memory."""
+    with torch.device("meta"):
+        return create_model(name, **overrides)
 
 
 def randomize_(model: torch.nn.Module, std: float = 0.05) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Resolution change on load: the official default (scipy zoom order 1) on non-square grids, bicubic option."""
+"""Resolution change on load: the official default (scipy zoom order 1) on non-square grids; the bicubic option
+against Pillow's antialiased bicubic (timm's choice)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 import scipy.ndimage
 import torch
+from PIL import Image
 
 import vitkit
 from helpers import FIXTURES
@@ -26,9 +28,25 @@ def test_official_default_on_non_square_grids(size: tuple[int, int]) -> None:
     assert model(torch.randn(1, 3, *size)).shape == (1, 5)
 
 
-def test_bicubic_is_an_option_and_differs() -> None:
-    bilinear = vitkit.load_pretrained(CKPT, image_size=56)
-    bicubic = vitkit.load_pretrained(CKPT, image_size=56, pos_interpolation="bicubic")
-    assert bilinear.pos_embed is not None and bicubic.pos_embed is not None
-    torch.testing.assert_close(bicubic.pos_embed[:, :1], bilinear.pos_embed[:, :1])  # class slot kept
-    assert (bicubic.pos_embed - bilinear.pos_embed).abs().max() > 1e-4
+@pytest.mark.parametrize("size", [56, 16, (24, 40)])
+def test_bicubic_is_the_antialiased_kernel_pillow_defines(size: int | tuple[int, int]) -> None:
+    """pos_interpolation="bicubic" is timm's resample_abs_pos_embed: half-pixel bicubic, a = -0.5, antialias=True,
+    the kernel PyTorch took from Pillow. So Pillow resizing each channel of the official grid (a float image)
+    is an independent reference, enlarging (4x4 -> 7x7), shrinking (2x2) and both at once (3x5); the class slot
+    is kept. (Hugging Face's interpolate_pos_encoding is plain bicubic, a = -0.75, without antialias: not this.)
+    """
+    model = vitkit.load_pretrained(CKPT, image_size=size, pos_interpolation="bicubic")
+    pe = np.load(CKPT)["Transformer/posembed_input/pos_embedding"]  # (1, 1 + 4 * 4, D)
+    grid = pe[0, 1:].reshape(4, 4, -1).astype(np.float32)
+    gh, gw = model.cfg.grid_size
+    ref = np.stack(
+        [
+            np.asarray(Image.fromarray(grid[..., c]).resize((gw, gh), Image.Resampling.BICUBIC))
+            for c in range(grid.shape[-1])
+        ],
+        axis=-1,
+    )
+    assert model.pos_embed is not None
+    out = model.pos_embed.detach().numpy()
+    np.testing.assert_array_equal(out[:, :1], pe[:, :1])
+    np.testing.assert_allclose(out[0, 1:].reshape(gh, gw, -1), ref, rtol=0, atol=1e-6 * np.abs(grid).max())

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import vitkit
+from helpers import run_cli
 from vitkit import fileio
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
-from vitkit.cli import main
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.evaluate.evaluate import EvalReport, write_eval_report
 from vitkit.evaluate.metrics import compute_metrics
@@ -43,11 +43,6 @@ def tiny(num_classes: int = 3, value: float | None = None) -> vitkit.VisionTrans
     return model.eval()
 
 
-def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    code = main(list(argv))
-    return code, capsys.readouterr().err
-
-
 def user_folder(path: Path) -> Path:
     path.mkdir(parents=True)
     (path / "notes.txt").write_text("mine")
@@ -70,13 +65,13 @@ def test_convert_refuses_a_users_folder_and_its_own_input(capsys: pytest.Capture
     run = fake_run(tmp_path / "run")
     before = snapshot(run)
     mine = user_folder(tmp_path / "p")
-    code, err = run_cli(capsys, "convert", str(run), str(mine), "--to", "vitkit")
+    code, _, err = run_cli(capsys, "convert", str(run), str(mine), "--to", "vitkit")
     assert code == 2 and "notes.txt" in err and len(err.strip().splitlines()) == 1, err
-    code, err = run_cli(capsys, "convert", str(run), str(mine), "--to", "vitkit", "--overwrite")
+    code, _, err = run_cli(capsys, "convert", str(run), str(mine), "--to", "vitkit", "--overwrite")
     assert code == 2 and "never deletes" in err, err  # --overwrite replaces only vitkit's own checkpoints
     assert (mine / "notes.txt").read_text() == "mine"
     for out in (run, run / "model", run / "sub", tmp_path):  # the input itself, inside it, around it
-        code, err = run_cli(capsys, "convert", str(run), str(out), "--to", "vitkit", "--overwrite")
+        code, _, err = run_cli(capsys, "convert", str(run), str(out), "--to", "vitkit", "--overwrite")
         assert code == 2 and "would overwrite the input" in err, (out, err)
     assert snapshot(run) == before
 
@@ -86,14 +81,14 @@ def test_convert_replaces_a_vitkit_checkpoint_only_with_overwrite(
 ) -> None:
     run = fake_run(tmp_path / "run")
     assert run_cli(capsys, "convert", str(run), str(tmp_path / "v"), "--to", "vitkit")[0] == 0
-    code, err = run_cli(capsys, "convert", str(run), str(tmp_path / "v"), "--to", "vitkit")
+    code, _, err = run_cli(capsys, "convert", str(run), str(tmp_path / "v"), "--to", "vitkit")
     assert code == 2 and "--overwrite" in err
     assert run_cli(capsys, "convert", str(run), str(tmp_path / "v"), "--to", "hf", "--overwrite")[0] == 0
     assert vitkit.checkpoints.detect_format(tmp_path / "v") == "hf"
     for target in ("o.npz", "t.safetensors"):  # files: refused when present, replaced with --overwrite
         fmt = "official" if target.endswith(".npz") else "timm"
         (tmp_path / target).write_bytes(b"user data")
-        code, err = run_cli(capsys, "convert", str(tmp_path / "v"), str(tmp_path / target), "--to", fmt)
+        code, _, err = run_cli(capsys, "convert", str(tmp_path / "v"), str(tmp_path / target), "--to", fmt)
         assert code == 2 and "already exists" in err and (tmp_path / target).read_bytes() == b"user data"
         args = ("convert", str(tmp_path / "v"), str(tmp_path / target), "--to", fmt, "--overwrite")
         assert run_cli(capsys, *args)[0] == 0

@@ -1,6 +1,7 @@
 """vitkit's timm loader against the real ``timm`` package (imported with torchvision stubbed, see timm_real.py;
 skipped when timm is not installed): non-square grids whose entry count is a square, ``no_embed_class``,
-and position-embedding resampling as timm does it when a checkpoint is loaded at another resolution."""
+and position-embedding resampling as timm does it when a checkpoint is loaded at another resolution, and as its
+resample_abs_pos_embed does it when called directly."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from timm_real import import_timm
 from helpers import randomize_, rel_err
 from vitkit.checkpoints import load_checkpoint
 from vitkit.errors import CheckpointError
+from vitkit.models.posembed import resample_grid
 
 vt = import_timm()
 pytestmark = pytest.mark.skipif(vt is None, reason="timm is not installed")
@@ -79,3 +81,18 @@ def test_bicubic_resampling_is_timms(tmp_path: Path, new: int | tuple[int, int])
     x = torch.randn(2, 3, *size)
     with torch.no_grad():
         assert rel_err(loaded(x), target(x)) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "prefix"), [((4, 6), (7, 3), 1), ((6, 4), (4, 6), 0), ((5, 5), (1, 9), 1), ((3, 7), (9, 14), 4)]
+)
+def test_bicubic_resampling_is_resample_abs_pos_embed(old: tuple[int, int], new: tuple[int, int], prefix: int) -> None:
+    """resample_grid(..., "bicubic") against timm's resample_abs_pos_embed called directly: non-square old grids
+    (which timm's loader never passes), one axis shrinking while the other grows, a one-row grid, the same token
+    count in another shape, and no / several prefix tokens (kept as they are)."""
+    assert vt is not None
+    pe = torch.randn(1, prefix + old[0] * old[1], 8)
+    ref = vt.resample_abs_pos_embed(pe, list(new), list(old), num_prefix_tokens=prefix)
+    out = resample_grid(pe, old, new, prefix, "bicubic")
+    assert torch.equal(out[:, :prefix], pe[:, :prefix])
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)

@@ -4,6 +4,8 @@ and downscaled crops go through PyTorch's antialiased kernel. Checked against Pi
 
 from __future__ import annotations
 
+import io
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -11,10 +13,24 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import decode_crop, decode_crop_rgb, is_lazy_jpeg, normalize, open_lazy
+from vitkit.checkpoints.preprocess import (
+    EncodedJpeg,
+    ImageTooLarge,
+    decode_crop,
+    decode_crop_rgb,
+    is_lazy_jpeg,
+    normalize,
+    open_lazy,
+)
 from vitkit.data.datasets import open_dataset
 from vitkit.data.loader import TrainLoader
-from vitkit.data.transforms import TrainTransform, inception_crop_box, sample_rng
+from vitkit.data.transforms import (
+    REDUCED_DECODE_PIXELS,
+    TrainTransform,
+    inception_crop_box,
+    pillow_resize,
+    sample_rng,
+)
 from vitkit.errors import DataError
 
 
@@ -60,8 +76,11 @@ def test_reduced_scale_decode_takes_the_same_region(photo_folder: Path) -> None:
             img, region = decode_crop(open_lazy(ds.paths[i]), box, (size, size))
             assert img.size == (-(-full.width // scale), -(-full.height // scale))  # decoded at 1/scale
             assert region == tuple(v / scale for v in box)
+            draft = Image.open(ds.paths[i])
+            draft.draft("RGB", (full.width // scale, full.height // scale))  # Pillow's DCT-scaled decode
+            assert np.array_equal(np.asarray(img), np.asarray(draft.convert("RGB")))
             arr, region_rgb = decode_crop_rgb(open_lazy(ds.paths[i]), box, (size, size))
-            assert np.array_equal(arr, np.asarray(img)) and region_rgb == region  # simplejpeg = Pillow's draft
+            assert np.array_equal(arr, np.asarray(img)) and region_rgb == region
             ours = np.asarray(tf.augment(ds.lazy_item(i)[0], sample_rng(0, epoch, i)))
             ref = np.asarray(full.resize((size, size), Image.Resampling.BILINEAR, box=box))
             moved = moved_box(box, full.width, full.height)
@@ -149,3 +168,138 @@ def test_truncated_jpeg_is_named_by_the_loader(tmp_path: Path, sample_jpeg: Path
     loader = TrainLoader(ds, TrainTransform((32, 32)), global_batch=3, seed=0)
     with pytest.raises(DataError, match=r"1\.jpg: corrupt or truncated"):
         list(loader.epoch(0))
+
+
+def _denormalised(x: torch.Tensor) -> np.ndarray:
+    """A (C, H, W) tensor normalised with mean = std = 0.5 back to (H, W, C) levels 0..255."""
+    return (x.numpy().transpose(1, 2, 0) * 0.5 + 0.5) * 255.0
+
+
+def test_enlarged_crops_match_pillow(photo_folder: Path) -> None:
+    """Crops smaller than the output (enlarged) also go through PyTorch's kernel for an RGB model: Pillow's
+    bilinear filter on the same box, within rounding (Pillow also reads one pixel outside the box)."""
+    ds = open_dataset(str(photo_folder), "train")
+    tf = TrainTransform((160, 160), crop_scale=(0.02, 0.1), flip=False)
+    for i in range(len(ds)):
+        full = Image.open(ds.paths[i]).convert("RGB")
+        box = inception_crop_box(full.width, full.height, sample_rng(5, 0, i), tf.crop_scale, tf.crop_ratio)
+        assert box[2] - box[0] < 160 and box[3] - box[1] < 160  # an enlargement
+        ours = _denormalised(tf(ds.lazy_item(i)[0], sample_rng(5, 0, i)))
+        ref = np.asarray(full.resize((160, 160), Image.Resampling.BILINEAR, box=box), dtype=np.float64)
+        diff = np.abs(ours - ref)
+        assert float(diff.mean()) < 0.2 and float(diff[2:-2, 2:-2].max()) <= 2.01
+
+
+@pytest.mark.parametrize("interp", ["bilinear", "bicubic"])
+def test_pillow_resize_of_a_window_is_pillows_resize(photo_folder: Path, interp: str) -> None:
+    """Pillow handed only the pixels around the region gives exactly its resize of the whole image, for
+    whole-pixel and fractional regions, enlarged and reduced, at the image's edges too."""
+    arr = np.asarray(Image.open(next(photo_folder.glob("train/c0/*.jpg"))).convert("RGB"))
+    h, w = arr.shape[:2]
+    resample = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}[interp]
+    rng = np.random.default_rng(0)
+    regions = [(0.0, 0.0, float(w), float(h)), (0.0, 0.0, 40.5, 30.25), (w - 33.375, h - 20.0, float(w), float(h))]
+    for _ in range(30):
+        left, top = rng.uniform(0, w - 20) // 0.125 * 0.125, rng.uniform(0, h - 20) // 0.125 * 0.125
+        regions.append((left, top, rng.uniform(left + 8, w) // 1, rng.uniform(top + 8, h) // 0.5 * 0.5))
+    for region in regions:
+        for size in ((64, 48), (224, 224)):
+            ref = np.asarray(Image.fromarray(arr).resize((size[1], size[0]), resample, box=region))
+            assert np.array_equal(pillow_resize(arr, region, size, interp), ref), region
+
+
+def test_encoded_jpeg_decodes_as_pillow(tmp_path: Path, photo_folder: Path) -> None:
+    """Greyscale and RGB JPEGs are read undecoded; decoding them gives Pillow's pixels in Pillow's mode,
+    and the training transform gives what it gives for the image Pillow decoded."""
+    src = Image.open(next(photo_folder.glob("train/c1/*.jpg")))
+    (tmp_path / "train" / "a").mkdir(parents=True)
+    src.convert("L").save(tmp_path / "train" / "a" / "grey.jpg", quality=90)
+    src.save(tmp_path / "train" / "a" / "rgb.jpg", quality=75, subsampling=1)  # 4:2:2
+    ds = open_dataset(str(tmp_path), "train")
+    for i, mode in enumerate(["L", "RGB"]):
+        lazy = ds.lazy_item(i)[0]
+        assert isinstance(lazy, EncodedJpeg) and lazy.mode == mode and lazy.size == src.size
+        pil = Image.open(ds.paths[i])
+        img, region = decode_crop(lazy, (0, 0, 10, 10), (64, 64))
+        assert img.mode == mode and np.array_equal(np.asarray(img), np.asarray(pil)) and region == (0, 0, 10, 10)
+        for grey in (False, True):
+            tf = TrainTransform((64, 64), grayscale=grey, crop_scale=(0.05, 0.2))
+            for k in range(4):
+                assert torch.equal(tf(ds.lazy_item(i)[0], sample_rng(0, k, i)), tf(ds[i][0], sample_rng(0, k, i)))
+
+
+def test_large_jpegs_decode_reduced_on_the_same_region(tmp_path: Path) -> None:
+    """Above REDUCED_DECODE_PIXELS the trainer's path decodes at 1/2..1/8 scale when the crop allows: the
+    same region as Pillow's full decode (far closer to it than that crop moved by 2 px)."""
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images().images
+    photo = Image.new("RGB", (1400, 1000))
+    for k, (x, y) in enumerate((x, y) for y in (0, 427, 854) for x in (0, 640, 1280)):  # photo detail, not upscaled
+        photo.paste(Image.fromarray(photos[k % 2]), (x, y))
+    assert REDUCED_DECODE_PIXELS <= 1400 * 1000
+    photo.save(tmp_path / "big.jpg", quality=90)
+    lazy = open_lazy(tmp_path / "big.jpg")
+    full = Image.open(tmp_path / "big.jpg").convert("RGB")
+    tf = TrainTransform((160, 160), flip=False, crop_scale=(0.2, 1.0))
+    reduced = 0
+    for k in range(6):
+        box = inception_crop_box(1400, 1000, sample_rng(0, k, 0), tf.crop_scale, tf.crop_ratio)
+        reduced += min(box[2] - box[0], box[3] - box[1]) >= 2 * 160
+        ours = _denormalised(tf(lazy, sample_rng(0, k, 0)))
+        ref = np.asarray(full.resize((160, 160), Image.Resampling.BILINEAR, box=box), dtype=np.float64)
+        moved = moved_box(box, 1400, 1000)
+        other = np.asarray(full.resize((160, 160), Image.Resampling.BILINEAR, box=moved), dtype=np.float64)
+        assert _levels(ours, ref) < 3.0 and _levels(ours, ref) < 0.4 * _levels(other, ref)
+    assert reduced >= 4
+
+
+def test_webdataset_jpegs_take_the_lazy_path(tmp_path: Path, photo_folder: Path) -> None:
+    """JPEG members of a shard are read undecoded and give the same tensors as the same files in an
+    ImageFolder; other members decode as before; a truncated member is named as shard:member."""
+    folder = open_dataset(str(photo_folder), "train")
+    shard = tmp_path / "train-0000.tar"
+    with tarfile.open(shard, "w") as tar:
+        for i, path in enumerate(folder.paths):
+            tar.add(path, arcname=f"s{i:03d}.jpg")
+            _add(tar, f"s{i:03d}.cls", str(int(folder.labels[i])).encode())
+        buf = io.BytesIO()
+        Image.open(folder.paths[0]).save(buf, format="PNG")
+        _add(tar, "png.png", buf.getvalue())
+        _add(tar, "png.cls", b"0")
+        _add(tar, "cut.jpg", Path(folder.paths[1]).read_bytes()[:5000])
+        _add(tar, "cut.cls", b"1")
+    ds = open_dataset(str(shard), "train")
+    tf = TrainTransform((64, 64))
+    for i in range(len(folder)):
+        lazy, label = ds.lazy_item(i)
+        assert isinstance(lazy, EncodedJpeg) and label == folder.labels[i]
+        assert torch.equal(tf(lazy, sample_rng(0, 0, i)), tf(folder.lazy_item(i)[0], sample_rng(0, 0, i)))
+    png, _ = ds.lazy_item(len(folder))
+    assert isinstance(png, Image.Image) and np.array_equal(np.asarray(png), np.asarray(folder[0][0]))
+    with pytest.raises(DataError, match=r"train-0000\.tar:cut\.jpg: corrupt or truncated"):
+        tf(ds.lazy_item(len(folder) + 1)[0], sample_rng(0, 0, 0))
+
+
+def test_open_lazy_refuses_what_load_image_refuses(
+    tmp_path: Path, photo_folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(DataError, match="no such file"):
+        open_lazy(tmp_path / "missing.jpg")
+    with pytest.raises(DataError, match="is a directory"):
+        open_lazy(tmp_path)
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    with pytest.raises(DataError, match=r"empty file \(0 bytes\)"):
+        open_lazy(tmp_path / "empty.jpg")
+    (tmp_path / "junk.jpg").write_bytes(b"\xff\xd8 not a JPEG at all")
+    with pytest.raises(DataError, match=r"junk\.jpg: "):
+        open_lazy(tmp_path / "junk.jpg")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the header's size is checked before decoding
+    with pytest.raises(ImageTooLarge, match=r"exceeds the limit of 1000 pixels"):
+        open_lazy(next(photo_folder.glob("train/c0/*.jpg")))
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))

@@ -5,12 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
+from helpers import meta_model
 from vitkit.hub import entries, label_names, lookup, search
 from vitkit.hub.labels import imagenet21k_synsets
 from vitkit.hub.registry import AmbiguousName, markdown_table
-from vitkit.models import create_model
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -35,8 +34,7 @@ def test_entries_are_unique_sourced_and_consistent() -> None:
 def test_parameter_counts_match_the_architecture(name: str) -> None:
     e = lookup(name)
     assert e is not None
-    with torch.device("meta"):
-        model = create_model(e.architecture, num_classes=0, image_size=e.resolution)
+    model = meta_model(e.architecture, num_classes=0, image_size=e.resolution)
     assert sum(p.numel() for p in model.parameters()) == e.params_without_head
 
 

@@ -8,7 +8,7 @@ import torch
 from helpers import randomize_
 from vitkit import hardware, optimize_for_inference
 from vitkit.inference import fast
-from vitkit.inference.fast import FastBlock, InferenceViT, Int8Linear
+from vitkit.inference.fast import FastBlock, InferenceViT, Int8Linear, chunk_rows
 from vitkit.models import create_model
 
 
@@ -137,3 +137,23 @@ def test_chunked_explicit_attention_equals_sdpa() -> None:
             b.explicit_attention = False
         fused = fast(x)
     assert _rel(chunked, fused) < 1e-5
+
+
+def test_mlp_over_chunks_of_rows_equals_the_whole_mlp() -> None:
+    """The CPU path runs each block's MLP over chunks of rows (so its hidden activation stays small):
+    forced here to chunks of 7 rows (not a divisor of 3 x 10 tokens), against one pass over all rows."""
+    model = _model()
+    x = torch.randn(3, 3, 48, 48)
+    with torch.inference_mode():
+        ref = model(x)
+        fast = InferenceViT(model, torch.float32, rows=None)
+        blocks = [b for b in fast.blocks if isinstance(b, FastBlock)]
+        for b in blocks:
+            b.mlp_bytes = 7 * b.fc1_features * 4  # 7 rows of fp32
+        assert chunk_rows(30, blocks[0].fc1_features * 4, blocks[0].mlp_bytes) == 6  # 5 equal chunks
+        chunked = fast(x)
+        for b in blocks:
+            b.mlp_bytes = 0
+        whole = fast(x)
+    assert _rel(chunked, whole) < 1e-6
+    assert _rel(chunked, ref) < 1e-5

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import vitkit
+from helpers import meta_model
 from vitkit.analysis.attention import (
     attention_maps,
     distance_matrix,
@@ -35,9 +35,9 @@ MODELS = {
 SIZES = [(32, 32), (48, 64)]  # native, and a non-native non-square resolution (resampled position embedding)
 
 
-def meta_model(kind: str) -> VisionTransformer:
-    with META:
-        return vitkit.create_model("R50+B/16" if kind == "hybrid" else "Ti/16", **MODELS[kind]).eval()
+def small_meta(kind: str) -> VisionTransformer:
+    """One of the small MODELS on the meta device, in eval mode."""
+    return meta_model("R50+B/16" if kind == "hybrid" else "Ti/16", **MODELS[kind]).eval()
 
 
 def test_a_cpu_tensor_in_a_meta_forward_is_an_error() -> None:
@@ -50,7 +50,7 @@ def test_a_cpu_tensor_in_a_meta_forward_is_an_error() -> None:
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("size", SIZES)
 def test_forward_and_intermediates_stay_on_the_device(kind: str, size: tuple[int, int]) -> None:
-    model = meta_model(kind)
+    model = small_meta(kind)
     x = torch.empty(2, 3, *size, device=META)
     with torch.no_grad():
         logits = model(x)
@@ -68,18 +68,18 @@ def test_position_embedding_resampling_and_resize_stay_on_the_device(method: str
     assert resample_grid(pe, (4, 4), (1, 8), 1, method).device == META  # the one-pixel axis path
     assert resample_grid(pe[:, :5], (1, 4), (5, 4), 1, method).device == META
     assert sincos_2d((3, 5), 32, device=META).device == META
-    model = meta_model("learned")
+    model = small_meta("learned")
     model.resize_image((48, 64), method)
     assert model.pos_embed is not None and model.pos_embed.device == META
     assert model.pos_embed.shape == (1, 1 + 6 * 8, 32)
-    sincos = meta_model("sincos")
+    sincos = small_meta("sincos")
     sincos.resize_image(64)
     assert sincos.pos_table.device == META and sincos.pos_table.shape == (1, 64, 32)
 
 
 @pytest.mark.parametrize("kind", ["learned", "gap"])
 def test_attention_analysis_stays_on_the_device(kind: str) -> None:
-    model = meta_model(kind)
+    model = small_meta(kind)
     x = torch.empty(2, 3, 48, 64, device=META)
     grid, prefix, stride = model.grid_of(x), model.cfg.num_prefix_tokens, model.cfg.stride
     with torch.no_grad():
@@ -95,7 +95,7 @@ def test_attention_analysis_stays_on_the_device(kind: str) -> None:
 @pytest.mark.parametrize("kind", list(MODELS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inference_fast_path_stays_on_the_device(kind: str, dtype: torch.dtype) -> None:
-    fast = optimize_for_inference(meta_model(kind), dtype)
+    fast = optimize_for_inference(small_meta(kind), dtype)
     for size in SIZES:
         logits = fast(torch.empty(2, 3, *size, device=META))
         assert logits.device == META and logits.shape == (2, 3) and logits.dtype == dtype

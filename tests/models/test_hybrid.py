@@ -11,6 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import vitkit
+from helpers import meta_model
 from vitkit.checkpoints import official as off
 from vitkit.models import VARIANTS, count_parameters, create_model
 from vitkit.models.cost import cost_table
@@ -38,11 +39,6 @@ def official_hybrid_params(name: str, image: int = 224, classes: int = 1000) -> 
     total += D + (n_tok + 1) * D  # cls + pos
     total += L * (4 * (D * D + D) + D * M + M + M * D + D + 4 * D) + 2 * D  # blocks + encoder_norm
     return total + D * classes + classes
-
-
-def meta_model(name: str, **kw: object) -> VisionTransformer:
-    with torch.device("meta"):
-        return create_model(name, **kw)
 
 
 def test_r50_b16_has_the_official_parameter_count() -> None:

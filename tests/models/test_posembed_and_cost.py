@@ -6,7 +6,7 @@ import scipy.ndimage
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from vitkit.models import create_model
+from helpers import meta_model
 from vitkit.models.cost import cost_table
 from vitkit.models.posembed import resample_grid, sincos_2d
 
@@ -47,8 +47,7 @@ def test_sincos_2d_structure() -> None:
 
 @pytest.mark.parametrize(("name", "size"), [("B/16", 224), ("S/32", 384), ("Ti/16", (224, 320)), ("L/14", 224)])
 def test_macs_equal_torch_flop_counter(name: str, size: int | tuple[int, int]) -> None:
-    with torch.device("meta"):
-        model = create_model(name, image_size=size)
+    model = meta_model(name, image_size=size)
     macs = sum(r.macs for r in cost_table(model))
     with FlopCounterMode(display=False) as counter, torch.no_grad():
         model(torch.empty(1, 3, *model.cfg.image_size, device="meta"))
@@ -56,8 +55,7 @@ def test_macs_equal_torch_flop_counter(name: str, size: int | tuple[int, int]) -
 
 
 def test_b16_cost_matches_published_figure() -> None:
-    with torch.device("meta"):
-        model = create_model("B/16")
+    model = meta_model("B/16")
     rows = cost_table(model)
     assert abs(sum(r.macs for r in rows) / 1e9 - 17.56) < 0.01  # 17.6 GMACs = 35.1 GFLOPs
     assert sum(r.params for r in rows) == 86_567_656

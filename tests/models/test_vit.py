@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from helpers import randomize_
+from helpers import meta_model, randomize_
 from vitkit.errors import ConfigError
 from vitkit.models import VARIANTS, VisionTransformer, ViTConfig, count_parameters, create_model, list_models
 
@@ -34,11 +34,6 @@ def official_param_formula(size: str, patch: int, image: int = 224, classes: int
     encoder_norm = 2 * D
     head = D * classes + classes
     return embedding + cls + pos + L * (attention + mlp + norms) + encoder_norm + head
-
-
-def meta_model(name: str, **kw: object) -> VisionTransformer:
-    with torch.device("meta"):
-        return create_model(name, **kw)
 
 
 @pytest.mark.parametrize("name", list(OFFICIAL_COUNTS))

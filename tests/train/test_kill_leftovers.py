@@ -7,15 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-from train_helpers import tiny_config
+from train_helpers import Crash, tiny_config
 
 from vitkit.checkpoints import load_checkpoint
 from vitkit.train import train
 from vitkit.train.trainer import Trainer
-
-
-class _Crash(Exception):
-    pass
 
 
 def test_resume_cleans_what_a_kill_left(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -23,10 +19,10 @@ def test_resume_cleans_what_a_kill_left(tmp_path: Path, capsys: pytest.CaptureFi
 
     def crash(trainer: Trainer, rec: dict[str, float]) -> None:
         if trainer.step == 12:  # epoch 1 ended at step 11: best/ and a checkpoint exist
-            raise _Crash
+            raise Crash
 
     trainer = Trainer(cfg, tmp_path / "run", progress=False)
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         trainer.fit(on_step=crash)
     trainer.close()
     root = tmp_path / "run"

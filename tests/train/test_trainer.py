@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from train_helpers import assert_close_weights, assert_same_weights, tiny_config, weights
+from train_helpers import Crash, assert_close_weights, assert_same_weights, tiny_config, weights
 
 from vitkit import load_checkpoint
 from vitkit.errors import ConfigError, DataError
@@ -63,10 +63,6 @@ def _losses(steps: list[dict[str, float]]) -> list[tuple[int, float, float]]:
     return [(int(r["step"]), r["loss"], r["lr"]) for r in steps]
 
 
-class _Crash(Exception):
-    pass
-
-
 def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -> None:
     """Every random path on (dropout, stochastic depth, RandAugment, Mixup/CutMix, EMA): kill at step 15
     (mid-epoch 2, last checkpoint at 12), resume, and compare everything exactly."""
@@ -80,10 +76,10 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
 
     def crash(trainer: Trainer, rec: dict[str, float]) -> None:
         if trainer.step == 15:
-            raise _Crash
+            raise Crash
 
     trainer = Trainer(cfg, tmp_path / "cut", progress=False)
-    with pytest.raises(_Crash):
+    with pytest.raises(Crash):
         trainer.fit(on_step=crash)
     before = trainer.history
     trainer.close()

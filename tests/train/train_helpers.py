@@ -12,6 +12,10 @@ from vitkit.configs import AugConfig, DataConfig, ModelConfig, OptimConfig, Trai
 TINY_MODEL = {"patch_size": 4, "hidden_size": 16, "depth": 2, "num_heads": 2, "mlp_dim": 32}
 
 
+class Crash(Exception):
+    """Raised from an ``on_step`` hook to stop a run in-process (for tests that need no real kill)."""
+
+
 def tiny_config(**changes: Any) -> TrainConfig:
     cfg = TrainConfig(
         name="tiny",

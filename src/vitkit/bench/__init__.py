@@ -4,5 +4,6 @@
 - ``harness``: ``run_bench(BenchSpec(...))``: throughput, latency, memory, fraction of peak, agreement;
 - ``measure``: timing of alternating runners and peak memory of one call;
 - ``peers``: transformers' ViT holding the same weights;
+- ``engines``: ONNX Runtime and OpenVINO on vitkit's ONNX export (``--compare onnxruntime openvino``);
 - ``curve``: throughput against image size, and attention's N^2 share.
 """

@@ -23,11 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit import hardware
+from vitkit.bench.engines import SETTLE_S, check_engines, engine_models, engines_in
 from vitkit.bench.measure import Timing, peak_memory, synchronize, time_alternating
 from vitkit.bench.peak import Peak, measure_peak
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.inference import optimize_for_inference
+from vitkit.inference.backends import EngineModel
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
 from vitkit.train.distributed import checkpoint_activations
@@ -36,7 +38,7 @@ from vitkit.train.optim import adam_kernel
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16", "int8")
 TASKS = ("inference", "train")
-PEERS = ("transformers",)
+PEERS = ("transformers", "onnxruntime", "openvino")
 _PEAK_KIND = {"fp32": "fp32", "bf16-autocast": "bf16", "bf16": "bf16", "int8": "int8"}  # precision -> peak
 
 
@@ -54,7 +56,7 @@ class BenchSpec:
     precisions: tuple[str, ...] = ("bf16",)
     compile: bool = False
     fast: bool = True  # include vitkit's inference fast path (inference only)
-    compare: tuple[str, ...] = ()  # peers: "transformers"
+    compare: tuple[str, ...] = ()  # peers: "transformers", "onnxruntime", "openvino"
     grad_checkpointing: bool = False  # train: also run with activation checkpointing
     warmup: int = 1
     repeats: int = 5
@@ -86,7 +88,7 @@ class Runner:
     """A named way of running the model: ``step()`` does one timed unit of work on the batch."""
 
     name: str
-    impl: str  # "vitkit" | "vitkit-fast" | "transformers"
+    impl: str  # "vitkit" | "vitkit-fast" | "transformers" | "onnxruntime" | "openvino"
     precision: str
     step: Callable[[], Any]
     output: Callable[[torch.Tensor], torch.Tensor] | None = None  # inference: logits for given images
@@ -200,6 +202,13 @@ def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, 
     return Runner(name, impl, precision, step, output, latency)
 
 
+def _engine_runner(fn: EngineModel, x: torch.Tensor) -> Runner:
+    """An ONNX Runtime / OpenVINO model (``vitkit.bench.engines``) as a runner: float images in, logits out."""
+    x1 = x[:1].clone()
+    name = f"{fn.backend} [{fn.precision}]"
+    return Runner(name, fn.backend, fn.precision, lambda: fn(x), fn, lambda: fn(x1), info={"engine": fn.detail})
+
+
 def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) -> list[Runner]:
     """One training step (forward, cross-entropy, backward, fused AdamW) per (implementation, precision).
 
@@ -301,6 +310,7 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
         from vitkit.bench.peers import transformers_config
 
         transformers_config(model)  # fail early, naming what transformers cannot represent
+    check_engines(spec.compare, spec.precisions, spec.task, spec.device)
     gen = torch.Generator().manual_seed(spec.seed)
     x = torch.randn(spec.batch_size, model.cfg.in_channels, spec.image_size, spec.image_size, generator=gen)
     x = x.to(device)
@@ -313,6 +323,8 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
             peaks[kind] = measure_peak(kind, device)
     say("building runners")
     runners = inference_runners(spec, model, x) if spec.task == "inference" else train_runners(spec, model, x)
+    runners += [_engine_runner(m, x) for m in engine_models(spec.compare, spec.precisions, model, pre)]
+    settle = SETTLE_S if engines_in(spec.compare) else 0.0
     for r in runners:  # warm-up; the first call includes compilation / lazy packing
         say(f"warm-up {r.name}")
         for i in range(max(spec.warmup, 1 if spec.compile else 0)):
@@ -323,14 +335,14 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
             if i == 0:
                 r.first_call_s = time.perf_counter() - t0
     say(f"timing {len(runners)} runners x {spec.repeats} repeats")
-    timings = time_alternating({r.name: r.step for r in runners}, spec.repeats, device, threads)
+    timings = time_alternating({r.name: r.step for r in runners}, spec.repeats, device, threads, settle)
     latencies: dict[str, Timing] = {}
     if spec.task == "inference" and spec.latency:
         say("latency at batch 1")
         lat_fns: dict[str, Callable[[], Any]] = {r.name: r.latency_step for r in runners if r.latency_step is not None}
         for fn in lat_fns.values():
             fn()
-        latencies = time_alternating(lat_fns, max(spec.repeats, 5), device, threads)
+        latencies = time_alternating(lat_fns, max(spec.repeats, 5), device, threads, settle)
     say("measuring peak again")
     for kind, before in peaks.items():  # a busy machine only lowers a reading: keep the higher one
         after = measure_peak(kind, device)
@@ -425,6 +437,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
         ]
         best = max(comparable or peers, key=lambda p: p["img_per_s"])
         r["speedup_vs_peer_same_precision"] = r["img_per_s"] / same[0]["img_per_s"] if same else None
+        r["speedup_vs_peers"] = {p["runner"]: r["img_per_s"] / p["img_per_s"] for p in same}
         r["speedup_vs_peer_best"] = r["img_per_s"] / best["img_per_s"]
         r["peer_best"] = best["runner"]
 
@@ -439,12 +452,11 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     else:
         info["cpu"] = _cpu_model()
         info["threads"] = torch.get_num_threads()
-    try:
-        import transformers
+    import importlib.metadata
 
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        pass
+    for package in ("transformers", "onnxruntime", "openvino", "nncf"):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            info[package] = importlib.metadata.version(package)
     return info
 
 
@@ -513,6 +525,10 @@ def format_report(result: dict[str, Any]) -> str:
             "  x same: speed over the peer at the same precision; x best: over the peer's fastest run here "
             "(float vs float, int8 vs int8)"
         )
+    for r in result["results"]:
+        if r["impl"] == "vitkit-fast" and r.get("speedup_vs_peers") and r["peer_best"] != r["runner"]:
+            each = ", ".join(f"{v:.2f}x {k}" for k, v in r["speedup_vs_peers"].items())
+            lines.append(f"  {r['runner']}: {each}")
     lines.append(
         "  %peak: achieved FLOP/s over the peak above (training counts 3x the forward FLOPs); cpu: CPU "
         "share the process got (<0.9: the machine was busy); mem: peak memory increase of one call; rel err, "

@@ -57,14 +57,17 @@ def _cpu_seconds() -> float:
 
 
 def time_alternating(
-    fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, threads: int
+    fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, threads: int, settle_s: float = 0.0
 ) -> dict[str, Timing]:
-    """Time each fn ``repeats`` times, alternating between them call by call."""
+    """Time each fn ``repeats`` times, alternating between them call by call; ``settle_s`` of idle time
+    before each call lets the previous runner's thread pool stop spinning (engines with their own pools)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, float] = dict.fromkeys(fns, 0.0)
     for _ in range(repeats):
         for name, fn in fns.items():
             synchronize(device)
+            if settle_s:
+                time.sleep(settle_s)
             c0, t0 = _cpu_seconds(), time.perf_counter()
             fn()
             synchronize(device)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import io
 import os
-import struct
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any, Literal
@@ -21,7 +21,6 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
-from PIL.JpegImagePlugin import JpegImageFile
 
 from vitkit.errors import DataError
 
@@ -139,94 +138,128 @@ def _check_file(p: str) -> None:
         raise DataError(f"{p}: empty file (0 bytes)")
 
 
-def open_lazy(path: str | os.PathLike[str]) -> Image.Image:
-    """A JPEG file opened but not decoded (only its header read), so that a crop can be decoded at reduced
-    scale (:func:`decode_crop`); any other image decoded as :func:`load_image` does."""
-    p = os.fspath(path)
-    _check_file(p)
+class EncodedJpeg:
+    """A JPEG read into memory but not decoded: its header's size and Pillow's mode for it ("RGB" for YCbCr
+    and RGB JPEGs, "L" for greyscale), so that a random crop can be drawn first and then only the scale it
+    needs decoded (:func:`decode_crop`, :func:`decode_crop_rgb`). ``name`` identifies it in errors (a path,
+    or a function that names a shard member only when an error needs it)."""
+
+    __slots__ = ("_name", "data", "height", "mode", "width")
+
+    def __init__(self, data: bytes, width: int, height: int, mode: str, name: str | Callable[[], str]) -> None:
+        self.data, self.width, self.height, self.mode, self._name = data, width, height, mode, name
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.width, self.height
+
+    @property
+    def name(self) -> str:
+        return self._name if isinstance(self._name, str) else self._name()
+
+    def __repr__(self) -> str:
+        return f"EncodedJpeg({self.name!r}, {self.width}x{self.height}, {self.mode}, {len(self.data)} bytes)"
+
+
+LazyImage = Image.Image | EncodedJpeg
+_JPEG_MODES = {"YCbCr": "RGB", "RGB": "RGB", "Gray": "L"}  # libjpeg colour space -> Pillow's decoded mode
+
+
+def encoded_jpeg(data: bytes, name: str | Callable[[], str]) -> EncodedJpeg | None:
+    """``data`` as an :class:`EncodedJpeg` when it is a JPEG whose header libjpeg-turbo reads and which
+    decodes to RGB or L (not CMYK/YCCK); None otherwise (decode it fully: :func:`decode_image` names what is
+    wrong). A header declaring more pixels than :func:`max_image_pixels` is refused here, before any pixel
+    memory, as :func:`decode_image` does."""
+    if data[:2] != b"\xff\xd8":
+        return None
+    import simplejpeg
+
     try:
-        img = Image.open(p)
-    except UnidentifiedImageError:
-        raise DataError(f"{p}: not a recognised image file") from None
-    except Image.DecompressionBombError as e:  # as load_image: refused before any pixel memory
-        raise DataError(f"{p}: image too large to decode ({e})") from None
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError, ZeroDivisionError,
-            struct.error) as e:  # what Pillow's decoders raise on corrupt data  # fmt: skip
-        raise DataError(f"{p}: corrupt or truncated image ({type(e).__name__}: {e})") from None
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None
+    mode = _JPEG_MODES.get(colorspace)
+    if mode is None or width <= 0 or height <= 0:
+        return None
     limit = max_image_pixels()
-    if limit is not None and img.width * img.height > limit:  # the same limit as decode_image, from the header
-        img.close()
+    if limit is not None and width * height > limit:
+        shown = name if isinstance(name, str) else name()
         raise ImageTooLarge(
-            f"{p}: image of {img.width}x{img.height} = {img.width * img.height} pixels exceeds the limit of "
-            f"{limit} pixels (a decompression bomb or a corrupt header)"
+            f"{shown}: image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} pixels "
+            "(a decompression bomb or a corrupt header)"
         )
-    if isinstance(img, JpegImageFile) and img.mode in ("RGB", "L") and len(img.tile) == 1:
-        return img
-    img.close()
-    return load_image(p)
+    return EncodedJpeg(data, int(width), int(height), mode, name)
 
 
-def is_lazy_jpeg(img: Image.Image) -> bool:
-    """True for an image from :func:`open_lazy` that is still undecoded."""
-    return isinstance(img, JpegImageFile) and not img.decoderconfig and len(img.tile) == 1  # load() empties tile
+def open_lazy(path: str | os.PathLike[str]) -> LazyImage:
+    """A JPEG file read but not decoded (:class:`EncodedJpeg`: only its header parsed), so that a crop can be
+    decoded at reduced scale (:func:`decode_crop`); any other image decoded as :func:`load_image` does."""
+    p = os.fspath(path)
+    try:  # asked of open() rather than stat()ed first: three system calls fewer per sample
+        with open(p, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        _check_file(p)  # no such file, a directory: named as load_image names them
+        raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
+    if not data:
+        raise DataError(f"{p}: empty file (0 bytes)")
+    lazy = encoded_jpeg(data, p)
+    return lazy if lazy is not None else decode_image(data, p)
+
+
+def is_lazy_jpeg(img: object) -> bool:
+    """True for an image from :func:`open_lazy` or :func:`encoded_jpeg` that is still undecoded."""
+    return isinstance(img, EncodedJpeg)
 
 
 def decode_crop(
-    img: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int]
+    img: LazyImage, box: tuple[int, int, int, int], size: tuple[int, int], *, reduce: bool = True
 ) -> tuple[Image.Image, tuple[float, float, float, float]]:
     """Decode a lazy JPEG for a crop ``box`` (left, top, right, bottom, full-resolution pixels) that will
-    be resized to ``size`` = (H, W): at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling, ``Image.draft``)
-    when the crop keeps at least ``size`` pixels at that scale. Returns the decoded image and the same
-    region in its pixels (reduced pixel i covers full-resolution pixels [i s, (i + 1) s)). An image that is
-    already decoded comes back as it is."""
-    if not is_lazy_jpeg(img):
+    be resized to ``size`` = (H, W): at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling, what ``Image.draft``
+    does) when the crop keeps at least ``size`` pixels at that scale. Returns the decoded image (Pillow's
+    mode for the file, the same pixels as Pillow's decode) and the same region in its pixels (reduced pixel
+    i covers full-resolution pixels [i s, (i + 1) s)); ``reduce=False`` decodes at full scale. An image that
+    is already decoded comes back as it is."""
+    if not isinstance(img, EncodedJpeg):
         return img, (float(box[0]), float(box[1]), float(box[2]), float(box[3]))
-    W, H = img.size
-    scale = draft_scale(box, size)
-    try:
-        if scale > 1:
-            img.draft(img.mode, (W // scale, H // scale))  # Pillow picks 1/scale: W // (W // s) == s
-        img.load()
-    except (OSError, SyntaxError, ValueError, EOFError, IndexError, KeyError, TypeError, ZeroDivisionError,
-            struct.error) as e:  # what Pillow's decoders raise on corrupt data  # fmt: skip
-        img.close()
-        raise DataError(f"{getattr(img, 'filename', '') or 'JPEG'}: corrupt or truncated image ({e})") from None
-    return img, (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
+    arr, region = _decode_scaled(img, box, size, "GRAY" if img.mode == "L" else "RGB", 2 if reduce else 16)
+    return Image.fromarray(arr[:, :, 0] if img.mode == "L" else arr), region
 
 
-def draft_scale(box: tuple[int, int, int, int], size: tuple[int, int]) -> int:
-    """The largest of 8, 4, 2 (else 1) by which the crop ``box`` can shrink and still hold ``size`` = (H, W)."""
+def draft_scale(box: tuple[int, int, int, int], size: tuple[int, int], smallest: int = 2) -> int:
+    """The largest of 8, 4, 2 (at least ``smallest``; else 1) by which the crop ``box`` can shrink and still
+    hold ``size`` = (H, W)."""
     cw, ch = box[2] - box[0], box[3] - box[1]
-    return next((s for s in (8, 4, 2) if cw >= s * size[1] and ch >= s * size[0]), 1)
+    return next((s for s in (8, 4, 2) if s >= smallest and cw >= s * size[1] and ch >= s * size[0]), 1)
 
 
 def decode_crop_rgb(
-    img: Image.Image, box: tuple[int, int, int, int], size: tuple[int, int]
+    img: LazyImage, box: tuple[int, int, int, int], size: tuple[int, int], *, reduce: bool = True
 ) -> tuple[np.ndarray, tuple[float, float, float, float]]:
     """:func:`decode_crop` for an RGB model, as an (h, w, 3) uint8 array: a lazy JPEG is decoded by
     libjpeg-turbo through simplejpeg straight into the array (the same pixels as Pillow's decode -- same
-    library, same default IDCT and upsampling -- without Pillow's copy out of its image memory); other
-    images through :func:`decode_crop`."""
-    if not is_lazy_jpeg(img):
+    library, same default IDCT and upsampling -- without Pillow's copy out of its image memory).
+    ``reduce=False`` decodes at full scale (the region then stays on whole pixels)."""
+    if not isinstance(img, EncodedJpeg):
         img, region = decode_crop(img, box, size)
         return np.asarray(convert_image(img, "RGB")), region
+    return _decode_scaled(img, box, size, "RGB", 2 if reduce else 16)
+
+
+def _decode_scaled(
+    jpeg: EncodedJpeg, box: tuple[int, int, int, int], size: tuple[int, int], colorspace: str, smallest: int = 2
+) -> tuple[np.ndarray, tuple[float, float, float, float]]:
     import simplejpeg
 
-    W, H = img.size
-    scale = draft_scale(box, size)
-    name = getattr(img, "filename", "") or "JPEG"
+    scale = draft_scale(box, size, smallest)
+    h, w = -(-jpeg.height // scale), -(-jpeg.width // scale)
     try:
-        with open(name, "rb") as f:
-            data = f.read()
-        arr = simplejpeg.decode_jpeg(
-            data, "RGB", min_height=-(-H // scale), min_width=-(-W // scale), min_factor=scale, strict=True
-        )
+        arr = simplejpeg.decode_jpeg(jpeg.data, colorspace, min_height=h, min_width=w, min_factor=scale, strict=True)
     except (OSError, ValueError) as e:
-        raise DataError(f"{name}: corrupt or truncated image ({e})") from None
-    finally:
-        img.close()
-    if arr.shape[:2] != (-(-H // scale), -(-W // scale)):  # libjpeg scales by 1/s exactly; never silently
-        raise DataError(f"{name}: decoded to {arr.shape[1]}x{arr.shape[0]}, expected {W}x{H} / {scale}")
+        raise DataError(f"{jpeg.name}: corrupt or truncated image ({e})") from None
+    if arr.shape[:2] != (h, w):  # libjpeg scales by 1/s exactly; never silently
+        raise DataError(f"{jpeg.name}: decoded to {arr.shape[1]}x{arr.shape[0]}, expected {w}x{h} (1/{scale} scale)")
     return arr, (box[0] / scale, box[1] / scale, box[2] / scale, box[3] / scale)
 
 

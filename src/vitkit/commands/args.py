@@ -94,7 +94,7 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
         choices=["bilinear", "bicubic"],
         default="bilinear",
         help="position-embedding resampling for --image-size: bilinear = official interpolate_posembed "
-        "(scipy zoom order 1, default), bicubic = timm/HF",
+        "(scipy zoom order 1, default), bicubic = timm's resample_abs_pos_embed (antialiased)",
     )
 
 

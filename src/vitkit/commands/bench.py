@@ -1,4 +1,5 @@
-"""``vitkit bench``: throughput, latency, memory and fraction of peak, optionally against transformers."""
+"""``vitkit bench``: throughput, latency, memory and fraction of peak, optionally against transformers, ONNX
+Runtime and OpenVINO."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="throughput, latency, memory and fraction of peak FLOP/s, optionally against transformers",
+        help="throughput, latency, memory and fraction of peak FLOP/s, optionally against transformers and engines",
         description="Benchmark inference or a training step of a ViT: img/s (median, IQR, best), latency at "
         "batch 1, peak memory, achieved FLOP/s as a fraction of a peak measured in the same run, and output "
         "agreement with fp32. Runners alternate call by call in one process. Several --image-size/--batch-size "
@@ -34,7 +35,14 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="fp32, bf16-autocast (fp32 weights), bf16 (pure bf16 inference), int8 (dynamic, CPU); default bf16 "
         "where the hardware has bf16 instructions (AVX512_BF16 or AMX, CUDA), else fp32",
     )
-    p.add_argument("--compare", nargs="*", default=[], choices=["transformers"], help="peer(s) to run side by side")
+    p.add_argument(
+        "--compare",
+        nargs="*",
+        default=[],
+        choices=["transformers", "onnxruntime", "openvino"],
+        help="peer(s) to run side by side: transformers (same weights), onnxruntime (fp32, dynamic int8) and openvino "
+        "(fp32, bf16 hint, NNCF int8) on vitkit's ONNX export (pip install 'vitkit[bench]')",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile every runner (compile time reported)")
     p.add_argument("--no-fast", action="store_true", help="leave out vitkit's inference fast path")
     p.add_argument("--grad-checkpointing", action="store_true", help="train: also run with activation checkpointing")

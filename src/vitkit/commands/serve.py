@@ -49,6 +49,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="fast-path precision: auto = bf16 where the CPU has bf16 instructions (AVX512_BF16/AMX) or on CUDA, "
         "else fp32; int8 = dynamically quantised linear layers (CPU)",
     )
+    p.add_argument(
+        "--backend",
+        choices=["torch", "onnxruntime", "openvino", "auto"],
+        default="torch",
+        help="what runs the model: torch (vitkit's fast path, default), onnxruntime (fp32 or int8), openvino (fp32, "
+        "bf16, NNCF int8), or auto (the fastest of those installed, measured at start-up); the engines run vitkit's "
+        "ONNX export (pip install 'vitkit[bench]')",
+    )
     p.add_argument("--max-batch", type=positive_int, default=8, help="images per forward pass at most (default 8)")
     p.add_argument(
         "--max-wait-ms",
@@ -94,7 +102,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         top_k=args.top_k,
     )
     served = ServedModel.from_checkpoint(
-        args.checkpoint, format=args.format, precision=args.precision, max_batch=args.max_batch, device=args.device
+        args.checkpoint,
+        format=args.format,
+        precision=args.precision,
+        max_batch=args.max_batch,
+        device=args.device,
+        backend=args.backend,
     )
     if args.precision == "bf16" and args.device == "cpu":
         from vitkit.hardware import has_native_bf16
@@ -110,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     card = served.card()
     print(
         f"vitkit serve: {card['name']} ({card['num_classes']} classes, {card['image_size'][0]}x{card['image_size'][1]}"
-        f" px, {served.precision}) on http://{args.host}:{args.port}  (API docs: /docs)",
+        f" px, {served.precision} on {served.backend}) on http://{args.host}:{args.port}  (API docs: /docs)",
         file=sys.stderr,
         flush=True,
     )

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import convert_image
+from vitkit.checkpoints.preprocess import LazyImage, convert_image
 from vitkit.errors import DataError
 
 # Split names that mean "held-out data", tried in this order when a source has no split of the exact name.
@@ -81,10 +81,11 @@ class ImageDataset:
         """Decode item ``index`` (any mode; ``__getitem__`` converts to RGB). Raises DataError naming it."""
         raise NotImplementedError
 
-    def lazy_item(self, index: int) -> tuple[Image.Image, int]:
-        """Like ``ds[index]``, but a JPEG file may come back opened and not yet decoded (RGB or L), for a
-        training transform that decodes only the scale its random crop needs (``preprocess.decode_crop``).
-        Sources without files decode as ``ds[index]`` does."""
+    def lazy_item(self, index: int) -> tuple[LazyImage, int]:
+        """Like ``ds[index]``, but a JPEG may come back read and not yet decoded
+        (``preprocess.EncodedJpeg``, RGB or L), for a training transform that decodes only the scale and
+        region its random crop needs (``preprocess.decode_crop``). Sources without encoded images decode as
+        ``ds[index]`` does."""
         return self[index]
 
     def describe(self, index: int) -> str:

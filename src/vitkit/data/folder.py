@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import is_lazy_jpeg, load_image, open_lazy
+from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, load_image, open_lazy
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -49,9 +49,9 @@ class ImageFolder(ImageDataset):
     def load_image(self, index: int) -> Image.Image:
         return load_image(self.paths[index])
 
-    def lazy_item(self, index: int) -> tuple[Image.Image, int]:
+    def lazy_item(self, index: int) -> tuple[LazyImage, int]:
         img = open_lazy(self.paths[index])
-        return (img if is_lazy_jpeg(img) else to_rgb(img)), int(self.labels[index])
+        return (img if isinstance(img, EncodedJpeg) else to_rgb(img)), int(self.labels[index])
 
     def describe(self, index: int) -> str:
         return self.paths[index]

@@ -12,6 +12,7 @@ a seeded order and shuffles within windows of a few shards, so reading stays mos
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import decode_image
+from vitkit.checkpoints.preprocess import LazyImage, decode_image, encoded_jpeg
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -31,6 +32,7 @@ from vitkit.data.base import (
     check_class_map,
     default_classes,
     split_candidates,
+    to_rgb,
 )
 from vitkit.errors import DataError
 
@@ -153,6 +155,17 @@ class WebDataset(ImageDataset):
         except OSError as e:
             raise DataError(f"{self.describe(index)}: unreadable shard ({e.strerror or e})") from None
         return decode_image(data, self.describe(index))
+
+    def lazy_item(self, index: int) -> tuple[LazyImage, int]:
+        """A JPEG member read from its shard but not decoded (``preprocess.EncodedJpeg``; the training
+        transform decodes only what its crop needs); other images decoded as ``ds[index]``."""
+        try:
+            data = self._read(index)
+        except OSError as e:
+            raise DataError(f"{self.describe(index)}: unreadable shard ({e.strerror or e})") from None
+        lazy = encoded_jpeg(data, functools.partial(self.describe, index))  # named only on an error
+        img = lazy if lazy is not None else to_rgb(decode_image(data, self.describe(index)))
+        return img, int(self.labels[index])
 
     def describe(self, index: int) -> str:
         shard = self.shards[int(self.shard_of[index])]

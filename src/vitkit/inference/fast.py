@@ -6,10 +6,12 @@ The transform keeps the model's function and changes how it is computed:
   layout for the batch size seen, so no GEMM reorders its weights per call;
 - bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
   second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
-- attention: on CPU, softmax(q k^T) v as two batched GEMMs over chunks of heads small enough for their
-  scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths, 4-30%
-  end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded
-  into the query weights;
+- attention: on CPU, softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads)
+  small enough for their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's
+  sequence lengths, 4-30% end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the
+  1/sqrt(d) scale is folded into the query weights;
+- on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
+  glibc's mmap threshold: no page faults per call);
 - optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
   per call: dynamic quantisation; 7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
   ``torch.compile`` of the whole forward instead of hand packing.
@@ -22,6 +24,7 @@ final norm and head are the original model's own modules, cast to the dtype. The
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -33,6 +36,17 @@ from vitkit import hardware
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
+# The MLP's hidden activation per chunk of rows (CPU). Whole, B/16 at batch 32 makes it 37 MiB, above glibc's
+# largest mmap threshold (32 MiB): every call then maps fresh pages and faults them in (220k page faults,
+# 0.36 s of kernel time per call, measured), and it leaves L3 between fc1 and fc2. Chunks of ~10 MiB: +5%.
+MLP_CHUNK_BYTES = 10 << 20
+
+
+def chunk_rows(rows: int, row_bytes: int, budget: int) -> int:
+    """Rows per chunk when ``rows`` rows of ``row_bytes`` each are split into equal chunks of at most
+    ``budget`` bytes (at least one row)."""
+    chunks = max(1, -(-rows * row_bytes // budget))
+    return max(1, -(-rows // chunks))
 
 
 def _has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
@@ -102,35 +116,62 @@ class FastBlock(nn.Module):
         # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
         self.explicit_attention = pack and block.attn.qkv.weight.device.type == "cpu"
         self.scores_bytes = SCORES_CHUNK_BYTES
+        # CPU: the MLP runs over chunks of rows (MLP_CHUNK_BYTES); its weights are packed for that many rows
+        hidden = self.fc1_features = block.mlp.fc1.out_features
+        self.mlp_bytes = MLP_CHUNK_BYTES if self.explicit_attention else 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         if quantize is not None:
             self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize)
             self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
-            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, rows, quantize)
-            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", rows, quantize)
+            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize)
+            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
-            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, rows, pack)
-            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", rows, pack)
+            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, mlp_rows, pack)
+            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", mlp_rows, pack)
 
     def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
         # x: (B*T, D)
         BT, D = x.shape
         T, h, d = BT // batch, self.num_heads, self.head_dim
         qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
-        if self.explicit_attention:  # softmax(q k^T) v as two batched GEMMs; the scale is in q already
-            q, k, v = qkv.contiguous().view(3, batch * h, T, d).unbind(0)  # 3 x (B*h, T, d)
-            o = torch.empty_like(q)
-            step = max(1, self.scores_bytes // (T * T * q.element_size()))  # scores of a chunk stay in cache
-            for i in range(0, batch * h, step):
-                probs = torch.bmm(q[i : i + step], k[i : i + step].transpose(1, 2)).softmax(dim=-1)  # (n, T, T)
-                torch.bmm(probs, v[i : i + step], out=o[i : i + step])
-            o = o.view(batch, h, T, d)
+        if self.explicit_attention:
+            o = self.explicit(qkv, batch, T)
         else:
             q, k, v = qkv.unbind(0)  # 3 x (B, h, T, d), strided views
             o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
         o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
         x = self.proj(o, x)  # x + proj(o)
+        step = chunk_rows(BT, self.fc1_features * x.element_size(), self.mlp_bytes) if self.mlp_bytes else BT
+        if step >= BT:
+            return self.mlp(x)
+        out = torch.empty_like(x)
+        for i in range(0, BT, step):
+            out[i : i + step] = self.mlp(x[i : i + step])
+        return out
+
+    def explicit(self, qkv: torch.Tensor, batch: int, T: int) -> torch.Tensor:
+        """softmax(q k^T) v as two batched GEMMs (the scale is in q already) over groups of images, and within
+        a group over chunks of heads, whose (T, T) scores stay in cache (``scores_bytes``). q, k and v are
+        made contiguous one group at a time: the copy of the whole (3, B, h, T, d) at once ran at a quarter of
+        the speed of the same copy per group, in cache (B/16 b32: 7 ms of 130 per layer, measured).
+        qkv: (3, B, h, T, d) view -> (B, h, T, d)."""
+        h, d = self.num_heads, self.head_dim
+        o = qkv.new_empty(batch, h, T, d)
+        image_bytes = h * T * T * qkv.element_size()
+        images = chunk_rows(batch, image_bytes, self.scores_bytes)  # images per group
+        heads = max(1, self.scores_bytes // (T * T * qkv.element_size()))  # (image, head) pairs per chunk
+        for b in range(0, batch, images):
+            q, k, v = qkv[:, b : b + images].contiguous().view(3, -1, T, d).unbind(0)  # 3 x (n*h, T, d)
+            out = o[b : b + images].view(-1, T, d)
+            for i in range(0, q.shape[0], heads):
+                probs = torch.bmm(q[i : i + heads], k[i : i + heads].transpose(1, 2)).softmax(dim=-1)  # (n, T, T)
+                torch.bmm(probs, v[i : i + heads], out=out[i : i + heads])
+        return o
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
 
 
@@ -290,6 +331,8 @@ def optimize_for_inference(
     compile: bool = False,
     int8: bool = False,
     batch_size: int | None = None,
+    backend: str = "torch",
+    calibration: torch.Tensor | None = None,
 ) -> nn.Module:
     """A copy of ``model`` for fast inference that computes the same function (up to ``dtype`` rounding).
 
@@ -300,7 +343,18 @@ def optimize_for_inference(
     compiles). On CPU the eager pre-packed path is the faster one (see BENCHMARKS.md); ``compile`` is the
     choice on CUDA. The original model is left untouched. The result has ``forward`` (logits) and
     ``forward_features``; it runs without gradients.
+
+    ``backend``: "torch" (the above), "onnxruntime" or "openvino" (exported to ONNX and run by that engine,
+    ``calibration`` images for OpenVINO's int8; see ``vitkit.inference.backends``: callable like the model,
+    no ``forward_features``), or "auto": whichever of these is fastest here in a short measurement.
     """
+    if backend != "torch":
+        from vitkit.inference.backends import optimize_with_backend
+
+        ours = functools.partial(
+            optimize_for_inference, model, dtype, compile=compile, int8=int8, batch_size=batch_size
+        )
+        return optimize_with_backend(model, dtype, backend, int8, batch_size, calibration, ours)
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be torch.float32 or torch.bfloat16, got {dtype}")
     device = next(model.parameters()).device

@@ -49,6 +49,8 @@ def resample_grid(
         ``interpolate_posembed`` computes with ``scipy.ndimage.zoom(..., order=1)``.
       - ``"bicubic"``: timm's ``resample_abs_pos_embed`` default: half-pixel bicubic with ``antialias=True``
         (PyTorch's antialiased kernel, a = -0.5, which differs from the plain bicubic one even when enlarging).
+        Hugging Face's ``ViTEmbeddings.interpolate_pos_encoding`` uses the plain one (a = -0.75, no antialias),
+        so its values differ from both methods here.
     """
     if tuple(old_grid) == tuple(new_grid):
         return posemb

@@ -521,7 +521,7 @@ class VisionTransformer(nn.Module):
         """Change the model's native resolution in place, resampling the learned position-embedding grid.
 
         The patch size stays; the sequence grows or shrinks. ``method="bilinear"`` reproduces the official
-        ``interpolate_posembed`` (scipy zoom, order 1); ``"bicubic"`` is the timm/HF choice.
+        ``interpolate_posembed`` (scipy zoom, order 1); ``"bicubic"`` is timm's (antialiased; see ``resample_grid``).
         """
         new_cfg = _replace(self.cfg, image_size=image_size)  # checks that the stride divides the new size
         if self.pos_embed is not None:

@@ -2,9 +2,9 @@
 attention analyses for single images.
 
 Predictions run through the inference fast path (``vitkit.optimize_for_inference``: pre-packed bf16 or
-int8 weights on CPUs with the instructions, fp32 otherwise). Attention maps need the attention
-probabilities, which the fast path never materialises, so they come from the checkpoint's own fp32 model
-(``forward_intermediates``), run only for the images that ask for them.
+int8 weights on CPUs with the instructions, fp32 otherwise), or on ONNX Runtime or OpenVINO (``backend``).
+Attention maps need the attention probabilities, which the fast path never materialises, so they come from
+the checkpoint's own fp32 model (``forward_intermediates``), run only for the images that ask for them.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from vitkit.hardware import has_native_bf16
 from vitkit.inference import optimize_for_inference
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
+BACKENDS = ("torch", "onnxruntime", "openvino", "auto")
 
 
 class RequestError(VitkitError):
@@ -85,6 +86,9 @@ class ServedModel:
     ``precision``: ``auto``, ``fp32``, ``bf16`` or ``int8`` (see :func:`resolve_precision`); ``max_batch``
     chooses oneDNN's weight layout for the batches the server will run (any batch works). ``fast=False``
     predicts with the checkpoint's own fp32 model (no second copy of the weights; the demo's choice).
+    ``backend``: ``torch`` (vitkit's fast path), ``onnxruntime``, ``openvino`` or ``auto`` (the fastest of
+    them here, measured at start-up); ONNX Runtime computes in fp32 or int8, so ``auto`` precision means fp32
+    there; OpenVINO's int8 is calibrated on the preprocessed sample photos and digits of ``vitkit.bench.images``.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class ServedModel:
         max_batch: int = 8,
         device: torch.device | str = "cpu",
         fast: bool = True,
+        backend: str = "torch",
     ) -> None:
         self.loaded = loaded
         self.device = torch.device(device)
@@ -101,17 +106,38 @@ class ServedModel:
         self.preprocess = loaded.meta.preprocess
         if self.model.cfg.num_classes <= 0:
             raise ConfigError(f"{loaded.meta.source}: the model has no classification head; nothing to serve")
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        if backend != "torch" and (self.device.type != "cpu" or not fast):
+            raise ConfigError(f"--backend {backend}: the engines run the fast path on the CPU")
+        if backend == "onnxruntime" and precision == "auto":
+            precision = "fp32"  # ONNX Runtime's CPU provider has no bf16 kernels
         self.precision = resolve_precision(precision, self.device) if fast else "fp32"
+        self.backend = backend
         if not fast:
             self.fast: torch.nn.Module = self.model
             return
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         if self.precision == "int8":
             dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
+        calibration = None
+        if backend in ("openvino", "auto") and self.precision == "int8":
+            from vitkit.bench.images import real_image_batch
+
+            calibration = real_image_batch(self.preprocess, digits=8)  # NNCF: 24 photos and 8 digits
         try:
-            self.fast = optimize_for_inference(self.model, dtype, int8=self.precision == "int8", batch_size=max_batch)
-        except ValueError as e:  # e.g. int8 without oneDNN
-            raise ConfigError(f"--precision {self.precision}: {e}") from None
+            self.fast = optimize_for_inference(
+                self.model,
+                dtype,
+                int8=self.precision == "int8",
+                batch_size=max_batch,
+                backend=backend,
+                calibration=calibration,
+            )
+        except ValueError as e:  # e.g. int8 without oneDNN, bf16 on ONNX Runtime
+            option = "--precision" if backend == "torch" else f"--backend {backend} --precision"
+            raise ConfigError(f"{option} {self.precision}: {e}") from None
+        self.backend = getattr(self.fast, "backend", backend)  # auto: the one it chose
 
     @classmethod
     def from_checkpoint(
@@ -123,8 +149,9 @@ class ServedModel:
         max_batch: int = 8,
         device: torch.device | str = "cpu",
         fast: bool = True,
+        backend: str = "torch",
     ) -> ServedModel:
-        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast)
+        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast, backend)
 
     # ---- facts ----------------------------------------------------------------------------------------
 
@@ -152,6 +179,7 @@ class ServedModel:
             "classifier": cfg.classifier,
             "preprocessing": self.preprocess.to_dict(),
             "precision": self.precision,
+            "backend": self.backend,
             "device": str(self.device),
         }
 

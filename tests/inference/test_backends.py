@@ -1,0 +1,108 @@
+"""optimize_for_inference(backend=...) on the real engines computes the PyTorch model's function: ONNX
+Runtime (fp32, dynamic int8) and OpenVINO (fp32, bf16 hint, NNCF int8; skipped when it is not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from helpers import randomize_
+from vitkit import optimize_for_inference
+from vitkit.errors import VitkitError
+from vitkit.inference import backends
+from vitkit.models import create_model
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+PRECISIONS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False), "int8": (torch.bfloat16, True)}
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "int8": 0.15}  # relative L2 error of the logits
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return randomize_(create_model("Ti/16", num_classes=10, image_size=32, patch_size=8, depth=2)).eval()
+
+
+def images(n: int, seed: int) -> torch.Tensor:
+    """Smooth image-like inputs (blurred noise in about [-2, 2]): what calibration and the test both see."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 8, 8, generator=g)
+    return torch.nn.functional.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False).clamp(-2, 2)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize(
+    ("backend", "precision"),
+    [
+        ("onnxruntime", "fp32"),
+        ("onnxruntime", "int8"),
+        ("openvino", "fp32"),
+        ("openvino", "bf16"),
+        ("openvino", "int8"),
+    ],
+)
+def test_engine_backend_matches_the_pytorch_model(model: torch.nn.Module, backend: str, precision: str) -> None:
+    if backend == "openvino":
+        pytest.importorskip("openvino")
+        if precision == "int8":
+            pytest.importorskip("nncf")
+    dtype, int8 = PRECISIONS[precision]
+    engine = optimize_for_inference(model, dtype, int8=int8, backend=backend, calibration=images(16, seed=1))
+    assert isinstance(engine, backends.EngineModel)
+    assert (engine.backend, engine.precision) == (backend, precision)
+    for batch in (1, 5):  # the batch axis is free
+        x = images(batch, seed=batch + 10)
+        with torch.no_grad():
+            ref = model(x)
+        out = engine(x)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert ref.abs().max() > 0.1
+        assert _rel(out, ref) < TOLERANCE[precision], (backend, precision, _rel(out, ref))
+        if precision != "int8":
+            assert torch.equal(out.argmax(-1), ref.argmax(-1))
+    if precision == "fp32":  # exact to fp32 rounding; bf16 / int8 above really are reduced precision
+        assert _rel(out, ref) < 1e-5
+    else:
+        assert _rel(out, ref) > 1e-3
+
+
+def test_auto_picks_the_fastest_candidate_by_measurement(model: torch.nn.Module) -> None:
+    chosen = optimize_for_inference(model, torch.float32, backend="auto", batch_size=4)
+    timings = chosen.auto_timings
+    expected = {"torch", "onnxruntime"} | ({"openvino"} if backends.engine_available("openvino") else set())
+    assert set(timings) == expected and all(t > 0 for t in timings.values())
+    assert chosen.backend == min(timings, key=timings.__getitem__)
+    x = images(4, seed=3)
+    with torch.no_grad():
+        assert _rel(chosen(x), model(x)) < 1e-4
+
+
+def test_onnxruntime_has_no_bf16_and_torch_backend_is_the_fast_path(model: torch.nn.Module) -> None:
+    with pytest.raises(ValueError, match="onnxruntime computes in fp32 or int8"):
+        optimize_for_inference(model, torch.bfloat16, backend="onnxruntime")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        optimize_for_inference(model, backend="tensorrt")
+    assert not isinstance(optimize_for_inference(model, torch.float32, backend="torch"), backends.EngineModel)
+
+
+def test_openvino_int8_needs_calibration_images(model: torch.nn.Module) -> None:
+    pytest.importorskip("openvino")
+    pytest.importorskip("nncf")
+    with pytest.raises(ValueError, match="calibration"):
+        optimize_for_inference(model, torch.bfloat16, int8=True, backend="openvino")
+
+
+def test_missing_engine_is_one_line_naming_the_extra(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openvino" else real(name, *a))
+    message = r"backend 'openvino' needs openvino, not installed: pip install 'vitkit\[bench\]'"
+    with pytest.raises(VitkitError, match=message):
+        optimize_for_inference(model, torch.float32, backend="openvino")
+    assert not backends.engine_available("openvino")
