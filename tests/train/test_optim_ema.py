@@ -6,12 +6,14 @@ import math
 
 import pytest
 import torch
+from train_helpers import assert_close_weights
 
 from vitkit import create_model
 from vitkit.configs import RECIPES, OptimConfig, TrainConfig, get_recipe
 from vitkit.errors import ConfigError
+from vitkit.models.vit import ViTConfig
 from vitkit.train.ema import EMA
-from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, decays, lr_at
+from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, decays, lr_at, param_groups
 
 
 def test_lr_schedules_by_formula() -> None:
@@ -120,3 +122,34 @@ def test_paper_recipes_match_the_tables() -> None:
     assert ft.data.batch_size == 512 and ft.data.image_size == (384, 384) and ft.optim.schedule == "cosine"
     plain = get_recipe("plain-vit-s16")
     assert plain.model.overrides["classifier"] == "gap" and plain.model.overrides["pos_embed"] == "sincos2d"
+
+
+def test_adamw_runs_fused_and_equals_the_plain_loop() -> None:
+    """build_optimizer picks PyTorch's fused AdamW on CPU; over steps with decayed and undecayed groups and a
+    changing lr it gives the per-tensor loop's weights and moments to float rounding."""
+    tiny = {"patch_size": 4, "image_size": 8, "in_channels": 1, "hidden_size": 16, "depth": 2, "num_heads": 2}
+    torch.manual_seed(0)
+    model = create_model(ViTConfig(), mlp_dim=32, num_classes=10, **tiny)
+    torch.nn.init.normal_(model.head.weight, std=0.1)  # a zero head would give the blocks zero gradients
+    twin = create_model(ViTConfig(), mlp_dim=32, num_classes=10, **tiny)
+    twin.load_state_dict(model.state_dict())
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = OptimConfig(name="adamw", lr=3e-3, weight_decay=0.05)
+    fused = build_optimizer(model, cfg)
+    assert fused.defaults["fused"] is True
+    groups = param_groups(twin.named_parameters(), cfg.weight_decay)
+    plain = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, foreach=False, fused=False)
+    x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
+    for step in range(4):
+        for net, opt in ((model, fused), (twin, plain)):
+            for g in opt.param_groups:
+                g["lr"] = 3e-3 * (1 - step / 4)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(net(x), y).backward()
+            opt.step()
+    assert_close_weights(dict(twin.named_parameters()), dict(model.named_parameters()))
+    for (name, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+        assert not torch.equal(p, start[name]), name  # every parameter moved
+        if not name.endswith("qkv.bias"):  # its key part is rounding noise (see assert_close_weights)
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(fused.state[p][key], plain.state[q][key], rtol=1e-4, atol=1e-8)

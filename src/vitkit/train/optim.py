@@ -48,7 +48,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = param_groups(model.named_parameters(), cfg.weight_decay)
     if cfg.name in ("adamw", "adam"):
         # "adam" with weight decay is the paper's Adam + decoupled decay; it is the same update as AdamW.
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(
+            groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, **adam_kernel(groups)
+        )
     if cfg.name == "sgd":
         if cfg.weight_decay:
             for g in groups:  # decoupled for SGD too: decay after the momentum update, scaled by lr
@@ -57,6 +59,26 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
         return opt
     raise ConfigError(f"unknown optimiser {cfg.name!r} (adamw, adam, sgd)")
+
+
+def adam_kernel(groups: list[dict]) -> dict[str, bool]:
+    """The fastest Adam implementation PyTorch has for these parameters: ``fused=True`` (one kernel over all
+    tensors: 4x fewer memory passes than the per-tensor loop) where every parameter is a plain floating-point
+    tensor on a device with fused kernels (CPU, CUDA, ...); else ``foreach=True`` (FSDP2's sharded DTensors
+    among others). Both compute the same update as the plain loop, to float rounding (tested)."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+        supported = set(_get_fused_kernels_supported_devices())
+    except ImportError:  # a private helper: if a later torch moves it, the devices fused Adam has had since 2.4
+        supported = {"cpu", "cuda", "mps", "xpu"}
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed
+        DTensor = ()  # type: ignore[assignment,misc]
+    params = [p for g in groups for p in g["params"]]
+    fusable = all(p.is_floating_point() and p.device.type in supported and not isinstance(p, DTensor) for p in params)
+    return {"fused": True} if fusable and params else {"foreach": True}
 
 
 def apply_decoupled_sgd_decay(opt: torch.optim.Optimizer) -> None:

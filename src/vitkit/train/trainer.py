@@ -51,6 +51,7 @@ from vitkit.train import build, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
+from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
 from vitkit.train.state import resume_config
 
@@ -469,6 +470,8 @@ class Trainer:
         cfg, spe = self.cfg, self.loader.steps_per_epoch
         from tqdm import tqdm
 
+        last_eval: dict[str, float] = {}
+        epoch_t0, epoch_images = time.perf_counter(), 0
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -478,9 +481,7 @@ class Trainer:
             disable=not (self.progress and self.dist.is_main),
             desc=cfg.name,
         )
-        last_eval: dict[str, float] = {}
-        epoch_t0, epoch_images = time.perf_counter(), 0
-        try:
+        with heap_kept(), bar:  # freed activations stay in the heap for the next step (heap.py)
             while self.step < self.total_steps:
                 epoch = self.step // spe
                 t_last = time.perf_counter()
@@ -525,8 +526,6 @@ class Trainer:
                     self.best_top1 = top1
                     self.save_model("best", val_top1=top1)
                 self.save_state()
-        finally:
-            bar.close()
         self.save_model("model", val_top1=last_eval.get("val_top1"))
         if self.dist.is_main:
             logs.plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png")
