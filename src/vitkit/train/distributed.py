@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.hardware import resolve_device
@@ -137,8 +138,6 @@ def checkpoint_activations(model: nn.Module) -> nn.Module:
 
 
 def _checkpointed_forward(block: nn.Module, *args: Any) -> Any:
-    from torch.utils.checkpoint import checkpoint
-
     forward = type(block).forward.__get__(block)
     if not torch.is_grad_enabled():
         return forward(*args)
