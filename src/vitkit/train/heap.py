@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import sys
 from collections.abc import Iterator
 
@@ -28,7 +27,7 @@ def _glibc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the process's own symbols, libc's among them (no ldconfig child process)
         libc.gnu_get_libc_version  # noqa: B018  # only glibc has it
         libc.mallopt  # noqa: B018
         libc.malloc_trim  # noqa: B018
