@@ -36,13 +36,12 @@ from vitkit.inference.backends import (
 )
 from vitkit.models.vit import VisionTransformer
 
-ENGINE_PEERS = ENGINES
 SETTLE_S = 0.05  # idle time before each timed call when engines alternate with torch (its OpenMP spins ~10 ms)
 CALIBRATION_IMAGES = 32  # NNCF calibration: the first real images of vitkit.bench.images
 
 
 def engines_in(compare: tuple[str, ...]) -> list[str]:
-    return [p for p in compare if p in ENGINE_PEERS]
+    return [p for p in compare if p in ENGINES]
 
 
 def check_engines(compare: tuple[str, ...], precisions: tuple[str, ...], task: str, device: str) -> None:

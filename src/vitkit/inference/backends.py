@@ -46,18 +46,24 @@ ENGINES = ("onnxruntime", "openvino")
 _EXTRA = {"onnxruntime": ("onnxruntime", "onnx"), "openvino": ("openvino", "bench")}  # engine -> (module, extra)
 
 
-def engine_available(engine: str) -> bool:
-    """Whether the engine's package (and, for its ONNX input, the exporter's) is installed."""
-    module, _ = _EXTRA[engine]
-    return importlib.util.find_spec(module) is not None and importlib.util.find_spec("onnxscript") is not None
+def _missing(engine: str, int8: bool) -> list[str]:
+    """The packages the engine needs that are not installed: the exporter's, the engine's, NNCF for
+    OpenVINO's int8."""
+    needs = ["onnxscript", _EXTRA[engine][0]] + (["nncf"] if engine == "openvino" and int8 else [])
+    return [m for m in needs if importlib.util.find_spec(m) is None]
+
+
+def engine_available(engine: str, int8: bool = False) -> bool:
+    """Whether the engine's package (and, for its ONNX input, the exporter's; NNCF for OpenVINO's int8) is
+    installed."""
+    return not _missing(engine, int8)
 
 
 def require_engine(engine: str, int8: bool = False) -> None:
     """A one-line error naming the extra to install when the engine (or what it needs) is missing."""
-    module, extra = _EXTRA[engine]
-    needs = ["onnxscript", module] + (["nncf"] if engine == "openvino" and int8 else [])
-    missing = [m for m in needs if importlib.util.find_spec(m) is None]
+    missing = _missing(engine, int8)
     if missing:
+        extra = _EXTRA[engine][1]
         raise VitkitError(
             f"backend {engine!r} needs {', '.join(missing)}, not installed: pip install 'vitkit[{extra}]'"
             + ("" if extra == "onnx" else " (or 'vitkit[onnx]' for ONNX Runtime alone)")
@@ -243,17 +249,14 @@ def optimize_with_backend(
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU; the model is on {next(model.parameters()).device}")
     precision = _precision(dtype, int8)
-    if backend != "auto":
+    if backend == "auto":  # every installed engine computing in the precision; NNCF needs calibration images
+        usable = [e for e in ENGINES if precision in engine_precisions(e) and engine_available(e, int8)]
+        engines = [e for e in usable if not (e == "openvino" and int8 and calibration is None)]
+    else:
         require_engine(backend, int8)
         if precision not in engine_precisions(backend):
             raise ValueError(f"{backend} computes in {' or '.join(engine_precisions(backend))} on CPU, not {precision}")
-    engines = [backend] if backend != "auto" else [e for e in ENGINES if precision in engine_precisions(e)]
-    if backend == "auto":
-        engines = [e for e in engines if engine_available(e)]
-        if precision == "int8" and calibration is None:
-            engines = [e for e in engines if e != "openvino"]  # NNCF needs calibration images
-        if precision == "int8" and "openvino" in engines and importlib.util.find_spec("nncf") is None:
-            engines.remove("openvino")
+        engines = [backend]
     candidates: dict[str, nn.Module] = {}
     if backend == "auto" and torch_candidate is not None:
         with contextlib.suppress(ValueError):  # e.g. int8 without oneDNN: the engines may still offer it

@@ -25,9 +25,9 @@ from vitkit.checkpoints import Loaded, load_checkpoint, preprocess
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.hardware import has_native_bf16
 from vitkit.inference import optimize_for_inference
+from vitkit.inference.backends import BACKENDS
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
-BACKENDS = ("torch", "onnxruntime", "openvino", "auto")
 
 
 class RequestError(VitkitError):
