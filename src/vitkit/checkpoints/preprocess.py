@@ -203,8 +203,14 @@ def open_lazy(path: str | os.PathLike[str]) -> LazyImage:
         raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
     if not data:
         raise DataError(f"{p}: empty file (0 bytes)")
-    lazy = encoded_jpeg(data, p)
-    return lazy if lazy is not None else decode_image(data, p)
+    return lazy_image(data, p)
+
+
+def lazy_image(data: bytes, name: str | Callable[[], str]) -> LazyImage:
+    """Encoded image bytes as an :class:`EncodedJpeg` when :func:`encoded_jpeg` takes them, else fully
+    decoded by :func:`decode_image` (which names what is wrong). ``name`` as for :class:`EncodedJpeg`."""
+    lazy = encoded_jpeg(data, name)
+    return lazy if lazy is not None else decode_image(data, name if isinstance(name, str) else name())
 
 
 def is_lazy_jpeg(img: object) -> bool:

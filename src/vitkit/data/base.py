@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import LazyImage, convert_image
+from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, convert_image
 from vitkit.errors import DataError
 
 # Split names that mean "held-out data", tried in this order when a source has no split of the exact name.
@@ -67,11 +67,15 @@ class ImageDataset:
         return int(self.labels.shape[0])
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
+        index = self._checked(index)
+        return to_rgb(self.load_image(index)), int(self.labels[index])
+
+    def _checked(self, index: int) -> int:
+        """``index`` in [0, len), counting negative ones from the end; IndexError outside."""
         n = len(self)
         if not -n <= index < n:
             raise IndexError(f"index {index} out of range for a dataset of {n} items")
-        index = index % n
-        return to_rgb(self.load_image(index)), int(self.labels[index])
+        return index % n
 
     def __iter__(self) -> Iterator[tuple[Image.Image, int]]:
         for i in range(len(self)):
@@ -81,12 +85,18 @@ class ImageDataset:
         """Decode item ``index`` (any mode; ``__getitem__`` converts to RGB). Raises DataError naming it."""
         raise NotImplementedError
 
+    def load_lazy(self, index: int) -> LazyImage:
+        """``load_image``, except that a source of encoded images may return a JPEG read and not yet
+        decoded (``preprocess.lazy_image``). Sources without encoded images decode as ``load_image`` does."""
+        return self.load_image(index)
+
     def lazy_item(self, index: int) -> tuple[LazyImage, int]:
         """Like ``ds[index]``, but a JPEG may come back read and not yet decoded
         (``preprocess.EncodedJpeg``, RGB or L), for a training transform that decodes only the scale and
-        region its random crop needs (``preprocess.decode_crop``). Sources without encoded images decode as
-        ``ds[index]`` does."""
-        return self[index]
+        region its random crop needs (``preprocess.decode_crop``); any other image as ``ds[index]``."""
+        index = self._checked(index)
+        img = self.load_lazy(index)
+        return (img if isinstance(img, EncodedJpeg) else to_rgb(img)), int(self.labels[index])
 
     def describe(self, index: int) -> str:
         """A human-readable name of item ``index`` (its file, or source[index]) for error messages."""

@@ -20,14 +20,13 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, load_image, open_lazy
+from vitkit.checkpoints.preprocess import LazyImage, load_image, open_lazy
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
     Skipped,
     check_class_map,
     split_candidates,
-    to_rgb,
 )
 from vitkit.errors import DataError
 
@@ -49,9 +48,8 @@ class ImageFolder(ImageDataset):
     def load_image(self, index: int) -> Image.Image:
         return load_image(self.paths[index])
 
-    def lazy_item(self, index: int) -> tuple[LazyImage, int]:
-        img = open_lazy(self.paths[index])
-        return (img if isinstance(img, EncodedJpeg) else to_rgb(img)), int(self.labels[index])
+    def load_lazy(self, index: int) -> LazyImage:
+        return open_lazy(self.paths[index])
 
     def describe(self, index: int) -> str:
         return self.paths[index]

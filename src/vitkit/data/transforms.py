@@ -78,10 +78,13 @@ def inception_crop(
     scale: tuple[float, float] = (0.05, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     interpolation: str = "bilinear",
+    mode: str | None = None,
 ) -> Image.Image:
-    """Random-resized crop to ``size`` = (H, W)."""
+    """Random-resized crop to ``size`` = (H, W); given a ``mode`` ("RGB" or "L"), the crop is converted to it
+    (:func:`~vitkit.checkpoints.preprocess.convert_image`) before it is resized."""
     box = inception_crop_box(img.width, img.height, rng, scale, ratio)
     img, region = decode_crop(img, box, size)  # a lazy JPEG: decoded at the smallest scale the crop allows
+    img = img if mode is None else convert_image(img, mode)
     return img.resize((size[1], size[0]), RESAMPLE[interpolation], box=region)
 
 
@@ -261,10 +264,7 @@ class TrainTransform:
         mode = "L" if self.grayscale and self.randaug is None else "RGB"
         size = self._norm.image_size
         if self.crop == "inception":
-            box = inception_crop_box(img.width, img.height, rng, self.crop_scale, self.crop_ratio)
-            img, region = decode_crop(img, box, size)  # a lazy JPEG: at the smallest scale the crop allows
-            img = convert_image(img, mode)
-            img = img.resize((size[1], size[0]), RESAMPLE[self.interpolation], box=region)
+            img = inception_crop(img, size, rng, self.crop_scale, self.crop_ratio, self.interpolation, mode)
         else:
             img, _ = decode_crop(img, (0, 0, img.width, img.height), (img.height, img.width))  # full scale
             img = convert_image(img, mode)

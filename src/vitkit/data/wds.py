@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import LazyImage, decode_image, encoded_jpeg
+from vitkit.checkpoints.preprocess import LazyImage, decode_image, lazy_image
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -32,7 +32,6 @@ from vitkit.data.base import (
     check_class_map,
     default_classes,
     split_candidates,
-    to_rgb,
 )
 from vitkit.errors import DataError
 
@@ -149,23 +148,19 @@ class WebDataset(ImageDataset):
             raise DataError(f"{self.describe(index)}: truncated shard")
         return bytes(data)
 
-    def load_image(self, index: int) -> Image.Image:
+    def _member(self, index: int) -> bytes:
         try:
-            data = self._read(index)
+            return self._read(index)
         except OSError as e:
             raise DataError(f"{self.describe(index)}: unreadable shard ({e.strerror or e})") from None
-        return decode_image(data, self.describe(index))
 
-    def lazy_item(self, index: int) -> tuple[LazyImage, int]:
+    def load_image(self, index: int) -> Image.Image:
+        return decode_image(self._member(index), self.describe(index))
+
+    def load_lazy(self, index: int) -> LazyImage:
         """A JPEG member read from its shard but not decoded (``preprocess.EncodedJpeg``; the training
-        transform decodes only what its crop needs); other images decoded as ``ds[index]``."""
-        try:
-            data = self._read(index)
-        except OSError as e:
-            raise DataError(f"{self.describe(index)}: unreadable shard ({e.strerror or e})") from None
-        lazy = encoded_jpeg(data, functools.partial(self.describe, index))  # named only on an error
-        img = lazy if lazy is not None else to_rgb(decode_image(data, self.describe(index)))
-        return img, int(self.labels[index])
+        transform decodes only what its crop needs); other images decoded as ``load_image``."""
+        return lazy_image(self._member(index), functools.partial(self.describe, index))  # named only on an error
 
     def describe(self, index: int) -> str:
         shard = self.shards[int(self.shard_of[index])]
