@@ -15,7 +15,7 @@ from vitkit.train.heap import _glibc
 MIB = 64  # above glibc's largest mmap threshold (32 MiB): by default mapped afresh at every allocation
 
 # in a fresh process (the heap's state is then known): faults of each of 8 allocations of a MIB MiB tensor
-# (every page written, then freed) with glibc's defaults, then inside heap_kept
+# (every page written, then freed) with glibc's defaults, then of 24 inside heap_kept
 PROBE = f"""
 import json, resource, torch
 from vitkit.train.heap import heap_kept
@@ -31,7 +31,7 @@ def faults(n):
 
 default = faults(8)
 with heap_kept() as kept:
-    inside = faults(8)
+    inside = faults(24)
 print(json.dumps([kept, default, inside]))
 """
 
@@ -44,6 +44,9 @@ def test_kept_heap_reuses_freed_blocks_without_page_faults() -> None:
     kept, default, inside = json.loads(out.stdout)
     assert kept
     assert min(default) > 0.9 * pages, default  # each allocation mapped afresh, and zeroed by the kernel
-    # the heap grows to hold the block (the first allocation or two, and now and then once more when a small
-    # allocation took the top of the heap), then the block is reused as it is: most allocations fault nothing
-    assert sorted(inside)[len(inside) // 2] < 0.01 * pages, inside
+    # the heap grows to hold the block, then the block is reused as it is. Only the first allocation grows it
+    # when the heap's layout is favourable; otherwise (most runs of this probe here; the layout differs from
+    # run to run) a small allocation sits just above each freed block and the heap grows for up to 8 more
+    # allocations (seen: 6-8) before freed neighbours merge into a block that fits -- a memory cost of up to
+    # that many blocks, noted in BENCHMARKS.md. From then on no allocation faults: the last 8 of 24, every one
+    assert max(inside[16:]) < 0.01 * pages, inside
