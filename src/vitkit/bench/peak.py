@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from vitkit import hardware
+from vitkit.bench.measure import synchronize
 
 # Each kernel runs `iters` rounds of ACC independent multiply-adds on 512-bit registers; ACC covers the
 # instruction latency so that the loop is throughput-bound. Returns a value derived from every
@@ -235,12 +236,12 @@ def matmul_peak(
     while True:
         call, what = _matmul_call(precision, device, n)
         call()
-        _sync(device)
+        synchronize(device)
         times = []
         for _ in range(4 if device.type == "cpu" else 20):
             start = time.perf_counter()
             call()
-            _sync(device)
+            synchronize(device)
             times.append(time.perf_counter() - start)
         best = min(times)
         if size is not None or n >= cap or best >= budget_s:
@@ -259,11 +260,6 @@ def _matmul_call(precision: str, device: torch.device, n: int) -> tuple[Callable
     out = torch.empty(n, n, device=device, dtype=dtype)
     note = " (int8 uses the bf16 rate)" if precision == "int8" else ""
     return (lambda: torch.mm(a, b, out=out)), f"{dtype}{note}"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure_peak(precision: str, device: torch.device | str = "cpu", threads: int | None = None) -> Peak:
