@@ -11,8 +11,9 @@ import torch
 from vitkit import hardware, native
 from vitkit.bench import peak as peak_mod
 from vitkit.bench.harness import BenchSpec, format_report, run_bench
-from vitkit.bench.measure import Timing, peak_memory
+from vitkit.bench.measure import peak_memory
 from vitkit.errors import ConfigError
+from vitkit.timing import Timing
 
 FLAGS = hardware.cpu_flags()
 HAS_FMA_LOOP = shutil.which("cc") is not None and ("avx512f" in FLAGS or {"avx2", "fma"} <= FLAGS)
