@@ -56,16 +56,6 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
-def note_skipped(ds: Any) -> Any:
-    """Print what ``--skip-bad`` dropped from a dataset (one line), and return the dataset."""
-    from vitkit.data.base import skipped_note
-
-    note = skipped_note(ds)
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    return ds
-
-
 def positive_int(text: str) -> int:
     try:
         value = int(text)
