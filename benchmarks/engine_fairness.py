@@ -21,9 +21,9 @@ import torch
 
 from vitkit.bench.engines import SETTLE_S
 from vitkit.bench.harness import BenchSpec, build_model
-from vitkit.bench.measure import time_alternating
 from vitkit.inference import optimize_for_inference
 from vitkit.inference.backends import engine_model, export_for_engines
+from vitkit.timing import time_alternating
 
 RUNNERS = ("vitkit-fast bf16", "openvino bf16", "vitkit-fast int8", "onnxruntime int8")
 BATCH, REPEATS = 32, 5

@@ -2,10 +2,10 @@
 
 Runs ``optimize_for_inference`` on a randomly initialised variant (default ViT-B/16, 224 px, batch 32)
 under ``torch.profiler`` and sorts every top-level operator of the forward into a stage: the four GEMMs
-of a block (told apart by their weight shapes), attention (q k^T, softmax, probabilities x v, or the fused
-SDPA kernel), LayerNorm, activation quantisation, layout copies, the stem/head, and "python/other" (the
-wall time no operator accounts for: interpreter overhead between calls). Each stage's GFLOP/s is given
-where it has a FLOP count (from ``vitkit.models.cost.cost_table``-like arithmetic below).
+of a block (told apart by their weight shapes), attention (q k^T, softmax, probabilities x v, or a fused
+kernel: SDPA's or vitkit's C kernel), LayerNorm, activation quantisation, layout copies, the stem/head, and
+"python/other" (the wall time no operator accounts for: interpreter overhead between calls). Each stage's
+GFLOP/s is given where it has a FLOP count (from ``vitkit.models.cost.cost_table``-like arithmetic below).
 
     PYTHONPATH=src python benchmarks/profile_inference.py [--model B/16] [--batch-size 32] [--precision bf16 int8]
 
@@ -69,7 +69,7 @@ def classify(name: str, shapes: list[Any], D: int) -> str:
         return "attention: q k^T"
     if "softmax" in low:
         return "attention: softmax"
-    if "scaled_dot_product" in low or "flash_attention" in low:
+    if "scaled_dot_product" in low or "flash_attention" in low or "fused_attention" in low:
         return "attention: fused kernel"
     if "layer_norm" in low:
         return "LayerNorm"

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (README, ARCHITECTURE)::
 
-    errors, fileio, hardware  <-  models  <-  checkpoints (hub)  <-  data  <-  configs
+    errors, fileio, hardware, timing  <-  models  <-  checkpoints (hub, native)  <-  data  <-  configs
         <-  train / evaluate / analysis / inference  <-  bench / serve  <-  vitkit (the API)  <-  commands / cli
 
 Imports are read with ``ast`` from the source (module level and inside functions alike), so a lazy import
@@ -26,10 +26,12 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "fileio": 0,
     "hardware": 0,
+    "timing": 0,
     "version": 0,
     "models": 1,
     "checkpoints": 2,
     "hub": 2,
+    "native": 2,  # run-time C kernels, cached in hub's cache directory
     "data": 3,
     "configs": 4,
     "train": 5,

@@ -16,9 +16,9 @@ import torch
 
 from helpers import SRC
 from vitkit.bench.harness import BenchSpec, run_bench
-from vitkit.bench.measure import time_alternating
 from vitkit.errors import ConfigError
 from vitkit.inference.backends import engine_available
+from vitkit.timing import time_alternating
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")

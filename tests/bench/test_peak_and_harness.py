@@ -8,11 +8,12 @@ import shutil
 import pytest
 import torch
 
-from vitkit import hardware
+from vitkit import hardware, native
 from vitkit.bench import peak as peak_mod
 from vitkit.bench.harness import BenchSpec, format_report, run_bench
-from vitkit.bench.measure import Timing, peak_memory
+from vitkit.bench.measure import peak_memory
 from vitkit.errors import ConfigError
+from vitkit.timing import Timing
 
 FLAGS = hardware.cpu_flags()
 HAS_FMA_LOOP = shutil.which("cc") is not None and ("avx512f" in FLAGS or {"avx2", "fma"} <= FLAGS)
@@ -43,7 +44,7 @@ def test_matmul_peak_stops_growing_at_its_time_budget() -> None:
 
 
 def test_without_a_compiler_the_peak_falls_back_to_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(peak_mod, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     p = peak_mod.measure_peak("fp32")
     assert p.method == "matmul" and p.flops > 0
     with pytest.raises(ValueError, match="precision"):

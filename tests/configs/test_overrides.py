@@ -51,3 +51,25 @@ def test_bad_values_name_the_key(item: str, message: str) -> None:
 def test_the_python_api_checks_types_too() -> None:
     with pytest.raises(ConfigError, match=r"optim\.lr: expected a number"):
         get_recipe("digits").override(**{"optim.lr": "abc"})
+    # text where the schema wants a list or an object was taken as it was, and failed later in the run
+    with pytest.raises(ConfigError, match=r"^config\.data\.image_size: expected a list, got '224'"):
+        get_recipe("digits").override(**{"data.image_size": "224"})
+    with pytest.raises(ConfigError, match=r"^config\.model\.overrides: expected an object, got 'depth=2'"):
+        get_recipe("digits").override(**{"model.overrides": "depth=2"})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"optim.lr": "abc"}, "optim.lr: expected a number, got 'abc'"),
+        ({"epochs": "3"}, "epochs: expected a number, got '3'"),
+        ({"data.image_size": "224"}, "data.image_size: expected a list, got '224'"),
+        ({"model.overrides": "depth=2"}, "model.overrides: expected an object, got 'depth=2'"),
+        ({"precision": "fp16"}, "precision: 'fp16' is not one of 'fp32', 'bf16'"),
+        ({"model.overrides.depth": "two"}, "model.overrides.depth: expected an integer, got 'two'"),
+    ],
+)
+def test_named_options_are_checked_by_the_schema_naming_the_field(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match="^" + re.escape(message) + "$"):
+        apply_overrides(get_recipe("digits"), changes)
+    assert apply_overrides(get_recipe("digits"), {"epochs": 3}).epochs == 3.0  # an int where a float goes is one

@@ -171,7 +171,9 @@ def test_non_finite_loss_stops_with_the_step_or_is_skipped(tmp_path: Path) -> No
     assert [math.isfinite(r["loss"]) for r in result.steps] == [True, True, False, False, False]
 
 
-def test_bad_image_in_training_data_names_the_file(tmp_path: Path, sample_jpeg: Path) -> None:
+def test_bad_image_in_training_data_names_the_file(
+    tmp_path: Path, sample_jpeg: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = tmp_path / "data"
     for c in ("a", "b"):
         (root / c).mkdir(parents=True)
@@ -181,8 +183,11 @@ def test_bad_image_in_training_data_names_the_file(tmp_path: Path, sample_jpeg: 
     cfg = tiny_config(**{"data.source": str(root), "data.batch_size": 9, "data.grayscale": False, "epochs": 1})
     with pytest.raises(DataError, match=r"bad\.jpg: corrupt or truncated"):
         train(cfg, tmp_path / "run", progress=False)
+    capsys.readouterr()
     result = train(cfg.override(**{"data.skip_bad": True, "data.batch_size": 8}), tmp_path / "run2", progress=False)
     assert result.step == 1
+    note = f"note: {root} [train]: skipped 1 bad item(s), kept 8 (first: {root / 'b' / 'bad.jpg'}: corrupt"
+    assert capsys.readouterr().err.startswith(note)  # said once, by the one process
 
 
 def test_run_folder_is_never_overwritten(tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from vitkit import hardware
 from vitkit.bench.engines import SETTLE_S, check_engines, engine_models, engines_in
-from vitkit.bench.measure import Timing, peak_memory, synchronize, time_alternating
+from vitkit.bench.measure import peak_memory
 from vitkit.bench.peak import Peak, measure_peak
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
@@ -32,6 +32,7 @@ from vitkit.inference import optimize_for_inference
 from vitkit.inference.backends import EngineModel
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
+from vitkit.timing import Timing, synchronize, time_alternating
 from vitkit.train.distributed import checkpoint_activations
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import adam_kernel

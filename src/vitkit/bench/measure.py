@@ -1,81 +1,17 @@
-"""Timing and memory of one call: seconds per call of alternating runners with the CPU share they got, and
-peak memory (CUDA allocator, or the process's resident set on Linux)."""
+"""Memory of one call: peak memory (CUDA allocator, or the process's resident set on Linux). The timing of
+alternating runners is :mod:`vitkit.timing` (inference's ``backend="auto"`` times its candidates with it too)."""
 
 from __future__ import annotations
 
 import contextlib
 import resource
-import statistics
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-@dataclass
-class Timing:
-    """Seconds per call of the timed repeats, and the CPU share the process got while they ran."""
-
-    times: list[float]
-    cpu_util: float  # process CPU time / (wall time x threads); ~1.0 on an otherwise idle machine
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
-
-    @property
-    def iqr(self) -> tuple[float, float]:
-        if len(self.times) < 2:
-            return (self.times[0], self.times[0])
-        q = statistics.quantiles(self.times, n=4, method="inclusive")
-        return (q[0], q[2])
-
-    def to_dict(self) -> dict[str, Any]:
-        q1, q3 = self.iqr
-        return {
-            "median_s": self.median,
-            "q1_s": q1,
-            "q3_s": q3,
-            "min_s": min(self.times),
-            "times_s": self.times,
-            "cpu_util": self.cpu_util,
-        }
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work (a no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def time_alternating(
-    fns: dict[str, Callable[[], Any]], repeats: int, device: torch.device, threads: int, settle_s: float = 0.0
-) -> dict[str, Timing]:
-    """Time each fn ``repeats`` times, alternating between them call by call; ``settle_s`` of idle time
-    before each call lets the previous runner's thread pool stop spinning (engines with their own pools)."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    cpu: dict[str, float] = dict.fromkeys(fns, 0.0)
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            synchronize(device)
-            if settle_s:
-                time.sleep(settle_s)
-            c0, t0 = _cpu_seconds(), time.perf_counter()
-            fn()
-            synchronize(device)
-            times[name].append(time.perf_counter() - t0)
-            cpu[name] += _cpu_seconds() - c0
-    return {
-        k: Timing(v, cpu[k] / (sum(v) * threads) if device.type == "cpu" else float("nan")) for k, v in times.items()
-    }
+from vitkit.timing import synchronize
 
 
 def _rss_bytes(field_name: str) -> int | None:

@@ -4,8 +4,8 @@ Two ways, tried in order, and the result always says which one it is:
 
 - ``"fma-loop"`` (CPU): a tiny C kernel of independent vector multiply-adds (512-bit ``vfmadd`` for fp32,
   or 256-bit on AVX2-only CPUs; ``vdpbf16ps`` for bf16, ``vpdpbusd`` for int8), compiled at run time with
-  the system C compiler and called through ctypes on every core at once. This is the
-  instruction-throughput ceiling: no real program beats it, and large GEMMs reach 70-90% of it. A CPU
+  the system C compiler (``vitkit.native``, cached per content) and called through ctypes on every core at
+  once. This is the instruction-throughput ceiling: no real program beats it, and large GEMMs reach 70-90% of it. A CPU
   without bf16 instructions gets its fp32 FMA rate as the bf16 peak (bf16 work cannot run faster there).
 - ``"matmul"``: the best rate of large square matrix products in that dtype (CPU or CUDA; int8 on oneDNN's
   int8 GEMM). Used when no C compiler is present, the CPU lacks the instructions (int8 without VNNI), or
@@ -18,22 +18,16 @@ FLOPs count 2 per multiply-add (and 2 per int8 multiply-add, "OP/s").
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from vitkit import hardware
+from vitkit import hardware, native
 from vitkit.bench.measure import synchronize
 
 # Each kernel runs `iters` rounds of ACC independent multiply-adds on 512-bit registers; ACC covers the
@@ -134,17 +128,9 @@ class Peak:
         return asdict(self)
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def _build_kernels(flags: set[str], workdir: Path) -> ctypes.CDLL | None:
-    """Compile the C kernels for the instructions this CPU has; None when that is impossible."""
-    cc = _compiler()
-    args = ["-O2", "-shared", "-fPIC"]
+def _build_kernels(flags: set[str]) -> ctypes.CDLL | None:
+    """The C kernels compiled for the instructions this CPU has (``vitkit.native``); None when impossible."""
+    args: list[str] = []
     if {"avx2", "fma"} <= flags:
         args += ["-mavx2", "-mfma", "-DVK_AVX2"]
     if "avx512f" in flags:
@@ -153,15 +139,9 @@ def _build_kernels(flags: set[str], workdir: Path) -> ctypes.CDLL | None:
             args += ["-mavx512bf16", "-mavx512bw", "-DVK_BF16"]
         if "avx512_vnni" in flags:
             args += ["-mavx512vnni", "-mavx512bw", "-DVK_VNNI"]
-    if cc is None or not any(a.startswith("-DVK_") for a in args):  # no kernel this CPU can run
+    if not args:  # no kernel this CPU can run
         return None
-    tag = hashlib.sha1((_C_SOURCE + " ".join(args)).encode()).hexdigest()[:12]
-    src, lib = workdir / f"vk_{tag}.c", workdir / f"vk_{tag}.so"
-    src.write_text(_C_SOURCE)
-    done = subprocess.run([cc, *args, str(src), "-o", str(lib)], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        return None
-    return ctypes.CDLL(str(lib))
+    return native.load(_C_SOURCE, "vk_peak", args)
 
 
 def _run_threads(fn: Any, iters: int, threads: int) -> float:
@@ -190,20 +170,19 @@ def fma_loop_peak(precision: str, threads: int | None = None, seconds: float = 0
     if not usable:
         return None
     threads = threads or torch.get_num_threads()
-    with tempfile.TemporaryDirectory(prefix="vitkit-peak-") as tmp:
-        lib = _build_kernels(flags, Path(tmp))
-        kernel = next((k for k in usable if lib is not None and hasattr(lib, k[0])), None)
-        if lib is None or kernel is None:
-            return None
-        symbol, _, ops_per_instr = kernel
-        fn = getattr(lib, symbol)
-        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
-        ops_per_iter = _ACC * ops_per_instr
-        iters = 100_000
-        while (elapsed := _run_threads(fn, iters, 1)) < 0.05:  # calibrate one thread to ~50 ms
-            iters *= 4
-        iters = max(int(iters * seconds / 5 / elapsed), 1)
-        best = min(_run_threads(fn, iters, threads) for _ in range(5))
+    lib = _build_kernels(flags)
+    kernel = next((k for k in usable if lib is not None and hasattr(lib, k[0])), None)
+    if lib is None or kernel is None:
+        return None
+    symbol, _, ops_per_instr = kernel
+    fn = getattr(lib, symbol)
+    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
+    ops_per_iter = _ACC * ops_per_instr
+    iters = 100_000
+    while (elapsed := _run_threads(fn, iters, 1)) < 0.05:  # calibrate one thread to ~50 ms
+        iters *= 4
+    iters = max(int(iters * seconds / 5 / elapsed), 1)
+    best = min(_run_threads(fn, iters, threads) for _ in range(5))
     return Peak(precision, ops_per_iter * iters * threads / best, "fma-loop", threads, f"{symbol} x{_ACC}")
 
 

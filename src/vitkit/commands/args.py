@@ -56,14 +56,19 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
-def note_skipped(ds: Any) -> Any:
-    """Print what ``--skip-bad`` dropped from a dataset (one line), and return the dataset."""
-    from vitkit.data.base import skipped_note
+def note_emulated_bf16(device: str | None, advice: str) -> None:
+    """Say so (one "note:" line on stderr) when bf16 will run on a CPU that has no bf16 instructions, where
+    PyTorch emulates bf16 matmuls; ``device`` as the command will resolve it ("auto" too), ``advice`` the
+    command's fast choice."""
+    from vitkit.hardware import has_native_bf16, resolve_device
 
-    note = skipped_note(ds)
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    return ds
+    resolved = resolve_device(device)
+    if resolved.type == "cpu" and not has_native_bf16(resolved):
+        print(
+            "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
+            f"(tens of times slower than fp32); {advice}",
+            file=sys.stderr,
+        )
 
 
 def positive_int(text: str) -> int:

@@ -13,7 +13,6 @@ from vitkit.commands.args import (
     add_data_args,
     image_size,
     load_for_eval,
-    note_skipped,
     positive_int,
 )
 from vitkit.errors import VitkitError
@@ -70,6 +69,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset
     from vitkit.evaluate.evaluate import evaluate_dataset, write_eval_report
     from vitkit.hardware import resolve_device
@@ -141,6 +141,7 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset
     from vitkit.evaluate.evaluate import fewshot_dataset
     from vitkit.fileio import check_output_file, write_file_atomic
@@ -207,6 +208,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze
     from vitkit.checkpoints.preprocess import load_image
+    from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset, sample_images
     from vitkit.hardware import resolve_device
 

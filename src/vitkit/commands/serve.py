@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vitkit.commands.args import positive_float, positive_int
+from vitkit.commands.args import note_emulated_bf16, positive_float, positive_int
 from vitkit.errors import ConfigError, VitkitError
 
 
@@ -109,15 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         device=args.device,
         backend=args.backend,
     )
-    if args.precision == "bf16" and args.device == "cpu":
-        from vitkit.hardware import has_native_bf16
-
-        if not has_native_bf16("cpu"):
-            print(
-                "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
-                "(tens of times slower than fp32); --precision auto picks fp32 here",
-                file=sys.stderr,
-            )
+    if args.precision == "bf16":
+        note_emulated_bf16(args.device, "--precision auto picks fp32 here")
     served.warm_up(args.max_batch)
     app = create_app(served, opts)
     card = served.card()

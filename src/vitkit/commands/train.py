@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any
 
-from vitkit.commands.args import image_size, nonnegative_int, positive_float, positive_int
+from vitkit.commands.args import image_size, nonnegative_int, note_emulated_bf16, positive_float, positive_int
 from vitkit.configs import TrainConfig
 from vitkit.errors import VitkitError
 
@@ -116,15 +116,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _note_emulated_bf16(cfg: TrainConfig) -> None:
     """Say so when bf16 autocast will run on a CPU that has no bf16 instructions (PyTorch emulates it)."""
-    from vitkit.hardware import has_native_bf16, resolve_device
-
-    device = resolve_device(cfg.device)  # how the run will resolve "auto"
-    if cfg.precision == "bf16" and device.type == "cpu" and not has_native_bf16(device):
-        print(
-            "note: --precision bf16: this CPU has no bf16 instructions, so PyTorch emulates bf16 matmuls "
-            "(tens of times slower than fp32); --precision fp32 is the fast choice here",
-            file=sys.stderr,
-        )
+    if cfg.precision == "bf16":
+        note_emulated_bf16(cfg.device, "--precision fp32 is the fast choice here")
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from vitkit.configs.recipes import get_recipe
-from vitkit.configs.schema import TrainConfig
+from vitkit.configs.schema import TrainConfig, coerce
 from vitkit.errors import ConfigError
 from vitkit.models.vit import ViTConfig
 
@@ -145,8 +145,8 @@ def apply_overrides(cfg: TrainConfig, changes: Mapping[str, Any] = {}, sets: Seq
         changes.setdefault("steps", None)
     changes.update(shortened_warmup(cfg, changes.get("epochs"), changes.get("steps")))
     for key, value in changes.items():
-        if value is not None:
-            _check(field_type(key), value, key)
+        if value is not None:  # the schema's one check, naming the option's field (the CLI's types did it too)
+            coerce(field_type(key), value, key)
     cfg = cfg.override(**changes)
     parsed = parse_sets(sets)
     model_fields = {k[len(MODEL_OVERRIDES) :]: v for k, v in parsed.items() if k.startswith(MODEL_OVERRIDES)}
@@ -154,14 +154,6 @@ def apply_overrides(cfg: TrainConfig, changes: Mapping[str, Any] = {}, sets: Seq
     if model_fields:
         parsed["model.overrides"] = {**parsed.get("model.overrides", cfg.model.overrides), **model_fields}
     return cfg.override(**parsed)
-
-
-def _check(tp: Any, value: Any, key: str) -> None:
-    """A named option's value against the schema (the CLI's types already did this; the Python API may not)."""
-    if isinstance(value, str) and tp is not str and typing.get_origin(tp) is not Literal:
-        opt = typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp)
-        if not opt:
-            raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
 def finetune_config(

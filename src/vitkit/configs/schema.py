@@ -201,12 +201,14 @@ def _from_dict(cls: type, d: Any, where: str) -> Any:
     unknown = sorted(set(d) - names)
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    kwargs = {k: _coerce(hints[k], v, f"{where}.{k}") for k, v in d.items()}
+    kwargs = {k: coerce(hints[k], v, f"{where}.{k}") for k, v in d.items()}
     return cls(**kwargs)
 
 
-def _coerce(tp: Any, v: Any, where: str) -> Any:
-    """JSON value -> the annotated type (nested dataclasses, tuples from lists, Optional)."""
+def coerce(tp: Any, v: Any, where: str) -> Any:
+    """A JSON (or Python) value -> the annotated type (nested dataclasses, tuples from lists, Optional), or a
+    ConfigError naming ``where``: the one type check of config values, for config.json, ``override`` and the
+    named options of :func:`vitkit.configs.apply_overrides`."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         if v is None and type(None) in typing.get_args(tp):
@@ -218,8 +220,12 @@ def _coerce(tp: Any, v: Any, where: str) -> Any:
     if origin is Literal and v not in typing.get_args(tp):
         choices = ", ".join(repr(c) for c in typing.get_args(tp))
         raise ConfigError(f"{where}: {v!r} is not one of {choices}")
-    if origin is tuple and isinstance(v, (list, tuple)):
+    if origin is tuple:
+        if not isinstance(v, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {v!r}")
         return tuple(v)
+    if (origin is dict or tp is dict) and not isinstance(v, dict):
+        raise ConfigError(f"{where}: expected an object, got {v!r}")
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp)

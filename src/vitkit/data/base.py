@@ -7,14 +7,18 @@ and iterates as (image, label) pairs. ``ds.labels`` gives every label without de
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 from PIL import Image
 
 from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, convert_image
 from vitkit.errors import DataError
+
+D = TypeVar("D", bound="ImageDataset")
 
 # Split names that mean "held-out data", tried in this order when a source has no split of the exact name.
 SPLIT_ALIASES: dict[str, tuple[str, ...]] = {
@@ -144,6 +148,15 @@ def skipped_note(ds: ImageDataset) -> str | None:
     first = ds.skipped[0]
     first_one = f"first: {first.item}: {first.reason}"
     return f"{ds.source} [{ds.split}]: skipped {len(ds.skipped)} bad item(s), kept {len(ds)} ({first_one})"
+
+
+def note_skipped(ds: D) -> D:
+    """Print what ``skip_bad`` dropped from ``ds`` to stderr (one "note:" line, nothing when nothing was), and
+    return ``ds``: what ``vitkit train`` and the evaluation commands show."""
+    note = skipped_note(ds)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return ds
 
 
 def as_uint8_images(arr: np.ndarray, what: str) -> np.ndarray:

@@ -22,13 +22,12 @@ precision, times them alternately on this machine and keeps the fastest (``.back
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import logging
-import statistics
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from torch import nn
 from vitkit import hardware
 from vitkit.errors import VitkitError
 from vitkit.models.vit import VisionTransformer
+from vitkit.timing import time_alternating
 
 BACKENDS = ("torch", "onnxruntime", "openvino", "auto")
 ENGINES = ("onnxruntime", "openvino")
@@ -280,13 +280,9 @@ def optimize_with_backend(
 
 def time_candidates(candidates: dict[str, nn.Module], x: torch.Tensor, repeats: int = 3) -> dict[str, float]:
     """Median seconds per call of each candidate on ``x``, after one warm-up call, the candidates alternating."""
-    times: dict[str, list[float]] = {k: [] for k in candidates}
     with torch.no_grad():
         for fn in candidates.values():
             fn(x)
-        for _ in range(repeats):
-            for name, fn in candidates.items():
-                t0 = time.perf_counter()
-                fn(x)
-                times[name].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+        fns = {name: functools.partial(fn, x) for name, fn in candidates.items()}
+        timings = time_alternating(fns, repeats, torch.device("cpu"), torch.get_num_threads())
+    return {k: t.median for k, t in timings.items()}

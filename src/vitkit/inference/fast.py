@@ -6,10 +6,14 @@ The transform keeps the model's function and changes how it is computed:
   layout for the batch size seen, so no GEMM reorders its weights per call;
 - bias + GELU fused into the first MLP GEMM and bias + residual add fused into the attention output and
   second MLP GEMMs (oneDNN post-ops), tokens kept as one (B*T, D) matrix so no layout copy surrounds them;
-- attention: on CPU, softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads)
-  small enough for their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's
-  sequence lengths, 4-30% end to end); elsewhere PyTorch's fused ``scaled_dot_product_attention``; the
-  1/sqrt(d) scale is folded into the query weights;
+- attention, chosen at run time: in bf16 on a CPU with AVX512_BF16 and a C compiler, vitkit's fused C
+  kernel (``vitkit.inference.attention``: scores, softmax and probabilities x v per block of query rows
+  in registers and L1, q/k/v read straight from the qkv GEMM's output and the result written in the token
+  layout; B/16 b32 +8% bf16 / +11% int8 end to end, S/16 and Ti/16 +13-25%, BENCHMARKS.md); otherwise on
+  CPU softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads) small enough for
+  their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths); on
+  CUDA PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded into the query
+  weights;
 - on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
   glibc's mmap threshold: no page faults per call);
 - optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
@@ -33,6 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit import hardware
+from vitkit.inference.attention import FusedAttention
+from vitkit.inference.attention import load as load_fused_attention
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
@@ -103,9 +109,16 @@ class FastBlock(nn.Module):
     """One pre-LN block (paper eqs. 2-3) on tokens flattened to (B*T, D), fused as described above."""
 
     def __init__(
-        self, block: Block, dtype: torch.dtype, rows: int | None, quantize: Quantizer | None = None, pack: bool = True
+        self,
+        block: Block,
+        dtype: torch.dtype,
+        rows: int | None,
+        quantize: Quantizer | None = None,
+        pack: bool = True,
+        fused: FusedAttention | None = None,
     ) -> None:
         super().__init__()
+        self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs), else None
         self.num_heads = block.attn.num_heads
         self.head_dim = block.attn.head_dim
         self.norm1 = copy.deepcopy(block.norm1).to(dtype)
@@ -136,13 +149,17 @@ class FastBlock(nn.Module):
         # x: (B*T, D)
         BT, D = x.shape
         T, h, d = BT // batch, self.num_heads, self.head_dim
-        qkv = self.qkv(self.norm1(x)).view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
-        if self.explicit_attention:
-            o = self.explicit(qkv, batch, T)
+        qkv = self.qkv(self.norm1(x))  # (B*T, 3D)
+        if self.fused is not None and self.fused.supports(qkv, d):
+            o = self.fused(qkv, batch, h, d)  # (B*T, D), read from and written in the token layout
         else:
-            q, k, v = qkv.unbind(0)  # 3 x (B, h, T, d), strided views
-            o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
-        o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
+            heads = qkv.view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
+            if self.explicit_attention:
+                o = self.explicit(heads, batch, T)
+            else:
+                q, k, v = heads.unbind(0)  # 3 x (B, h, T, d), strided views
+                o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
+            o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
         x = self.proj(o, x)  # x + proj(o)
         step = chunk_rows(BT, self.fc1_features * x.element_size(), self.mlp_bytes) if self.mlp_bytes else BT
         if step >= BT:
@@ -303,11 +320,13 @@ class InferenceViT(nn.Module):
         self.cfg = model.cfg
         self.dtype = dtype
         quantize = CompiledQuantizer(default_quantizer()) if int8 else None
+        cpu = next(model.parameters()).device.type == "cpu"
+        fused = load_fused_attention() if pack and cpu and dtype == torch.bfloat16 else None
         base = copy.deepcopy(model).eval()
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
-        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack) for b in blocks)
+        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused) for b in blocks)
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,7 @@ from torch import nn
 from vitkit.checkpoints import vitkit_format
 from vitkit.checkpoints.base import empty_model
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset, skipped_note
+from vitkit.data.base import ImageDataset, note_skipped
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
@@ -123,9 +123,8 @@ class Trainer:
         self.workers = min(cfg.data.workers, max(1, (os.cpu_count() or 1) // self.dist.local_world))
         self.train_set, self.val_set = self._open_data()
         for ds in (self.train_set, self.val_set):
-            note = skipped_note(ds) if ds is not None and self.dist.is_main else None
-            if note:
-                print(f"note: {note}", file=sys.stderr)
+            if ds is not None and self.dist.is_main:
+                note_skipped(ds)
         self.classes = self.train_set.classes
         net, pre = build.build_model(cfg, self.classes)
         self.preprocess = pre

@@ -1,0 +1,82 @@
+"""A fused bf16 attention kernel for the CPU inference fast path (AVX-512 BF16), written in C.
+
+``softmax(scale q k^T) v`` for every (image, head), reading q, k and v straight from the fused qkv GEMM's
+(B*T, 3D) output and writing the (B*T, D) token layout the out-projection reads: no contiguity copies,
+no transposes, no (T, T) scores in memory. Per (image, head) the keys are packed once into bf16 pairs along
+d and the values into pairs along T (the operand layouts of ``vdpbf16ps``); then for each block of 6 query
+rows the scores are made in fp32 in registers and L1, their softmax numerators (a degree-6 polynomial exp)
+rounded to bf16, multiplied by v with ``vdpbf16ps`` and scaled by 1/sum into the bf16 output. (image, head)
+pairs are split over threads by OpenMP; the library links ``libgomp.so.1``, which is PyTorch's own OpenMP
+runtime once torch is loaded (same soname), so the kernel shares torch's thread pool instead of adding one.
+
+The source is compiled at first use by the system C compiler (:mod:`vitkit.native`, cached per content);
+:func:`load` returns None where that is impossible (no compiler, no AVX512_BF16, not Linux), and the
+fast path keeps its PyTorch attention there.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from vitkit import native
+
+FLAGS = ("-fopenmp", "-fno-strict-aliasing", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+SOURCE = Path(__file__).with_name("attention.c")
+
+
+class FusedAttention:
+    """The loaded kernel: ``attn(qkv, batch, heads, head_dim, scale)`` -> (B*T, D) bf16 output."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.vk_attention_bf16
+        fn.restype = ctypes.c_int
+        fn.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+            ctypes.c_long,
+            ctypes.c_float,
+            ctypes.c_int,
+        ]
+        self.fn = fn
+
+    def supports(self, qkv: torch.Tensor, head_dim: int) -> bool:
+        """Whether ``qkv`` (B*T, 3D) can go through the kernel: bf16 on CPU, rows contiguous, d even."""
+        return (
+            qkv.device.type == "cpu"
+            and qkv.dtype == torch.bfloat16
+            and qkv.dim() == 2
+            and qkv.stride(1) == 1
+            and qkv.stride(0) % 2 == 0
+            and head_dim % 2 == 0
+        )
+
+    def __call__(self, qkv: torch.Tensor, batch: int, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
+        """qkv: (B*T, 3 h d) bf16 with q, k, v side by side, head-major within each -> (B*T, h d) bf16."""
+        if not self.supports(qkv, head_dim):
+            raise ValueError("the fused attention kernel needs a bf16 CPU (B*T, 3D) tensor and an even head_dim")
+        BT, width = qkv.shape
+        D = heads * head_dim
+        if width != 3 * D or BT % batch:
+            raise ValueError(f"qkv of shape {tuple(qkv.shape)} does not hold {batch} images of {heads} x {head_dim}")
+        out = qkv.new_empty(BT, D)
+        T, threads = BT // batch, torch.get_num_threads()
+        with torch.profiler.record_function("vitkit::fused_attention"):  # a named op in profiles
+            rc = self.fn(qkv.data_ptr(), out.data_ptr(), batch, T, heads, head_dim, qkv.stride(0), D, scale, threads)
+        if rc != 0:
+            raise MemoryError("the fused attention kernel could not allocate its buffers")
+        return out
+
+
+def load() -> FusedAttention | None:
+    """The kernel compiled for this CPU, or None where it cannot run (see the module docstring)."""
+    lib = native.load(SOURCE.read_text(), "vk_attention", FLAGS, NEEDS)
+    return None if lib is None else FusedAttention(lib)

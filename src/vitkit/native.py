@@ -1,0 +1,92 @@
+"""Small C kernels compiled at run time by the system C compiler and loaded through ctypes.
+
+Used by :mod:`vitkit.bench.peak` (the FMA-loop peak) and :mod:`vitkit.inference.fast` (the fused attention
+kernel). A source is compiled once per content (source text, compiler and flags hash to the file name) into
+``<cache>/native/`` -- the cache directory of :func:`vitkit.hub.cache.cache_dir` (``$VITKIT_HOME``, else
+``$XDG_CACHE_HOME/vitkit``, else the platform's user cache) -- or, when that cannot be written, a per-user
+directory under the system temporary directory. Concurrent processes are safe: each compiles into a private
+temporary name in the same directory and renames it into place atomically, so a library is either absent
+or complete (two processes compiling at once both produce the same file; the last rename wins).
+
+Nothing here is required: :func:`load` returns ``None`` when there is no compiler, the CPU lacks a flag the
+kernel needs, or compilation fails, and every caller keeps a pure-PyTorch path for that case.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from vitkit import hardware
+from vitkit.hub.cache import cache_dir
+
+
+def compiler() -> str | None:
+    """The C compiler to use: ``$CC`` (the build convention), else ``cc``, ``gcc`` or ``clang`` on PATH."""
+    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _writable_dir(path: Path) -> Path | None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return path if os.access(path, os.W_OK | os.X_OK) else None
+
+
+def library_dir() -> Path | None:
+    """Where compiled libraries are kept (created if missing); None when no candidate is writable."""
+    found = _writable_dir(cache_dir() / "native")
+    if found is None:
+        user = os.getuid() if hasattr(os, "getuid") else os.getpid()
+        found = _writable_dir(Path(tempfile.gettempdir()) / f"vitkit-native-{user}")
+    return found
+
+
+def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
+    """Compile ``source`` into a shared library (``-O2 -shared -fPIC`` plus ``flags``) unless a library of
+    the same source, compiler and flags is cached already; its path, or None if that is not possible."""
+    cc = compiler()
+    where = library_dir()
+    if cc is None or where is None:
+        return None
+    args = ["-O2", "-shared", "-fPIC", *flags]
+    tag = hashlib.sha256("\0".join([source, cc, *args]).encode()).hexdigest()[:16]
+    lib = where / f"{name}-{tag}.so"
+    if lib.is_file():
+        return lib
+    with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=where) as tmp:
+        src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
+        src.write_text(source)
+        try:
+            done = subprocess.run([cc, *args, str(src), "-o", str(out)], capture_output=True, check=False)
+        except OSError:
+            return None
+        if done.returncode != 0 or not out.is_file():
+            return None
+        os.replace(out, lib)  # atomic within one directory: other processes see nothing or the whole file
+    return lib
+
+
+def load(source: str, name: str, flags: Sequence[str] = (), needs: Iterable[str] = ()) -> ctypes.CDLL | None:
+    """The compiled ``source`` loaded with ctypes, or None when the CPU lacks one of the ``needs`` flags
+    (names as in /proc/cpuinfo, e.g. ``avx512_bf16``), there is no compiler, or compilation fails."""
+    if sys.platform == "win32" or not set(needs) <= hardware.cpu_flags():
+        return None
+    lib = build(source, name, flags)
+    if lib is None:
+        return None
+    try:
+        return ctypes.CDLL(str(lib))
+    except OSError:
+        return None

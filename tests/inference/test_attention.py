@@ -1,0 +1,112 @@
+"""The fused bf16 attention kernel (C, AVX-512 BF16) against PyTorch's fp32 scaled_dot_product_attention, and
+the fast path with and without it against the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import randomize_
+from vitkit import hardware, native
+from vitkit.inference import attention
+from vitkit.inference.fast import FastBlock, InferenceViT
+from vitkit.models import create_model
+
+KERNEL = attention.load()
+needs_kernel = pytest.mark.skipif(
+    KERNEL is None,
+    reason="the fused attention kernel needs a C compiler and a CPU with AVX512_BF16"
+    + ("" if native.compiler() else " (no C compiler here)")
+    + ("" if {"avx512_bf16"} <= hardware.cpu_flags() else " (no AVX512_BF16 here)"),
+)
+
+
+def _reference(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) -> torch.Tensor:
+    """fp32 SDPA on the same (bf16-rounded) q, k, v -> (B*T, h d)."""
+    BT = qkv.shape[0]
+    T = BT // batch
+    q, k, v = qkv.float().view(batch, T, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
+    o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, h, T, d)
+    return o.transpose(1, 2).reshape(BT, heads * d)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("batch", "T", "heads", "d"),
+    [(2, 197, 3, 64), (1, 50, 2, 32), (3, 37, 2, 80), (1, 1, 1, 64), (2, 16, 4, 64), (1, 97, 2, 40), (2, 65, 1, 2)],
+)
+def test_kernel_matches_fp32_sdpa(batch: int, T: int, heads: int, d: int) -> None:
+    """T odd, below or not a multiple of the 6-row and 16-column blocks; d = 32/64/80, and 40 and 2 whose
+    last 16 columns are partial; batch 1."""
+    assert KERNEL is not None
+    qkv = torch.randn(batch * T, 3 * heads * d).to(torch.bfloat16)
+    scale = d**-0.5
+    out = KERNEL(qkv, batch, heads, d, scale)
+    ref = _reference(qkv, batch, heads, d, scale)
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert _rel(out, ref) < 1e-2
+    assert (out.float() - ref).abs().max() < 0.05
+
+
+@needs_kernel
+def test_kernel_on_large_logits_and_strided_rows() -> None:
+    """Logits up to ~+-300 (a naive exp overflows; softmax is then nearly one-hot), and qkv as a column slice
+    of a wider tensor (row stride larger than 3D)."""
+    assert KERNEL is not None
+    batch, T, heads, d = 2, 197, 2, 64
+    wide = torch.randn(batch * T, 3 * heads * d + 64) * 4
+    qkv = wide.to(torch.bfloat16)[:, : 3 * heads * d]
+    assert qkv.stride(0) != qkv.shape[1]
+    out = KERNEL(qkv, batch, heads, d, 1.0)
+    ref = _reference(qkv, batch, heads, d, 1.0)
+    assert torch.isfinite(out.float()).all()
+    assert _rel(out, ref) < 1e-2
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_run() -> None:
+    assert KERNEL is not None
+    assert not KERNEL.supports(torch.randn(10, 12), 2)  # fp32
+    assert not KERNEL.supports(torch.randn(10, 9).to(torch.bfloat16), 3)  # odd head_dim
+    with pytest.raises(ValueError, match="does not hold"):
+        KERNEL(torch.randn(10, 12).to(torch.bfloat16), 3, 2, 2)
+
+
+def _model() -> torch.nn.Module:
+    return randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
+
+
+@needs_kernel
+def test_fast_path_uses_the_kernel_and_matches_the_torch_attention() -> None:
+    model = _model()
+    x = torch.randn(3, 3, 48, 48)
+    fast = InferenceViT(model, torch.bfloat16, rows=None)
+    blocks = [b for b in fast.blocks if isinstance(b, FastBlock)]
+    assert all(b.fused is not None for b in blocks)
+    with torch.inference_mode():
+        ref = model(x)
+        fused = fast(x)
+        for b in blocks:
+            b.fused = None  # the PyTorch path (batched GEMMs over chunks)
+        plain = fast(x)
+    assert _rel(fused, plain) < 2e-2
+    assert _rel(fused, ref) < 3e-2
+
+
+def test_without_the_kernel_the_fast_path_keeps_torch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No compiler (or no AVX512_BF16): the kernel is not loaded and the fast path still matches the model."""
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert attention.load() is None
+    model = _model()
+    x = torch.randn(2, 3, 48, 48)
+    fast = InferenceViT(model, torch.bfloat16, rows=None)
+    assert all(b.fused is None for b in fast.blocks if isinstance(b, FastBlock))
+    with torch.inference_mode():
+        assert _rel(fast(x), model(x)) < 3e-2
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
+    assert attention.load() is None

@@ -1,0 +1,79 @@
+"""vitkit.native: C sources compiled once per content into the cache, loaded with ctypes, None when impossible."""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vitkit import hardware, native
+
+SOURCE = "int vk_add(int a, int b) { return a + b; }\n"
+needs_cc = pytest.mark.skipif(native.compiler() is None, reason="needs a C compiler")
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("VITKIT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+@needs_cc
+def test_a_source_is_compiled_once_into_the_cache_and_runs(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lib = native.load(SOURCE, "vk_add")
+    assert lib is not None and lib.vk_add(2, 40) == 42
+    path = native.build(SOURCE, "vk_add")
+    assert path is not None and path.parent == cache / "native" and path.name.startswith("vk_add-")
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left behind
+
+    def no_compiler(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled again although cached")
+
+    monkeypatch.setattr(subprocess, "run", no_compiler)
+    assert native.build(SOURCE, "vk_add") == path
+
+
+@needs_cc
+def test_different_flags_or_source_make_different_libraries() -> None:
+    a = native.build(SOURCE, "vk_add")
+    b = native.build(SOURCE, "vk_add", ["-DVK_SOMETHING"])
+    c = native.build(SOURCE.replace("a + b", "a - b"), "vk_add")
+    assert a is not None and b is not None and c is not None and len({a, b, c}) == 3
+    assert ctypes.CDLL(str(c)).vk_add(2, 40) == -38
+
+
+@needs_cc
+def test_concurrent_processes_get_one_complete_library(cache: Path) -> None:
+    code = (
+        "from vitkit import native\n"
+        f"lib = native.load({SOURCE!r}, 'vk_race')\n"
+        "assert lib is not None and lib.vk_add(1, 2) == 3\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    assert len([p for p in (cache / "native").iterdir() if p.name.startswith("vk_race-")]) == 1
+
+
+def test_none_without_compiler_missing_cpu_flag_or_broken_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert native.load(SOURCE, "vk_add", needs=["no_such_cpu_flag"]) is None
+    if native.compiler() is not None:
+        assert native.load("this is not C", "vk_broken") is None
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2"})
+    assert native.load(SOURCE, "vk_add", needs=["avx512_bf16"]) is None
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    assert native.load(SOURCE, "vk_add") is None
+
+
+def test_an_unwritable_cache_falls_back_to_a_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("VITKIT_HOME", str(blocker))  # cache_dir()/native cannot be created under a file
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    where = native.library_dir()
+    assert where is not None and where.parent == tmp_path / "tmp" and where.name.startswith("vitkit-native-")
+    assert blocker.read_text() == "not a directory"
