@@ -240,3 +240,18 @@ def write_file_atomic(out: Path, write: Callable[[Path], object]) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
     return out
+
+
+def write_dir_atomic(out: Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` into a new hidden folder beside ``out``, fsync what it wrote, and swap it in for ``out``
+    with :func:`replace_dir` (at every instant one complete version is on disk); a failed write is one
+    CheckpointError naming ``out`` (:func:`write_errors`) and leaves no temporary folder."""
+    with write_errors(out):
+        tmp = make_temp_dir(out)
+        try:
+            write(tmp)
+            sync_tree(tmp)
+            replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

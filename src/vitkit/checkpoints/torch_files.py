@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -113,20 +112,14 @@ def write_folder(
     """
     out = Path(path)
     check_folder_output(out, overwrite)
-    with fileio.write_errors(out):
-        tmp = fileio.make_temp_dir(out)
-        try:
-            metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
-            save_file(
-                {k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata
-            )
-            for name, text in files.items():
-                (tmp / name).write_text(text)
-            fileio.sync_tree(tmp)
-            fileio.replace_dir(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    def write(tmp: Path) -> None:
+        metadata = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata=metadata)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+
+    return fileio.write_dir_atomic(out, write)
 
 
 def native_looks_like(folder: Path) -> bool:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -124,16 +123,12 @@ def save(
         "provenance": provenance or {},
     }
     state = state_dict_tensors(model)
-    with fileio.write_errors(out):
-        tmp = fileio.make_temp_dir(out)
-        try:
-            save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
-            (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-            fileio.sync_tree(tmp)
-            fileio.replace_dir(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    def write(tmp: Path) -> None:
+        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+
+    return fileio.write_dir_atomic(out, write)
 
 
 def check_output(out: Path, overwrite: bool) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitkit.models.attention import softmax_attention
 from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
@@ -237,7 +238,8 @@ class Attention(nn.Module):
     The default path calls the fused ``scaled_dot_product_attention``. With ``return_attention=True`` the
     same weights go through an explicit softmax(q k^T / sqrt(d)) v that also returns the probabilities
     (B, h, T, T); both paths compute the same function. ``fused = False`` selects the explicit path for
-    every call (softmax in the activation dtype): on CPU its backward is faster than the fused kernel's at
+    every call (softmax in the activation dtype; ``vitkit.models.attention.softmax_attention``, with its
+    own backward pass, unless attention dropout is on): on CPU it trains faster than the fused kernel at
     ViT's short sequences (see BENCHMARKS.md), at the cost of storing the (B, h, T, T) probabilities.
     """
 
@@ -254,9 +256,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, T, D = x.shape
+        p_drop = self.attention_dropout if self.training else 0.0
+        if not (self.fused or return_attention or p_drop):  # q, k, v, scale and gradients in one function
+            return self.proj(softmax_attention(self.qkv(x), self.num_heads, self.scale)), None
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
-        p_drop = self.attention_dropout if self.training else 0.0
         probs = None
         if return_attention:
             logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, T, T)

@@ -7,7 +7,8 @@ hands the pages back they are faulted in and zeroed again: 70-180 thousand page 
 time per S/16 step on 2 cores (BENCHMARKS.md). :func:`heap_kept` serves every allocation from the heap and
 keeps freed memory there for the next step; on exit it returns the free memory (``malloc_trim``) and leaves
 the thresholds where glibc's own dynamic rule takes them once a large block has been freed (mmap above
-32 MiB, trim above 64 MiB). Elsewhere than glibc (macOS, musl) it does nothing.
+32 MiB, trim above 64 MiB). Elsewhere than glibc (macOS, musl) it does nothing. On whole ``fit()`` runs
+(S/16 and the digits job, BENCHMARKS.md) it costs no peak memory.
 """
 
 from __future__ import annotations

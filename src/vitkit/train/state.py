@@ -11,7 +11,8 @@ Writing goes to a hidden temporary folder (files fsync'ed), which is renamed int
 ``os.replace``; only then are old checkpoints pruned (renamed to a hidden name, then deleted). A crash at
 any moment leaves either the new checkpoint complete or no trace of it, and the previous one untouched.
 Hidden folders are never read, except ``.step-N.old`` while the same step is being re-saved (see
-``fileio.replace_dir``). :func:`clean_states` removes what a kill left behind.
+``fileio.replace_dir``; the whole write is ``fileio.write_dir_atomic``). :func:`clean_states` removes what a
+kill left behind.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from vitkit.configs import TrainConfig
 from vitkit.errors import CheckpointError, ConfigError
-from vitkit.fileio import clean_stale, complete_dir, fsync, make_temp_dir, remove_tree, replace_dir, write_errors
+from vitkit.fileio import clean_stale, complete_dir, remove_tree, write_dir_atomic
 
 STATE_FORMAT = "vitkit-train-state"
 STATE_VERSION = 1
@@ -88,20 +89,14 @@ def write_state(
 ) -> Path:
     """Write one checkpoint atomically, then keep only the newest ``keep_last``."""
     root = Path(folder)
-    with write_errors(root):
-        root.mkdir(parents=True, exist_ok=True)
-        final = root / state_name(step)
-        tmp = make_temp_dir(final)
-        try:
-            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
-            doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
-            (tmp / META).write_text(json.dumps(doc, indent=1) + "\n")
-            for f in (tmp / TENSORS, tmp / META, tmp):
-                fsync(f)
-            replace_dir(tmp, final)  # the same step saved again (after a resume) is swapped out first
-            fsync(root)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    final = root / state_name(step)
+
+    def write(tmp: Path) -> None:
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / TENSORS))
+        doc = {"format": STATE_FORMAT, "version": STATE_VERSION, "step": step, **meta}
+        (tmp / META).write_text(json.dumps(doc, indent=1) + "\n")
+
+    write_dir_atomic(final, write)  # the same step saved again (after a resume) is swapped out first
     for _, path in list_states(root)[:-keep_last]:
         remove_tree(path)
     return final

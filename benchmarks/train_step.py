@@ -1,0 +1,126 @@
+"""A/B of training-step variants in one process: ViT-S/16, 224 px, batch 32, bf16 autocast, fused AdamW.
+
+    PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/train_step.py [--steps 8] [--variants old-attn new-attn]
+    PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/train_step.py --profile new-attn
+
+Every variant is the same model (same weights, same batch) trained the same way as ``vitkit bench --task
+train``'s explicit-attention runner and the trainer (freed memory kept in the heap, ``heap_kept``); the
+variants run one step each in turn, after a warm-up step each, and the median and best step times are
+printed. Variants:
+
+- ``old-attn``: the explicit attention through autograd (q scaled, ``softmax(q k^T) v``), as before the
+  hand-written backward pass (``vitkit.models.attention``);
+- ``new-attn``: the model's explicit path, ``softmax_attention`` (what the trainer runs on CPU);
+- ``sdpa``: PyTorch's fused ``scaled_dot_product_attention``;
+- ``compiled-blocks``: ``new-attn`` with every block ``torch.compile``'d (inductor);
+- ``compiled-blocks-old-attn``: ``old-attn`` with every block compiled (inductor sees the whole formula).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+import types
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitkit.models import create_model
+from vitkit.models.vit import Attention, VisionTransformer
+from vitkit.train.heap import heap_kept
+
+
+def _old_attention(self: Attention, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, None]:
+    """The explicit path before ``softmax_attention``: autograd through the formula."""
+    B, T, D = x.shape
+    qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
+    logits = (q * self.scale) @ k.transpose(-2, -1)  # (B, h, T, T)
+    out = logits.softmax(dim=-1) @ v  # (B, h, T, d)
+    return self.proj(out.transpose(1, 2).reshape(B, T, D)), None
+
+
+def _with_old_attention(model: VisionTransformer) -> VisionTransformer:
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.forward = types.MethodType(_old_attention, m)  # type: ignore[method-assign]
+    return model
+
+
+def _compiled_blocks(model: VisionTransformer) -> VisionTransformer:
+    for i, blk in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(blk)  # type: ignore[assignment]
+    return model
+
+
+VARIANTS: dict[str, Callable[[VisionTransformer], nn.Module]] = {
+    "old-attn": _with_old_attention,
+    "new-attn": lambda m: m,
+    "compiled-blocks": _compiled_blocks,
+    "compiled-blocks-old-attn": lambda m: _compiled_blocks(_with_old_attention(m)),
+    "sdpa": lambda m: m,
+}
+
+
+def make_step(name: str, base: VisionTransformer, x: torch.Tensor, labels: torch.Tensor) -> Callable[[], float]:
+    model = copy.deepcopy(base).train()
+    model.set_fused_attention(name == "sdpa")
+    fwd = VARIANTS[name](model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.05, fused=True)
+
+    def step() -> float:
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(fwd(x).float(), labels)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - start
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--variants", nargs="+", default=["old-attn", "new-attn"], choices=sorted(VARIANTS))
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per variant (default 8)")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--model", default="S/16")
+    ap.add_argument("--profile", choices=sorted(VARIANTS), help="profile 3 steps of one variant, per op")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    base = create_model(args.model, num_classes=1000)
+    x = torch.randn(args.batch_size, 3, 224, 224)
+    labels = torch.randint(0, 1000, (args.batch_size,))
+    with heap_kept():
+        if args.profile:
+            step = make_step(args.profile, base, x, labels)
+            for _ in range(2):
+                step()
+            with torch.profiler.profile() as prof:
+                total = sum(step() for _ in range(3))
+            print(f"{args.profile}: {total / 3 * 1e3:.0f} ms per step under the profiler")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            return
+        steps = {name: make_step(name, base, x, labels) for name in args.variants}
+        for step in steps.values():  # warm-up (and compilation)
+            step()
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for _ in range(args.steps):
+            for name, step in steps.items():
+                times[name].append(step())
+    first = statistics.median(times[args.variants[0]])
+    print(f"{args.model} batch {args.batch_size}, bf16 autocast, {args.steps} alternating steps per variant")
+    print("| variant | median step (s) | best (s) | img/s (median) | vs first |")
+    print("|---|---|---|---|---|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med:.3f} | {min(ts):.3f} | {args.batch_size / med:.2f} | {first / med:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
