@@ -6,6 +6,9 @@ For each model: the bf16 (and int8) fast path built once, then timed call by cal
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/attention_ab.py B/16 S/16
 
 Prints img/s medians (and the best call) of both and their ratio, and the relative difference of the final tokens.
+With ``--layer``, one layer's attention in isolation instead (the model's shapes, batch 32, best of 5 ms):
+the fused kernel, the fast path's PyTorch form (batched GEMMs + softmax over cached chunks, with the copies
+around it), and PyTorch's ``scaled_dot_product_attention`` on contiguous q, k, v.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
 from vitkit import optimize_for_inference
+from vitkit.inference import attention
+from vitkit.inference import fast as fast_mod
 from vitkit.inference.fast import FastBlock, InferenceViT
 from vitkit.models import create_model
 
@@ -27,15 +34,59 @@ def set_fused(fast: InferenceViT, kernel: object) -> None:
             b.fused = kernel  # type: ignore[assignment]
 
 
+def best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def one_layer(name: str, batch: int) -> None:
+    """ms and GFLOP/s of one layer's attention, three ways (see the module docstring)."""
+    kernel = attention.load()
+    cfg = create_model(name).cfg
+    B, T, h, d = batch, cfg.num_tokens(), cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    qkv = torch.randn(B * T, 3 * h * d).to(torch.bfloat16)
+    scaled = qkv.clone()
+    scaled[:, : h * d] *= d**-0.5  # the fast path folds the scale into the query weights
+    block = FastBlock.__new__(FastBlock)  # only explicit() and its three attributes are used
+    torch.nn.Module.__init__(block)
+    block.num_heads, block.head_dim, block.scores_bytes = h, d, fast_mod.SCORES_CHUNK_BYTES
+
+    def torch_form() -> torch.Tensor:
+        heads = scaled.view(B, T, 3, h, d).permute(2, 0, 3, 1, 4)
+        return block.explicit(heads, B, T).transpose(1, 2).reshape(B * T, h * d)
+
+    def sdpa() -> torch.Tensor:
+        q, k, v = (t.contiguous() for t in scaled.view(B, T, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0))
+        return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).reshape(B * T, h * d)
+
+    forms: dict[str, Callable[[], object]] = {"PyTorch GEMMs + softmax": torch_form, "SDPA (flash)": sdpa}
+    if kernel is not None:
+        forms = {"fused C kernel": lambda: kernel(qkv, B, h, d, d**-0.5), **forms}
+    flops = 4.0 * B * h * T * T * d
+    with torch.inference_mode():
+        for form, fn in forms.items():
+            ms = best_ms(fn)
+            print(f"{name} one layer, b{B}: {form}: {ms:.2f} ms, {flops / ms / 1e6:.0f} GFLOP/s", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--precision", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layer", action="store_true", help="one layer's attention in isolation, three ways")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.models:
+        if args.layer:
+            one_layer(name, args.batch_size)
+            continue
         model = create_model(name).eval()
         x = torch.randn(args.batch_size, 3, 224, 224)
         for precision in args.precision:

@@ -4,7 +4,7 @@
 (B*T, 3D) output and writing the (B*T, D) token layout the out-projection reads: no contiguity copies,
 no transposes, no (T, T) scores in memory. Per (image, head) the keys are packed once into bf16 pairs along
 d and the values into pairs along T (the operand layouts of ``vdpbf16ps``); then for each block of 6 query
-rows the scores are made in fp32 in registers and L1, their softmax numerators (a degree-6 polynomial exp)
+rows the scores are made in fp32 in registers and L1, their softmax numerators (a degree-4 polynomial exp)
 rounded to bf16, multiplied by v with ``vdpbf16ps`` and scaled by 1/sum into the bf16 output. (image, head)
 pairs are split over threads by OpenMP; the library links ``libgomp.so.1``, which is PyTorch's own OpenMP
 runtime once torch is loaded (same soname), so the kernel shares torch's thread pool instead of adding one.

@@ -9,7 +9,7 @@ The transform keeps the model's function and changes how it is computed:
 - attention, chosen at run time: in bf16 on a CPU with AVX512_BF16 and a C compiler, vitkit's fused C
   kernel (``vitkit.inference.attention``: scores, softmax and probabilities x v per block of query rows
   in registers and L1, q/k/v read straight from the qkv GEMM's output and the result written in the token
-  layout; B/16 b32 +8% bf16 / +11% int8 end to end, S/16 and Ti/16 +13-25%, BENCHMARKS.md); otherwise on
+  layout; B/16 b32 +6-8% bf16 / +11-12% int8 end to end, S/16 and Ti/16 +11-24%, BENCHMARKS.md); otherwise on
   CPU softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads) small enough for
   their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths); on
   CUDA PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded into the query
