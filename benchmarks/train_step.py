@@ -2,6 +2,7 @@
 
     PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/train_step.py [--steps 8] [--variants old-attn new-attn]
     PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/train_step.py --profile new-attn
+    PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/train_step.py --time-ops new-attn
 
 Every variant is the same model (same weights, same batch) trained the same way as ``vitkit bench --task
 train``'s explicit-attention runner and the trainer (freed memory kept in the heap, ``heap_kept``); the
@@ -19,6 +20,7 @@ printed. Variants:
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import statistics
 import time
@@ -28,6 +30,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitkit.models import create_model
 from vitkit.models.vit import Attention, VisionTransformer
@@ -66,6 +69,20 @@ VARIANTS: dict[str, Callable[[VisionTransformer], nn.Module]] = {
 }
 
 
+class _OpTimer(TorchDispatchMode):
+    """Wall time of every ATen op as dispatched (no profiler: nothing but a clock around each call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self.times[str(func)].append(time.perf_counter() - start)
+        return out
+
+
 def make_step(name: str, base: VisionTransformer, x: torch.Tensor, labels: torch.Tensor) -> Callable[[], float]:
     model = copy.deepcopy(base).train()
     model.set_fused_attention(name == "sdpa")
@@ -91,6 +108,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--model", default="S/16")
     ap.add_argument("--profile", choices=sorted(VARIANTS), help="profile 3 steps of one variant, per op")
+    ap.add_argument("--time-ops", choices=sorted(VARIANTS), help="time 3 steps of one variant per ATen op (clock only)")
     args = ap.parse_args()
     torch.manual_seed(0)
     base = create_model(args.model, num_classes=1000)
@@ -105,6 +123,18 @@ def main() -> None:
                 total = sum(step() for _ in range(3))
             print(f"{args.profile}: {total / 3 * 1e3:.0f} ms per step under the profiler")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            return
+        if args.time_ops:
+            step = make_step(args.time_ops, base, x, labels)
+            for _ in range(2):
+                step()
+            with _OpTimer() as timer:
+                total = sum(step() for _ in range(3))
+            print(f"{args.time_ops}: {total / 3 * 1e3:.0f} ms per step with the op timer")
+            print("| op | calls per step | ms per step |")
+            print("|---|---|---|")
+            for op, ts in sorted(timer.times.items(), key=lambda kv: -sum(kv[1]))[:20]:
+                print(f"| {op} | {len(ts) // 3} | {sum(ts) / 3 * 1e3:.1f} |")
             return
         steps = {name: make_step(name, base, x, labels) for name in args.variants}
         for step in steps.values():  # warm-up (and compilation)
