@@ -8,7 +8,8 @@ For each model: the bf16 (and int8) fast path built once, then timed call by cal
 Prints img/s medians (and the best call) of both and their ratio, and the relative difference of the final tokens.
 With ``--layer``, one layer's attention in isolation instead (the model's shapes, batch 32, best of 5 ms):
 the fused kernel, the fast path's PyTorch form (batched GEMMs + softmax over cached chunks, with the copies
-around it), and PyTorch's ``scaled_dot_product_attention`` on contiguous q, k, v.
+around it), and PyTorch's ``scaled_dot_product_attention`` on contiguous q, k, v (``--flex``: also
+``torch.nn.attention.flex_attention`` compiled by inductor, which needs a C++ compiler).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     return min(times) * 1e3
 
 
-def one_layer(name: str, batch: int) -> None:
+def one_layer(name: str, batch: int, flex: bool = False) -> None:
     """ms and GFLOP/s of one layer's attention, three ways (see the module docstring)."""
     kernel = attention.load()
     cfg = create_model(name).cfg
@@ -65,6 +66,12 @@ def one_layer(name: str, batch: int) -> None:
         return F.scaled_dot_product_attention(q, k, v, scale=1.0).transpose(1, 2).reshape(B * T, h * d)
 
     forms: dict[str, Callable[[], object]] = {"PyTorch GEMMs + softmax": torch_form, "SDPA (flash)": sdpa}
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        compiled = torch.compile(flex_attention)
+        heads = [t.contiguous() for t in scaled.view(B, T, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)]
+        forms["flex_attention (inductor)"] = lambda: compiled(*heads, scale=1.0)
     if kernel is not None:
         forms = {"fused C kernel": lambda: kernel(qkv, B, h, d, d**-0.5), **forms}
     flops = 4.0 * B * h * T * T * d
@@ -81,11 +88,12 @@ def main() -> None:
     ap.add_argument("--precision", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layer", action="store_true", help="one layer's attention in isolation, three ways")
+    ap.add_argument("--flex", action="store_true", help="with --layer: also flex_attention compiled by inductor")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.models:
         if args.layer:
-            one_layer(name, args.batch_size)
+            one_layer(name, args.batch_size, args.flex)
             continue
         model = create_model(name).eval()
         x = torch.randn(args.batch_size, 3, 224, 224)

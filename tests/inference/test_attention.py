@@ -38,11 +38,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @needs_kernel
 @pytest.mark.parametrize(
     ("batch", "T", "heads", "d"),
-    [(2, 197, 3, 64), (1, 50, 2, 32), (3, 37, 2, 80), (1, 1, 1, 64), (2, 16, 4, 64), (1, 97, 2, 40), (2, 65, 1, 2)],
+    [
+        (2, 197, 3, 64),
+        (1, 50, 2, 32),
+        (3, 37, 2, 80),
+        (1, 1, 1, 64),
+        (2, 16, 4, 64),
+        (1, 97, 2, 40),
+        (2, 65, 1, 2),
+        (1, 577, 2, 64),
+    ],
 )
 def test_kernel_matches_fp32_sdpa(batch: int, T: int, heads: int, d: int) -> None:
-    """T odd, below or not a multiple of the 6-row and 16-column blocks; d = 32/64/80, and 40 and 2 whose
-    last 16 columns are partial; batch 1."""
+    """T odd, below or not a multiple of the 6-row and 16-column blocks, 577 (384 px); d = 32/64/80, and 40
+    and 2 whose last 16 columns are partial; batch 1."""
     assert KERNEL is not None
     qkv = torch.randn(batch * T, 3 * heads * d).to(torch.bfloat16)
     scale = d**-0.5
