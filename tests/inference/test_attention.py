@@ -78,6 +78,23 @@ def test_kernel_on_large_logits_and_strided_rows() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize(("part", "value"), [(0, "nan"), (1, "nan"), (1, "inf"), (1, "-inf"), (2, "nan")])
+def test_kernel_propagates_nan_and_inf_like_sdpa(part: int, value: str) -> None:
+    """A NaN or infinite q or k entry makes the rows whose softmax it reaches NaN, as in PyTorch, instead of
+    a finite average of v (a NaN image must not get a confident prediction)."""
+    assert KERNEL is not None
+    batch, T, heads, d = 1, 20, 1, 16
+    qkv = torch.randn(batch * T, 3 * heads * d).to(torch.bfloat16)
+    qkv[5, part * heads * d + 3] = float(value)
+    out = KERNEL(qkv, batch, heads, d, d**-0.5).float()
+    ref = _reference(qkv, batch, heads, d, d**-0.5)
+    assert ref.isnan().any()
+    assert torch.equal(out.isnan(), ref.isnan())
+    ok = ~ref.isnan()
+    assert not ok.any() or (out[ok] - ref[ok]).abs().max() < 0.05
+
+
+@needs_kernel
 def test_kernel_rejects_what_it_cannot_run() -> None:
     assert KERNEL is not None
     assert not KERNEL.supports(torch.randn(10, 12), 2)  # fp32

@@ -12,7 +12,9 @@
 // exp(x) for x <= 0 in fp32: 2^n p(r), n = round(x / ln2), r = x - n ln2 in [-ln2/2, ln2/2], p the degree-4
 // Taylor polynomial: relative error < 5e-5, far below the bf16 rounding (4e-3) the result then gets
 AI __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // keeps r finite; exp(-87) ~ 1.6e-38 is 0 at bf16 scale
+    // keeps r finite; exp(-87) ~ 1.6e-38 is 0 at bf16 scale. x second: vmaxps returns its second operand
+    // when either is NaN, so a NaN score (NaN/inf in q or k) stays NaN and poisons its row as in PyTorch
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
