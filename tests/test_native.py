@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,19 @@ def test_an_unwritable_cache_falls_back_to_a_temporary_directory(
     where = native.library_dir()
     assert where is not None and where.parent == tmp_path / "tmp" and where.name.startswith("vitkit-native-")
     assert blocker.read_text() == "not a directory"
+
+
+def test_a_temporary_directory_others_can_write_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shared temporary directory: a vitkit-native-<uid> folder another user could write (or have planted a
+    library in) is refused rather than loaded from."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("VITKIT_HOME", str(blocker))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    planted = tmp_path / "tmp" / f"vitkit-native-{os.getuid()}"
+    planted.mkdir(parents=True)
+    planted.chmod(0o777)
+    assert native.library_dir() is None
+    assert native.load(SOURCE, "vk_add") is None
+    planted.chmod(0o700)
+    assert native.library_dir() == planted

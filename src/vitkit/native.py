@@ -4,7 +4,8 @@ Used by :mod:`vitkit.bench.peak` (the FMA-loop peak) and :mod:`vitkit.inference.
 kernel). A source is compiled once per content (source text, compiler and flags hash to the file name) into
 ``<cache>/native/`` -- the cache directory of :func:`vitkit.hub.cache.cache_dir` (``$VITKIT_HOME``, else
 ``$XDG_CACHE_HOME/vitkit``, else the platform's user cache) -- or, when that cannot be written, a per-user
-directory under the system temporary directory. Concurrent processes are safe: each compiles into a private
+directory under the system temporary directory
+(only one this user owns and no one else can write). Concurrent processes are safe: each compiles into a private
 temporary name in the same directory and renames it into place atomically, so a library is either absent
 or complete (two processes compiling at once both produce the same file; the last rename wins).
 
@@ -18,6 +19,7 @@ import ctypes
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -36,10 +38,16 @@ def compiler() -> str | None:
     return None
 
 
-def _writable_dir(path: Path) -> Path | None:
+def _writable_dir(path: Path, private: bool = False) -> Path | None:
+    """``path`` created if missing and writable, else None. ``private``: in a shared directory (the system
+    temporary one) it must also be a real directory of this user that no one else can write, since what is
+    loaded from it runs in this process -- another user could have made it first and planted a library."""
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
+        st = path.lstat()
     except OSError:
+        return None
+    if private and (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022):
         return None
     return path if os.access(path, os.W_OK | os.X_OK) else None
 
@@ -47,9 +55,8 @@ def _writable_dir(path: Path) -> Path | None:
 def library_dir() -> Path | None:
     """Where compiled libraries are kept (created if missing); None when no candidate is writable."""
     found = _writable_dir(cache_dir() / "native")
-    if found is None:
-        user = os.getuid() if hasattr(os, "getuid") else os.getpid()
-        found = _writable_dir(Path(tempfile.gettempdir()) / f"vitkit-native-{user}")
+    if found is None and hasattr(os, "getuid"):
+        found = _writable_dir(Path(tempfile.gettempdir()) / f"vitkit-native-{os.getuid()}", private=True)
     return found
 
 
