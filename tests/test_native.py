@@ -94,3 +94,16 @@ def test_a_temporary_directory_others_can_write_is_not_used(tmp_path: Path, monk
     assert native.load(SOURCE, "vk_add") is None
     planted.chmod(0o700)
     assert native.library_dir() == planted
+
+
+def test_a_hanging_compiler_is_given_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CC that takes too long: load() gives up after the timeout, returns None and caches nothing (waiting,
+    it would have renamed the junk this one writes into the cache)."""
+    hang = tmp_path / "hangcc"
+    hang.write_text('#!/bin/sh\nsleep 3\nfor a; do out="$a"; done\necho junk > "$out"\n')  # late, and no library
+    hang.chmod(0o755)
+    monkeypatch.setenv("CC", str(hang))
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 0.5)
+    assert native.compiler() == str(hang)
+    assert native.load(SOURCE, "vk_hang") is None
+    assert not any((tmp_path / "home" / "native").iterdir())

@@ -10,7 +10,7 @@ temporary name in the same directory and renames it into place atomically, so a 
 or complete (two processes compiling at once both produce the same file; the last rename wins).
 
 Nothing here is required: :func:`load` returns ``None`` when there is no compiler, the CPU lacks a flag the
-kernel needs, or compilation fails, and every caller keeps a pure-PyTorch path for that case.
+kernel needs, or compilation fails or hangs, and every caller keeps a pure-PyTorch path for that case.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pathlib import Path
 
 from vitkit import hardware
 from vitkit.hub.cache import cache_dir
+
+COMPILE_TIMEOUT_S = 120.0  # a kernel compiles in about a second; past this the pure-PyTorch path is taken
 
 
 def compiler() -> str | None:
@@ -76,8 +78,10 @@ def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
         src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
         try:
-            done = subprocess.run([cc, *args, str(src), "-o", str(out)], capture_output=True, check=False)
-        except OSError:
+            done = subprocess.run(
+                [cc, *args, str(src), "-o", str(out)], capture_output=True, check=False, timeout=COMPILE_TIMEOUT_S
+            )
+        except (OSError, subprocess.TimeoutExpired):  # a compiler that hangs must not hang vitkit
             return None
         if done.returncode != 0 or not out.is_file():
             return None
