@@ -104,6 +104,35 @@ def test_a_hanging_compiler_is_given_up(tmp_path: Path, monkeypatch: pytest.Monk
     hang.chmod(0o755)
     monkeypatch.setenv("CC", str(hang))
     monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 0.5)
-    assert native.compiler() == str(hang)
+    assert native.compiler() == [str(hang)]
     assert native.load(SOURCE, "vk_hang") is None
     assert not any((tmp_path / "home" / "native").iterdir())
+
+
+@needs_cc
+def test_cc_with_arguments_is_run_as_a_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """$CC such as "ccache gcc" is a command with arguments (the build convention), not one program name: the
+    wrapper is the one that runs, with the real compiler as its first argument."""
+    real = native.compiler()
+    assert real is not None
+    log = tmp_path / "ran"
+    wrapper = tmp_path / "wrapcc"
+    wrapper.write_text(f'#!/bin/sh\necho "$1" > {log}\nexec "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", f"{wrapper} {real[0]}")
+    assert native.compiler() == [str(wrapper), real[0]]
+    lib = native.load(SOURCE, "vk_add")
+    assert lib is not None and lib.vk_add(1, 2) == 3
+    assert log.read_text().strip() == real[0]
+
+
+@needs_cc
+def test_a_damaged_cached_library_is_built_again(cache: Path) -> None:
+    """A cached library cut short (a full disk, a copy of the cache) does not load: it is vitkit's own file, so
+    it is replaced by a fresh build instead of leaving the caller on its fallback for good."""
+    path = native.build(SOURCE, "vk_add")
+    assert path is not None
+    path.write_bytes(path.read_bytes()[:100])
+    lib = native.load(SOURCE, "vk_add")
+    assert lib is not None and lib.vk_add(20, 22) == 42
+    assert path.stat().st_size > 100

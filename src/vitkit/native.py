@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import shlex
 import shutil
 import stat
 import subprocess
@@ -32,11 +33,16 @@ from vitkit.hub.cache import cache_dir
 COMPILE_TIMEOUT_S = 120.0  # a kernel compiles in about a second; past this the pure-PyTorch path is taken
 
 
-def compiler() -> str | None:
-    """The C compiler to use: ``$CC`` (the build convention), else ``cc``, ``gcc`` or ``clang`` on PATH."""
-    for name in (os.environ.get("CC") or "", "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
+def compiler() -> list[str] | None:
+    """The C compiler's command: ``$CC`` (the build convention; it may carry arguments, such as
+    ``ccache gcc``), else ``cc``, ``gcc`` or ``clang`` on PATH."""
+    try:
+        wanted = shlex.split(os.environ.get("CC") or "")
+    except ValueError:  # unbalanced quotes: not a usable command
+        wanted = []
+    for command in (wanted, ["cc"], ["gcc"], ["clang"]):
+        if command and shutil.which(command[0]):
+            return command
     return None
 
 
@@ -70,7 +76,7 @@ def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
     if cc is None or where is None:
         return None
     args = ["-O2", "-shared", "-fPIC", *flags]
-    tag = hashlib.sha256("\0".join([source, cc, *args]).encode()).hexdigest()[:16]
+    tag = hashlib.sha256("\0".join([source, *cc, *args]).encode()).hexdigest()[:16]
     lib = where / f"{name}-{tag}.so"
     if lib.is_file():
         return lib
@@ -79,7 +85,7 @@ def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
         src.write_text(source)
         try:
             done = subprocess.run(
-                [cc, *args, str(src), "-o", str(out)], capture_output=True, check=False, timeout=COMPILE_TIMEOUT_S
+                [*cc, *args, str(src), "-o", str(out)], capture_output=True, check=False, timeout=COMPILE_TIMEOUT_S
             )
         except (OSError, subprocess.TimeoutExpired):  # a compiler that hangs must not hang vitkit
             return None
@@ -94,10 +100,13 @@ def load(source: str, name: str, flags: Sequence[str] = (), needs: Iterable[str]
     (names as in /proc/cpuinfo, e.g. ``avx512_bf16``), there is no compiler, or compilation fails."""
     if sys.platform == "win32" or not set(needs) <= hardware.cpu_flags():
         return None
-    lib = build(source, name, flags)
-    if lib is None:
-        return None
-    try:
-        return ctypes.CDLL(str(lib))
-    except OSError:
-        return None
+    for attempt in range(2):
+        lib = build(source, name, flags)
+        if lib is None:
+            return None
+        try:
+            return ctypes.CDLL(str(lib))
+        except OSError:  # a cached library that does not load (truncated, damaged): vitkit's own file in its
+            if attempt == 0:  # own folder, so it is removed and built once more
+                lib.unlink(missing_ok=True)
+    return None
