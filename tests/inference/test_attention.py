@@ -101,6 +101,11 @@ def test_kernel_rejects_what_it_cannot_run() -> None:
     assert not KERNEL.supports(torch.randn(10, 9).to(torch.bfloat16), 3)  # odd head_dim
     with pytest.raises(ValueError, match="does not hold"):
         KERNEL(torch.randn(10, 12).to(torch.bfloat16), 3, 2, 2)
+    qkv = torch.randn(10, 12).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="positive scale"):  # the kernel takes the row maximum before scaling
+        KERNEL(qkv, 2, 2, 2, scale=-1.0)
+    with pytest.raises(ValueError, match="refused its arguments"):  # no tokens: the kernel's -2, not MemoryError
+        KERNEL(qkv[:0], 1, 2, 2)
 
 
 def _model() -> torch.nn.Module:

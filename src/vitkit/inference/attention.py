@@ -57,6 +57,7 @@ class FusedAttention:
             and qkv.stride(1) == 1
             and qkv.stride(0) % 2 == 0
             and head_dim % 2 == 0
+            and qkv.shape[0] * qkv.stride(0) < 2**32  # the kernel's k gather indexes in 32 bits (T * stride / 2)
         )
 
     def __call__(self, qkv: torch.Tensor, batch: int, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
@@ -65,14 +66,18 @@ class FusedAttention:
             raise ValueError("the fused attention kernel needs a bf16 CPU (B*T, 3D) tensor and an even head_dim")
         BT, width = qkv.shape
         D = heads * head_dim
+        if scale <= 0:  # the kernel takes the row maximum before scaling
+            raise ValueError(f"the fused attention kernel needs a positive scale, got {scale}")
         if width != 3 * D or BT % batch:
             raise ValueError(f"qkv of shape {tuple(qkv.shape)} does not hold {batch} images of {heads} x {head_dim}")
         out = qkv.new_empty(BT, D)
         T, threads = BT // batch, torch.get_num_threads()
         with torch.profiler.record_function("vitkit::fused_attention"):  # a named op in profiles
             rc = self.fn(qkv.data_ptr(), out.data_ptr(), batch, T, heads, head_dim, qkv.stride(0), D, scale, threads)
-        if rc != 0:
+        if rc == -1:
             raise MemoryError("the fused attention kernel could not allocate its buffers")
+        if rc != 0:
+            raise ValueError(f"the fused attention kernel refused its arguments (T={T}, head_dim={head_dim})")
         return out
 
 
