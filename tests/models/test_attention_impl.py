@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -84,3 +85,13 @@ def test_model_trains_through_softmax_attention_like_through_sdpa_under_autocast
         out.square().sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert rel_err(grads[1], grads[0]) < 3e-2
+
+
+def test_softmax_attention_refuses_double_backward_in_plain_words() -> None:
+    """Its backward writes into buffers, so it is not differentiable itself: asking for a second derivative
+    says so (once_differentiable) instead of failing deep inside bmm's out= argument."""
+    qkv = torch.randn(1, 5, 3 * 2 * 4, dtype=torch.float64, requires_grad=True)
+    out = softmax_attention(qkv, 2, 0.5)
+    (grad,) = torch.autograd.grad(out.square().sum(), qkv, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()

@@ -49,6 +49,7 @@ class _SoftmaxAttention(torch.autograd.Function):
         return out.reshape(B, num_heads, T, D // num_heads).transpose(1, 2).reshape(B, T, D)  # (B, T, D)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward's GEMMs write into buffers (out=)
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         heads, probs = ctx.saved_tensors
         scale: float = ctx.scale
