@@ -18,12 +18,13 @@ import torch
 from safetensors.torch import save
 from train_helpers import tiny_config
 
+from vitkit import fileio
 from vitkit.train import state, train
 
 
 def main() -> None:
     run, point = Path(sys.argv[1]), sys.argv[2]
-    real_save, real_replace = state.save_file, state.replace_dir
+    real_save, real_replace = state.save_file, fileio.replace_dir
     saves = 0
 
     def stop(line: str) -> None:
@@ -50,7 +51,7 @@ def main() -> None:
         real_replace(tmp, final)
 
     state.save_file = save_file  # type: ignore[assignment]
-    state.replace_dir = replace_dir  # type: ignore[assignment]
+    fileio.replace_dir = replace_dir  # type: ignore[assignment]  # what fileio.write_dir_atomic calls
     train(tiny_config(checkpoint_every_steps=3), run, progress=False)
 
 
