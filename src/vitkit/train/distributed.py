@@ -88,7 +88,7 @@ class FailureNotice:
     gloo's "connection closed by peer") finds it and gets it as ``peer``, a :class:`PeerFailure` to raise
     instead of its own error. Leaving the group (``teardown(clean=False)``) makes the peers' pending
     collectives fail at once, so nobody waits out the process-group timeout; the failed process then waits
-    (``wait_for_peers``, a few seconds at most) until the others have read its error, because the store may
+    (``wait_for_peers``, a few seconds at most) until the others have read its error and left the group (``acknowledge``), because the store may
     be served by its own process. Under torchrun the agent also stops the remaining processes when one exits.
     """
 
@@ -108,10 +108,20 @@ class FailureNotice:
             value = self.store.compare_set(FAILURE_KEY, "", mine)  # the first failure wins
             first = value.decode() if isinstance(value, bytes) else str(value)
             if first != mine:
-                self.store.add(SEEN_KEY, 1)
                 self.peer = PeerFailure(f"stopped because {first}")
         except (RuntimeError, ValueError):  # the store is gone with the process that served it
             self.store = None
+
+    def acknowledge(self) -> None:
+        """A process stopped by another's failure: say it has read that error, once it has left the group. The
+        failed process waits for this before it exits, and under torchrun its exit makes the agent stop the
+        others: acknowledged earlier (while still leaving the group), a peer could be stopped before it had
+        reported the error."""
+        if self.store is None or self.peer is None:
+            return
+        with contextlib.suppress(RuntimeError, ValueError):
+            self.store.add(SEEN_KEY, 1)
+        self.store = None
 
     def wait_for_peers(self, timeout: float = 10.0) -> None:
         """After leaving the group: wait until every other process has read this failure (or ``timeout``)."""

@@ -563,6 +563,7 @@ class Trainer:
         notice = distr.FailureNotice(self.dist, exc)  # tell the other processes (distributed.py)
         self.close(clean=False)
         if notice.peer is not None:  # this process stopped because another failed: report that one's error
+            notice.acknowledge()
             raise notice.peer from None
         notice.wait_for_peers()
 
