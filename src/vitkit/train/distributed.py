@@ -88,8 +88,9 @@ class FailureNotice:
     gloo's "connection closed by peer") finds it and gets it as ``peer``, a :class:`PeerFailure` to raise
     instead of its own error. Leaving the group (``teardown(clean=False)``) makes the peers' pending
     collectives fail at once, so nobody waits out the process-group timeout; the failed process then waits
-    (``wait_for_peers``, a few seconds at most) until the others have read its error and left the group (``acknowledge``), because the store may
-    be served by its own process. Under torchrun the agent also stops the remaining processes when one exits.
+    (``wait_for_peers``, a few seconds at most) until the others have read its error and left the group
+    (``acknowledge``), because the store may be served by its own process. Under torchrun the agent also
+    stops the remaining processes when one exits.
     """
 
     def __init__(self, info: DistInfo, error: BaseException) -> None:
