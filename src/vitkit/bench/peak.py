@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vitkit import hardware, native
-from vitkit.bench.measure import synchronize
+from vitkit.timing import synchronize
 
 # Each kernel runs `iters` rounds of ACC independent multiply-adds on 512-bit registers; ACC covers the
 # instruction latency so that the loop is throughput-bound. Returns a value derived from every
