@@ -15,6 +15,7 @@ around it), and PyTorch's ``scaled_dot_product_attention`` on contiguous q, k, v
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from vitkit.inference import attention
 from vitkit.inference import fast as fast_mod
 from vitkit.inference.fast import FastBlock, InferenceViT
 from vitkit.models import create_model
+from vitkit.timing import time_alternating
 
 
 def set_fused(fast: InferenceViT, kernel: object) -> None:
@@ -81,6 +83,25 @@ def one_layer(name: str, batch: int, flex: bool = False) -> None:
             print(f"{name} one layer, b{B}: {form}: {ms:.2f} ms, {flops / ms / 1e6:.0f} GFLOP/s", flush=True)
 
 
+def alternate(
+    fast: InferenceViT, kernel: object, x: torch.Tensor, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Seconds per call of ``fast`` with the kernel and with the torch attention, alternating call by call
+    after 2 warm-up rounds; and each mode's final tokens."""
+    outs: dict[str, torch.Tensor] = {}
+
+    def run(mode: str) -> None:
+        set_fused(fast, kernel if mode == "fused" else None)
+        outs[mode] = fast.forward_features(x)  # (the official init's head is zero)
+
+    fns = {mode: functools.partial(run, mode) for mode in ("fused", "torch")}
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    with torch.inference_mode():
+        time_alternating(fns, 2, cpu, threads)  # warm-up
+        timings = time_alternating(fns, repeats, cpu, threads)
+    return {m: t.times for m, t in timings.items()}, outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="+")
@@ -104,16 +125,7 @@ def main() -> None:
             if kernel is None:
                 print(f"{name} {precision}: the fused kernel is not available on this machine")
                 continue
-            times: dict[str, list[float]] = {"fused": [], "torch": []}
-            outs = {}
-            with torch.inference_mode():
-                for i in range(args.repeats + 2):
-                    for mode in ("fused", "torch"):
-                        set_fused(fast, kernel if mode == "fused" else None)
-                        start = time.perf_counter()
-                        outs[mode] = fast.forward_features(x)  # (the official init's head is zero)
-                        if i >= 2:
-                            times[mode].append(time.perf_counter() - start)
+            times, outs = alternate(fast, kernel, x, args.repeats)
             rate = {m: args.batch_size / statistics.median(t) for m, t in times.items()}
             best = {m: args.batch_size / min(t) for m, t in times.items()}
             diff = ((outs["fused"].float() - outs["torch"].float()).norm() / outs["torch"].float().norm()).item()

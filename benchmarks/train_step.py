@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitkit.models import create_model
 from vitkit.models.vit import Attention, VisionTransformer
+from vitkit.timing import time_alternating
 from vitkit.train.heap import heap_kept
 
 
@@ -139,10 +140,8 @@ def main() -> None:
         steps = {name: make_step(name, base, x, labels) for name in args.variants}
         for step in steps.values():  # warm-up (and compilation)
             step()
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for _ in range(args.steps):
-            for name, step in steps.items():
-                times[name].append(step())
+        timings = time_alternating(steps, args.steps, torch.device("cpu"), torch.get_num_threads())
+        times = {name: t.times for name, t in timings.items()}
     first = statistics.median(times[args.variants[0]])
     print(f"{args.model} batch {args.batch_size}, bf16 autocast, {args.steps} alternating steps per variant")
     print("| variant | median step (s) | best (s) | img/s (median) | vs first |")
