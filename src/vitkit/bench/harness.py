@@ -225,7 +225,7 @@ def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) ->
     for fused in (True, False):
         m = copy.deepcopy(model)
         m.set_fused_attention(fused)
-        if device.type == "cpu":  # the C training kernels, as the trainer (vitkit.train.kernels; None: PyTorch's)
+        if device.type == "cpu" and not spec.compile:  # the C training kernels, as the trainer (None: PyTorch's)
             m.set_training_kernels(kernels.load())
         variants.append(("vitkit", m, False, "" if fused else "+math-attn"))
     if "transformers" in spec.compare:
