@@ -3,13 +3,11 @@
 ``softmax(scale q k^T) v`` for every (image, head), reading q, k and v straight from the fused qkv GEMM's
 (B*T, 3D) output and writing the (B*T, D) token layout the out-projection reads: no contiguity copies,
 no transposes, no (T, T) scores in memory. Per (image, head) the keys are packed once into bf16 pairs along
-d (16 x 16 transposes) and the values into pairs along T (the operand layouts of ``vdpbf16ps``); then for
-each block of 6 query rows the scores are made in fp32 in registers and L1 with their row maxima, and one
-pass makes the softmax numerators (2^x by ``vreduceps``, a degree-3 polynomial and ``vscalefps``) and their
-sums; the numerators, rounded to bf16, are multiplied by v with ``vdpbf16ps`` and scaled by 1/sum into the
-bf16 output. (image, head) pairs are split over threads by OpenMP; the library links ``libgomp.so.1``,
-which is PyTorch's own OpenMP runtime once torch is loaded (same soname), so the kernel shares torch's thread
-pool instead of adding one.
+d and the values into pairs along T (the operand layouts of ``vdpbf16ps``); then for each block of 6 query
+rows the scores are made in fp32 in registers and L1, their softmax numerators (a degree-4 polynomial exp)
+rounded to bf16, multiplied by v with ``vdpbf16ps`` and scaled by 1/sum into the bf16 output. (image, head)
+pairs are split over threads by OpenMP; the library links ``libgomp.so.1``, which is PyTorch's own OpenMP
+runtime once torch is loaded (same soname), so the kernel shares torch's thread pool instead of adding one.
 
 The source is compiled at first use by the system C compiler (:mod:`vitkit.native`, cached per content);
 :func:`load` returns None where that is impossible (no compiler, no AVX512_BF16, not Linux), and the
@@ -25,17 +23,8 @@ import torch
 
 from vitkit import native
 
-FLAGS = (
-    "-fopenmp",
-    "-fno-strict-aliasing",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512dq",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mfma",
-)
-NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16")
+FLAGS = ("-fopenmp", "-fno-strict-aliasing", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 SOURCE = Path(__file__).with_name("attention.c")
 
 
@@ -68,6 +57,7 @@ class FusedAttention:
             and qkv.stride(1) == 1
             and qkv.stride(0) % 2 == 0
             and head_dim % 2 == 0
+            and qkv.shape[0] * qkv.stride(0) < 2**32  # the kernel's k gather indexes in 32 bits (T * stride / 2)
         )
 
     def __call__(self, qkv: torch.Tensor, batch: int, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
