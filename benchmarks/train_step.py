@@ -14,7 +14,10 @@ printed. Variants:
 - ``new-attn``: the model's explicit path, ``softmax_attention`` (what the trainer runs on CPU);
 - ``sdpa``: PyTorch's fused ``scaled_dot_product_attention``;
 - ``compiled-blocks``: ``new-attn`` with every block ``torch.compile``'d (inductor);
-- ``compiled-blocks-old-attn``: ``old-attn`` with every block compiled (inductor sees the whole formula).
+- ``compiled-blocks-old-attn``: ``old-attn`` with every block compiled (inductor sees the whole formula);
+- ``kernels``: ``new-attn`` with vitkit's C training kernels (``vitkit.train.kernels``: fc1 + GELU with the
+  fused GELU/bias-gradient backward, and the attention softmax), what the trainer runs on an AVX-512 BF16 CPU;
+- ``kernels-gelu`` / ``kernels-softmax``: one of the two kinds alone.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vitkit.models import create_model
 from vitkit.models.vit import Attention, VisionTransformer
 from vitkit.timing import time_alternating
+from vitkit.train import kernels
 from vitkit.train.heap import heap_kept
 
 
@@ -61,12 +65,23 @@ def _compiled_blocks(model: VisionTransformer) -> VisionTransformer:
     return model
 
 
+def _with_kernels(model: VisionTransformer, gelu: bool = True, softmax: bool = True) -> VisionTransformer:
+    loaded = kernels.load(gelu=gelu, softmax=softmax)
+    if loaded is None:
+        raise SystemExit("the C training kernels cannot run here (no C compiler or no AVX-512 BF16)")
+    model.set_training_kernels(loaded)
+    return model
+
+
 VARIANTS: dict[str, Callable[[VisionTransformer], nn.Module]] = {
     "old-attn": _with_old_attention,
     "new-attn": lambda m: m,
     "compiled-blocks": _compiled_blocks,
     "compiled-blocks-old-attn": lambda m: _compiled_blocks(_with_old_attention(m)),
     "sdpa": lambda m: m,
+    "kernels": _with_kernels,
+    "kernels-gelu": lambda m: _with_kernels(m, softmax=False),
+    "kernels-softmax": lambda m: _with_kernels(m, gelu=False),
 }
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ def test_a_source_is_compiled_once_into_the_cache_and_runs(cache: Path, monkeypa
     def no_compiler(*args: object, **kwargs: object) -> None:
         raise AssertionError("compiled again although cached")
 
-    monkeypatch.setattr(subprocess, "run", no_compiler)
+    monkeypatch.setattr(subprocess, "Popen", no_compiler)
     assert native.build(SOURCE, "vk_add") == path
 
 
@@ -136,3 +138,82 @@ def test_a_damaged_cached_library_is_built_again(cache: Path) -> None:
     lib = native.load(SOURCE, "vk_add")
     assert lib is not None and lib.vk_add(20, 22) == 42
     assert path.stat().st_size > 100
+
+
+def fake_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> Path:
+    cc = tmp_path / "fakecc"
+    cc.write_text("#!/bin/sh\n" + body)
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    return cc
+
+
+def native_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "vitkit.native" and r.levelno == logging.WARNING]
+
+
+def test_a_failed_compilation_is_reported_once_per_source_with_the_compilers_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A kernel that falls back says why: the command and the first lines of what the compiler wrote to stderr
+    (not the whole of a long error cascade), once per source in a process, not once per call."""
+    cc = fake_compiler(
+        tmp_path, monkeypatch, 'for i in $(seq 1 40); do echo "vk.c:$i: error: no good $i" >&2; done\nexit 1\n'
+    )
+    caplog.set_level(logging.WARNING, logger="vitkit.native")
+    assert native.load(SOURCE, "vk_fails") is None
+    assert native.load(SOURCE, "vk_fails") is None  # the same source again: tried again, not reported again
+    [message] = native_warnings(caplog)
+    assert "vk_fails" in message and "exit status 1" in message and str(cc) in message and "-fPIC" in message
+    assert "vk.c:1: error: no good 1" in message and f"vk.c:{native.STDERR_LINES}: error" in message
+    assert (
+        f"vk.c:{native.STDERR_LINES + 1}: error" not in message
+        and f"({40 - native.STDERR_LINES} more lines)" in message
+    )
+    assert native.load(SOURCE.replace("a + b", "a * b"), "vk_fails") is None  # another source: its own report
+    assert len(native_warnings(caplog)) == 2
+
+
+@needs_cc
+def test_a_real_compiler_error_is_reported_and_a_good_build_is_silent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="vitkit.native")
+    assert native.load(SOURCE, "vk_add") is not None
+    assert [r for r in caplog.records if r.name == "vitkit.native"] == []
+    assert native.load("int vk_broken(void) { return undeclared_name; }\n", "vk_broken") is None
+    [message] = native_warnings(caplog)
+    assert "vk_broken" in message and "undeclared_name" in message
+
+
+def test_a_hanging_compiler_is_killed_with_the_processes_it_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cc runs cc1 and as as its children: on a timeout the whole process group goes, not the driver alone
+    (which would leave its children compiling, or hung, after vitkit has given up)."""
+    pidfile = tmp_path / "child.pid"
+    fake_compiler(tmp_path, monkeypatch, f"sleep 60 &\necho $! > {pidfile}\nsleep 60\n")
+    monkeypatch.setattr(native, "COMPILE_TIMEOUT_S", 1.0)
+    caplog.set_level(logging.WARNING, logger="vitkit.native")
+    started = time.monotonic()
+    try:
+        assert native.load(SOURCE, "vk_hang_children") is None
+        assert time.monotonic() - started < 30  # gave up at the timeout, did not wait for the children
+        child = int(pidfile.read_text())
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(child), "the compiler's child outlived the timeout"
+    finally:
+        if pidfile.is_file() and alive(int(pidfile.read_text())):
+            os.kill(int(pidfile.read_text()), 9)
+    [message] = native_warnings(caplog)
+    assert "vk_hang_children" in message and "gave up after 1 s" in message
+
+
+def alive(pid: int) -> bool:
+    """Running (a killed orphan may stay a zombie until init gets to it: that is not running)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False

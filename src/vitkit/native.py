@@ -10,20 +10,29 @@ temporary name in the same directory and renames it into place atomically, so a 
 or complete (two processes compiling at once both produce the same file; the last rename wins).
 
 Nothing here is required: :func:`load` returns ``None`` when there is no compiler, the CPU lacks a flag the
-kernel needs, or compilation fails or hangs, and every caller keeps a pure-PyTorch path for that case.
+kernel needs, or compilation fails or hangs, and every caller keeps a pure-PyTorch path for that case. A compiler
+that fails or hangs is reported once per source and process on the ``vitkit.native`` logger (a warning: with
+logging not configured, Python writes it to stderr), with the command and the first lines of the compiler's
+errors, so that a kernel that falls back says why; a missing compiler or CPU flag is a documented case and is
+not reported. The compiler runs in a session of its own, so that a hung one is killed with everything it
+started (``cc`` runs ``cc1`` and ``as`` as children, which outlive a kill of ``cc`` alone).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -31,6 +40,11 @@ from vitkit import hardware
 from vitkit.hub.cache import cache_dir
 
 COMPILE_TIMEOUT_S = 120.0  # a kernel compiles in about a second; past this the pure-PyTorch path is taken
+STDERR_LINES = 12  # of a failed compilation's errors, in the report; the first errors are the telling ones
+
+logger = logging.getLogger(__name__)
+_reported: set[str] = set()  # libraries whose failed build was reported in this process (once per source)
+_reported_lock = threading.Lock()
 
 
 def compiler() -> list[str] | None:
@@ -83,16 +97,68 @@ def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=where) as tmp:
         src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
+        command = [*cc, *args, str(src), "-o", str(out)]
         try:
-            done = subprocess.run(
-                [*cc, *args, str(src), "-o", str(out)], capture_output=True, check=False, timeout=COMPILE_TIMEOUT_S
-            )
-        except (OSError, subprocess.TimeoutExpired):  # a compiler that hangs must not hang vitkit
+            returncode, stderr = _run(command, COMPILE_TIMEOUT_S)
+        except OSError as e:  # not executable after all, out of processes
+            _report(lib.stem, command, f"could not be started: {e.strerror or e}", b"")
             return None
-        if done.returncode != 0 or not out.is_file():
+        if returncode is None:  # a compiler that hangs must not hang vitkit
+            _report(lib.stem, command, f"gave up after {COMPILE_TIMEOUT_S:g} s", stderr)
+            return None
+        if returncode != 0 or not out.is_file():
+            why = f"exit status {returncode}" if returncode != 0 else "exit status 0 but no library written"
+            _report(lib.stem, command, why, stderr)
             return None
         os.replace(out, lib)  # atomic within one directory: other processes see nothing or the whole file
     return lib
+
+
+def _run(command: list[str], timeout: float) -> tuple[int | None, bytes]:
+    """Run ``command`` in a new session: its exit status (None when it ran past ``timeout`` seconds) and its
+    stderr. On a timeout, or an exception here (Ctrl-C: a process in its own session does not get the
+    terminal's SIGINT), the whole process group is killed, the compiler's children with it."""
+    with subprocess.Popen(
+        command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    ) as proc:
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            _kill_group(proc)
+            return None, e.stderr or b""
+        except BaseException:
+            _kill_group(proc)
+            raise
+    return proc.returncode, stderr
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL to the process group ``proc`` leads (its pid is the group id: ``start_new_session``), then
+    reap ``proc``. Its pipes are not read to their end: a process that left the group may hold them open."""
+    with contextlib.suppress(OSError):  # the group is gone already
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()  # no-op if it was killed above; the leader itself, should the group call have been refused
+    proc.wait()
+
+
+def _report(key: str, command: Sequence[str], why: str, stderr: bytes) -> None:
+    """A warning on the ``vitkit.native`` logger, once per ``key`` (library name and content hash) and
+    process: the command, why it failed and the first lines of the compiler's errors."""
+    with _reported_lock:
+        if key in _reported:
+            return
+        _reported.add(key)
+    lines = stderr.decode(errors="replace").strip().splitlines()
+    shown = lines[:STDERR_LINES]
+    if len(lines) > STDERR_LINES:
+        shown.append(f"... ({len(lines) - STDERR_LINES} more lines)")
+    logger.warning(
+        "vitkit.native: compiling %s failed (%s); going on without this native kernel. Command: %s%s",
+        key,
+        why,
+        shlex.join(command),
+        "".join(f"\n  {line}" for line in shown),
+    )
 
 
 def load(source: str, name: str, flags: Sequence[str] = (), needs: Iterable[str] = ()) -> ctypes.CDLL | None:

@@ -24,6 +24,10 @@ class Timing:
     times: list[float]
     cpu_util: float  # process CPU time / (wall time x threads); ~1.0 on an otherwise idle machine
 
+    def __post_init__(self) -> None:
+        if not self.times:  # the statistics below have nothing to stand on
+            raise ValueError("Timing: times is empty (at least one timed call is needed)")
+
     @property
     def median(self) -> float:
         return statistics.median(self.times)
@@ -63,6 +67,12 @@ def time_alternating(
 ) -> dict[str, Timing]:
     """Time each fn ``repeats`` times, alternating between them call by call; ``settle_s`` of idle time
     before each call lets the previous runner's thread pool stop spinning (engines with their own pools)."""
+    if repeats < 1:
+        raise ValueError(f"time_alternating: repeats must be at least 1, got {repeats}")
+    if threads < 1:
+        raise ValueError(f"time_alternating: threads must be at least 1, got {threads}")
+    if not settle_s >= 0:  # negative or NaN
+        raise ValueError(f"time_alternating: settle_s must be a non-negative number of seconds, got {settle_s}")
     times: dict[str, list[float]] = {k: [] for k in fns}
     cpu: dict[str, float] = dict.fromkeys(fns, 0.0)
     for _ in range(repeats):

@@ -7,8 +7,9 @@ import torch
 
 from helpers import randomize_
 from vitkit import hardware, optimize_for_inference
-from vitkit.inference import fast
-from vitkit.inference.fast import FastBlock, InferenceViT, Int8Linear, chunk_rows
+from vitkit.inference import int8
+from vitkit.inference.fast import FastBlock, InferenceViT, chunk_rows
+from vitkit.inference.int8 import Int8Linear
 from vitkit.models import create_model
 
 
@@ -90,13 +91,13 @@ def test_int8_residual_add_fused_or_not_is_the_same_linear(dtype: torch.dtype) -
 
 def test_activations_use_7_bits_without_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(50, 64) * 3
-    q, scale, zero = fast.quantize_dynamic_u7(x)
+    q, scale, zero = int8.quantize_dynamic_u7(x)
     assert q.max() <= 127 and q.min() == 0
     assert ((q.float() - zero) * scale - x).abs().max() <= scale / 2 + 1e-6
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
-    assert fast.default_quantizer() is fast.quantize_dynamic_u7
+    assert int8.default_quantizer() is int8.quantize_dynamic_u7
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512_vnni"})
-    assert fast.default_quantizer() is fast.quantize_dynamic_u8
+    assert int8.default_quantizer() is int8.quantize_dynamic_u8
 
 
 def test_the_model_is_left_untouched_and_bad_options_fail() -> None:

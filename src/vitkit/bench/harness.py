@@ -33,6 +33,7 @@ from vitkit.inference.backends import EngineModel
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
 from vitkit.timing import Timing, synchronize, time_alternating
+from vitkit.train import kernels
 from vitkit.train.distributed import checkpoint_activations
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import adam_kernel
@@ -224,6 +225,8 @@ def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) ->
     for fused in (True, False):
         m = copy.deepcopy(model)
         m.set_fused_attention(fused)
+        if device.type == "cpu" and not spec.compile:  # the C training kernels, as the trainer (None: PyTorch's)
+            m.set_training_kernels(kernels.load())
         variants.append(("vitkit", m, False, "" if fused else "+math-attn"))
     if "transformers" in spec.compare:
         from vitkit.bench.peers import to_transformers

@@ -57,6 +57,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bf16, NNCF int8), or auto (the fastest of those installed, measured at start-up); the engines run vitkit's "
         "ONNX export (pip install 'vitkit[bench]')",
     )
+    p.add_argument(
+        "--calibration",
+        metavar="DIR",
+        help="a folder of images like the ones you will serve (sub-folders too, e.g. an ImageFolder's classes; a "
+        "large folder is sampled evenly) to calibrate OpenVINO's int8 (--backend openvino or auto with --precision "
+        "int8); default: vitkit's bundled sample photos and digits",
+    )
     p.add_argument("--max-batch", type=positive_int, default=8, help="images per forward pass at most (default 8)")
     p.add_argument(
         "--max-wait-ms",
@@ -85,11 +92,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from vitkit.data.folder import list_image_files
     from vitkit.serve.app import ServeOptions, create_app
-    from vitkit.serve.engine import ServedModel
+    from vitkit.serve.engine import ServedModel, uses_calibration
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")
+    calibration = None
+    if args.calibration is not None:  # a bad folder fails here, before the model is loaded
+        if not uses_calibration(args.backend, args.precision):
+            raise ConfigError(
+                "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
+                f"--precision int8), not --backend {args.backend} --precision {args.precision}"
+            )
+        calibration = list_image_files(args.calibration, "--calibration")
+    elif uses_calibration(args.backend, args.precision):
+        print(
+            f"note: --backend {args.backend} --precision int8: OpenVINO's int8 is calibrated on vitkit's bundled "
+            "sample photos and digits; --calibration DIR calibrates on images like the ones you will serve",
+            file=sys.stderr,
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = ServeOptions(
@@ -108,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         device=args.device,
         backend=args.backend,
+        calibration=calibration,
     )
     if args.precision == "bf16":
         note_emulated_bf16(args.device, "--precision auto picks fp32 here")

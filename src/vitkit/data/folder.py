@@ -132,6 +132,39 @@ def open_image_folder(
     return ImageFolder(root, split, paths, np.asarray(labels, dtype=np.int64), names, skipped)
 
 
+def list_image_files(root: str | os.PathLike[str], what: str) -> list[str]:
+    """Every image file in the folder ``root`` and its sub-folders (an unlabelled folder of images, or an
+    ImageFolder's class folders), sorted; names that are not images by their extension and hidden entries are
+    skipped, as in an ImageFolder. ``what`` names the input in errors (an option such as ``--calibration``).
+
+    Raises DataError when ``root`` is missing or not a folder, holds no image file, or holds an empty (0-byte)
+    image file or an image-named link that leads nowhere; the files are not decoded here.
+    """
+    base = Path(root)
+    if not base.exists():
+        raise DataError(f"{what} {base}: no such folder")
+    if not base.is_dir():
+        raise DataError(f"{what} {base}: not a folder (give a folder of images)")
+
+    def unreadable(err: OSError) -> None:
+        raise DataError(f"{what}: {err.filename}: {err.strerror or err}")
+
+    found: list[str] = []
+    for folder, dirs, _ in os.walk(base, onerror=unreadable):  # symbolic links to folders are not followed
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files, broken = _image_files(Path(folder))
+        for link, why in broken:
+            raise DataError(f"{what}: {link}: {why}")
+        for f in files:
+            if os.path.getsize(f) == 0:
+                raise DataError(f"{what}: {f}: empty file (0 bytes)")
+        found += files
+    if not found:
+        extensions = ", ".join(sorted(IMAGE_EXTENSIONS))
+        raise DataError(f"{what} {base}: no image files in it or its sub-folders ({extensions})")
+    return sorted(found)
+
+
 def _is_candidate(e: os.DirEntry[str]) -> bool:
     return not e.name.startswith(".") and Path(e.name).suffix.lower() in IMAGE_EXTENSIONS
 

@@ -16,8 +16,9 @@ The transform keeps the model's function and changes how it is computed:
   weights;
 - on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
   glibc's mmap threshold: no page faults per call);
-- optionally int8 linear layers on oneDNN's VNNI kernels (per-channel int8 weights, activations quantised
-  per call: dynamic quantisation; 7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
+- optionally int8 linear layers on oneDNN's VNNI kernels (``vitkit.inference.int8``: per-channel int8
+  weights, activations quantised per call by a C kernel where the CPU has AVX-512: dynamic quantisation;
+  7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
   ``torch.compile`` of the whole forward instead of hand packing.
 
 The patch embedding, class token, position embedding (with on-the-fly resampling for other resolutions),
@@ -29,16 +30,15 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit import hardware
 from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
+from vitkit.inference.int8 import Int8Linear, Quantizer, fast_quantizer, has_onednn_int8
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
@@ -203,113 +203,6 @@ def _scaled_qkv(qkv: nn.Linear, scale: float) -> nn.Linear:
     return out
 
 
-def quantize_dynamic_u8(x: torch.Tensor, qmax: int = 255) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tensor asymmetric uint8 quantisation of activations x (M, K) from their own min and max.
-
-    Returns (q (M, K) uint8 in [0, qmax], scale (), zero point () int64) with x ~= (q - zero_point) * scale;
-    the range always contains 0 so that zero is exact.
-    """
-    lo, hi = torch.aminmax(x)
-    lo, hi = lo.float().clamp(max=0.0), hi.float().clamp(min=0.0)
-    scale = ((hi - lo) / qmax).clamp(min=1e-8)
-    zero_point = torch.round(-lo / scale)
-    q = torch.clamp(torch.round(x.float() / scale) + zero_point, 0, qmax).to(torch.uint8)
-    return q, scale, zero_point.to(torch.int64)
-
-
-def quantize_dynamic_u7(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``quantize_dynamic_u8`` into 7 bits ([0, 127]): without VNNI, x86 int8 GEMMs multiply u8 x s8 pairs
-    with ``vpmaddubsw``, whose int16 sums saturate for full-range inputs (255 * 127 * 2 > 32767); 7-bit
-    activations cannot overflow (fbgemm's ``reduce_range``). Measured on an AVX2 CPU: 15% relative error of
-    a full-range fp32-output GEMM, 1.5% with 7 bits."""
-    return quantize_dynamic_u8(x, 127)
-
-
-Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
-def default_quantizer() -> Quantizer:
-    """Full-range uint8 activations where the CPU has VNNI, 7-bit ones where it does not."""
-    return quantize_dynamic_u8 if hardware.has_vnni() else quantize_dynamic_u7
-
-
-class CompiledQuantizer:
-    """An activation quantiser compiled by inductor into one fused pass (eager it is ~6 passes and, for the
-    MLP's wide activation, slower than the int8 GEMM it feeds). Falls back to eager where inductor cannot
-    compile (no C++ compiler)."""
-
-    def __init__(self, fn: Quantizer) -> None:
-        self.eager = fn
-        self.fn: Quantizer = torch.compile(fn)
-
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        try:
-            return self.fn(x)
-        except RuntimeError:  # dynamo/inductor failures (e.g. no compiler) subclass RuntimeError
-            if self.fn is self.eager:
-                raise
-            self.fn = self.eager
-            return self.fn(x)
-
-
-def has_onednn_int8() -> bool:
-    """Whether this PyTorch has oneDNN's int8 linear kernels (x86 CPUs)."""
-    return _has_onednn_linear() and hasattr(torch.ops.onednn, "qlinear_pointwise")
-
-
-class Int8Linear(nn.Module):
-    """An int8 Linear on oneDNN's VNNI kernels: weights quantised once (symmetric, per output channel) and
-    pre-packed; activations quantised per call (uint8, per tensor, from their min/max: dynamic
-    quantisation); int32 accumulation, bias and the epilogue (GELU, residual add) fused, output in
-    ``dtype``. ``quantize`` is the activation quantiser (default: ``default_quantizer()``, or a compiled copy)."""
-
-    def __init__(
-        self,
-        linear: nn.Linear,
-        dtype: torch.dtype,
-        epilogue: str = "none",
-        rows: int | None = None,
-        quantize: Quantizer | None = None,
-    ) -> None:
-        super().__init__()
-        if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
-            raise ValueError(f"unknown epilogue {epilogue!r}")
-        self.epilogue, self.dtype = epilogue, dtype
-        self.quantize = quantize or default_quantizer()
-        self.fuse_add = True  # oneDNN has no fused residual add into bf16 on CPUs without AVX-512
-        w = linear.weight.detach().float()  # (N, K)
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (N,)
-        qw = torch.clamp(torch.round(w / scale[:, None]), -128, 127).to(torch.int8)
-        self.w_scale: torch.Tensor
-        self.w_zero: torch.Tensor
-        self.qweight: torch.Tensor
-        self.bias: torch.Tensor | None
-        self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qw, [rows or 1, w.shape[1]]), persistent=False)
-        self.register_buffer("w_scale", scale, persistent=False)
-        self.register_buffer("w_zero", torch.zeros_like(scale, dtype=torch.int64), persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().float()
-        self.register_buffer("bias", bias, persistent=False)
-
-    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
-        q, scale, zero = self.quantize(x)
-        args = (q, scale, zero, self.qweight, self.w_scale, self.w_zero)
-        if self.epilogue == "add" and self.fuse_add:
-            try:
-                return torch.ops.onednn.qlinear_pointwise.binary_tensor(
-                    *args[:6], other, self.bias, 1.0, 0, self.dtype, 1.0, 0, "add", 1.0, "none", [], ""
-                )
-            except RuntimeError:  # "could not create a primitive descriptor": add after the GEMM instead
-                self.fuse_add = False
-        if self.epilogue == "add":
-            assert other is not None
-            y = torch.ops.onednn.qlinear_pointwise.tensor(*args, self.bias, 1.0, 0, self.dtype, "none", [], "")
-            return y.add_(other)
-        post, algo = (
-            ("none", "") if self.epilogue == "none" else ("gelu", "tanh" if "tanh" in self.epilogue else "none")
-        )
-        return torch.ops.onednn.qlinear_pointwise.tensor(*args, self.bias, 1.0, 0, self.dtype, post, [], algo)
-
-
 class InferenceViT(nn.Module):
     """What ``optimize_for_inference`` returns: ``forward(images) -> logits`` in the serving dtype."""
 
@@ -319,7 +212,7 @@ class InferenceViT(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.dtype = dtype
-        quantize = CompiledQuantizer(default_quantizer()) if int8 else None
+        quantize = fast_quantizer() if int8 else None
         cpu = next(model.parameters()).device.type == "cpu"
         fused = load_fused_attention() if pack and cpu and dtype == torch.bfloat16 else None
         base = copy.deepcopy(model).eval()

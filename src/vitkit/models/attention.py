@@ -15,7 +15,9 @@ step profile). :func:`softmax_attention` computes the same function from the fus
 Backward: with P = softmax(S), S = a q k^T, O = P v and dO given,
     dv = P^T dO,  dP = dO v^T,  dS = P * (dP - rowsum(dP * P)),  dq = a dS k,  dk = a dS^T q.
 Autocast is off inside: every product runs in the dtype of the projection it is given (bf16 under bf16
-autocast, as autocast would choose; float64 in the gradient check).
+autocast, as autocast would choose; float64 in the gradient check). With ``kernels``
+(:class:`vitkit.models.fused.TrainingKernels`, e.g. vitkit's C kernels on CPU) the softmax runs in
+place through them where they take the logits; else PyTorch's.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from vitkit.models.fused import TrainingKernels
 
 
 def _heads(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -34,7 +38,9 @@ def _heads(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 class _SoftmaxAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, qkv: torch.Tensor, num_heads: int, scale: float, kernels: TrainingKernels | None
+    ) -> torch.Tensor:
         B, T, three_d = qkv.shape
         D = three_d // 3
         with torch.autocast(qkv.device.type, enabled=False):
@@ -42,7 +48,10 @@ class _SoftmaxAttention(torch.autograd.Function):
             q, k, v = heads.unbind(0)
             BH = q.shape[0]
             probs = q.new_empty(BH, T, T).baddbmm_(q, k.transpose(1, 2), beta=0.0, alpha=scale)  # logits
-            probs = torch.softmax(probs, dim=-1)  # (B h, T, T)
+            if kernels is not None and kernels.softmax_supported(probs):
+                probs = kernels.softmax_(probs)  # (B h, T, T)
+            else:
+                probs = torch.softmax(probs, dim=-1)
             out = torch.bmm(probs, v)  # (B h, T, d)
         ctx.save_for_backward(heads, probs)
         ctx.scale = scale
@@ -50,7 +59,7 @@ class _SoftmaxAttention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable  # the backward's GEMMs write into buffers (out=)
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         heads, probs = ctx.saved_tensors
         scale: float = ctx.scale
         _, BH, T, d = heads.shape
@@ -67,11 +76,13 @@ class _SoftmaxAttention(torch.autograd.Function):
             dq.baddbmm_(ds, k, beta=0.0, alpha=scale)
             dk.baddbmm_(ds.transpose(1, 2), q, beta=0.0, alpha=scale)
         grad_qkv = grad.reshape(3, B, h, T, d).permute(1, 3, 0, 2, 4).reshape(B, T, 3 * h * d)  # (B, T, 3D)
-        return grad_qkv, None, None
+        return grad_qkv, None, None, None
 
 
-def softmax_attention(qkv: torch.Tensor, num_heads: int, scale: float) -> torch.Tensor:
+def softmax_attention(
+    qkv: torch.Tensor, num_heads: int, scale: float, kernels: TrainingKernels | None = None
+) -> torch.Tensor:
     """Multi-head attention from the fused projection ``qkv`` (B, T, 3D), laid out as (3, h, d) on the last
     axis (q, k, v, each head after head): softmax(scale q k^T) v of every head, merged to (B, T, D)."""
-    out: torch.Tensor = _SoftmaxAttention.apply(qkv, num_heads, scale)
+    out: torch.Tensor = _SoftmaxAttention.apply(qkv, num_heads, scale, kernels)
     return out

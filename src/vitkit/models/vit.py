@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit.models.attention import softmax_attention
+from vitkit.models.fused import TrainingKernels, linear_gelu
 from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
@@ -244,6 +245,7 @@ class Attention(nn.Module):
     """
 
     fused: bool = True
+    kernels: TrainingKernels | None = None  # softmax kernels for the explicit path (set_training_kernels)
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attention_dropout: float = 0.0) -> None:
         super().__init__()
@@ -258,7 +260,7 @@ class Attention(nn.Module):
         B, T, D = x.shape
         p_drop = self.attention_dropout if self.training else 0.0
         if not (self.fused or return_attention or p_drop):  # q, k, v, scale and gradients in one function
-            return self.proj(softmax_attention(self.qkv(x), self.num_heads, self.scale)), None
+            return self.proj(softmax_attention(self.qkv(x), self.num_heads, self.scale, self.kernels)), None
         qkv = self.qkv(x).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
         probs = None
@@ -278,6 +280,8 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     """Dense(mlp_dim) -> GELU -> dropout -> Dense(D) -> dropout."""
 
+    kernels: TrainingKernels | None = None  # with these, Dense -> exact GELU is one fused op (linear_gelu)
+
     def __init__(self, dim: int, hidden: int, gelu: Gelu = "exact", dropout: float = 0.0) -> None:
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
@@ -287,7 +291,11 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))  # (B, T, D)
+        if self.kernels is not None and self.act.approximate == "none":
+            h = linear_gelu(x, self.fc1.weight, self.fc1.bias, self.kernels)  # (B, T, mlp_dim)
+        else:
+            h = self.act(self.fc1(x))
+        return self.drop2(self.fc2(self.drop1(h)))  # (B, T, D)
 
 
 class DropPath(nn.Module):
@@ -517,6 +525,12 @@ class VisionTransformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Attention):
                 m.fused = fused
+
+    def set_training_kernels(self, kernels: TrainingKernels | None) -> None:
+        """Hand every block ``kernels`` (``vitkit.models.fused``) for its MLP and explicit attention, or None."""
+        for m in self.modules():
+            if isinstance(m, (Attention, Mlp)):
+                m.kernels = kernels
 
     # ---- resolution ------------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from vitkit.inference import optimize_for_inference
 from vitkit.inference.backends import BACKENDS
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
+CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
 
 
 class RequestError(VitkitError):
@@ -46,6 +48,31 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     if precision == "auto":
         return "bf16" if has_native_bf16(device) else "fp32"
     return precision
+
+
+def uses_calibration(backend: str, precision: str) -> bool:
+    """Whether serving on ``backend`` in ``precision`` calibrates on images: OpenVINO's int8 (NNCF post-training
+    quantisation), with ``--backend openvino`` or ``auto``; vitkit's and ONNX Runtime's int8 quantise dynamically."""
+    return backend in ("openvino", "auto") and precision == "int8"
+
+
+def calibration_batch(
+    files: Sequence[str | os.PathLike[str]], pre: preprocess.Preprocess, limit: int = CALIBRATION_MAX_IMAGES
+) -> torch.Tensor:
+    """Calibration images as the model sees a request: decoded by the decoder of every command and transformed
+    by the checkpoint's preprocessing, (N, C, H, W). Of more than ``limit`` files, ``limit`` spread evenly over
+    the list are taken (a sorted class-per-folder tree then gives every class its share), and only those are
+    decoded. Raises DataError naming ``--calibration`` and the file for one that does not decode."""
+    if not files:
+        raise DataError("--calibration: no image files given")
+    picked = list(files) if len(files) <= limit else [files[i * len(files) // limit] for i in range(limit)]
+    images = []
+    for f in picked:
+        try:
+            images.append(pre.to_tensor(preprocess.load_image(f)))
+        except DataError as e:
+            raise DataError(f"--calibration: {e}") from None
+    return torch.stack(images)
 
 
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
@@ -88,7 +115,9 @@ class ServedModel:
     predicts with the checkpoint's own fp32 model (no second copy of the weights; the demo's choice).
     ``backend``: ``torch`` (vitkit's fast path), ``onnxruntime``, ``openvino`` or ``auto`` (the fastest of
     them here, measured at start-up); ONNX Runtime computes in fp32 or int8, so ``auto`` precision means fp32
-    there; OpenVINO's int8 is calibrated on the preprocessed sample photos and digits of ``vitkit.bench.images``.
+    there. OpenVINO's int8 is calibrated on ``calibration`` (image files: see :func:`calibration_batch`), else on
+    the preprocessed sample photos and digits of ``vitkit.bench.images``; ``calibration`` with any other backend
+    or precision is refused (ConfigError), as it would not be used.
     """
 
     def __init__(
@@ -99,6 +128,7 @@ class ServedModel:
         device: torch.device | str = "cpu",
         fast: bool = True,
         backend: str = "torch",
+        calibration: Sequence[str | os.PathLike[str]] | None = None,
     ) -> None:
         self.loaded = loaded
         self.device = torch.device(device)
@@ -114,17 +144,24 @@ class ServedModel:
             precision = "fp32"  # ONNX Runtime's CPU provider has no bf16 kernels
         self.precision = resolve_precision(precision, self.device) if fast else "fp32"
         self.backend = backend
+        if calibration is not None and not (fast and uses_calibration(backend, self.precision)):
+            raise ConfigError(
+                "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
+                f"--precision int8), not --backend {backend} --precision {self.precision}"
+            )
         if not fast:
             self.fast: torch.nn.Module = self.model
             return
         dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
         if self.precision == "int8":
             dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
-        calibration = None
-        if backend in ("openvino", "auto") and self.precision == "int8":
+        calibration_x = None
+        if uses_calibration(backend, self.precision) and calibration is not None:
+            calibration_x = calibration_batch(calibration, self.preprocess)
+        elif uses_calibration(backend, self.precision):
             from vitkit.bench.images import real_image_batch
 
-            calibration = real_image_batch(self.preprocess, digits=8)  # NNCF: 24 photos and 8 digits
+            calibration_x = real_image_batch(self.preprocess, digits=8)  # NNCF: 24 photos and 8 digits
         try:
             self.fast = optimize_for_inference(
                 self.model,
@@ -132,7 +169,7 @@ class ServedModel:
                 int8=self.precision == "int8",
                 batch_size=max_batch,
                 backend=backend,
-                calibration=calibration,
+                calibration=calibration_x,
             )
         except ValueError as e:  # e.g. int8 without oneDNN, bf16 on ONNX Runtime
             option = "--precision" if backend == "torch" else f"--backend {backend} --precision"
@@ -150,8 +187,9 @@ class ServedModel:
         device: torch.device | str = "cpu",
         fast: bool = True,
         backend: str = "torch",
+        calibration: Sequence[str | os.PathLike[str]] | None = None,
     ) -> ServedModel:
-        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast, backend)
+        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast, backend, calibration)
 
     # ---- facts ----------------------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
 from vitkit.hardware import has_tf32
-from vitkit.train import build, logs
+from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
@@ -131,6 +131,8 @@ class Trainer:
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
         self.explicit_attention = self._explicit_attention()
         self.net.set_fused_attention(not self.explicit_attention)
+        if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
+            self.net.set_training_kernels(kernels.load())  # else PyTorch's ops); inductor fuses on its own
         self.model = distr.wrap(
             self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=cfg.precision
         )

@@ -1,0 +1,90 @@
+"""Variants of the inference fast path's block, end to end, alternating call by call in one process.
+
+The bf16 and/or int8 fast path is built once per precision; each variant (``--variant``) sets byte budgets of
+every ``FastBlock`` before its call, in MiB: ``attn_bytes`` (the attention half of the block, LN -> qkv ->
+attention -> out-projection + residual, over groups of images whose qkv output is at most that many bytes; 0 =
+all at once) and ``mlp_bytes`` (the MLP over chunks of rows of at most that much hidden activation); and, for
+int8, ``native=1`` or ``native=0``: activations quantised by the C kernel or by its fallback, the inductor-compiled
+quantiser (``vitkit.inference.int8.NativeQuantizer``). After 2
+warm-up rounds the variants are timed call by call, alternating (``vitkit.timing.time_alternating``)::
+
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/int8_ab.py B/16 \\
+        --variant attn_bytes=0 attn_bytes=16 mlp_bytes=5,attn_bytes=0
+
+Prints img/s medians (best call) per variant, their ratio to the first variant, and the relative difference
+of each variant's final tokens from the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import torch
+
+from vitkit import optimize_for_inference
+from vitkit.inference.fast import FastBlock, InferenceViT
+from vitkit.inference.int8 import Int8Linear, NativeQuantizer
+from vitkit.models import create_model
+from vitkit.timing import time_alternating
+
+
+def configure(fast: InferenceViT, settings: dict[str, float]) -> None:
+    for b in fast.blocks:
+        if not isinstance(b, FastBlock):
+            continue
+        for k, v in settings.items():
+            if k != "native":
+                setattr(b, k, int(v * (1 << 20)))
+                continue
+            for m in b.modules():
+                if isinstance(m, Int8Linear):
+                    native = m.quantize if isinstance(m.quantize, NativeQuantizer) else m.native
+                    m.native = native  # type: ignore[assignment]
+                    m.quantize = native if v else native.fallback
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--precision", nargs="+", default=["bf16", "int8"], choices=["bf16", "int8"])
+    ap.add_argument(
+        "--variant", nargs="+", default=["attn_bytes=0"], help="NAME=MiB[,NAME=MiB] per variant (FastBlock budgets)"
+    )
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = create_model(args.model).eval()
+    x = torch.randn(args.batch_size, 3, 224, 224)
+    variants = {v: {k: float(m) for k, m in (kv.split("=") for kv in v.split(","))} for v in args.variant}
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    for precision in args.precision:
+        fast = optimize_for_inference(model, batch_size=args.batch_size, int8=precision == "int8")
+        assert isinstance(fast, InferenceViT)
+        outs: dict[str, torch.Tensor] = {}
+
+        def run(name: str, fast: InferenceViT = fast, outs: dict[str, torch.Tensor] = outs) -> None:
+            configure(fast, variants[name])
+            outs[name] = fast.forward_features(x)
+
+        fns = {name: functools.partial(run, name) for name in variants}
+        with torch.inference_mode():
+            time_alternating(fns, 2, cpu, threads)  # warm-up
+            timings = time_alternating(fns, args.repeats, cpu, threads)
+        first = next(iter(variants))
+        base = args.batch_size / timings[first].median
+        for name, t in timings.items():
+            rate = args.batch_size / t.median
+            ref = outs[first].float()
+            diff = ((outs[name].float() - ref).norm() / ref.norm()).item()
+            print(
+                f"{args.model} b{args.batch_size} {precision} {name}: {rate:.2f} img/s "
+                f"(best {args.batch_size / min(t.times):.2f}), x{rate / base:.3f}, cpu {t.cpu_util:.2f}, "
+                f"tokens rel. diff {diff:.1e}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

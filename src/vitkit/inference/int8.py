@@ -1,0 +1,178 @@
+"""Int8 linear layers of the inference fast path: oneDNN's VNNI GEMMs on dynamically quantised activations.
+
+Weights are quantised once (symmetric int8, per output channel) and pre-packed; activations are quantised
+per call (uint8, per tensor, from their own min and max). The activation quantiser is, by preference, a C
+kernel (``quantize.c``, AVX-512, compiled at first use by :mod:`vitkit.native`: min/max and quantise in two
+passes of one OpenMP region on torch's thread pool), else the same formula compiled by inductor, else eager.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vitkit import hardware, native
+
+QUANTIZE_FLAGS = ("-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl")
+QUANTIZE_NEEDS = ("avx512f", "avx512bw", "avx512vl")
+QUANTIZE_SOURCE = Path(__file__).with_name("quantize.c")
+
+
+def quantize_dynamic_u8(x: torch.Tensor, qmax: int = 255) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor asymmetric uint8 quantisation of activations x (M, K) from their own min and max.
+
+    Returns (q (M, K) uint8 in [0, qmax], scale (), zero point () int64) with x ~= (q - zero_point) * scale;
+    the range always contains 0 so that zero is exact.
+    """
+    lo, hi = torch.aminmax(x)
+    lo, hi = lo.float().clamp(max=0.0), hi.float().clamp(min=0.0)
+    scale = ((hi - lo) / qmax).clamp(min=1e-8)
+    zero_point = torch.round(-lo / scale)
+    q = torch.clamp(torch.round(x.float() / scale) + zero_point, 0, qmax).to(torch.uint8)
+    return q, scale, zero_point.to(torch.int64)
+
+
+def quantize_dynamic_u7(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``quantize_dynamic_u8`` into 7 bits ([0, 127]): without VNNI, x86 int8 GEMMs multiply u8 x s8 pairs
+    with ``vpmaddubsw``, whose int16 sums saturate for full-range inputs (255 * 127 * 2 > 32767); 7-bit
+    activations cannot overflow (fbgemm's ``reduce_range``). Measured on an AVX2 CPU: 15% relative error of
+    a full-range fp32-output GEMM, 1.5% with 7 bits."""
+    return quantize_dynamic_u8(x, 127)
+
+
+Quantizer = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def default_quantizer() -> Quantizer:
+    """Full-range uint8 activations where the CPU has VNNI, 7-bit ones where it does not."""
+    return quantize_dynamic_u8 if hardware.has_vnni() else quantize_dynamic_u7
+
+
+class CompiledQuantizer:
+    """An activation quantiser compiled by inductor into one fused pass (eager it is ~6 passes and, for the
+    MLP's wide activation, slower than the int8 GEMM it feeds). Falls back to eager where inductor cannot
+    compile (no C++ compiler)."""
+
+    def __init__(self, fn: Quantizer) -> None:
+        self.eager = fn
+        self.fn: Quantizer = torch.compile(fn)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        try:
+            return self.fn(x)
+        except RuntimeError:  # dynamo/inductor failures (e.g. no compiler) subclass RuntimeError
+            if self.fn is self.eager:
+                raise
+            self.fn = self.eager
+            return self.fn(x)
+
+
+class NativeQuantizer:
+    """``quantize_dynamic_u8`` (``qmax`` 255, or 127 for ``quantize_dynamic_u7``) of contiguous bf16 CPU
+    activations by the C kernel; other inputs go to ``fallback``."""
+
+    def __init__(self, lib: ctypes.CDLL, qmax: int, fallback: Quantizer) -> None:
+        fn = lib.vk_quantize_u8
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.argtypes += [ctypes.c_int, ctypes.c_int]
+        self.fn, self.qmax, self.fallback = fn, qmax, fallback
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            return self.fallback(x)
+        q = torch.empty(x.shape, dtype=torch.uint8)
+        scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
+        with torch.profiler.record_function("vitkit::quantize_u8"):  # a named op in profiles
+            rc = self.fn(
+                x.data_ptr(),
+                x.numel(),
+                q.data_ptr(),
+                scale.data_ptr(),
+                zero.data_ptr(),
+                self.qmax,
+                torch.get_num_threads(),
+            )
+        if rc != 0:
+            raise ValueError(f"the quantisation kernel refused its arguments (qmax={self.qmax})")
+        return q, scale, zero
+
+
+def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | None:
+    """The C quantiser into [0, ``qmax``], or None where it cannot run (no AVX-512, no C compiler)."""
+    lib = native.load(QUANTIZE_SOURCE.read_text(), "vk_quantize", QUANTIZE_FLAGS, QUANTIZE_NEEDS)
+    return None if lib is None else NativeQuantizer(lib, qmax, fallback)
+
+
+def fast_quantizer() -> Quantizer:
+    """The fastest activation quantiser here: the C kernel (bf16 inputs; others through the compiled one) where
+    the CPU has AVX-512 and a C compiler is present, else ``default_quantizer()`` compiled by inductor. The C
+    kernel: 0.36 ms against 0.66 ms compiled for B/16's (6304, 768) bf16 activations, +2-6% int8 end to end
+    (BENCHMARKS.md)."""
+    fn = default_quantizer()
+    compiled = CompiledQuantizer(fn)
+    return load_native_quantizer(127 if fn is quantize_dynamic_u7 else 255, compiled) or compiled
+
+
+def has_onednn_int8() -> bool:
+    """Whether this PyTorch has oneDNN's int8 linear kernels (x86 CPUs)."""
+    ops = torch.ops.mkldnn
+    available = torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
+    return available and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class Int8Linear(nn.Module):
+    """An int8 Linear on oneDNN's VNNI kernels: weights quantised once (symmetric, per output channel) and
+    pre-packed; activations quantised per call (uint8, per tensor, from their min/max: dynamic
+    quantisation); int32 accumulation, bias and the epilogue (GELU, residual add) fused, output in
+    ``dtype``. ``quantize`` is the activation quantiser (default: ``default_quantizer()``, or a compiled copy)."""
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        dtype: torch.dtype,
+        epilogue: str = "none",
+        rows: int | None = None,
+        quantize: Quantizer | None = None,
+    ) -> None:
+        super().__init__()
+        if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
+            raise ValueError(f"unknown epilogue {epilogue!r}")
+        self.epilogue, self.dtype = epilogue, dtype
+        self.quantize = quantize or default_quantizer()
+        self.fuse_add = True  # oneDNN has no fused residual add into bf16 on CPUs without AVX-512
+        w = linear.weight.detach().float()  # (N, K)
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # (N,)
+        qw = torch.clamp(torch.round(w / scale[:, None]), -128, 127).to(torch.int8)
+        self.w_scale: torch.Tensor
+        self.w_zero: torch.Tensor
+        self.qweight: torch.Tensor
+        self.bias: torch.Tensor | None
+        self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qw, [rows or 1, w.shape[1]]), persistent=False)
+        self.register_buffer("w_scale", scale, persistent=False)
+        self.register_buffer("w_zero", torch.zeros_like(scale, dtype=torch.int64), persistent=False)
+        bias = None if linear.bias is None else linear.bias.detach().float()
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
+        q, scale, zero = self.quantize(x)
+        args = (q, scale, zero, self.qweight, self.w_scale, self.w_zero)
+        if self.epilogue == "add" and self.fuse_add:
+            try:
+                return torch.ops.onednn.qlinear_pointwise.binary_tensor(
+                    *args[:6], other, self.bias, 1.0, 0, self.dtype, 1.0, 0, "add", 1.0, "none", [], ""
+                )
+            except RuntimeError:  # "could not create a primitive descriptor": add after the GEMM instead
+                self.fuse_add = False
+        if self.epilogue == "add":
+            assert other is not None
+            y = torch.ops.onednn.qlinear_pointwise.tensor(*args, self.bias, 1.0, 0, self.dtype, "none", [], "")
+            return y.add_(other)
+        post, algo = (
+            ("none", "") if self.epilogue == "none" else ("gelu", "tanh" if "tanh" in self.epilogue else "none")
+        )
+        return torch.ops.onednn.qlinear_pointwise.tensor(*args, self.bias, 1.0, 0, self.dtype, post, [], algo)

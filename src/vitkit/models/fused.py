@@ -1,0 +1,111 @@
+"""Fused training ops whose elementwise kernels are supplied from outside the model.
+
+The model stays a plain ``nn.Module``: it never compiles or loads anything. Whoever trains it (the trainer,
+``vitkit bench --task train``) may hand every block a :class:`TrainingKernels` object
+(``VisionTransformer.set_training_kernels``; on CPU, ``vitkit.train.kernels.load``, hand-written AVX-512
+kernels). With one set, the MLP runs fc1 -> GELU as :func:`linear_gelu` and the explicit attention
+(``vitkit.models.attention``) takes its softmax from it; without one (the default)
+nothing changes. :class:`TorchKernels` is the same interface in plain PyTorch: the reference the kernels are
+tested against.
+
+:func:`linear_gelu`: y = gelu(x W^T + b) (exact, erf GELU) with a backward pass that computes the GELU
+gradient and the bias gradient (its sum over rows) in one pass over the activations, where PyTorch's
+autograd takes two (GELU backward, then the Linear's bias-gradient sum):
+
+    h = x W^T + b,  y = h Phi(h);  dh = dy (Phi(h) + h phi(h)),  db = sum_rows dh,  dx = dh W,  dW = dh^T x.
+
+Under autocast it casts x, W and b to the autocast dtype as autocast's own Linear does, and runs the same
+GEMMs (``addmm`` forward, two ``mm`` backward); gradients come back in the parameters' dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class TrainingKernels(Protocol):
+    def gelu_supported(self, h: torch.Tensor) -> bool:
+        """Whether :meth:`gelu` and :meth:`gelu_backward_bias` take activations like ``h`` (dtype, device)."""
+        ...
+
+    def gelu(self, h: torch.Tensor) -> torch.Tensor:
+        """Exact GELU of a contiguous (N, C) tensor, a new tensor."""
+        ...
+
+    def gelu_backward_bias(self, grad: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dh, db): dh = grad * gelu'(h) in h's dtype, db = dh summed over rows (at least fp32)."""
+        ...
+
+    def softmax_supported(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`softmax_` takes a tensor like ``x``."""
+        ...
+
+    def softmax_(self, x: torch.Tensor) -> torch.Tensor:
+        """Softmax over the last axis of a contiguous tensor, in place; returns ``x``."""
+        ...
+
+
+class TorchKernels:
+    """:class:`TrainingKernels` in PyTorch's own ops, for any dtype and device."""
+
+    def gelu_supported(self, h: torch.Tensor) -> bool:
+        return True
+
+    def gelu(self, h: torch.Tensor) -> torch.Tensor:
+        return F.gelu(h)
+
+    def gelu_backward_bias(self, grad: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dh = torch.ops.aten.gelu_backward(grad, h)
+        return dh, dh.sum(0, dtype=torch.promote_types(dh.dtype, torch.float32))
+
+    def softmax_supported(self, x: torch.Tensor) -> bool:
+        return True
+
+    def softmax_(self, x: torch.Tensor) -> torch.Tensor:
+        return x.copy_(torch.softmax(x, dim=-1))
+
+
+class _LinearGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, kernels: TrainingKernels
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
+        w = weight.to(x.dtype)  # (D_out, D_in)
+        h = torch.addmm(bias.to(x.dtype), x2, w.t())  # (N, D_out)
+        ctx.save_for_backward(x2, w, h)
+        ctx.kernels, ctx.lead, ctx.dtypes = kernels, lead, (weight.dtype, bias.dtype)
+        return kernels.gelu(h).reshape(*lead, h.shape[1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, w, h = ctx.saved_tensors
+        g = grad.reshape(h.shape).to(h.dtype).contiguous()  # (N, D_out)
+        dh, db = ctx.kernels.gelu_backward_bias(g, h)
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        dx = torch.mm(dh, w).reshape(*ctx.lead, w.shape[1]) if need_x else None
+        dw = torch.mm(dh.t(), x2).to(ctx.dtypes[0]) if need_w else None
+        return dx, dw, db.to(ctx.dtypes[1]) if need_b else None, None
+
+
+def linear_gelu(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels
+) -> torch.Tensor:
+    """gelu(F.linear(x, weight, bias)) (exact GELU) through ``kernels`` where they take the activations
+    (autocast applied as for a Linear), else through PyTorch's ops."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    elif weight.dtype != x.dtype:  # as F.linear would: no silent promotion
+        return F.gelu(F.linear(x, weight, bias))
+    probe = x.new_empty(0)
+    if bias is None or not kernels.gelu_supported(probe):
+        return F.gelu(F.linear(x, weight, bias))
+    with torch.autocast(device, enabled=False):
+        out: torch.Tensor = _LinearGelu.apply(x, weight, bias, kernels)
+    return out
