@@ -9,7 +9,13 @@ Prints img/s medians (and the best call) of both and their ratio, and the relati
 With ``--layer``, one layer's attention in isolation instead (the model's shapes, batch 32, best of 5 ms):
 the fused kernel, the fast path's PyTorch form (batched GEMMs + softmax over cached chunks, with the copies
 around it), and PyTorch's ``scaled_dot_product_attention`` on contiguous q, k, v (``--flex``: also
-``torch.nn.attention.flex_attention`` compiled by inductor, which needs a C++ compiler).
+``torch.nn.attention.flex_attention`` compiled by inductor, which needs a C++ compiler). ``--layer --against
+OLD.c``: the kernel built from another version of its source against this one instead, alternating call by call
+in one process (15 rounds; min and median ms), e.g. the previous commit's::
+
+    git show HEAD~1:src/vitkit/inference/attention.c > /tmp/old.c
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/attention_ab.py B/16 --layer \
+        --against /tmp/old.c
 """
 
 from __future__ import annotations
@@ -19,11 +25,12 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from vitkit import optimize_for_inference
+from vitkit import native, optimize_for_inference
 from vitkit.inference import attention
 from vitkit.inference import fast as fast_mod
 from vitkit.inference.fast import FastBlock, InferenceViT
@@ -83,6 +90,35 @@ def one_layer(name: str, batch: int, flex: bool = False) -> None:
             print(f"{name} one layer, b{B}: {form}: {ms:.2f} ms, {flops / ms / 1e6:.0f} GFLOP/s", flush=True)
 
 
+def kernel_ab(name: str, batch: int, against: Path, repeats: int = 15) -> None:
+    """One layer's attention: the kernel built from ``against`` and the current one, alternating call by call.
+    Each writes into an output of its own allocated once: a fresh 5 MB output per call is page-faulted anew
+    or not depending on glibc's allocation history (0 or ~470 faults per call, up to +30% time), which would
+    decide the comparison instead of the kernels."""
+    old_lib = native.load(against.read_text(), "vk_attention_against", attention.FLAGS, attention.NEEDS)
+    new = attention.load()
+    if old_lib is None or new is None:
+        print(f"{name}: a kernel could not be built on this machine")
+        return
+    kernels = {"against": attention.FusedAttention(old_lib), "current": new}
+    cfg = create_model(name).cfg
+    B, T, h, d = batch, cfg.num_tokens(), cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    qkv = torch.randn(B * T, 3 * h * d).to(torch.bfloat16)
+    outs = {k: qkv.new_empty(B * T, h * d) for k in kernels}
+    args = (B, T, h, d, qkv.stride(0), h * d, d**-0.5, torch.get_num_threads())
+    fns = {k: functools.partial(fn.fn, qkv.data_ptr(), outs[k].data_ptr(), *args) for k, fn in kernels.items()}
+    cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    time_alternating(fns, 2, cpu, threads)  # warm-up
+    timings = time_alternating(fns, repeats, cpu, threads)
+    flops = 4.0 * B * h * T * T * d
+    line = ", ".join(
+        f"{k} {min(t.times) * 1e3:.2f} ms (median {t.median * 1e3:.2f}, {flops / t.median / 1e9:.0f} GFLOP/s)"
+        for k, t in timings.items()
+    )
+    ratio = timings["against"].median / timings["current"].median
+    print(f"{name} one layer, b{B}: {line}; current / against speed {ratio:.3f}", flush=True)
+
+
 def alternate(
     fast: InferenceViT, kernel: object, x: torch.Tensor, repeats: int
 ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
@@ -110,9 +146,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layer", action="store_true", help="one layer's attention in isolation, three ways")
     ap.add_argument("--flex", action="store_true", help="with --layer: also flex_attention compiled by inductor")
+    ap.add_argument("--against", type=Path, help="with --layer: the kernel built from this C source vs the current")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.models:
+        if args.layer and args.against:
+            kernel_ab(name, args.batch_size, args.against)
+            continue
         if args.layer:
             one_layer(name, args.batch_size, args.flex)
             continue

@@ -63,6 +63,22 @@ def test_kernel_matches_fp32_sdpa(batch: int, T: int, heads: int, d: int) -> Non
 
 
 @needs_kernel
+@pytest.mark.parametrize("T", [2, 11, 12, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 80, 113, 145, 160, 161])
+@pytest.mark.parametrize("d", [34, 48, 64])
+def test_kernel_at_block_and_tile_edges(T: int, d: int) -> None:
+    """T on either side of the 12-row blocks (2 x 6 rows, the last one half empty), of the 16-key vectors
+    (1, 2 and an odd number of them, so the exp loop's pairs end on a single vector) and of the key tiles
+    (4 + 1, 4 + 3 + 2, 4 + 4 + 2 ... vectors); d = 34 and 48 pack keys 16 pairs at a time with a partial last
+    group (1 and 8 pairs) and end on a partial 16-column output vector (34)."""
+    assert KERNEL is not None
+    qkv = (torch.randn(T, 3 * 2 * d) * 2).to(torch.bfloat16)
+    out = KERNEL(qkv, 1, 2, d, d**-0.5)
+    ref = _reference(qkv, 1, 2, d, d**-0.5)
+    assert _rel(out, ref) < 1e-2
+    assert (out.float() - ref).abs().max() < 0.05
+
+
+@needs_kernel
 def test_kernel_on_large_logits_and_strided_rows() -> None:
     """Logits up to ~+-300 (a naive exp overflows; softmax is then nearly one-hot), and qkv as a column slice
     of a wider tensor (row stride larger than 3D)."""

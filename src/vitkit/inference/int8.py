@@ -111,7 +111,7 @@ def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | N
 def fast_quantizer() -> Quantizer:
     """The fastest activation quantiser here: the C kernel (bf16 inputs; others through the compiled one) where
     the CPU has AVX-512 and a C compiler is present, else ``default_quantizer()`` compiled by inductor. The C
-    kernel: 0.36 ms against 0.66 ms compiled for B/16's (6304, 768) bf16 activations, +6% int8 end to end
+    kernel: 0.36 ms against 0.66 ms compiled for B/16's (6304, 768) bf16 activations, +2-6% int8 end to end
     (BENCHMARKS.md)."""
     fn = default_quantizer()
     compiled = CompiledQuantizer(fn)
