@@ -4,6 +4,9 @@ Runtime (fp32, dynamic int8) and OpenVINO (fp32, bf16 hint, NNCF int8; skipped w
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -106,3 +109,36 @@ def test_missing_engine_is_one_line_naming_the_extra(model: torch.nn.Module, mon
     with pytest.raises(VitkitError, match=message):
         optimize_for_inference(model, torch.float32, backend="openvino")
     assert not backends.engine_available("openvino")
+
+
+FREE_OLDEST_FIRST = """
+import gc, os, signal, sys, tempfile
+import torch
+from vitkit.inference import backends
+from vitkit.models import create_model
+
+model = create_model("Ti/16", num_classes=10, image_size=32, patch_size=8, depth=2).eval()
+onnx = backends.export_for_engines(model, tempfile.mkdtemp())
+engines = [backends.openvino_model(onnx, precision="fp32") for _ in range(2)]
+for engine in engines:
+    engine(torch.zeros(2, 3, 32, 32))
+del engine  # only the list holds the models now
+while engines:
+    engines.pop(0)  # the oldest first
+    gc.collect()
+signal.signal(signal.SIGUSR1, lambda *_: print("handler ran", flush=True))
+os.kill(os.getpid(), signal.SIGUSR1)
+"""
+
+
+def test_openvino_models_freed_oldest_first_leave_signal_handlers_working(tmp_path) -> None:
+    """OpenVINO's CPU plugin swaps the compiling thread's signal stack and a freed model sets back the one it
+    saw; freed oldest first, two models used to leave the thread on a freed stack, and the next Python signal
+    handler segfaulted the process (exit -11). Run in a child process so that a crash cannot take the suite."""
+    pytest.importorskip("openvino")
+    script = tmp_path / "free_oldest_first.py"
+    script.write_text(FREE_OLDEST_FIRST)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    assert "handler ran" in done.stdout

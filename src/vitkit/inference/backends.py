@@ -22,10 +22,12 @@ precision, times them alternately on this machine and keeps the fastest (``.back
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib.util
 import io
 import logging
+import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
@@ -155,6 +157,13 @@ def openvino_model(
     require_engine("openvino", int8=precision == "int8")
     import openvino as ov
 
+    with signal_stack_kept():  # OpenVINO swaps the thread's signal stack; see signal_stack_kept
+        return _openvino_model(ov, onnx_path, precision, threads, calibration)
+
+
+def _openvino_model(
+    ov: Any, onnx_path: Path, precision: str, threads: int | None, calibration: torch.Tensor | None
+) -> EngineModel:
     core = ov.Core()
     ov_model = core.read_model(str(onnx_path))
     detail = f"OpenVINO {ov.get_version().split('-')[0]}"
@@ -181,6 +190,31 @@ def openvino_model(
             return request.get_output_tensor(0).data.copy()
 
     return EngineModel("openvino", precision, run, f"{detail}, {floating} inference precision")
+
+
+class _SignalStack(ctypes.Structure):  # POSIX stack_t, as sigaltstack(2) reads and writes it (Linux)
+    _fields_ = [("ss_sp", ctypes.c_void_p), ("ss_flags", ctypes.c_int), ("ss_size", ctypes.c_size_t)]
+
+
+@contextlib.contextmanager
+def signal_stack_kept() -> Iterator[None]:
+    """The calling thread's alternate signal stack (``sigaltstack``) as it was on entry, set again on exit.
+
+    OpenVINO 2026.4's CPU plugin installs a signal stack of its own on the thread that compiles a model, and a
+    freed model sets back the stack it saw when it was compiled, freeing its own. Two models freed in the order
+    they were made therefore leave the thread on the first model's freed stack, and the next Python signal
+    handler to run there (a DataLoader worker's SIGCHLD, Ctrl-C) crashes the process with a segfault. With the
+    entry stack set again after compiling, every model remembers that one and gives it back, whatever the order
+    (tests/inference/test_backends.py reproduces the crash). Linux only; elsewhere it does nothing."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+    saved = _SignalStack()
+    if libc is None or libc.sigaltstack(None, ctypes.byref(saved)) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        libc.sigaltstack(ctypes.byref(saved), None)
 
 
 def _nncf_int8(ov_model: Any, calibration: torch.Tensor) -> Any:
