@@ -34,6 +34,15 @@ def has_native_bf16(device: torch.device | str = "cpu") -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this PyTorch has oneDNN's packed linear kernels for ``dtype`` here (x86 CPUs; bf16 needs CPU
+    support)."""
+    ops = torch.ops.mkldnn
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
+        return False
+    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
+
+
 def has_vnni() -> bool:
     """Whether this CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX)."""
     return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitkit import hardware
 from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.int8 import Int8Linear, Quantizer, fast_quantizer, has_onednn_int8
@@ -55,14 +56,6 @@ def chunk_rows(rows: int, row_bytes: int, budget: int) -> int:
     return max(1, -(-rows // chunks))
 
 
-def _has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether oneDNN's packed linear kernels exist here for ``dtype`` (bf16 needs CPU support)."""
-    ops = torch.ops.mkldnn
-    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")):
-        return False
-    return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
-
-
 class PackedLinear(nn.Module):
     """A Linear in ``dtype`` with an optional fused epilogue: ``"none"``, ``"gelu"``/``"gelu_tanh"``, or
     ``"add"`` (``forward(x, other)`` returns ``linear(x) + other``).
@@ -80,7 +73,7 @@ class PackedLinear(nn.Module):
         self.epilogue = epilogue
         weight = linear.weight.detach().to(dtype)
         bias = None if linear.bias is None else linear.bias.detach().to(dtype)
-        self.packed = pack and weight.device.type == "cpu" and _has_onednn_linear(dtype)
+        self.packed = pack and weight.device.type == "cpu" and hardware.has_onednn_linear(dtype)
         if self.packed:
             weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
         self.weight: torch.Tensor

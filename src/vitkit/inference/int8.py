@@ -120,9 +120,7 @@ def fast_quantizer() -> Quantizer:
 
 def has_onednn_int8() -> bool:
     """Whether this PyTorch has oneDNN's int8 linear kernels (x86 CPUs)."""
-    ops = torch.ops.mkldnn
-    available = torch.backends.mkldnn.is_available() and hasattr(ops, "_linear_pointwise")
-    return available and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    return hardware.has_onednn_linear() and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
 class Int8Linear(nn.Module):
