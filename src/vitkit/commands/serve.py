@@ -94,17 +94,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from vitkit.data.folder import list_image_files
     from vitkit.serve.app import ServeOptions, create_app
-    from vitkit.serve.engine import ServedModel, uses_calibration
+    from vitkit.serve.engine import ServedModel, check_calibration_used, uses_calibration
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")
     calibration = None
     if args.calibration is not None:  # a bad folder fails here, before the model is loaded
-        if not uses_calibration(args.backend, args.precision):
-            raise ConfigError(
-                "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
-                f"--precision int8), not --backend {args.backend} --precision {args.precision}"
-            )
+        check_calibration_used(args.backend, args.precision)
         calibration = list_image_files(args.calibration, "--calibration")
     elif uses_calibration(args.backend, args.precision):
         print(

@@ -56,6 +56,16 @@ def uses_calibration(backend: str, precision: str) -> bool:
     return backend in ("openvino", "auto") and precision == "int8"
 
 
+def check_calibration_used(backend: str, precision: str) -> None:
+    """Raise ConfigError naming ``--calibration`` when serving on ``backend`` in ``precision`` would not use
+    calibration images (see :func:`uses_calibration`)."""
+    if not uses_calibration(backend, precision):
+        raise ConfigError(
+            "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
+            f"--precision int8), not --backend {backend} --precision {precision}"
+        )
+
+
 def calibration_batch(
     files: Sequence[str | os.PathLike[str]], pre: preprocess.Preprocess, limit: int = CALIBRATION_MAX_IMAGES
 ) -> torch.Tensor:
@@ -144,11 +154,8 @@ class ServedModel:
             precision = "fp32"  # ONNX Runtime's CPU provider has no bf16 kernels
         self.precision = resolve_precision(precision, self.device) if fast else "fp32"
         self.backend = backend
-        if calibration is not None and not (fast and uses_calibration(backend, self.precision)):
-            raise ConfigError(
-                "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
-                f"--precision int8), not --backend {backend} --precision {self.precision}"
-            )
+        if calibration is not None:  # without the fast path the precision is fp32: nothing calibrates
+            check_calibration_used(backend, self.precision)
         if not fast:
             self.fast: torch.nn.Module = self.model
             return
