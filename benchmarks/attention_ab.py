@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -46,12 +45,8 @@ def set_fused(fast: InferenceViT, kernel: object) -> None:
 
 def best_ms(fn: Callable[[], object], repeats: int = 5) -> float:
     fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
+    timing = time_alternating({"fn": fn}, repeats, torch.device("cpu"), torch.get_num_threads())["fn"]
+    return min(timing.times) * 1e3
 
 
 def one_layer(name: str, batch: int, flex: bool = False) -> None:

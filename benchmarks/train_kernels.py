@@ -10,25 +10,19 @@ per op: GELU forward and GELU backward + fc1 bias-gradient sum on the fc1 activa
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from vitkit.timing import time_alternating
 from vitkit.train import kernels
 
 
 def _median_ms(fn: Callable[[], object], calls: int) -> float:
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return time_alternating({"fn": fn}, calls, torch.device("cpu"), torch.get_num_threads())["fn"].median * 1e3
 
 
 def main() -> None:
