@@ -5,7 +5,8 @@ every ``FastBlock`` before its call, in MiB: ``attn_bytes`` (the attention half 
 attention -> out-projection + residual, over groups of images whose qkv output is at most that many bytes; 0 =
 all at once) and ``mlp_bytes`` (the MLP over chunks of rows of at most that much hidden activation); and, for
 int8, ``native=1`` or ``native=0``: activations quantised by the C kernel or by its fallback, the inductor-compiled
-quantiser (``vitkit.inference.int8.NativeQuantizer``). After 2
+quantiser (``vitkit.inference.int8.NativeQuantizer``), and ``vnni=1`` or ``vnni=0``: the int8 GEMMs by the VNNI kernel
+(``vitkit.inference.gemm_int8``) or by oneDNN (weights pre-packed for it at the first such call). After 2
 warm-up rounds the variants are timed call by call, alternating (``vitkit.timing.time_alternating``)::
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/int8_ab.py B/16 \\
@@ -34,6 +35,13 @@ def configure(fast: InferenceViT, settings: dict[str, float]) -> None:
         if not isinstance(b, FastBlock):
             continue
         for k, v in settings.items():
+            if k == "vnni":  # the int8 GEMM: the VNNI kernel (1) or oneDNN's (0)
+                for m in b.modules():
+                    if isinstance(m, Int8Linear):
+                        kernel = m.gemm or m.vnni  # type: ignore[has-type]
+                        m.vnni = kernel  # type: ignore[assignment]
+                        m.gemm = kernel if v else None
+                continue
             if k != "native":
                 setattr(b, k, int(v * (1 << 20)))
                 continue
