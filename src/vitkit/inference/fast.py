@@ -16,8 +16,9 @@ The transform keeps the model's function and changes how it is computed:
   weights;
 - on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
   glibc's mmap threshold: no page faults per call);
-- optionally int8 linear layers on oneDNN's VNNI kernels (``vitkit.inference.int8``: per-channel int8
-  weights, activations quantised per call by a C kernel where the CPU has AVX-512: dynamic quantisation;
+- optionally int8 linear layers (``vitkit.inference.int8``: per-channel int8 weights, activations quantised
+  per call by a C kernel where the CPU has AVX-512: dynamic quantisation; the GEMMs by a VNNI kernel in C,
+  ``vitkit.inference.gemm_int8``, where the CPU has AVX512_VNNI/BF16, else by oneDNN's;
   7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
   ``torch.compile`` of the whole forward instead of hand packing.
 

@@ -1,6 +1,7 @@
-"""Int8 linear layers of the inference fast path: oneDNN's VNNI GEMMs on dynamically quantised activations.
+"""Int8 linear layers of the inference fast path: VNNI GEMMs on dynamically quantised activations.
 
-Weights are quantised once (symmetric int8, per output channel) and pre-packed; activations are quantised
+Weights are quantised once (symmetric int8, per output channel) and pre-packed, for the C kernel of
+:mod:`vitkit.inference.gemm_int8` where it loads, else for oneDNN's ``qlinear_pointwise``; activations are quantised
 per call (uint8, per tensor, from their own min and max). The activation quantiser is, by preference, a C
 kernel (``quantize.c``, AVX-512, compiled at first use by :mod:`vitkit.native`: min/max and quantise in two
 passes of one OpenMP region on torch's thread pool), else the same formula compiled by inductor, else eager.
