@@ -9,6 +9,12 @@ rounded to bf16, multiplied by v with ``vdpbf16ps`` and scaled by 1/sum into the
 pairs are split over threads by OpenMP; the library links ``libgomp.so.1``, which is PyTorch's own OpenMP
 runtime once torch is loaded (same soname), so the kernel shares torch's thread pool instead of adding one.
 
+``load_int8`` gives the kernel's int8 variant (``attention_int8.c``, for the int8 fast path, on CPUs with
+AVX512_VNNI too): the same structure with both products by ``vpdpbusd`` (u8 x s8 -> s32), k quantised to u8 per
+channel with an offset, q (the key scales folded in) to s8 per row, v to s8 per channel, all per (image, head)
+while packing, and the softmax numerators to u8 (255 at the row maximum); scheme and error in its source and
+BENCHMARKS.md.
+
 The source is compiled at first use by the system C compiler (:mod:`vitkit.native`, cached per content);
 :func:`load` returns None where that is impossible (no compiler, no AVX512_BF16, not Linux), and the
 fast path keeps its PyTorch attention there.
