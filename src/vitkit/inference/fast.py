@@ -9,7 +9,8 @@ The transform keeps the model's function and changes how it is computed:
 - attention, chosen at run time: in bf16 on a CPU with AVX512_BF16 and a C compiler, vitkit's fused C
   kernel (``vitkit.inference.attention``: scores, softmax and probabilities x v per block of query rows
   in registers and L1, q/k/v read straight from the qkv GEMM's output and the result written in the token
-  layout; B/16 b32 +6-8% bf16 / +11-12% int8 end to end, S/16 and Ti/16 +11-24%, BENCHMARKS.md); otherwise on
+  layout; B/16 b32 +6-8% bf16 / +11-12% int8 end to end, S/16 and Ti/16 +11-24%, BENCHMARKS.md; for int8
+  its VNNI variant, ``load_int8``, with q, k, v and the probabilities in 8 bits); otherwise on
   CPU softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads) small enough for
   their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths); on
   CUDA PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded into the query
@@ -40,6 +41,7 @@ from torch import nn
 from vitkit import hardware
 from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
+from vitkit.inference.attention import load_int8 as load_int8_attention
 from vitkit.inference.gemm_int8 import Int8Gemm
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.int8 import Int8Linear, Quantizer, fast_quantizer, has_onednn_int8
@@ -115,7 +117,7 @@ class FastBlock(nn.Module):
         gemm: Int8Gemm | None = None,
     ) -> None:
         super().__init__()
-        self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs), else None
+        self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs; int8 variant for int8), else None
         self.num_heads = block.attn.num_heads
         self.head_dim = block.attn.head_dim
         self.norm1 = copy.deepcopy(block.norm1).to(dtype)
@@ -211,7 +213,9 @@ class InferenceViT(nn.Module):
         self.dtype = dtype
         quantize = fast_quantizer() if int8 else None
         cpu = next(model.parameters()).device.type == "cpu"
-        fused = load_fused_attention() if pack and cpu and dtype == torch.bfloat16 else None
+        fused = None
+        if pack and cpu and dtype == torch.bfloat16:  # int8: the kernel's int8 variant where the CPU has VNNI
+            fused = (load_int8_attention() if int8 else None) or load_fused_attention()
         gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 else None
         base = copy.deepcopy(model).eval()
         blocks = [cast(Block, b) for b in base.blocks]
