@@ -15,6 +15,7 @@ Times are the median over ``--repeats`` profiled calls (after warm-up); run it u
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections import defaultdict
 from typing import Any
@@ -46,6 +47,10 @@ STAGES = (
 def classify(name: str, shapes: list[Any], D: int) -> str:
     """The stage of one top-level operator, from its name and input shapes."""
     low = name.lower()
+    gemm = re.match(r"vitkit::gemm_u8s8 m=(\d+) k=(\d+) n=(\d+)", low)  # the VNNI int8 GEMM's region
+    if gemm:
+        M, K, N = (int(v) for v in gemm.groups())
+        name, low, shapes = "qlinear", "qlinear", [[M, K], [N, K]]
     if "linear_pointwise" in low or "qlinear" in low or low in ("aten::linear", "aten::addmm", "aten::mm"):
         # weight shapes differ by GEMM: the qkv weight has 3D outputs, fc1 4D, fc2 has K = 4D
         flat = [s for s in shapes if isinstance(s, list) and s]

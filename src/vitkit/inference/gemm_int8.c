@@ -15,7 +15,6 @@
 // array in memory (stores in the K loop, half the speed); the unrolled loops below keep it in registers.
 #include <immintrin.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
@@ -85,9 +84,11 @@ typedef struct {
     int64_t lda;
     int K;
     const int8_t *bp;      // packed weights
-    const int32_t *comp;   // zp * colsum[n], padded to a multiple of P
-    const float *scale;    // a_scale * w_scale[n], padded
-    const float *bias;     // bias[n] (zeros without a bias), padded
+    const int32_t *colsum; // sum_k w[n][k]
+    const float *w_scale;  // per output channel
+    const float *bias;     // bias[n], or NULL
+    float a_scale;
+    int32_t zp;
     const uint16_t *other; // bf16 (M, N) residual for EPI_ADD
     int64_t ldo;
     uint16_t *c;
@@ -155,8 +156,9 @@ AI void block(const job_t *J, int64_t m0, int mr, int j) {
         if (n >= J->N) continue;
         const int left = J->N - n;
         const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __m512i comp = _mm512_load_si512(J->comp + n);
-        const __m512 sc = _mm512_load_ps(J->scale + n), bias = _mm512_load_ps(J->bias + n);
+        const __m512i comp = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(m, J->colsum + n), _mm512_set1_epi32(J->zp));
+        const __m512 sc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, J->w_scale + n), _mm512_set1_ps(J->a_scale));
+        const __m512 bias = J->bias ? _mm512_maskz_loadu_ps(m, J->bias + n) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             if (r < mr) {
@@ -199,20 +201,11 @@ int vk_gemm_int8_panel(void) { return P; }
 int vk_gemm_u8s8(const uint8_t *a, int64_t lda, int64_t M, int K, int N, const int8_t *bp, const int32_t *colsum,
                  const float *w_scale, const float *bias, float a_scale, int32_t zp, int epi, const uint16_t *other,
                  int64_t ldo, uint16_t *c, int64_t ldc, int64_t mc, int threads) {
-    if (M < 0 || K < 1 || K > 65536 || N < 1 || lda < K || ldc < N || epi < 0 || epi > 3 || (((uintptr_t)bp) & 63)) return 1;
+    if (M < 0 || K < 1 || K > 65536 || N < 1 || lda < K || ldc < N || epi < 0 || epi > 3) return 1;
+    if (((uintptr_t)bp) & 63) return 1;  // the packed weights' aligned loads
     if (epi == EPI_ADD && (other == NULL || ldo < N)) return 1;
     if (M == 0) return 0;
-    const int Np = (N + P - 1) / P * P;
-    void *mem = NULL;
-    if (posix_memalign(&mem, 64, (size_t)Np * 12)) return 1;
-    int32_t *comp = (int32_t *)mem;
-    float *scale = (float *)(comp + Np), *b = scale + Np;
-    for (int n = 0; n < Np; n++) {
-        comp[n] = n < N ? zp * colsum[n] : 0;
-        scale[n] = n < N ? a_scale * w_scale[n] : 0.0f;
-        b[n] = n < N && bias ? bias[n] : 0.0f;
-    }
-    job_t J = {a, lda, K, bp, comp, scale, b, other, ldo, c, ldc, N, epi};
+    job_t J = {a, lda, K, bp, colsum, w_scale, bias, a_scale, zp, other, ldo, c, ldc, N, epi};
     if (mc <= 0) mc = 256;
     mc = (mc + MR - 1) / MR * MR;
     int T = threads > 0 ? threads : 1;
@@ -225,6 +218,5 @@ int vk_gemm_u8s8(const uint8_t *a, int64_t lda, int64_t M, int K, int N, const i
         if (hi > M) hi = M;
         if (lo < hi) run_rows(&J, lo, hi, mc);
     }
-    free(mem);
     return 0;
 }

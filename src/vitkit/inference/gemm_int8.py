@@ -87,7 +87,8 @@ class Int8Gemm:
         if epilogue == "add" and (other is None or other.shape != (M, N)):
             raise ValueError(f"Int8Gemm: the residual must be ({M}, {N})")
         out = torch.empty(M, N, dtype=torch.bfloat16)
-        with torch.profiler.record_function("vitkit::gemm_u8s8"):  # a named op in profiles
+        # a named op in profiles, with its shape (benchmarks/profile_inference.py sorts GEMMs by it)
+        with torch.profiler.record_function(f"vitkit::gemm_u8s8 M={M} K={K} N={N} {epilogue}"):
             rc = self.fn(
                 q.data_ptr(),
                 q.stride(0),
