@@ -6,7 +6,8 @@ attention -> out-projection + residual, over groups of images whose qkv output i
 all at once) and ``mlp_bytes`` (the MLP over chunks of rows of at most that much hidden activation); and, for
 int8, ``native=1`` or ``native=0``: activations quantised by the C kernel or by its fallback, the inductor-compiled
 quantiser (``vitkit.inference.int8.NativeQuantizer``); ``int8attn=1`` or ``int8attn=0``: the fused attention
-kernel's int8 variant (``attention_int8.c``) or the bf16 kernel. After 2
+kernel's int8 variant (``attention_int8.c``) or the bf16 kernel; ``vnni=1`` or ``vnni=0``: the int8 GEMMs by the
+VNNI kernel (``vitkit.inference.gemm_int8``) or by oneDNN (weights pre-packed for it at the first such call). After 2
 warm-up rounds the variants are timed call by call, alternating (``vitkit.timing.time_alternating``)::
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/int8_ab.py B/16 \\
@@ -38,6 +39,13 @@ def configure(fast: InferenceViT, settings: dict[str, float], kernels: dict[bool
         for k, v in settings.items():
             if k == "int8attn":
                 b.fused = kernels[bool(v)]  # type: ignore[assignment]
+                continue
+            if k == "vnni":  # the int8 GEMM: the VNNI kernel (1) or oneDNN's (0)
+                for m in b.modules():
+                    if isinstance(m, Int8Linear):
+                        kernel = m.gemm or m.vnni  # type: ignore[has-type]
+                        m.vnni = kernel  # type: ignore[assignment]
+                        m.gemm = kernel if v else None
                 continue
             if k != "native":
                 setattr(b, k, int(v * (1 << 20)))

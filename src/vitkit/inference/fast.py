@@ -17,8 +17,9 @@ The transform keeps the model's function and changes how it is computed:
   weights;
 - on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
   glibc's mmap threshold: no page faults per call);
-- optionally int8 linear layers on oneDNN's VNNI kernels (``vitkit.inference.int8``: per-channel int8
-  weights, activations quantised per call by a C kernel where the CPU has AVX-512: dynamic quantisation;
+- optionally int8 linear layers (``vitkit.inference.int8``: per-channel int8 weights, activations quantised
+  per call by a C kernel where the CPU has AVX-512: dynamic quantisation; the GEMMs by a VNNI kernel in C,
+  ``vitkit.inference.gemm_int8``, where the CPU has AVX512_VNNI/BF16, else by oneDNN's;
   7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
   ``torch.compile`` of the whole forward instead of hand packing.
 
@@ -41,6 +42,8 @@ from vitkit import hardware
 from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
+from vitkit.inference.gemm_int8 import Int8Gemm
+from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.int8 import Int8Linear, Quantizer, fast_quantizer, has_onednn_int8
 from vitkit.models.vit import Block, VisionTransformer
 
@@ -111,6 +114,7 @@ class FastBlock(nn.Module):
         quantize: Quantizer | None = None,
         pack: bool = True,
         fused: FusedAttention | None = None,
+        gemm: Int8Gemm | None = None,
     ) -> None:
         super().__init__()
         self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs; int8 variant for int8), else None
@@ -130,10 +134,10 @@ class FastBlock(nn.Module):
         itemsize = torch.empty((), dtype=dtype).element_size()
         mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         if quantize is not None:
-            self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize)
-            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
-            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize)
-            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize)
+            self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize, gemm)
+            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize, gemm)
+            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize, gemm)
+            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize, gemm)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
@@ -212,11 +216,12 @@ class InferenceViT(nn.Module):
         fused = None
         if pack and cpu and dtype == torch.bfloat16:  # int8: the kernel's int8 variant where the CPU has VNNI
             fused = (load_int8_attention() if int8 else None) or load_fused_attention()
+        gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 else None
         base = copy.deepcopy(model).eval()
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
-        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused) for b in blocks)
+        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused, gemm) for b in blocks)
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
