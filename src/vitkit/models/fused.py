@@ -4,7 +4,8 @@ The model stays a plain ``nn.Module``: it never compiles or loads anything. Whoe
 ``vitkit bench --task train``) may hand every block a :class:`TrainingKernels` object
 (``VisionTransformer.set_training_kernels``; on CPU, ``vitkit.train.kernels.load``, hand-written AVX-512
 kernels). With one set, the MLP runs fc1 -> GELU as :func:`linear_gelu` and the explicit attention
-(``vitkit.models.attention``) takes its softmax from it; without one (the default)
+(``vitkit.models.attention``) takes its whole forward and backward pass, or only its softmax, from it;
+without one (the default)
 nothing changes. :class:`TorchKernels` is the same interface in plain PyTorch: the reference the kernels are
 tested against.
 
@@ -24,6 +25,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from vitkit.models.attention import attention_backward_reference, attention_reference
 
 
 class TrainingKernels(Protocol):
@@ -47,6 +50,22 @@ class TrainingKernels(Protocol):
         """Softmax over the last axis of a contiguous tensor, in place; returns ``x``."""
         ...
 
+    def attention_supported(self, qkv: torch.Tensor, num_heads: int) -> bool:
+        """Whether :meth:`attention` and :meth:`attention_backward` take the projection ``qkv`` (B, T, 3D)."""
+        ...
+
+    def attention(self, qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """softmax(scale q k^T) v of every head from ``qkv`` (B, T, 3D) as (B, T, D), and the probabilities in
+        whatever form :meth:`attention_backward` takes them."""
+        ...
+
+    def attention_backward(
+        self, grad: torch.Tensor, qkv: torch.Tensor, probs: torch.Tensor, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        """The gradient of ``qkv`` (B, T, 3D) given ``grad`` of the output (B, T, D) and the probabilities
+        :meth:`attention` returned for it."""
+        ...
+
 
 class TorchKernels:
     """:class:`TrainingKernels` in PyTorch's own ops, for any dtype and device."""
@@ -66,6 +85,17 @@ class TorchKernels:
 
     def softmax_(self, x: torch.Tensor) -> torch.Tensor:
         return x.copy_(torch.softmax(x, dim=-1))
+
+    def attention_supported(self, qkv: torch.Tensor, num_heads: int) -> bool:
+        return True
+
+    def attention(self, qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention_reference(qkv, num_heads, scale)
+
+    def attention_backward(
+        self, grad: torch.Tensor, qkv: torch.Tensor, probs: torch.Tensor, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        return attention_backward_reference(grad, qkv, probs, num_heads, scale)
 
 
 class _LinearGelu(torch.autograd.Function):
