@@ -39,7 +39,7 @@ def main() -> None:
         qkv = (torch.randn(args.batch, T, 3 * heads * d) * 2).bfloat16().requires_grad_()
         g = torch.randn(args.batch, T, heads * d).bfloat16()
 
-        def step(k: kernels.CpuTrainingKernels) -> None:
+        def step(k: kernels.CpuTrainingKernels, qkv: torch.Tensor = qkv, g: torch.Tensor = g) -> None:
             qkv.grad = None
             softmax_attention(qkv, heads, d**-0.5, k).backward(g)
 

@@ -245,7 +245,7 @@ class Attention(nn.Module):
     """
 
     fused: bool = True
-    kernels: TrainingKernels | None = None  # softmax kernels for the explicit path (set_training_kernels)
+    kernels: TrainingKernels | None = None  # attention / softmax kernels for the explicit path (set_training_kernels)
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attention_dropout: float = 0.0) -> None:
         super().__init__()

@@ -118,7 +118,6 @@ class CpuTrainingKernels:
             raise ValueError(f"the softmax kernel takes rows of at most {SOFTMAX_MAX}, got {n}")
         return x
 
-
     def attention_supported(self, qkv: torch.Tensor, num_heads: int) -> bool:
         if self.attention_lib is None or not _bf16_cpu(qkv) or qkv.dim() != 3 or num_heads <= 0:
             return False
@@ -137,7 +136,8 @@ class CpuTrainingKernels:
         if not self.attention_supported(qkv, num_heads):
             raise ValueError(
                 f"the attention kernel takes a contiguous bf16 CPU (B, T, 3 h d) tensor with an even d <= "
-                f"{ATTENTION_D_MAX} and T <= {ATTENTION_T_MAX}, got {tuple(qkv.shape)} {qkv.dtype} for {num_heads} heads"
+                f"{ATTENTION_D_MAX} and T <= {ATTENTION_T_MAX}, got {tuple(qkv.shape)} {qkv.dtype} for "
+                f"{num_heads} heads"
             )
         B, T, three_d = qkv.shape
         return B, T, three_d // (3 * num_heads)
