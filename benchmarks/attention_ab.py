@@ -16,6 +16,9 @@ in one process (15 rounds; min and median ms), e.g. the previous commit's::
     git show HEAD~1:src/vitkit/inference/attention.c > /tmp/old.c
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/attention_ab.py B/16 --layer \
         --against /tmp/old.c
+
+``--layer --int8``: the bf16 kernel against its int8 variant (``attention_int8.c``, the int8 fast path's) the same
+way, and each one's relative error from fp32 SDPA on the same bf16 q, k, v.
 """
 
 from __future__ import annotations
@@ -85,17 +88,21 @@ def one_layer(name: str, batch: int, flex: bool = False) -> None:
             print(f"{name} one layer, b{B}: {form}: {ms:.2f} ms, {flops / ms / 1e6:.0f} GFLOP/s", flush=True)
 
 
-def kernel_ab(name: str, batch: int, against: Path, repeats: int = 15) -> None:
-    """One layer's attention: the kernel built from ``against`` and the current one, alternating call by call.
-    Each writes into an output of its own allocated once: a fresh 5 MB output per call is page-faulted anew
-    or not depending on glibc's allocation history (0 or ~470 faults per call, up to +30% time), which would
-    decide the comparison instead of the kernels."""
-    old_lib = native.load(against.read_text(), "vk_attention_against", attention.FLAGS, attention.NEEDS)
-    new = attention.load()
-    if old_lib is None or new is None:
+def kernel_ab(name: str, batch: int, against: Path | None, repeats: int = 15) -> None:
+    """One layer's attention: the kernel built from ``against`` and the current one, alternating call by call
+    (``against`` None: the bf16 kernel against the int8 one, and each one's relative error from fp32 SDPA on
+    the same bf16 q, k, v). Each writes into an output of its own allocated once: a fresh 5 MB output per call
+    is page-faulted anew or not depending on glibc's allocation history (0 or ~470 faults per call, up to +30%
+    time), which would decide the comparison instead of the kernels."""
+    if against is None:
+        old, new = attention.load(), attention.load_int8()
+    else:
+        old_lib = native.load(against.read_text(), "vk_attention_against", attention.FLAGS, attention.NEEDS)
+        old, new = (None if old_lib is None else attention.FusedAttention(old_lib)), attention.load()
+    if old is None or new is None:
         print(f"{name}: a kernel could not be built on this machine")
         return
-    kernels = {"against": attention.FusedAttention(old_lib), "current": new}
+    kernels = {"against": old, "current": new} if against else {"bf16": old, "int8": new}
     cfg = create_model(name).cfg
     B, T, h, d = batch, cfg.num_tokens(), cfg.num_heads, cfg.hidden_size // cfg.num_heads
     qkv = torch.randn(B * T, 3 * h * d).to(torch.bfloat16)
@@ -110,8 +117,14 @@ def kernel_ab(name: str, batch: int, against: Path, repeats: int = 15) -> None:
         f"{k} {min(t.times) * 1e3:.2f} ms (median {t.median * 1e3:.2f}, {flops / t.median / 1e9:.0f} GFLOP/s)"
         for k, t in timings.items()
     )
-    ratio = timings["against"].median / timings["current"].median
-    print(f"{name} one layer, b{B}: {line}; current / against speed {ratio:.3f}", flush=True)
+    a, b = timings.keys()
+    ratio = timings[a].median / timings[b].median
+    print(f"{name} one layer, b{B}: {line}; {b} / {a} speed {ratio:.3f}", flush=True)
+    if against is None:  # the error of each from fp32 SDPA (inputs: rows of N(0, 1), like a LayerNorm's)
+        q, k, v = qkv.float().view(B, T, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
+        ref = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5).transpose(1, 2).reshape(B * T, h * d)
+        errs = {m: ((o.float() - ref).norm() / ref.norm()).item() for m, o in outs.items()}
+        print(f"{name}: rel. err from fp32 SDPA: " + ", ".join(f"{m} {e:.2e}" for m, e in errs.items()), flush=True)
 
 
 def alternate(
@@ -142,10 +155,11 @@ def main() -> None:
     ap.add_argument("--layer", action="store_true", help="one layer's attention in isolation, three ways")
     ap.add_argument("--flex", action="store_true", help="with --layer: also flex_attention compiled by inductor")
     ap.add_argument("--against", type=Path, help="with --layer: the kernel built from this C source vs the current")
+    ap.add_argument("--int8", action="store_true", help="with --layer: the bf16 kernel against the int8 one")
     args = ap.parse_args()
     torch.manual_seed(0)
     for name in args.models:
-        if args.layer and args.against:
+        if args.layer and (args.against or args.int8):
             kernel_ab(name, args.batch_size, args.against)
             continue
         if args.layer:

@@ -5,7 +5,9 @@ every ``FastBlock`` before its call, in MiB: ``attn_bytes`` (the attention half 
 attention -> out-projection + residual, over groups of images whose qkv output is at most that many bytes; 0 =
 all at once) and ``mlp_bytes`` (the MLP over chunks of rows of at most that much hidden activation); and, for
 int8, ``native=1`` or ``native=0``: activations quantised by the C kernel or by its fallback, the inductor-compiled
-quantiser (``vitkit.inference.int8.NativeQuantizer``). After 2
+quantiser (``vitkit.inference.int8.NativeQuantizer``); ``int8attn=1`` or ``int8attn=0``: the fused attention
+kernel's int8 variant (``attention_int8.c``) or the bf16 kernel; ``vnni=1`` or ``vnni=0``: the int8 GEMMs by the
+VNNI kernel (``vitkit.inference.gemm_int8``) or by oneDNN (weights pre-packed for it at the first such call). After 2
 warm-up rounds the variants are timed call by call, alternating (``vitkit.timing.time_alternating``)::
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/int8_ab.py B/16 \\
@@ -23,17 +25,28 @@ import functools
 import torch
 
 from vitkit import optimize_for_inference
+from vitkit.inference import attention
 from vitkit.inference.fast import FastBlock, InferenceViT
 from vitkit.inference.int8 import Int8Linear, NativeQuantizer
 from vitkit.models import create_model
 from vitkit.timing import time_alternating
 
 
-def configure(fast: InferenceViT, settings: dict[str, float]) -> None:
+def configure(fast: InferenceViT, settings: dict[str, float], kernels: dict[bool, object]) -> None:
     for b in fast.blocks:
         if not isinstance(b, FastBlock):
             continue
         for k, v in settings.items():
+            if k == "int8attn":
+                b.fused = kernels[bool(v)]  # type: ignore[assignment]
+                continue
+            if k == "vnni":  # the int8 GEMM: the VNNI kernel (1) or oneDNN's (0)
+                for m in b.modules():
+                    if isinstance(m, Int8Linear):
+                        kernel = m.gemm or m.vnni  # type: ignore[has-type]
+                        m.vnni = kernel  # type: ignore[assignment]
+                        m.gemm = kernel if v else None
+                continue
             if k != "native":
                 setattr(b, k, int(v * (1 << 20)))
                 continue
@@ -59,13 +72,14 @@ def main() -> None:
     x = torch.randn(args.batch_size, 3, 224, 224)
     variants = {v: {k: float(m) for k, m in (kv.split("=") for kv in v.split(","))} for v in args.variant}
     cpu, threads = torch.device("cpu"), torch.get_num_threads()
+    kernels: dict[bool, object] = {False: attention.load(), True: attention.load_int8()}
     for precision in args.precision:
         fast = optimize_for_inference(model, batch_size=args.batch_size, int8=precision == "int8")
         assert isinstance(fast, InferenceViT)
         outs: dict[str, torch.Tensor] = {}
 
         def run(name: str, fast: InferenceViT = fast, outs: dict[str, torch.Tensor] = outs) -> None:
-            configure(fast, variants[name])
+            configure(fast, variants[name], kernels)
             outs[name] = fast.forward_features(x)
 
         fns = {name: functools.partial(run, name) for name in variants}

@@ -9,6 +9,12 @@ rounded to bf16, multiplied by v with ``vdpbf16ps`` and scaled by 1/sum into the
 pairs are split over threads by OpenMP; the library links ``libgomp.so.1``, which is PyTorch's own OpenMP
 runtime once torch is loaded (same soname), so the kernel shares torch's thread pool instead of adding one.
 
+``load_int8`` gives the kernel's int8 variant (``attention_int8.c``, for the int8 fast path, on CPUs with
+AVX512_VNNI too): the same structure with both products by ``vpdpbusd`` (u8 x s8 -> s32), k quantised to u8 per
+channel with an offset, q (the key scales folded in) to s8 per row, v to s8 per channel, all per (image, head)
+while packing, and the softmax numerators to u8 (255 at the row maximum); scheme and error in its source and
+BENCHMARKS.md.
+
 The source is compiled at first use by the system C compiler (:mod:`vitkit.native`, cached per content);
 :func:`load` returns None where that is impossible (no compiler, no AVX512_BF16, not Linux), and the
 fast path keeps its PyTorch attention there.
@@ -28,11 +34,18 @@ NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 SOURCE = Path(__file__).with_name("attention.c")
 
 
-class FusedAttention:
-    """The loaded kernel: ``attn(qkv, batch, heads, head_dim, scale)`` -> (B*T, D) bf16 output."""
+INT8_FLAGS = (*FLAGS, "-mavx512dq", "-mavx512vnni")
+INT8_NEEDS = (*NEEDS, "avx512dq", "avx512_vnni")
+INT8_SOURCE = Path(__file__).with_name("attention_int8.c")
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.vk_attention_bf16
+
+class FusedAttention:
+    """The loaded kernel: ``attn(qkv, batch, heads, head_dim, scale)`` -> (B*T, D) bf16 output.
+    ``symbol``: ``vk_attention_bf16`` (bf16 products) or ``vk_attention_int8`` (:func:`load_int8`)."""
+
+    def __init__(self, lib: ctypes.CDLL, symbol: str = "vk_attention_bf16") -> None:
+        self.int8 = symbol == "vk_attention_int8"
+        fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
         fn.argtypes = [
             ctypes.c_void_p,
@@ -49,21 +62,20 @@ class FusedAttention:
         self.fn = fn
 
     def supports(self, qkv: torch.Tensor, head_dim: int) -> bool:
-        """Whether ``qkv`` (B*T, 3D) can go through the kernel: bf16 on CPU, rows contiguous, d even."""
+        """Whether ``qkv`` (B*T, 3D) can go through the kernel: bf16 on CPU, rows contiguous, d even (bf16)."""
         return (
             qkv.device.type == "cpu"
             and qkv.dtype == torch.bfloat16
             and qkv.dim() == 2
             and qkv.stride(1) == 1
-            and qkv.stride(0) % 2 == 0
-            and head_dim % 2 == 0
+            and (self.int8 or (qkv.stride(0) % 2 == 0 and head_dim % 2 == 0))  # bf16: pairs of bf16 as dwords
             and qkv.shape[0] * qkv.stride(0) < 2**32  # the kernel's k gather indexes in 32 bits (T * stride / 2)
         )
 
     def __call__(self, qkv: torch.Tensor, batch: int, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
         """qkv: (B*T, 3 h d) bf16 with q, k, v side by side, head-major within each -> (B*T, h d) bf16."""
         if not self.supports(qkv, head_dim):
-            raise ValueError("the fused attention kernel needs a bf16 CPU (B*T, 3D) tensor and an even head_dim")
+            raise ValueError("the fused attention kernel needs a bf16 CPU (B*T, 3D) tensor and an even head_dim (bf16)")
         BT, width = qkv.shape
         D = heads * head_dim
         if scale <= 0:  # the kernel takes the row maximum before scaling
@@ -85,3 +97,11 @@ def load() -> FusedAttention | None:
     """The kernel compiled for this CPU, or None where it cannot run (see the module docstring)."""
     lib = native.load(SOURCE.read_text(), "vk_attention", FLAGS, NEEDS)
     return None if lib is None else FusedAttention(lib)
+
+
+def load_int8() -> FusedAttention | None:
+    """The int8 variant (``attention_int8.c``: both products by ``vpdpbusd``, q, k, v and the probabilities
+    quantised per (image, head) inside the kernel; for the int8 fast path), or None where it cannot run
+    (no compiler, no AVX512_BF16 or AVX512_VNNI, not Linux)."""
+    lib = native.load(INT8_SOURCE.read_text(), "vk_attention_int8", INT8_FLAGS, INT8_NEEDS)
+    return None if lib is None else FusedAttention(lib, "vk_attention_int8")

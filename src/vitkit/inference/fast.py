@@ -9,15 +9,17 @@ The transform keeps the model's function and changes how it is computed:
 - attention, chosen at run time: in bf16 on a CPU with AVX512_BF16 and a C compiler, vitkit's fused C
   kernel (``vitkit.inference.attention``: scores, softmax and probabilities x v per block of query rows
   in registers and L1, q/k/v read straight from the qkv GEMM's output and the result written in the token
-  layout; B/16 b32 +6-8% bf16 / +11-12% int8 end to end, S/16 and Ti/16 +11-24%, BENCHMARKS.md); otherwise on
+  layout; B/16 b32 +6-8% bf16 / +11-12% int8 end to end, S/16 and Ti/16 +11-24%, BENCHMARKS.md; for int8
+  its VNNI variant, ``load_int8``, with q, k, v and the probabilities in 8 bits); otherwise on
   CPU softmax(q k^T) v as two batched GEMMs over groups of images (and chunks of heads) small enough for
   their scores to stay in cache (faster than PyTorch's CPU flash kernel for ViT's sequence lengths); on
   CUDA PyTorch's fused ``scaled_dot_product_attention``; the 1/sqrt(d) scale is folded into the query
   weights;
 - on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
   glibc's mmap threshold: no page faults per call);
-- optionally int8 linear layers on oneDNN's VNNI kernels (``vitkit.inference.int8``: per-channel int8
-  weights, activations quantised per call by a C kernel where the CPU has AVX-512: dynamic quantisation;
+- optionally int8 linear layers (``vitkit.inference.int8``: per-channel int8 weights, activations quantised
+  per call by a C kernel where the CPU has AVX-512: dynamic quantisation; the GEMMs by a VNNI kernel in C,
+  ``vitkit.inference.gemm_int8``, where the CPU has AVX512_VNNI/BF16, else by oneDNN's;
   7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
   ``torch.compile`` of the whole forward instead of hand packing.
 
@@ -39,6 +41,9 @@ from torch import nn
 from vitkit import hardware
 from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
+from vitkit.inference.attention import load_int8 as load_int8_attention
+from vitkit.inference.gemm_int8 import Int8Gemm
+from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.int8 import Int8Linear, Quantizer, fast_quantizer, has_onednn_int8
 from vitkit.models.vit import Block, VisionTransformer
 
@@ -109,9 +114,10 @@ class FastBlock(nn.Module):
         quantize: Quantizer | None = None,
         pack: bool = True,
         fused: FusedAttention | None = None,
+        gemm: Int8Gemm | None = None,
     ) -> None:
         super().__init__()
-        self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs), else None
+        self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs; int8 variant for int8), else None
         self.num_heads = block.attn.num_heads
         self.head_dim = block.attn.head_dim
         self.norm1 = copy.deepcopy(block.norm1).to(dtype)
@@ -128,10 +134,10 @@ class FastBlock(nn.Module):
         itemsize = torch.empty((), dtype=dtype).element_size()
         mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         if quantize is not None:
-            self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize)
-            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize)
-            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize)
-            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize)
+            self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize, gemm)
+            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize, gemm)
+            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize, gemm)
+            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize, gemm)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
@@ -207,12 +213,15 @@ class InferenceViT(nn.Module):
         self.dtype = dtype
         quantize = fast_quantizer() if int8 else None
         cpu = next(model.parameters()).device.type == "cpu"
-        fused = load_fused_attention() if pack and cpu and dtype == torch.bfloat16 else None
+        fused = None
+        if pack and cpu and dtype == torch.bfloat16:  # int8: the kernel's int8 variant where the CPU has VNNI
+            fused = (load_int8_attention() if int8 else None) or load_fused_attention()
+        gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 else None
         base = copy.deepcopy(model).eval()
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
-        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused) for b in blocks)
+        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused, gemm) for b in blocks)
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

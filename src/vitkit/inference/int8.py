@@ -1,6 +1,7 @@
-"""Int8 linear layers of the inference fast path: oneDNN's VNNI GEMMs on dynamically quantised activations.
+"""Int8 linear layers of the inference fast path: VNNI GEMMs on dynamically quantised activations.
 
-Weights are quantised once (symmetric int8, per output channel) and pre-packed; activations are quantised
+Weights are quantised once (symmetric int8, per output channel) and pre-packed, for the C kernel of
+:mod:`vitkit.inference.gemm_int8` where it loads, else for oneDNN's ``qlinear_pointwise``; activations are quantised
 per call (uint8, per tensor, from their own min and max). The activation quantiser is, by preference, a C
 kernel (``quantize.c``, AVX-512, compiled at first use by :mod:`vitkit.native`: min/max and quantise in two
 passes of one OpenMP region on torch's thread pool), else the same formula compiled by inductor, else eager.
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from vitkit import hardware, native
+from vitkit.inference.gemm_int8 import Int8Gemm
 
 QUANTIZE_FLAGS = ("-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl")
 QUANTIZE_NEEDS = ("avx512f", "avx512bw", "avx512vl")
@@ -124,10 +126,13 @@ def has_onednn_int8() -> bool:
 
 
 class Int8Linear(nn.Module):
-    """An int8 Linear on oneDNN's VNNI kernels: weights quantised once (symmetric, per output channel) and
-    pre-packed; activations quantised per call (uint8, per tensor, from their min/max: dynamic
-    quantisation); int32 accumulation, bias and the epilogue (GELU, residual add) fused, output in
-    ``dtype``. ``quantize`` is the activation quantiser (default: ``default_quantizer()``, or a compiled copy)."""
+    """An int8 Linear: weights quantised once (symmetric, per output channel), activations quantised per call
+    (uint8, per tensor, from their min/max: dynamic quantisation); int32 accumulation, bias and the epilogue
+    (GELU, residual add) fused, output in ``dtype``. The GEMM is ``gemm`` (the VNNI kernel of
+    :mod:`vitkit.inference.gemm_int8`, weights packed for it) for bf16 outputs where given, else oneDNN's
+    ``qlinear_pointwise`` (weights pre-packed for ``rows`` rows; for ``gemm``'s layer, only when an input
+    the kernel does not take comes). ``quantize`` is the activation quantiser (default:
+    ``default_quantizer()``, or a compiled copy)."""
 
     def __init__(
         self,
@@ -136,11 +141,12 @@ class Int8Linear(nn.Module):
         epilogue: str = "none",
         rows: int | None = None,
         quantize: Quantizer | None = None,
+        gemm: Int8Gemm | None = None,
     ) -> None:
         super().__init__()
         if epilogue not in ("none", "gelu", "gelu_tanh", "add"):
             raise ValueError(f"unknown epilogue {epilogue!r}")
-        self.epilogue, self.dtype = epilogue, dtype
+        self.epilogue, self.dtype, self.rows = epilogue, dtype, rows
         self.quantize = quantize or default_quantizer()
         self.fuse_add = True  # oneDNN has no fused residual add into bf16 on CPUs without AVX-512
         w = linear.weight.detach().float()  # (N, K)
@@ -148,17 +154,38 @@ class Int8Linear(nn.Module):
         qw = torch.clamp(torch.round(w / scale[:, None]), -128, 127).to(torch.int8)
         self.w_scale: torch.Tensor
         self.w_zero: torch.Tensor
-        self.qweight: torch.Tensor
         self.bias: torch.Tensor | None
-        self.register_buffer("qweight", torch.ops.onednn.qlinear_prepack(qw, [rows or 1, w.shape[1]]), persistent=False)
+        self.gemm = gemm if dtype == torch.bfloat16 else None
+        self._onednn: torch.Tensor | None = None  # oneDNN's pre-packed weights, made when first needed
+        self._qw = qw  # kept only while the oneDNN weights are not made (the kernel's layer may need them)
+        self.packed: torch.Tensor | None
+        self.colsum: torch.Tensor | None
+        packed = colsum = None
+        if self.gemm is not None:
+            packed = self.gemm.pack_weights(qw)
+            colsum = qw.sum(dim=1, dtype=torch.int32)  # (N,): the zero point's share, zp * colsum
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("colsum", colsum, persistent=False)
+        if self.gemm is None:
+            self.onednn_weight()
         self.register_buffer("w_scale", scale, persistent=False)
         self.register_buffer("w_zero", torch.zeros_like(scale, dtype=torch.int64), persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().float()
+        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
+
+    def onednn_weight(self) -> torch.Tensor:
+        """The weights pre-packed for oneDNN (made at the first call that needs them)."""
+        if self._onednn is None:
+            self._onednn = torch.ops.onednn.qlinear_prepack(self._qw, [self.rows or 1, self._qw.shape[1]])
+            self._qw = torch.empty(0, dtype=torch.int8)  # oneDNN's copy is what is used from now on
+        return self._onednn
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         q, scale, zero = self.quantize(x)
-        args = (q, scale, zero, self.qweight, self.w_scale, self.w_zero)
+        if self.gemm is not None and self.gemm.supports(q, other, self.dtype):
+            assert self.packed is not None and self.colsum is not None
+            return self.gemm(q, scale, zero, self.packed, self.colsum, self.w_scale, self.bias, self.epilogue, other)
+        args = (q, scale, zero, self.onednn_weight(), self.w_scale, self.w_zero)
         if self.epilogue == "add" and self.fuse_add:
             try:
                 return torch.ops.onednn.qlinear_pointwise.binary_tensor(
