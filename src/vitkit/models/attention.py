@@ -26,12 +26,11 @@ and to the projection's layout: what ``vitkit.models.fused.TorchKernels`` offers
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from vitkit.models.fused import TrainingKernels
+from vitkit.models.kernel_api import TrainingKernels
 
 
 def _heads(qkv: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit.models.attention import softmax_attention
-from vitkit.models.fused import TrainingKernels, linear_gelu
+from vitkit.models.fused import linear_gelu
 from vitkit.models.init import lecun_normal_
+from vitkit.models.kernel_api import TrainingKernels
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
 
