@@ -16,8 +16,11 @@ printed. Variants:
 - ``compiled-blocks``: ``new-attn`` with every block ``torch.compile``'d (inductor);
 - ``compiled-blocks-old-attn``: ``old-attn`` with every block compiled (inductor sees the whole formula);
 - ``kernels``: ``new-attn`` with vitkit's C training kernels (``vitkit.train.kernels``: fc1 + GELU with the
-  fused GELU/bias-gradient backward, and the attention softmax), what the trainer runs on an AVX-512 BF16 CPU;
-- ``kernels-gelu`` / ``kernels-softmax``: one of the two kinds alone.
+  fused GELU/bias-gradient backward, and the whole attention forward and backward in C), what the trainer
+  runs on an AVX-512 BF16 CPU;
+- ``kernels-no-attn``: ``kernels`` with the attention left to ``softmax_attention``'s GEMMs and only its
+  softmax in C (the trainer before the C attention kernel);
+- ``kernels-gelu`` / ``kernels-softmax``: one of the two elementwise kinds alone (no attention kernel).
 """
 
 from __future__ import annotations
@@ -65,8 +68,10 @@ def _compiled_blocks(model: VisionTransformer) -> VisionTransformer:
     return model
 
 
-def _with_kernels(model: VisionTransformer, gelu: bool = True, softmax: bool = True) -> VisionTransformer:
-    loaded = kernels.load(gelu=gelu, softmax=softmax)
+def _with_kernels(
+    model: VisionTransformer, gelu: bool = True, softmax: bool = True, attention: bool = True
+) -> VisionTransformer:
+    loaded = kernels.load(gelu=gelu, softmax=softmax, attention=attention)
     if loaded is None:
         raise SystemExit("the C training kernels cannot run here (no C compiler or no AVX-512 BF16)")
     model.set_training_kernels(loaded)
@@ -80,8 +85,9 @@ VARIANTS: dict[str, Callable[[VisionTransformer], nn.Module]] = {
     "compiled-blocks-old-attn": lambda m: _compiled_blocks(_with_old_attention(m)),
     "sdpa": lambda m: m,
     "kernels": _with_kernels,
-    "kernels-gelu": lambda m: _with_kernels(m, softmax=False),
-    "kernels-softmax": lambda m: _with_kernels(m, gelu=False),
+    "kernels-no-attn": lambda m: _with_kernels(m, attention=False),
+    "kernels-gelu": lambda m: _with_kernels(m, softmax=False, attention=False),
+    "kernels-softmax": lambda m: _with_kernels(m, gelu=False, attention=False),
 }
 
 

@@ -3,6 +3,7 @@ asserts)."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import pytest
@@ -143,3 +144,16 @@ def test_bad_specs_are_config_errors() -> None:
 def test_gpu_peak_table_matches_whole_words(name: str, bf16_tflops: float | None) -> None:
     got = peak_mod.gpu_spec_peak(name, "bf16")
     assert (None if got is None else got.flops / 1e12) == bf16_tflops
+
+
+@pytest.mark.skipif(not HAS_FMA_LOOP or not {"avx512f", "avx512_vnni"} <= FLAGS, reason="needs a C compiler and VNNI")
+def test_each_peak_loop_does_the_multiply_adds_it_is_counted_for() -> None:
+    # The peak divides chains x instructions' work by the time: each loop must run exactly that many. With
+    # x = 2 (u8) and y = 1 (s8), every vpdpbusd adds 4 x 2 = 8 to each of its 16 lanes; chain i starts at i.
+    lib = peak_mod._build_kernels(FLAGS)
+    assert lib is not None
+    for symbol, _, _, chains in peak_mod._KERNELS["int8"]:
+        fn = getattr(lib, symbol)
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
+        iters = 1000
+        assert fn(iters, 2.0) == 16 * (sum(range(chains)) + chains * 8 * iters), symbol

@@ -182,3 +182,15 @@ def test_int8_fast_path_uses_the_int8_kernel_and_bf16_keeps_bf16() -> None:
         plain = int8(x)
     assert _rel(fused, plain) < 5e-2
     assert _rel(fused, ref) < 8e-2
+
+
+@needs_kernel
+@pytest.mark.skipif(not has_onednn_int8(), reason="int8 inference needs oneDNN's int8 kernels")
+def test_without_vnni_the_int8_fast_path_keeps_the_bf16_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU with AVX512_BF16 but without AVX512_VNNI (Cooper Lake): no int8 variant, the bf16 kernel instead."""
+    flags = hardware.cpu_flags() - {"avx512_vnni"}
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: flags)
+    assert attention.load_int8() is None
+    model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=2)).eval()
+    fast = InferenceViT(model, torch.bfloat16, rows=None, int8=True)
+    assert all(b.fused is not None and not b.fused.int8 for b in fast.blocks if isinstance(b, FastBlock))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from helpers import randomize_, rel_err
 from vitkit.models import create_model
 from vitkit.models.attention import softmax_attention
+from vitkit.models.fused import TorchKernels
 
 
 def test_unfused_attention_same_outputs_and_gradients() -> None:
@@ -40,6 +41,22 @@ def test_softmax_attention_gradients_pass_gradcheck_in_float64() -> None:
     torch.manual_seed(0)
     qkv = torch.randn(2, 5, 3 * 3 * 4, dtype=torch.float64, requires_grad=True)  # B 2, T 5, 3 heads of 4
     assert torch.autograd.gradcheck(lambda t: softmax_attention(t, 3, 4**-0.5), (qkv,))
+
+
+def test_attention_through_the_kernels_interface_passes_gradcheck_and_equals_sdpa() -> None:
+    """The branch that hands the whole attention to TrainingKernels (what vitkit's C kernel plugs into), with
+    the PyTorch reference behind the interface: gradcheck in float64, and fp32 equal to SDPA through autograd."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 5, 3 * 3 * 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: softmax_attention(t, 3, 4**-0.5, TorchKernels()), (qkv,))
+    x = torch.randn(3, 17, 3 * 48, requires_grad=True)
+    grad = torch.randn(3, 17, 48)
+    ours = softmax_attention(x, 4, 12**-0.5, TorchKernels())
+    (g_ours,) = torch.autograd.grad(ours, x, grad)
+    ref = _sdpa_reference(x, 4)
+    (g_ref,) = torch.autograd.grad(ref, x, grad)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g_ours, g_ref, rtol=1e-4, atol=1e-6)
 
 
 def test_softmax_attention_equals_sdpa_with_its_gradients() -> None:

@@ -30,86 +30,89 @@ import torch
 from vitkit import hardware, native
 from vitkit.timing import synchronize
 
-# Each kernel runs `iters` rounds of ACC independent multiply-adds on 512-bit registers; ACC covers the
-# instruction latency so that the loop is throughput-bound. Returns a value derived from every
-# accumulator so that nothing is optimised away.
+# Each kernel runs `iters` rounds of 12 or 24 independent multiply-adds (accumulator chains) on vector
+# registers; enough chains cover the instruction's latency so that the loop is throughput-bound. How many are
+# enough depends on the CPU: on Zen 5 (family 26) `vdpbf16ps` needs more than 12 -- 12 chains read 8-11% below
+# 24 (1001-1010 against 1079-1118 GFLOP/s, 2026-11-24) -- while 24 chains of `vpdpbusd` read lower than 12 there.
+# So every variant the CPU can run is measured and the fastest is the peak. 24 chains fit AVX-512's 32 registers
+# with the two operands; AVX2 has 16, so its loop keeps 12. Each returns a value derived from every accumulator
+# so that nothing is optimised away.
 _C_SOURCE = r"""
 #include <immintrin.h>
-#define ACC 12
-#define ROUND(OP) \
-    a0 = OP(a0, x, y); a1 = OP(a1, x, y); a2 = OP(a2, x, y); a3 = OP(a3, x, y); \
-    a4 = OP(a4, x, y); a5 = OP(a5, x, y); a6 = OP(a6, x, y); a7 = OP(a7, x, y); \
-    a8 = OP(a8, x, y); a9 = OP(a9, x, y); a10 = OP(a10, x, y); a11 = OP(a11, x, y);
-// distinct starting values: identical accumulators would be merged by the compiler
-#define INIT(T, SET) T a0 = SET(0), a1 = SET(1), a2 = SET(2), a3 = SET(3), a4 = SET(4), a5 = SET(5), \
-    a6 = SET(6), a7 = SET(7), a8 = SET(8), a9 = SET(9), a10 = SET(10), a11 = SET(11);
-#define SUM_PS (_mm512_reduce_add_ps(a0) + _mm512_reduce_add_ps(a1) + _mm512_reduce_add_ps(a2) + \
-    _mm512_reduce_add_ps(a3) + _mm512_reduce_add_ps(a4) + _mm512_reduce_add_ps(a5) + \
-    _mm512_reduce_add_ps(a6) + _mm512_reduce_add_ps(a7) + _mm512_reduce_add_ps(a8) + \
-    _mm512_reduce_add_ps(a9) + _mm512_reduce_add_ps(a10) + _mm512_reduce_add_ps(a11))
+// 12 chains named p0..p11; distinct starting values (identical accumulators would be merged by the compiler)
+#define ROUND12(OP, p) \
+    p##0 = OP(p##0, x, y); p##1 = OP(p##1, x, y); p##2 = OP(p##2, x, y); p##3 = OP(p##3, x, y); \
+    p##4 = OP(p##4, x, y); p##5 = OP(p##5, x, y); p##6 = OP(p##6, x, y); p##7 = OP(p##7, x, y); \
+    p##8 = OP(p##8, x, y); p##9 = OP(p##9, x, y); p##10 = OP(p##10, x, y); p##11 = OP(p##11, x, y);
+#define INIT12(T, SET, p, o) T p##0 = SET(o + 0), p##1 = SET(o + 1), p##2 = SET(o + 2), p##3 = SET(o + 3), \
+    p##4 = SET(o + 4), p##5 = SET(o + 5), p##6 = SET(o + 6), p##7 = SET(o + 7), p##8 = SET(o + 8), \
+    p##9 = SET(o + 9), p##10 = SET(o + 10), p##11 = SET(o + 11);
+#define SUM12(ADD, p) ADD(ADD(ADD(ADD(p##0, p##1), ADD(p##2, p##3)), ADD(ADD(p##4, p##5), ADD(p##6, p##7))), \
+    ADD(ADD(p##8, p##9), ADD(p##10, p##11)))
+// A kernel of 12 chains (a) or 24 (a and b): NAME(iters, seed), operands x and y set up by SETUP.
+#define KERNEL12(NAME, T, SETUP, SET, OP, ADD, REDUCE) double NAME(long iters, float seed) { \
+    SETUP INIT12(T, SET, a, 0) \
+    for (long i = 0; i < iters; i++) { ROUND12(OP, a) } \
+    return (double)REDUCE(SUM12(ADD, a)); }
+#define KERNEL24(NAME, T, SETUP, SET, OP, ADD, REDUCE) double NAME(long iters, float seed) { \
+    SETUP INIT12(T, SET, a, 0) INIT12(T, SET, b, 12) \
+    for (long i = 0; i < iters; i++) { ROUND12(OP, a) ROUND12(OP, b) } \
+    return (double)REDUCE(ADD(SUM12(ADD, a), SUM12(ADD, b))); }
 
 #ifdef VK_AVX2
-#define SET_PS256(i) _mm256_set1_ps(seed + (float)(i))
-#define FMA_PS256(a, x, y) _mm256_fmadd_ps(x, y, a)
 static float red256(__m256 v) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     h = _mm_hadd_ps(h, h);
     return _mm_cvtss_f32(_mm_hadd_ps(h, h));
 }
-#define RED256(v) red256(v)
-double vk_fp32_avx2(long iters, float seed) {
-    __m256 x = _mm256_set1_ps(seed), y = _mm256_set1_ps(1.0f - 1e-7f);
-    INIT(__m256, SET_PS256)
-    for (long i = 0; i < iters; i++) { ROUND(FMA_PS256) }
-    return RED256(a0) + RED256(a1) + RED256(a2) + RED256(a3) + RED256(a4) + RED256(a5) + RED256(a6) +
-        RED256(a7) + RED256(a8) + RED256(a9) + RED256(a10) + RED256(a11);
-}
+#define SETUP_256 __m256 x = _mm256_set1_ps(seed), y = _mm256_set1_ps(1.0f - 1e-7f);
+#define SET_PS256(i) _mm256_set1_ps(seed + (float)(i))
+#define FMA_PS256(a, x, y) _mm256_fmadd_ps(x, y, a)
+KERNEL12(vk_fp32_avx2, __m256, SETUP_256, SET_PS256, FMA_PS256, _mm256_add_ps, red256)
 #endif
 
 #ifdef VK_AVX512
-#define FMA_PS(a, x, y) _mm512_fmadd_ps(x, y, a)
-double vk_fp32(long iters, float seed) {
-    __m512 x = _mm512_set1_ps(seed), y = _mm512_set1_ps(1.0f - 1e-7f);
 #define SET_PS(i) _mm512_set1_ps(seed + (float)(i))
-    INIT(__m512, SET_PS)
-    for (long i = 0; i < iters; i++) { ROUND(FMA_PS) }
-    return SUM_PS;
-}
+#define SETUP_FP32 __m512 x = _mm512_set1_ps(seed), y = _mm512_set1_ps(1.0f - 1e-7f);
+#define FMA_PS(a, x, y) _mm512_fmadd_ps(x, y, a)
+KERNEL12(vk_fp32, __m512, SETUP_FP32, SET_PS, FMA_PS, _mm512_add_ps, _mm512_reduce_add_ps)
+KERNEL24(vk_fp32_x24, __m512, SETUP_FP32, SET_PS, FMA_PS, _mm512_add_ps, _mm512_reduce_add_ps)
 #endif
 
 #ifdef VK_BF16
-#define DP_BF16(a, x, y) _mm512_dpbf16_ps(a, x, y)
-double vk_bf16(long iters, float seed) {
-    __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(seed), _mm512_set1_ps(seed));
+#define SETUP_BF16 __m512bh x = _mm512_cvtne2ps_pbh(_mm512_set1_ps(seed), _mm512_set1_ps(seed)); \
     __m512bh y = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-7f), _mm512_set1_ps(1e-7f));
-    INIT(__m512, SET_PS)
-    for (long i = 0; i < iters; i++) { ROUND(DP_BF16) }
-    return SUM_PS;
-}
+#define DP_BF16(a, x, y) _mm512_dpbf16_ps(a, x, y)
+KERNEL12(vk_bf16, __m512, SETUP_BF16, SET_PS, DP_BF16, _mm512_add_ps, _mm512_reduce_add_ps)
+KERNEL24(vk_bf16_x24, __m512, SETUP_BF16, SET_PS, DP_BF16, _mm512_add_ps, _mm512_reduce_add_ps)
 #endif
 
 #ifdef VK_VNNI
-#define DP_U8(a, x, y) _mm512_dpbusd_epi32(a, x, y)
-double vk_int8(long iters, float seed) {
-    __m512i x = _mm512_set1_epi8((char)(int)seed), y = _mm512_set1_epi8(1);
+#define SETUP_INT8 __m512i x = _mm512_set1_epi8((char)(int)seed), y = _mm512_set1_epi8(1);
 #define SET_EPI(i) _mm512_set1_epi32(i)
-    INIT(__m512i, SET_EPI)
-    for (long i = 0; i < iters; i++) { ROUND(DP_U8) }
-    __m512i s = _mm512_add_epi32(_mm512_add_epi32(_mm512_add_epi32(a0, a1), _mm512_add_epi32(a2, a3)),
-        _mm512_add_epi32(_mm512_add_epi32(a4, a5), _mm512_add_epi32(a6, a7)));
-    s = _mm512_add_epi32(s, _mm512_add_epi32(_mm512_add_epi32(a8, a9), _mm512_add_epi32(a10, a11)));
-    return (double)_mm512_reduce_add_epi32(s);
-}
+#define DP_U8(a, x, y) _mm512_dpbusd_epi32(a, x, y)
+KERNEL12(vk_int8, __m512i, SETUP_INT8, SET_EPI, DP_U8, _mm512_add_epi32, _mm512_reduce_add_epi32)
+KERNEL24(vk_int8_x24, __m512i, SETUP_INT8, SET_EPI, DP_U8, _mm512_add_epi32, _mm512_reduce_add_epi32)
 #endif
 """
 
-_ACC = 12
-# Per precision, the kernels in order of preference: (symbol, CPU flags it needs, FLOPs or int OPs of one
-# instruction = lanes x products per lane x 2).
+# Per precision, the kernels this CPU may run: (symbol, CPU flags it needs, FLOPs or int OPs of one
+# instruction = lanes x products per lane x 2, accumulator chains). The fastest one measured is the peak;
+# the AVX2 kernel is measured only where AVX-512 is absent (it cannot be the faster one).
 _KERNELS = {
-    "fp32": (("vk_fp32", ("avx512f",), 16 * 1 * 2), ("vk_fp32_avx2", ("avx2", "fma"), 8 * 1 * 2)),
-    "bf16": (("vk_bf16", ("avx512f", "avx512_bf16"), 16 * 2 * 2),),
-    "int8": (("vk_int8", ("avx512f", "avx512_vnni"), 16 * 4 * 2),),
+    "fp32": (
+        ("vk_fp32", ("avx512f",), 16 * 1 * 2, 12),
+        ("vk_fp32_x24", ("avx512f",), 16 * 1 * 2, 24),
+        ("vk_fp32_avx2", ("avx2", "fma"), 8 * 1 * 2, 12),
+    ),
+    "bf16": (
+        ("vk_bf16", ("avx512f", "avx512_bf16"), 16 * 2 * 2, 12),
+        ("vk_bf16_x24", ("avx512f", "avx512_bf16"), 16 * 2 * 2, 24),
+    ),
+    "int8": (
+        ("vk_int8", ("avx512f", "avx512_vnni"), 16 * 4 * 2, 12),
+        ("vk_int8_x24", ("avx512f", "avx512_vnni"), 16 * 4 * 2, 24),
+    ),
 }
 PRECISIONS = ("fp32", "bf16", "int8")
 
@@ -163,27 +166,30 @@ def _run_threads(fn: Any, iters: int, threads: int) -> float:
 
 
 def fma_loop_peak(precision: str, threads: int | None = None, seconds: float = 0.3) -> Peak | None:
-    """Instruction peak of this CPU for ``precision`` on ``threads`` cores; None if it cannot be measured
-    (no compiler, or no instruction for ``precision``: bf16 without AVX512_BF16, int8 without VNNI)."""
+    """Instruction peak of this CPU for ``precision`` on ``threads`` cores: the fastest of its loops (12 and
+    24 accumulator chains); None if it cannot be measured (no compiler, or no instruction for ``precision``:
+    bf16 without AVX512_BF16, int8 without VNNI)."""
     flags = hardware.cpu_flags()
     usable = [k for k in _KERNELS[precision] if set(k[1]) <= flags]
-    if not usable:
+    if "avx512f" in flags:
+        usable = [k for k in usable if "avx2" not in k[1]]
+    lib = _build_kernels(flags) if usable else None
+    usable = [k for k in usable if lib is not None and hasattr(lib, k[0])]
+    if lib is None or not usable:
         return None
     threads = threads or torch.get_num_threads()
-    lib = _build_kernels(flags)
-    kernel = next((k for k in usable if lib is not None and hasattr(lib, k[0])), None)
-    if lib is None or kernel is None:
-        return None
-    symbol, _, ops_per_instr = kernel
-    fn = getattr(lib, symbol)
-    fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
-    ops_per_iter = _ACC * ops_per_instr
-    iters = 100_000
-    while (elapsed := _run_threads(fn, iters, 1)) < 0.05:  # calibrate one thread to ~50 ms
-        iters *= 4
-    iters = max(int(iters * seconds / 5 / elapsed), 1)
-    best = min(_run_threads(fn, iters, threads) for _ in range(5))
-    return Peak(precision, ops_per_iter * iters * threads / best, "fma-loop", threads, f"{symbol} x{_ACC}")
+    rates = []
+    for symbol, _, ops_per_instr, chains in usable:
+        fn = getattr(lib, symbol)
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
+        iters = 100_000
+        while (elapsed := _run_threads(fn, iters, 1)) < 0.05:  # calibrate one thread to ~50 ms
+            iters *= 4
+        iters = max(int(iters * seconds / len(usable) / 5 / elapsed), 1)
+        best = min(_run_threads(fn, iters, threads) for _ in range(5))
+        rates.append((chains * ops_per_instr * iters * threads / best, f"{symbol}: {chains} chains"))
+    flops, detail = max(rates)
+    return Peak(precision, flops, "fma-loop", threads, detail)
 
 
 def _int8_gemm(n: int) -> Callable[[], Any] | None:

@@ -4,7 +4,8 @@ The model stays a plain ``nn.Module``: it never compiles or loads anything. Whoe
 ``vitkit bench --task train``) may hand every block a :class:`TrainingKernels` object
 (``VisionTransformer.set_training_kernels``; on CPU, ``vitkit.train.kernels.load``, hand-written AVX-512
 kernels). With one set, the MLP runs fc1 -> GELU as :func:`linear_gelu` and the explicit attention
-(``vitkit.models.attention``) takes its softmax from it; without one (the default)
+(``vitkit.models.attention``) takes its whole forward and backward pass, or only its softmax, from it;
+without one (the default)
 nothing changes. :class:`TorchKernels` is the same interface in plain PyTorch: the reference the kernels are
 tested against.
 
@@ -20,32 +21,15 @@ GEMMs (``addmm`` forward, two ``mm`` backward); gradients come back in the param
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from vitkit.models.attention import attention_backward_reference, attention_reference
+from vitkit.models.kernel_api import TrainingKernels
 
-class TrainingKernels(Protocol):
-    def gelu_supported(self, h: torch.Tensor) -> bool:
-        """Whether :meth:`gelu` and :meth:`gelu_backward_bias` take activations like ``h`` (dtype, device)."""
-        ...
-
-    def gelu(self, h: torch.Tensor) -> torch.Tensor:
-        """Exact GELU of a contiguous (N, C) tensor, a new tensor."""
-        ...
-
-    def gelu_backward_bias(self, grad: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(dh, db): dh = grad * gelu'(h) in h's dtype, db = dh summed over rows (at least fp32)."""
-        ...
-
-    def softmax_supported(self, x: torch.Tensor) -> bool:
-        """Whether :meth:`softmax_` takes a tensor like ``x``."""
-        ...
-
-    def softmax_(self, x: torch.Tensor) -> torch.Tensor:
-        """Softmax over the last axis of a contiguous tensor, in place; returns ``x``."""
-        ...
+__all__ = ["TorchKernels", "TrainingKernels", "linear_gelu"]
 
 
 class TorchKernels:
@@ -66,6 +50,17 @@ class TorchKernels:
 
     def softmax_(self, x: torch.Tensor) -> torch.Tensor:
         return x.copy_(torch.softmax(x, dim=-1))
+
+    def attention_supported(self, qkv: torch.Tensor, num_heads: int) -> bool:
+        return True
+
+    def attention(self, qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return attention_reference(qkv, num_heads, scale)
+
+    def attention_backward(
+        self, grad: torch.Tensor, qkv: torch.Tensor, probs: torch.Tensor, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        return attention_backward_reference(grad, qkv, probs, num_heads, scale)
 
 
 class _LinearGelu(torch.autograd.Function):

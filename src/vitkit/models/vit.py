@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit.models.attention import softmax_attention
-from vitkit.models.fused import TrainingKernels, linear_gelu
+from vitkit.models.fused import linear_gelu
 from vitkit.models.init import lecun_normal_
+from vitkit.models.kernel_api import TrainingKernels
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
 
@@ -245,7 +246,7 @@ class Attention(nn.Module):
     """
 
     fused: bool = True
-    kernels: TrainingKernels | None = None  # softmax kernels for the explicit path (set_training_kernels)
+    kernels: TrainingKernels | None = None  # attention / softmax kernels for the explicit path (set_training_kernels)
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attention_dropout: float = 0.0) -> None:
         super().__init__()

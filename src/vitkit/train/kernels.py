@@ -11,7 +11,11 @@ step runs under bf16 autocast); any other tensor goes through PyTorch's ops as b
 - GELU backward fused with the bias gradient: dh = dy gelu'(h) and db = sum over rows of dh in one pass
   (PyTorch: GELU backward, then the Linear's bias-gradient sum reading dh again);
 - softmax over the attention probabilities' rows, in place (fp32 arithmetic). Its backward stays PyTorch's
-  (a C version measured slower: BENCHMARKS.md).
+  (a C version measured slower: BENCHMARKS.md);
+- the whole attention, forward and backward (``attention.c``, a library of its own): per (image, head), q, k
+  and v read from the fused projection (B, T, 3D), scores, softmax and P v with ``vdpbf16ps`` (bf16 products,
+  fp32 sums), P kept in bf16 for the backward pass, the output written in the token layout (B, T, D); the
+  backward writes dq, dk and dv straight into the projection's gradient (B, T, 3D).
 
 Loaded from ``vitkit.train`` rather than from the model, since models sit below the layer that compiles
 native code: the model only sees the interface.
@@ -33,7 +37,9 @@ FLAGS = (
 )
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma")
 SOURCE = Path(__file__).with_name("kernels.c")
+ATTENTION_SOURCE = Path(__file__).with_name("attention.c")
 SOFTMAX_MAX = 4096  # the longest row vk_softmax_fwd takes (kernels.c)
+ATTENTION_T_MAX, ATTENTION_D_MAX = 4096, 256  # the most tokens and the widest head attention.c takes
 
 _c_long, _c_int, _ptr = ctypes.c_long, ctypes.c_int, ctypes.c_void_p
 
@@ -43,11 +49,23 @@ def _bf16_cpu(t: torch.Tensor) -> bool:
 
 
 class CpuTrainingKernels:
-    """The loaded C kernels as :class:`vitkit.models.fused.TrainingKernels`. ``gelu`` / ``softmax``: which
-    of the two kinds to offer (both by default; one alone for A/B measurements)."""
+    """The loaded C kernels as :class:`vitkit.models.fused.TrainingKernels`. ``gelu`` / ``softmax`` /
+    ``attention``: which kinds to offer (all by default; fewer for A/B measurements). ``attention_lib``: the
+    compiled ``attention.c``, None where it is not (the attention then runs its softmax through ``softmax_``)."""
 
-    def __init__(self, lib: ctypes.CDLL, gelu: bool = True, softmax: bool = True) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        gelu: bool = True,
+        softmax: bool = True,
+        attention_lib: ctypes.CDLL | None = None,
+    ) -> None:
         self.lib, self.use_gelu, self.use_softmax = lib, gelu, softmax
+        self.attention_lib = attention_lib
+        if attention_lib is not None:
+            attention_lib.vk_attn_fwd.argtypes = [_ptr, _ptr, _ptr, *[_c_int] * 4, ctypes.c_float, _c_int]
+            attention_lib.vk_attn_bwd.argtypes = [*[_ptr] * 4, *[_c_int] * 4, ctypes.c_float, _c_int]
+            attention_lib.vk_attn_fwd.restype = attention_lib.vk_attn_bwd.restype = ctypes.c_int
         signatures: dict[str, list[Any]] = {
             "vk_gelu_fwd": [_ptr, _ptr, _c_long, _c_int],
             "vk_gelu_bwd_bias": [_ptr, _ptr, _ptr, _ptr, _c_long, _c_int, _c_int],
@@ -62,7 +80,7 @@ class CpuTrainingKernels:
         return self  # stateless: a copied model shares the loaded library
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reload, (self.use_gelu, self.use_softmax))
+        return (_reload, (self.use_gelu, self.use_softmax, self.attention_lib is not None))
 
     def gelu_supported(self, h: torch.Tensor) -> bool:
         return self.use_gelu and _bf16_cpu(h)
@@ -100,12 +118,78 @@ class CpuTrainingKernels:
             raise ValueError(f"the softmax kernel takes rows of at most {SOFTMAX_MAX}, got {n}")
         return x
 
+    def attention_supported(self, qkv: torch.Tensor, num_heads: int) -> bool:
+        if self.attention_lib is None or not _bf16_cpu(qkv) or qkv.dim() != 3 or num_heads <= 0:
+            return False
+        B, T, three_d = qkv.shape
+        d = three_d // (3 * num_heads)
+        return (
+            qkv.is_contiguous()
+            and three_d == 3 * num_heads * d
+            and d % 2 == 0
+            and 0 < d <= ATTENTION_D_MAX
+            and 0 < T <= ATTENTION_T_MAX
+            and B > 0
+        )
 
-def load(gelu: bool = True, softmax: bool = True) -> CpuTrainingKernels | None:
+    def _check(self, qkv: torch.Tensor, num_heads: int) -> tuple[int, int, int]:
+        if not self.attention_supported(qkv, num_heads):
+            raise ValueError(
+                f"the attention kernel takes a contiguous bf16 CPU (B, T, 3 h d) tensor with an even d <= "
+                f"{ATTENTION_D_MAX} and T <= {ATTENTION_T_MAX}, got {tuple(qkv.shape)} {qkv.dtype} for "
+                f"{num_heads} heads"
+            )
+        B, T, three_d = qkv.shape
+        return B, T, three_d // (3 * num_heads)
+
+    def attention(self, qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, d = self._check(qkv, num_heads)
+        assert self.attention_lib is not None  # _check
+        out = qkv.new_empty(B, T, num_heads * d)
+        probs = torch.empty(B * num_heads, (T + 1) // 2, (T + 15) // 16 * 16, dtype=torch.int32)  # pairs of rows
+        with torch.profiler.record_function("vitkit::attention"):
+            rc = self.attention_lib.vk_attn_fwd(
+                qkv.data_ptr(), out.data_ptr(), probs.data_ptr(), B, T, num_heads, d, scale, torch.get_num_threads()
+            )
+        _raise_for(rc)
+        return out, probs
+
+    def attention_backward(
+        self, grad: torch.Tensor, qkv: torch.Tensor, probs: torch.Tensor, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        B, T, d = self._check(qkv, num_heads)
+        assert self.attention_lib is not None  # _check
+        grad = grad.to(torch.bfloat16).contiguous()
+        want = (B * num_heads, (T + 1) // 2, (T + 15) // 16 * 16)
+        if grad.shape != (B, T, num_heads * d):
+            raise ValueError(f"attention backward: a gradient of shape {tuple(grad.shape)} for qkv {tuple(qkv.shape)}")
+        if probs.dtype != torch.int32 or probs.shape != want or not probs.is_contiguous():
+            raise ValueError("attention backward: the probabilities must be the attention kernel's own")
+        dqkv = torch.empty_like(qkv)
+        with torch.profiler.record_function("vitkit::attention_backward"):
+            rc = self.attention_lib.vk_attn_bwd(
+                qkv.data_ptr(), grad.data_ptr(), probs.data_ptr(), dqkv.data_ptr(),
+                B, T, num_heads, d, scale, torch.get_num_threads(),
+            )  # fmt: skip
+        _raise_for(rc)
+        return dqkv
+
+
+def _raise_for(rc: int) -> None:
+    if rc == -1:
+        raise MemoryError("the attention kernel could not allocate its buffers")
+    if rc != 0:
+        raise ValueError("the attention kernel refused its arguments")
+
+
+def load(gelu: bool = True, softmax: bool = True, attention: bool = True) -> CpuTrainingKernels | None:
     """The kernels compiled for this CPU, or None where they cannot run (see the module docstring)."""
     lib = native.load(SOURCE.read_text(), "vk_train", FLAGS, NEEDS)
-    return None if lib is None else CpuTrainingKernels(lib, gelu, softmax)
+    if lib is None:
+        return None
+    attention_lib = native.load(ATTENTION_SOURCE.read_text(), "vk_train_attention", FLAGS, NEEDS) if attention else None
+    return CpuTrainingKernels(lib, gelu, softmax, attention_lib)
 
 
-def _reload(gelu: bool, softmax: bool) -> CpuTrainingKernels | None:
-    return load(gelu, softmax)
+def _reload(gelu: bool, softmax: bool, attention: bool = True) -> CpuTrainingKernels | None:
+    return load(gelu, softmax, attention)
