@@ -217,3 +217,27 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (FileNotFoundError, ProcessLookupError):
         return False
+
+
+@needs_cc
+@pytest.mark.skipif(not {"avx512f", "avx512_bf16"} <= hardware.cpu_flags(), reason="needs AVX-512 BF16")
+def test_a_kernel_source_carries_the_shared_header_and_its_own_line_numbers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    flags = ("-mavx512f", "-mavx512bw", "-mavx512bf16")
+    kernel = tmp_path / "k.c"
+    # the shared helpers are usable: exp_neg(0) = 1 and narrow/widen round-trip it through bf16
+    kernel.write_text(
+        "float vk_one(void) {\n    __m512 e = widen(narrow(exp_neg(_mm512_setzero_ps())));\n"
+        "    return _mm512_reduce_add_ps(e) / 16;\n}\n"
+    )
+    lib = native.load(native.kernel_source(kernel), "vk_one", flags)
+    assert lib is not None
+    lib.vk_one.restype = ctypes.c_float
+    assert lib.vk_one() == 1.0
+    # a compiler error is reported at the kernel's own file and line, not the concatenated text's
+    caplog.set_level(logging.WARNING, logger="vitkit.native")
+    kernel.write_text("int vk_bad(void) {\n    return undeclared_name;\n}\n")
+    assert native.load(native.kernel_source(kernel), "vk_bad", flags) is None
+    [message] = native_warnings(caplog)
+    assert "k.c:2" in message

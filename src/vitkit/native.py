@@ -161,6 +161,16 @@ def _report(key: str, command: Sequence[str], why: str, stderr: bytes) -> None:
     )
 
 
+SHARED_HEADER = Path(__file__).with_name("simd.h")  # AVX-512 helpers several kernels share
+
+
+def kernel_source(path: Path) -> str:
+    """The source of the C kernel at ``path`` with ``simd.h`` (the helpers shared by vitkit's AVX-512 kernels)
+    in front of it: one text, so that the cache key covers both. A ``#line`` directive keeps the compiler's
+    messages on the kernel's own line numbers."""
+    return f'{SHARED_HEADER.read_text()}\n#line 1 "{path.name}"\n{path.read_text()}'
+
+
 def load(source: str, name: str, flags: Sequence[str] = (), needs: Iterable[str] = ()) -> ctypes.CDLL | None:
     """The compiled ``source`` loaded with ctypes, or None when the CPU lacks one of the ``needs`` flags
     (names as in /proc/cpuinfo, e.g. ``avx512_bf16``), there is no compiler, or compilation fails."""

@@ -490,7 +490,7 @@ def format_report(result: dict[str, Any]) -> str:
     for kind, p in result["peaks"].items():
         lines.append(
             f"  peak {kind}: {p['flops'] / 1e9:.0f} G{'OP' if kind == 'int8' else 'FLOP'}/s ({p['method']}, "
-            f"{p['threads']} threads)"
+            f"{p['threads']} threads{'; ' + p['detail'] if p['method'] == 'fma-loop' else ''})"
         )
     for kind, p in result.get("vendor_peaks", {}).items():
         lines.append(

@@ -13,6 +13,7 @@
 // The epilogue's residual and output lines are prefetched before each block's K loop (their cache misses
 // stalled the residual-add GEMMs by 25% without). Compiled at -O2: GCC 12 at -O3 keeps the accumulator
 // array in memory (stores in the K loop, half the speed); the unrolled loops below keep it in registers.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -22,27 +23,9 @@
 #define NR 3  // 16-column vectors per micro-kernel block: panels of 48 columns
 #define P (NR * 16)
 
-#define AI static inline __attribute__((always_inline))
 
 enum { EPI_NONE = 0, EPI_GELU = 1, EPI_GELU_TANH = 2, EPI_ADD = 3 };
 
-AI __m512 widen(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
-
-// exp(x) for x <= 0 (2^n p(r), degree-6 polynomial, as train/kernels.c); x clamped to >= -104
-AI __m512 exp_neg(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-6f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 720), r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 // exact GELU 0.5 h (1 + erf(h / sqrt 2)); erf(z) = z P(z^2) / Q(z^2) on z clamped to [-4, 4] (beyond it erf is
 // +-1 in fp32), the rational approximation of Eigen's and XLA's float erf (a few ulp): 16 vector operations and

@@ -116,5 +116,5 @@ class Int8Gemm:
 
 def load() -> Int8Gemm | None:
     """The int8 GEMM kernel, or None where it cannot run (no AVX512_VNNI/BF16, no C compiler, not Linux)."""
-    lib = native.load(SOURCE.read_text(), "vk_gemm_int8", FLAGS, NEEDS)
+    lib = native.load(native.kernel_source(SOURCE), "vk_gemm_int8", FLAGS, NEEDS)
     return None if lib is None else Int8Gemm(lib)

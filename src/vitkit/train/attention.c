@@ -12,6 +12,7 @@
 //   and dk = dS^T q broadcast, and its two halves are P's rows for dS = P * (dP - D).
 // Sizes: Tp = T rounded up to even (pairs), Tw = T rounded up to 16 (lanes), dw = d rounded up to 16; padding
 // is zero. The saved P is (B h, Tp / 2, Tw) words.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,35 +20,15 @@
 #include <omp.h>
 
 #define MR 6  // rows per tile: MR x 4 accumulators of 16 fp32 lanes stay in registers (MR even: pairs of rows)
-#define AI static inline __attribute__((always_inline))
 #define ATTN_T_MAX 4096
 #define ATTN_D_MAX 256
 
 AI __mmask16 tail(int n) { return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1u) : 0; }
-AI __m512 widen(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
-AI __m256i narrow(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 AI __m512 even_row(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 AI __m512 odd_row(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u))); }
 // words (bf16(a), bf16(b)): a in the low half
 AI __m512i pair(__m512 a, __m512 b) {
     return _mm512_or_si512(_mm512_cvtepu16_epi32(narrow(a)), _mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow(b)), 16));
-}
-
-// exp(x) for x <= 0, as kernels.c: 2^n p(r) with p the degree-6 Taylor polynomial (relative error ~1e-7);
-// x clamped to >= -104, NaN stays NaN (vmaxps returns its second operand when either is NaN)
-AI __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-6f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 720), r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
 }
 
 // c[r][16 v + lane] = sum_{k < nk} A(r, k) . b[k][16 v + lane] (fp32 sums of bf16 pair products) for r < MR,
@@ -145,7 +126,7 @@ static void softmax_rows(float *s, int Tw, int T, float scale, int nrows) {
         }
         __m512 big = _mm512_set1_ps(_mm512_reduce_max_ps(mx)), sum = _mm512_setzero_ps();
         for (int v = 0; v < nv; v++) {
-            __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * v), big));
+            __m512 e = exp_neg(_mm512_sub_ps(_mm512_loadu_ps(row + 16 * v), big));
             if (v == nv - 1) e = _mm512_maskz_mov_ps(last, e);
             _mm512_storeu_ps(row + 16 * v, e);
             sum = _mm512_add_ps(sum, e);

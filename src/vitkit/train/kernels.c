@@ -3,40 +3,18 @@
 //   vk_gelu_bwd_bias:   dh = dy (Phi(h) + h phi(h)), db = sum over rows of dh (fp32), in one pass
 //   vk_softmax_fwd:     softmax of every row, in place
 // Rows are split over threads by OpenMP (libgomp, PyTorch's own runtime once torch is loaded).
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
 
-#define AI static inline __attribute__((always_inline))
-
-AI __m512 widen(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 AI __m512 ld(const uint16_t *p) { return widen(_mm256_loadu_si256((const __m256i *)p)); }
 AI __m512 ld_m(const uint16_t *p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
-// round to nearest even, as PyTorch's float -> bfloat16 conversion
-AI __m256i narrow(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
 AI void st(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, narrow(x)); }
 AI void st_m(uint16_t *p, __mmask16 m, __m512 x) { _mm256_mask_storeu_epi16(p, m, narrow(x)); }
 AI __mmask16 tail(int n) { return (__mmask16)((1u << n) - 1u); }  // the first n < 16 lanes
-
-// exp(x) in fp32: 2^n p(r), n = round(x / ln2), r = x - n ln2 (ln2 in two parts) in [-ln2/2, ln2/2], p the
-// degree-6 Taylor polynomial (relative error ~1e-7). Only for x <= 0 (every caller's case): x is clamped
-// to >= -104, where 2^n scales to 0; vmaxps returns its second operand when either is NaN, so NaN stays NaN.
-AI __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-6f), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 720), r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 // Phi(h) = P(N(0,1) <= h) = (1 + erf(h / sqrt 2)) / 2, erf by Abramowitz & Stegun 7.1.26 as PyTorch's
 // own vectorised erf (absolute error < 1.5e-7): erf(z) = 1 - t P(t) exp(-z^2), t = 1 / (1 + 0.3275911 z), z >= 0,
@@ -55,7 +33,7 @@ AI __m512 cdf(__m512 h, __m512 e2) {
     return _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.0f), half_erfc), half_erfc);
 }
 
-AI __m512 exp_half_sq(__m512 h) { return exp_ps(_mm512_mul_ps(_mm512_mul_ps(h, h), _mm512_set1_ps(-0.5f))); }
+AI __m512 exp_half_sq(__m512 h) { return exp_neg(_mm512_mul_ps(_mm512_mul_ps(h, h), _mm512_set1_ps(-0.5f))); }
 
 AI __m512 gelu(__m512 h) { return _mm512_mul_ps(h, cdf(h, exp_half_sq(h))); }
 
@@ -137,12 +115,12 @@ int vk_softmax_fwd(uint16_t *x, long rows, int n, long stride, int threads) {
             __m512 big = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
             __m512 sum = _mm512_setzero_ps();
             for (int v = 0; v < nv; v++) {
-                __m512 p = exp_ps(_mm512_sub_ps(ld(row + 16 * v), big));
+                __m512 p = exp_neg(_mm512_sub_ps(ld(row + 16 * v), big));
                 _mm512_store_ps(e + 16 * v, p);
                 sum = _mm512_add_ps(sum, p);
             }
             if (rem) {
-                __m512 p = exp_ps(_mm512_sub_ps(ld_m(row + 16 * nv, m), big));
+                __m512 p = exp_neg(_mm512_sub_ps(ld_m(row + 16 * nv, m), big));
                 _mm512_store_ps(e + 16 * nv, p);
                 sum = _mm512_mask_add_ps(sum, m, sum, p);
             }

@@ -184,10 +184,12 @@ def _raise_for(rc: int) -> None:
 
 def load(gelu: bool = True, softmax: bool = True, attention: bool = True) -> CpuTrainingKernels | None:
     """The kernels compiled for this CPU, or None where they cannot run (see the module docstring)."""
-    lib = native.load(SOURCE.read_text(), "vk_train", FLAGS, NEEDS)
+    lib = native.load(native.kernel_source(SOURCE), "vk_train", FLAGS, NEEDS)
     if lib is None:
         return None
-    attention_lib = native.load(ATTENTION_SOURCE.read_text(), "vk_train_attention", FLAGS, NEEDS) if attention else None
+    attention_lib = (
+        native.load(native.kernel_source(ATTENTION_SOURCE), "vk_train_attention", FLAGS, NEEDS) if attention else None
+    )
     return CpuTrainingKernels(lib, gelu, softmax, attention_lib)
 
 

@@ -1,0 +1,33 @@
+// AVX-512 helpers shared by vitkit's C kernels (train/kernels.c, train/attention.c, inference/gemm_int8.c).
+// vitkit.native.kernel_source puts this file in front of a kernel's own source before it is compiled, so the
+// compiled library (and its cache key, a hash of the text) always carries the version it was built with.
+#include <immintrin.h>
+#include <stdint.h>
+
+#define AI static inline __attribute__((always_inline))
+
+// 16 bf16 -> 16 fp32 (exact: bf16 is the upper half of an fp32)
+AI __m512 widen(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+
+#ifdef __AVX512BF16__
+// 16 fp32 -> 16 bf16, rounded to nearest even
+AI __m256i narrow(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+#endif
+
+// exp(x) in fp32 for x <= 0 (every caller's case): 2^n p(r), n = round(x / ln2), r = x - n ln2 (ln2 in two
+// parts) in [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative error ~1e-7). x is clamped to >= -104,
+// where 2^n scales to 0; vmaxps returns its second operand when either is NaN, so NaN stays NaN.
+AI __m512 exp_neg(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606820309417e-6f), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 720), r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
