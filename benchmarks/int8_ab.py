@@ -7,7 +7,9 @@ all at once) and ``mlp_bytes`` (the MLP over chunks of rows of at most that much
 int8, ``native=1`` or ``native=0``: activations quantised by the C kernel or by its fallback, the inductor-compiled
 quantiser (``vitkit.inference.int8.NativeQuantizer``); ``int8attn=1`` or ``int8attn=0``: the fused attention
 kernel's int8 variant (``attention_int8.c``) or the bf16 kernel; ``vnni=1`` or ``vnni=0``: the int8 GEMMs by the
-VNNI kernel (``vitkit.inference.gemm_int8``) or by oneDNN (weights pre-packed for it at the first such call). After 2
+VNNI kernel (``vitkit.inference.gemm_int8``) or by oneDNN (weights pre-packed for it at the first such call);
+``lnq=1`` or ``lnq=0``: norm1 -> qkv and norm2 -> fc1 as one LayerNorm + quantise C kernel
+(``vitkit.inference.int8.LayerNormQuantize``) or LayerNorm then the quantiser. After 2
 warm-up rounds the variants are timed call by call, alternating (``vitkit.timing.time_alternating``)::
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/int8_ab.py B/16 \\
@@ -46,6 +48,9 @@ def configure(fast: InferenceViT, settings: dict[str, float], kernels: dict[bool
                         kernel = m.gemm or m.vnni  # type: ignore[has-type]
                         m.vnni = kernel  # type: ignore[assignment]
                         m.gemm = kernel if v else None
+                continue
+            if k == "lnq":  # int8: LayerNorm fused with the activation quantiser (1) or LN then quantiser (0)
+                b.fuse_norm = bool(v) and b.norm1_q.fn is not None
                 continue
             if k != "native":
                 setattr(b, k, int(v * (1 << 20)))

@@ -51,3 +51,89 @@ def test_int8_fast_path_quantises_with_the_c_kernel_where_it_loads() -> None:
     quantize = int8.fast_quantizer()
     assert isinstance(quantize, int8.NativeQuantizer)
     assert isinstance(quantize.fallback, int8.CompiledQuantizer)
+
+
+def _layernorm(D: int, seed: int = 0) -> torch.nn.LayerNorm:
+    torch.manual_seed(seed)
+    norm = torch.nn.LayerNorm(D, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(D) * 0.5 + 1)
+        norm.bias.copy_(torch.randn(D) * 0.3)
+    return norm
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (1, 7), (3, 37), (16, 64), (111, 769), (1576, 768)])
+@pytest.mark.parametrize("qmax", [255, 127])
+def test_layernorm_quantiser_equals_layernorm_then_quantiser(shape: tuple[int, int], qmax: int) -> None:
+    """LayerNorm fused with the quantiser against the composition it replaces, on row lengths with tails shorter
+    than a vector and single rows: (1) against LayerNorm and quantisation in float64 (the kernel quantises the
+    fp32 LayerNorm output): the same range, codes at most one step apart and rarely; (2) against PyTorch's
+    bf16 LayerNorm then ``quantize_dynamic_u8`` (what the int8 path did before): at most one step apart, the
+    bf16 rounding of the extremes moving the scale by up to ~2^-8."""
+    M, D = shape
+    norm, native = _layernorm(D), _native(qmax)
+    fused = int8.LayerNormQuantize(norm, native, native)
+    x = (torch.randn(M, D) * 2 + 0.5).to(torch.bfloat16)
+    q, scale, zero = fused(x)
+    assert q.dtype == torch.uint8 and q.shape == (M, D) and scale.dtype == torch.float32 and zero.dtype == torch.int64
+    y = torch.nn.functional.layer_norm(x.double(), (D,), norm.weight.double(), norm.bias.double(), norm.eps)
+    lo, hi = min(y.min().item(), 0.0), max(y.max().item(), 0.0)
+    ref_scale = max((hi - lo) / qmax, 1e-8)
+    assert scale.item() == pytest.approx(ref_scale, rel=1e-5)
+    assert abs(int(zero) - round(-lo / ref_scale)) <= 1
+    ref_q = torch.clamp(torch.round(y / scale.double()) + int(zero), 0, qmax)
+    diff = (q.double() - ref_q).abs()
+    assert diff.max() <= 1 and (diff > 0).double().mean() < 1e-3
+    two_q, two_scale, two_zero = int8.quantize_dynamic_u8(norm(x), qmax)
+    assert scale.item() == pytest.approx(two_scale.item(), rel=2**-7)
+    if int(zero) == int(two_zero):
+        assert (q.int() - two_q.int()).abs().max() <= 1
+    # the values the codes stand for (also when the zero point moved by one): each within half a step of its
+    # input, the inputs apart by the bf16 rounding of the LayerNorm output
+    gap = (q.double() - int(zero)) * scale.double() - (two_q.double() - int(two_zero)) * two_scale.double()
+    bound = 0.5 * (scale.double() + two_scale.double()) + (y - norm(x).double()).abs() + 1e-6
+    assert bool((gap.abs() <= bound).all())
+
+
+def test_layernorm_quantiser_nan_rows_and_other_inputs() -> None:
+    """A row with NaN (LayerNorm makes the whole row NaN) is left out of the range and quantised to 0, as the C
+    quantiser does with NaN; the other rows are what they are without it. Inputs the kernel does not take (fp32,
+    non-contiguous) go through LayerNorm then the quantiser."""
+    norm, native = _layernorm(40), _native()
+    fused = int8.LayerNormQuantize(norm, native, native)
+    x = torch.randn(9, 40).to(torch.bfloat16)
+    x[4, 7] = float("nan")
+    q, scale, zero = fused(x)
+    rest = torch.cat([x[:4], x[5:]])
+    q_rest, scale_rest, zero_rest = fused(rest)
+    assert torch.equal(q[4], torch.zeros(40, dtype=torch.uint8))
+    assert torch.equal(torch.cat([q[:4], q[5:]]), q_rest)
+    assert torch.equal(scale, scale_rest) and torch.equal(zero, zero_rest)
+    assert torch.equal(native(norm(x))[0][4], torch.zeros(40, dtype=torch.uint8))  # the same NaN codes
+    plain = int8.LayerNormQuantize(norm.float(), int8.quantize_dynamic_u8, native)
+    for other in (torch.randn(6, 40), torch.randn(40, 6).t()):
+        for got, want in zip(plain(other), int8.quantize_dynamic_u8(norm(other)), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_int8_fast_path_fuses_layernorm_and_quantiser_where_the_kernel_loads() -> None:
+    """Each block's norm1 -> qkv and norm2 -> fc1 go through the fused kernel; the logits stay those of the
+    two-step path up to int8 noise (a one-step code difference on ~2% of the activations)."""
+    _native()
+    from helpers import randomize_
+    from vitkit import optimize_for_inference
+    from vitkit.inference.fast import FastBlock
+    from vitkit.models import create_model
+
+    model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
+    fast = optimize_for_inference(model, int8=True)
+    blocks = [b for b in fast.modules() if isinstance(b, FastBlock)]
+    assert blocks and all(b.fuse_norm and b.norm1_q.fn is not None for b in blocks)
+    x = torch.randn(4, 3, 48, 48)
+    with torch.inference_mode():
+        fused, ref = fast(x).float(), model(x)
+        for b in blocks:
+            b.fuse_norm = False
+        two_step = fast(x).float()
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(fused, ref) < 0.1 and rel(fused, two_step) < 0.05

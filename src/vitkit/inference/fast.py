@@ -44,7 +44,14 @@ from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
 from vitkit.inference.gemm_int8 import Int8Gemm
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
-from vitkit.inference.int8 import Int8Linear, Quantizer, fast_quantizer, has_onednn_int8
+from vitkit.inference.int8 import (
+    Int8Linear,
+    LayerNormQuantize,
+    NativeQuantizer,
+    Quantizer,
+    fast_quantizer,
+    has_onednn_int8,
+)
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
@@ -133,11 +140,17 @@ class FastBlock(nn.Module):
         self.mlp_bytes = MLP_CHUNK_BYTES if self.explicit_attention else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
         mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
+        self.fuse_norm = False  # int8 with the C quantiser: LayerNormQuantize for norm1 -> qkv, norm2 -> fc1
         if quantize is not None:
             self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize, gemm)
             self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize, gemm)
             self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize, gemm)
             self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize, gemm)
+            # LayerNorm -> quantiser as one C kernel where the quantiser is the C one (bf16 rows)
+            kernel = quantize if isinstance(quantize, NativeQuantizer) else None
+            self.fuse_norm = kernel is not None
+            self.norm1_q = LayerNormQuantize(self.norm1, quantize, kernel)
+            self.norm2_q = LayerNormQuantize(self.norm2, quantize, kernel)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
@@ -148,7 +161,10 @@ class FastBlock(nn.Module):
         # x: (B*T, D)
         BT, D = x.shape
         T, h, d = BT // batch, self.num_heads, self.head_dim
-        qkv = self.qkv(self.norm1(x))  # (B*T, 3D)
+        if self.fuse_norm:  # int8: LN1's output quantised as it is computed
+            qkv = cast(Int8Linear, self.qkv).forward_quantized(*self.norm1_q(x))  # (B*T, 3D)
+        else:
+            qkv = self.qkv(self.norm1(x))  # (B*T, 3D)
         if self.fused is not None and self.fused.supports(qkv, d):
             o = self.fused(qkv, batch, h, d)  # (B*T, D), read from and written in the token layout
         else:
@@ -188,6 +204,8 @@ class FastBlock(nn.Module):
         return o
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fuse_norm:
+            return self.fc2(cast(Int8Linear, self.fc1).forward_quantized(*self.norm2_q(x)), x)
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
 
 

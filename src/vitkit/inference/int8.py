@@ -79,10 +79,15 @@ class NativeQuantizer:
 
     def __init__(self, lib: ctypes.CDLL, qmax: int, fallback: Quantizer) -> None:
         fn = lib.vk_quantize_u8
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.argtypes += [ctypes.c_int, ctypes.c_int]
         self.fn, self.qmax, self.fallback = fn, qmax, fallback
+        ln = lib.vk_layernorm_u8  # LayerNorm fused with the quantiser (LayerNormQuantize)
+        ln.restype = ctypes.c_int
+        ln.argtypes = [p, i64, i64, i64, p, p, ctypes.c_float, p, p, p, ctypes.c_int, ctypes.c_int]
+        self.layernorm = ln
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not x.is_contiguous():
@@ -108,6 +113,60 @@ def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | N
     """The C quantiser into [0, ``qmax``], or None where it cannot run (no AVX-512, no C compiler)."""
     lib = native.load(QUANTIZE_SOURCE.read_text(), "vk_quantize", QUANTIZE_FLAGS, QUANTIZE_NEEDS)
     return None if lib is None else NativeQuantizer(lib, qmax, fallback)
+
+
+class LayerNormQuantize(nn.Module):
+    """``quantize(norm(x))`` -- a LayerNorm whose output feeds an ``Int8Linear`` -- in one C kernel for
+    contiguous bf16 CPU rows (``vk_layernorm_u8`` in ``quantize.c``): mean, rstd and the min/max of the
+    normalised output in one pass, the codes in a second, with no bf16 LayerNorm output written or read back.
+    The output is quantised in fp32, before the bf16 rounding the two-step path applies, so codes may differ
+    from ``quantize(norm(x))`` by one step. Other inputs, or no ``native`` quantiser, take the two steps."""
+
+    def __init__(self, norm: nn.LayerNorm, quantize: Quantizer, native: NativeQuantizer | None) -> None:
+        super().__init__()
+        self.norm, self.quantize = norm, quantize
+        D = norm.normalized_shape[0]
+        self.fn = None if native is None or len(norm.normalized_shape) != 1 else native.layernorm
+        self.qmax = 255 if native is None else native.qmax
+        weight = torch.ones(D) if norm.weight is None else norm.weight.detach().float()
+        bias = torch.zeros(D) if norm.bias is None else norm.bias.detach().float()
+        self.gamma: torch.Tensor
+        self.beta: torch.Tensor
+        self.register_buffer("gamma", weight.contiguous(), persistent=False)
+        self.register_buffer("beta", bias.contiguous(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        D = self.gamma.shape[0]
+        if (
+            self.fn is None
+            or x.device.type != "cpu"
+            or x.dtype != torch.bfloat16
+            or x.dim() != 2
+            or x.shape[1] != D
+            or not x.is_contiguous()
+        ):
+            return self.quantize(self.norm(x))
+        M = x.shape[0]
+        q = torch.empty(M, D, dtype=torch.uint8)
+        scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
+        with torch.profiler.record_function("vitkit::layernorm_u8"):
+            rc = self.fn(
+                x.data_ptr(),
+                M,
+                D,
+                D,
+                self.gamma.data_ptr(),
+                self.beta.data_ptr(),
+                float(self.norm.eps),
+                q.data_ptr(),
+                scale.data_ptr(),
+                zero.data_ptr(),
+                self.qmax,
+                torch.get_num_threads(),
+            )
+        if rc != 0:
+            raise ValueError(f"the LayerNorm quantisation kernel refused its arguments (rc={rc}, {M}x{D})")
+        return q, scale, zero
 
 
 def fast_quantizer() -> Quantizer:
@@ -182,6 +241,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
         q, scale, zero = self.quantize(x)
+        return self.forward_quantized(q, scale, zero, other)
+
+    def forward_quantized(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, other: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``forward`` of activations quantised already (``q`` uint8 (M, K), per-tensor ``scale`` and ``zero``
+        point, as the quantiser returns them): for a quantiser fused into what precedes (``LayerNormQuantize``)."""
         if self.gemm is not None and self.gemm.supports(q, other, self.dtype):
             assert self.packed is not None and self.colsum is not None
             return self.gemm(q, scale, zero, self.packed, self.colsum, self.w_scale, self.bias, self.epilogue, other)

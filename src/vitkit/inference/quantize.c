@@ -4,6 +4,7 @@
 #include <stdint.h>
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #define AI static inline __attribute__((always_inline))
 #define BLOCK 64  // elements per loop iteration: 4 vectors of 16
@@ -74,6 +75,92 @@ int vk_quantize_u8(const uint16_t *x, int64_t n, uint8_t *q, float *scale_out, i
             }
         }
     }
+    *scale_out = scale;
+    *zero_out = (int64_t)zero;
+    return 0;
+}
+
+// y = (x - mean) * (rstd * gamma) + beta for 16 columns (lanes past `m` are 0, or NaN when mean is)
+AI __m512 affine16(const uint16_t *x, __mmask16 m, __m512 mu, __m512 rs, const float *gamma, const float *beta) {
+    __m512 a = _mm512_mul_ps(rs, _mm512_maskz_loadu_ps(m, gamma));
+    return _mm512_fmadd_ps(_mm512_sub_ps(load16(x, m), mu), a, _mm512_maskz_loadu_ps(m, beta));
+}
+
+// LayerNorm of bf16 rows fused with the quantiser above (the int8 path's norm1 -> qkv and norm2 -> fc1): y =
+// (x - mean) * rstd * gamma + beta in fp32 (mean and variance in two passes over the row, in L1), quantised
+// per tensor as by vk_quantize_u8 from the min/max of y, which is computed on the fly and not stored: pass 1
+// per row mean, rstd and the running min/max of y; pass 2 recomputes y from the kept mean/rstd and writes the
+// codes. Against LayerNorm -> bf16 -> quantise, no bf16 output is written and read back twice, and y is not
+// rounded to bf16 before it is quantised. x: M rows of D bf16, row stride ldx; gamma, beta: D fp32; q: M x D
+// bytes (row stride D). NaN outputs (a row with NaN or inf) are left out of the range and quantise to 0, as in
+// vk_quantize_u8 (vminps/vmaxps return their second operand when either is NaN).
+int vk_layernorm_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, const float *gamma, const float *beta,
+                    float eps, uint8_t *q, float *scale_out, int64_t *zero_out, int qmax, int threads) {
+    if (M < 0 || D < 1 || ldx < D || qmax < 1 || qmax > 255) return 1;
+    float *stats = (float *)malloc((size_t)(M > 0 ? M : 1) * 2 * sizeof(float));  // mean, rstd per row
+    if (!stats) return 2;
+    float lo = 0.0f, hi = 0.0f;  // the range always contains 0
+    float scale = 1.0f, zero = 0.0f;
+#pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    {
+        __m512 mn = _mm512_setzero_ps(), mx = mn;
+#pragma omp for schedule(static) nowait
+        for (int64_t r = 0; r < M; r++) {
+            const uint16_t *row = x + r * ldx;
+            __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+            int64_t j = 0;
+            for (; j + 32 <= D; j += 32) {
+                s0 = _mm512_add_ps(s0, load16(row + j, 0xFFFF));
+                s1 = _mm512_add_ps(s1, load16(row + j + 16, 0xFFFF));
+            }
+            for (; j < D; j += 16) s0 = _mm512_add_ps(s0, load16(row + j, lanes(D - j)));
+            float mean = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) / (float)D;
+            const __m512 mu = _mm512_set1_ps(mean);
+            __m512 v0 = _mm512_setzero_ps();
+            for (j = 0; j < D; j += 16) {
+                __mmask16 m = lanes(D - j);
+                __m512 d = _mm512_maskz_sub_ps(m, load16(row + j, m), mu);
+                v0 = _mm512_fmadd_ps(d, d, v0);
+            }
+            float rstd = 1.0f / sqrtf(_mm512_reduce_add_ps(v0) / (float)D + eps);
+            stats[2 * r] = mean, stats[2 * r + 1] = rstd;
+            const __m512 rs = _mm512_set1_ps(rstd);
+            for (j = 0; j < D; j += 16) {
+                __mmask16 m = lanes(D - j);
+                __m512 y = affine16(row + j, m, mu, rs, gamma + j, beta + j);
+                mn = _mm512_mask_min_ps(mn, m, y, mn);  // y first: a NaN y leaves the running value
+                mx = _mm512_mask_max_ps(mx, m, y, mx);
+            }
+        }
+        float tlo = _mm512_reduce_min_ps(mn), thi = _mm512_reduce_max_ps(mx);
+#pragma omp critical
+        {
+            lo = tlo < lo ? tlo : lo;
+            hi = thi > hi ? thi : hi;
+        }
+#pragma omp barrier
+#pragma omp single
+        {
+            scale = (hi - lo) / (float)qmax;
+            scale = scale < 1e-8f ? 1e-8f : scale;
+            zero = rintf(-lo / scale);
+        }  // implicit barrier: every thread sees scale and zero
+        const __m512 inv = _mm512_set1_ps(1.0f / scale), zp = _mm512_set1_ps(zero);
+        const __m512 top = _mm512_set1_ps((float)qmax), bottom = _mm512_setzero_ps();
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < M; r++) {
+            const uint16_t *row = x + r * ldx;
+            const __m512 mu = _mm512_set1_ps(stats[2 * r]), rs = _mm512_set1_ps(stats[2 * r + 1]);
+            for (int64_t j = 0; j < D; j += 16) {
+                __mmask16 m = lanes(D - j);
+                __m512 y = affine16(row + j, m, mu, rs, gamma + j, beta + j);
+                __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), bottom), top);
+                _mm512_mask_cvtusepi32_storeu_epi8(q + r * D + j, m, _mm512_cvtps_epi32(v));
+            }
+        }
+    }
+    free(stats);
     *scale_out = scale;
     *zero_out = (int64_t)zero;
     return 0;
