@@ -137,3 +137,22 @@ def test_int8_fast_path_fuses_layernorm_and_quantiser_where_the_kernel_loads() -
         two_step = fast(x).float()
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(fused, ref) < 0.1 and rel(fused, two_step) < 0.05
+
+
+@pytest.mark.parametrize("n", [40, 64 * 5 + 17])
+def test_native_quantiser_leaves_nan_out_of_the_range(n: int) -> None:
+    """NaN (in the loop's full blocks and in its tail) neither widens nor resets the range: the scale and the
+    other codes are those of the tensor with 0 in its place, and NaN quantises to 0."""
+    quantize = _native()
+    torch.manual_seed(1)
+    x = (torch.randn(n) * 3).to(torch.bfloat16)
+    x[0], x[1] = -100.0, 90.0  # the extremes, in lanes 0 and 1 of the first vector
+    x[16] = x[17] = x[n - 3] = float("nan")  # the same lanes of the next vector: NaN must not reset them
+    clean = x.nan_to_num(0.0)
+    q, scale, zero = quantize(x)
+    ref_q, ref_scale, ref_zero = quantize(clean)
+    assert torch.equal(scale, ref_scale) and torch.equal(zero, ref_zero)
+    assert int(q[16]) == int(q[17]) == int(q[n - 3]) == 0
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[16] = keep[17] = keep[n - 3] = False
+    assert torch.equal(q[keep], ref_q[keep])

@@ -20,7 +20,8 @@ The transform keeps the model's function and changes how it is computed:
 - optionally int8 linear layers (``vitkit.inference.int8``: per-channel int8 weights, activations quantised
   per call by a C kernel where the CPU has AVX-512: dynamic quantisation; the GEMMs by a VNNI kernel in C,
   ``vitkit.inference.gemm_int8``, where the CPU has AVX512_VNNI/BF16, else by oneDNN's;
-  7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``), or
+  7-bit on CPUs without VNNI, see ``quantize_dynamic_u7``; with the C quantiser, norm1 -> qkv and norm2 -> fc1
+  run LayerNorm and quantisation as one kernel, ``LayerNormQuantize``), or
   ``torch.compile`` of the whole forward instead of hand packing.
 
 The patch embedding, class token, position embedding (with on-the-fly resampling for other resolutions),

@@ -36,15 +36,17 @@ int vk_quantize_u8(const uint16_t *x, int64_t n, uint8_t *q, float *scale_out, i
             if (i + BLOCK <= n) {
                 __m512 a = load16(x + i, 0xFFFF), c = load16(x + i + 16, 0xFFFF);
                 __m512 d = load16(x + i + 32, 0xFFFF), e = load16(x + i + 48, 0xFFFF);
-                mn0 = _mm512_min_ps(mn0, _mm512_min_ps(a, c));
-                mn1 = _mm512_min_ps(mn1, _mm512_min_ps(d, e));
-                mx0 = _mm512_max_ps(mx0, _mm512_max_ps(a, c));
-                mx1 = _mm512_max_ps(mx1, _mm512_max_ps(d, e));
+                // the value first, the running one second: vminps/vmaxps return the second operand when either
+                // is NaN, so NaN is left out of the range (and quantises to 0 below)
+                mn0 = _mm512_min_ps(c, _mm512_min_ps(a, mn0));
+                mn1 = _mm512_min_ps(e, _mm512_min_ps(d, mn1));
+                mx0 = _mm512_max_ps(c, _mm512_max_ps(a, mx0));
+                mx1 = _mm512_max_ps(e, _mm512_max_ps(d, mx1));
             } else {
                 for (int64_t j = i; j < n; j += 16) {  // zero-filled lanes leave a range containing 0 unchanged
                     __m512 a = load16(x + j, lanes(n - j));
-                    mn0 = _mm512_min_ps(mn0, a);
-                    mx0 = _mm512_max_ps(mx0, a);
+                    mn0 = _mm512_min_ps(a, mn0);
+                    mx0 = _mm512_max_ps(a, mx0);
                 }
             }
         }
