@@ -112,6 +112,8 @@ def test_int8_gemm_refuses_arguments_that_do_not_fit() -> None:
         g(q, scale, zero, packed, colsum, w_scale, None, "add", torch.zeros(8, 49, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="int8"):
         g.pack_weights(qw.float())
+    odd = torch.randint(-128, 128, (50, 66), dtype=torch.int8)  # K and N both padded
+    assert torch.equal(g.unpack_weights(g.pack_weights(odd), 50, 66), odd)
 
 
 def test_int8_fast_path_runs_its_gemms_on_the_kernel_where_it_loads() -> None:

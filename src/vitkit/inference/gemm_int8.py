@@ -58,6 +58,10 @@ class Int8Gemm:
             packed = flat[start : start + packed.numel()].view_as(packed)
         return packed
 
+    def unpack_weights(self, packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
+        """The (N, K) int8 weights back from :meth:`pack_weights`' layout."""
+        return packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 4)[:N, :K].contiguous()
+
     def supports(self, q: torch.Tensor, other: torch.Tensor | None, dtype: torch.dtype) -> bool:
         """Whether these operands can go through the kernel: uint8 activations with contiguous rows on CPU,
         a bf16 output, a bf16 residual with contiguous rows (if any)."""

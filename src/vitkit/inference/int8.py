@@ -216,7 +216,7 @@ class Int8Linear(nn.Module):
         self.bias: torch.Tensor | None
         self.gemm = gemm if dtype == torch.bfloat16 else None
         self._onednn: torch.Tensor | None = None  # oneDNN's pre-packed weights, made when first needed
-        self._qw = qw  # kept only while the oneDNN weights are not made (the kernel's layer may need them)
+        self.weight_shape = tuple(qw.shape)  # (N, K)
         self.packed: torch.Tensor | None
         self.colsum: torch.Tensor | None
         packed = colsum = None
@@ -226,17 +226,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("colsum", colsum, persistent=False)
         if self.gemm is None:
-            self.onednn_weight()
+            self._onednn = torch.ops.onednn.qlinear_prepack(qw, [rows or 1, qw.shape[1]])
         self.register_buffer("w_scale", scale, persistent=False)
         self.register_buffer("w_zero", torch.zeros_like(scale, dtype=torch.int64), persistent=False)
         bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
 
     def onednn_weight(self) -> torch.Tensor:
-        """The weights pre-packed for oneDNN (made at the first call that needs them)."""
+        """The weights pre-packed for oneDNN. A layer of the C kernel keeps only the kernel's packing (one copy
+        of the int8 weights, not two) and makes oneDNN's from it at the first input the kernel does not take."""
         if self._onednn is None:
-            self._onednn = torch.ops.onednn.qlinear_prepack(self._qw, [self.rows or 1, self._qw.shape[1]])
-            self._qw = torch.empty(0, dtype=torch.int8)  # oneDNN's copy is what is used from now on
+            assert self.gemm is not None and self.packed is not None
+            qw = self.gemm.unpack_weights(self.packed, *self.weight_shape)
+            self._onednn = torch.ops.onednn.qlinear_prepack(qw, [self.rows or 1, qw.shape[1]])
         return self._onednn
 
     def forward(self, x: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor:
