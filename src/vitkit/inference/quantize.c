@@ -17,6 +17,31 @@ AI __m512 load16(const uint16_t *p, __mmask16 m) {
 
 AI __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
 
+// Inside the parallel region, called by every thread: its range [tlo, thi] merged into the shared one, then the
+// scale and zero point of quantize_dynamic_u8 from it (one thread; the barrier ending `single` lets all see them).
+static void agree_range(float tlo, float thi, float *lo, float *hi, float *scale, float *zero, int qmax) {
+#pragma omp critical
+    {
+        *lo = tlo < *lo ? tlo : *lo;
+        *hi = thi > *hi ? thi : *hi;
+    }
+#pragma omp barrier
+#pragma omp single
+    {
+        float s = (*hi - *lo) / (float)qmax;
+        *scale = s < 1e-8f ? 1e-8f : s;
+        *zero = rintf(-*lo / *scale);
+    }
+}
+
+// codes clamp(round(y * inv) + zp, 0, qmax) of 16 values, stored to the lanes of `m` (vmaxps with 0 first: a NaN y
+// gives 0)
+AI void store_codes(uint8_t *q, __mmask16 m, __m512 y, __m512 inv, __m512 zp, __m512 top) {
+    __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), _mm512_setzero_ps()), top);
+    _mm512_mask_cvtusepi32_storeu_epi8(q, m, _mm512_cvtps_epi32(v));
+}
+
 // q = clamp(round(x / scale) + zero_point, 0, qmax) with scale = max((hi - lo) / qmax, 1e-8), lo = min(min x, 0),
 // hi = max(max x, 0), zero_point = round(-lo / scale) (round half to even, as torch.round): the formula of
 // vitkit.inference.int8.quantize_dynamic_u8, except that x / scale is x * (1 / scale) here (one rounding step
@@ -52,28 +77,13 @@ int vk_quantize_u8(const uint16_t *x, int64_t n, uint8_t *q, float *scale_out, i
         }
         float tlo = _mm512_reduce_min_ps(_mm512_min_ps(mn0, mn1));
         float thi = _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1));
-#pragma omp critical
-        {
-            lo = tlo < lo ? tlo : lo;
-            hi = thi > hi ? thi : hi;
-        }
-#pragma omp barrier
-#pragma omp single
-        {
-            scale = (hi - lo) / (float)qmax;
-            scale = scale < 1e-8f ? 1e-8f : scale;
-            zero = rintf(-lo / scale);
-        }  // implicit barrier: every thread sees scale and zero
-        const __m512 inv = _mm512_set1_ps(1.0f / scale), zp = _mm512_set1_ps(zero);
-        const __m512 top = _mm512_set1_ps((float)qmax), bottom = _mm512_setzero_ps();
+        agree_range(tlo, thi, &lo, &hi, &scale, &zero, qmax);
+        const __m512 inv = _mm512_set1_ps(1.0f / scale), zp = _mm512_set1_ps(zero), top = _mm512_set1_ps((float)qmax);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             for (int64_t j = b * BLOCK; j < b * BLOCK + BLOCK && j < n; j += 16) {
                 __mmask16 m = lanes(n - j);
-                __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(load16(x + j, m), inv),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), bottom), top);
-                _mm512_mask_cvtusepi32_storeu_epi8(q + j, m, _mm512_cvtps_epi32(v));
+                store_codes(q + j, m, load16(x + j, m), inv, zp, top);
             }
         }
     }
@@ -135,20 +145,8 @@ int vk_layernorm_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, const 
             }
         }
         float tlo = _mm512_reduce_min_ps(mn), thi = _mm512_reduce_max_ps(mx);
-#pragma omp critical
-        {
-            lo = tlo < lo ? tlo : lo;
-            hi = thi > hi ? thi : hi;
-        }
-#pragma omp barrier
-#pragma omp single
-        {
-            scale = (hi - lo) / (float)qmax;
-            scale = scale < 1e-8f ? 1e-8f : scale;
-            zero = rintf(-lo / scale);
-        }  // implicit barrier: every thread sees scale and zero
-        const __m512 inv = _mm512_set1_ps(1.0f / scale), zp = _mm512_set1_ps(zero);
-        const __m512 top = _mm512_set1_ps((float)qmax), bottom = _mm512_setzero_ps();
+        agree_range(tlo, thi, &lo, &hi, &scale, &zero, qmax);
+        const __m512 inv = _mm512_set1_ps(1.0f / scale), zp = _mm512_set1_ps(zero), top = _mm512_set1_ps((float)qmax);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             const uint16_t *row = x + r * ldx;
@@ -156,9 +154,7 @@ int vk_layernorm_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, const 
             for (int64_t j = 0; j < D; j += 16) {
                 __mmask16 m = lanes(D - j);
                 __m512 y = affine16(row + j, m, mu, rs, gamma + j, beta + j);
-                __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(y, inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                v = _mm512_min_ps(_mm512_max_ps(_mm512_add_ps(v, zp), bottom), top);
-                _mm512_mask_cvtusepi32_storeu_epi8(q + r * D + j, m, _mm512_cvtps_epi32(v));
+                store_codes(q + r * D + j, m, y, inv, zp, top);
             }
         }
     }
