@@ -73,6 +73,22 @@ class CompiledQuantizer:
             return self.fn(x)
 
 
+def _run_quantizer(
+    fn: Callable[..., int], region: str, shape: torch.Size, qmax: int, *head: object
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Call a quantising C kernel of ``quantize.c`` -- ``fn(*head, q, scale, zero, qmax, threads)``, the outputs
+    last -- with fresh outputs: codes of ``shape`` (uint8), the scale and the zero point; a named op in profiles."""
+    q = torch.empty(shape, dtype=torch.uint8)
+    scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
+    with torch.profiler.record_function(region):
+        rc = fn(*head, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), qmax, torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(
+            f"the quantisation kernel {region} refused its arguments (rc={rc}, {tuple(shape)}, qmax={qmax})"
+        )
+    return q, scale, zero
+
+
 class NativeQuantizer:
     """``quantize_dynamic_u8`` (``qmax`` 255, or 127 for ``quantize_dynamic_u7``) of contiguous bf16 CPU
     activations by the C kernel; other inputs go to ``fallback``."""
@@ -92,21 +108,7 @@ class NativeQuantizer:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return self.fallback(x)
-        q = torch.empty(x.shape, dtype=torch.uint8)
-        scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
-        with torch.profiler.record_function("vitkit::quantize_u8"):  # a named op in profiles
-            rc = self.fn(
-                x.data_ptr(),
-                x.numel(),
-                q.data_ptr(),
-                scale.data_ptr(),
-                zero.data_ptr(),
-                self.qmax,
-                torch.get_num_threads(),
-            )
-        if rc != 0:
-            raise ValueError(f"the quantisation kernel refused its arguments (qmax={self.qmax})")
-        return q, scale, zero
+        return _run_quantizer(self.fn, "vitkit::quantize_u8", x.shape, self.qmax, x.data_ptr(), x.numel())
 
 
 def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | None:
@@ -146,27 +148,9 @@ class LayerNormQuantize(nn.Module):
             or not x.is_contiguous()
         ):
             return self.quantize(self.norm(x))
-        M = x.shape[0]
-        q = torch.empty(M, D, dtype=torch.uint8)
-        scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
-        with torch.profiler.record_function("vitkit::layernorm_u8"):
-            rc = self.fn(
-                x.data_ptr(),
-                M,
-                D,
-                D,
-                self.gamma.data_ptr(),
-                self.beta.data_ptr(),
-                float(self.norm.eps),
-                q.data_ptr(),
-                scale.data_ptr(),
-                zero.data_ptr(),
-                self.qmax,
-                torch.get_num_threads(),
-            )
-        if rc != 0:
-            raise ValueError(f"the LayerNorm quantisation kernel refused its arguments (rc={rc}, {M}x{D})")
-        return q, scale, zero
+        M, eps = x.shape[0], float(self.norm.eps)
+        head = (x.data_ptr(), M, D, D, self.gamma.data_ptr(), self.beta.data_ptr(), eps)
+        return _run_quantizer(self.fn, "vitkit::layernorm_u8", x.shape, self.qmax, *head)
 
 
 def fast_quantizer() -> Quantizer:
