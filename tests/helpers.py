@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from vitkit.models import VisionTransformer, create_model
 
@@ -15,8 +16,10 @@ SRC = Path(__file__).parents[1] / "src"
 
 
 def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
-    """Relative L2 error ||a - b|| / ||b|| for two tensors or two arrays."""
+    """Relative L2 error ||a - b|| / ||b|| for two tensors (of any float dtypes, compared in float64) or two
+    arrays."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        a, b = a.detach().double(), b.detach().double()
         return float((a - b).norm() / b.norm())
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
@@ -57,3 +60,28 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, s
         code = int(e.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# Shapes (batch, T, heads, d) for the fused attention kernels of the inference fast path: T odd, below or not a
+# multiple of the 6-row and 16-column blocks, 577 (384 px); d = 32/64/80, and 40 and 2 whose last 16 columns
+# are partial; batch 1. And the edge grid of T around block and tile edges, for d = 34/48/64.
+ATTENTION_SHAPES = [
+    (2, 197, 3, 64),
+    (1, 50, 2, 32),
+    (3, 37, 2, 80),
+    (1, 1, 1, 64),
+    (2, 16, 4, 64),
+    (1, 97, 2, 40),
+    (2, 65, 1, 2),
+    (1, 577, 2, 64),
+]
+ATTENTION_EDGE_T = [2, 11, 12, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 80, 113, 145, 160, 161]
+ATTENTION_EDGE_D = [34, 48, 64]
+
+
+def sdpa_tokens(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) -> torch.Tensor:
+    """fp32 SDPA of the fused projection's (B*T, 3 h d) rows (as the attention kernels read them) -> (B*T, h d)."""
+    BT = qkv.shape[0]
+    q, k, v = qkv.float().view(batch, BT // batch, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
+    o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, h, T, d)
+    return o.transpose(1, 2).reshape(BT, heads * d)

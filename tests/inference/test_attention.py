@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from helpers import randomize_
+from helpers import ATTENTION_EDGE_D, ATTENTION_EDGE_T, ATTENTION_SHAPES, randomize_, rel_err, sdpa_tokens
 from vitkit import hardware, native
 from vitkit.inference import attention
 from vitkit.inference.fast import FastBlock, InferenceViT
@@ -22,33 +21,8 @@ needs_kernel = pytest.mark.skipif(
 )
 
 
-def _reference(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) -> torch.Tensor:
-    """fp32 SDPA on the same (bf16-rounded) q, k, v -> (B*T, h d)."""
-    BT = qkv.shape[0]
-    T = BT // batch
-    q, k, v = qkv.float().view(batch, T, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
-    o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, h, T, d)
-    return o.transpose(1, 2).reshape(BT, heads * d)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @needs_kernel
-@pytest.mark.parametrize(
-    ("batch", "T", "heads", "d"),
-    [
-        (2, 197, 3, 64),
-        (1, 50, 2, 32),
-        (3, 37, 2, 80),
-        (1, 1, 1, 64),
-        (2, 16, 4, 64),
-        (1, 97, 2, 40),
-        (2, 65, 1, 2),
-        (1, 577, 2, 64),
-    ],
-)
+@pytest.mark.parametrize(("batch", "T", "heads", "d"), ATTENTION_SHAPES)
 def test_kernel_matches_fp32_sdpa(batch: int, T: int, heads: int, d: int) -> None:
     """T odd, below or not a multiple of the 6-row and 16-column blocks, 577 (384 px); d = 32/64/80, and 40
     and 2 whose last 16 columns are partial; batch 1."""
@@ -56,15 +30,15 @@ def test_kernel_matches_fp32_sdpa(batch: int, T: int, heads: int, d: int) -> Non
     qkv = torch.randn(batch * T, 3 * heads * d).to(torch.bfloat16)
     scale = d**-0.5
     out = KERNEL(qkv, batch, heads, d, scale)
-    ref = _reference(qkv, batch, heads, d, scale)
+    ref = sdpa_tokens(qkv, batch, heads, d, scale)
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
-    assert _rel(out, ref) < 1e-2
+    assert rel_err(out, ref) < 1e-2
     assert (out.float() - ref).abs().max() < 0.05
 
 
 @needs_kernel
-@pytest.mark.parametrize("T", [2, 11, 12, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 80, 113, 145, 160, 161])
-@pytest.mark.parametrize("d", [34, 48, 64])
+@pytest.mark.parametrize("T", ATTENTION_EDGE_T)
+@pytest.mark.parametrize("d", ATTENTION_EDGE_D)
 def test_kernel_at_block_and_tile_edges(T: int, d: int) -> None:
     """T on either side of the 12-row blocks (2 x 6 rows, the last one half empty), of the 16-key vectors
     (1, 2 and an odd number of them, so the exp loop's pairs end on a single vector) and of the key tiles
@@ -73,8 +47,8 @@ def test_kernel_at_block_and_tile_edges(T: int, d: int) -> None:
     assert KERNEL is not None
     qkv = (torch.randn(T, 3 * 2 * d) * 2).to(torch.bfloat16)
     out = KERNEL(qkv, 1, 2, d, d**-0.5)
-    ref = _reference(qkv, 1, 2, d, d**-0.5)
-    assert _rel(out, ref) < 1e-2
+    ref = sdpa_tokens(qkv, 1, 2, d, d**-0.5)
+    assert rel_err(out, ref) < 1e-2
     assert (out.float() - ref).abs().max() < 0.05
 
 
@@ -88,9 +62,9 @@ def test_kernel_on_large_logits_and_strided_rows() -> None:
     qkv = wide.to(torch.bfloat16)[:, : 3 * heads * d]
     assert qkv.stride(0) != qkv.shape[1]
     out = KERNEL(qkv, batch, heads, d, 1.0)
-    ref = _reference(qkv, batch, heads, d, 1.0)
+    ref = sdpa_tokens(qkv, batch, heads, d, 1.0)
     assert torch.isfinite(out.float()).all()
-    assert _rel(out, ref) < 1e-2
+    assert rel_err(out, ref) < 1e-2
 
 
 @needs_kernel
@@ -103,7 +77,7 @@ def test_kernel_propagates_nan_and_inf_like_sdpa(part: int, value: str) -> None:
     qkv = torch.randn(batch * T, 3 * heads * d).to(torch.bfloat16)
     qkv[5, part * heads * d + 3] = float(value)
     out = KERNEL(qkv, batch, heads, d, d**-0.5).float()
-    ref = _reference(qkv, batch, heads, d, d**-0.5)
+    ref = sdpa_tokens(qkv, batch, heads, d, d**-0.5)
     assert ref.isnan().any()
     assert torch.equal(out.isnan(), ref.isnan())
     ok = ~ref.isnan()
@@ -141,8 +115,8 @@ def test_fast_path_uses_the_kernel_and_matches_the_torch_attention() -> None:
         for b in blocks:
             b.fused = None  # the PyTorch path (batched GEMMs over chunks)
         plain = fast(x)
-    assert _rel(fused, plain) < 2e-2
-    assert _rel(fused, ref) < 3e-2
+    assert rel_err(fused, plain) < 2e-2
+    assert rel_err(fused, ref) < 3e-2
 
 
 def test_without_the_kernel_the_fast_path_keeps_torch_attention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -154,6 +128,6 @@ def test_without_the_kernel_the_fast_path_keeps_torch_attention(monkeypatch: pyt
     fast = InferenceViT(model, torch.bfloat16, rows=None)
     assert all(b.fused is None for b in fast.blocks if isinstance(b, FastBlock))
     with torch.inference_mode():
-        assert _rel(fast(x), model(x)) < 3e-2
+        assert rel_err(fast(x), model(x)) < 3e-2
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx2", "fma"})
     assert attention.load() is None

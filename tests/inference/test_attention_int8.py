@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from helpers import randomize_
+from helpers import ATTENTION_EDGE_D, ATTENTION_EDGE_T, ATTENTION_SHAPES, randomize_, rel_err, sdpa_tokens
 from vitkit import hardware, native
 from vitkit.inference import attention
 from vitkit.inference.fast import FastBlock, InferenceViT
@@ -42,12 +41,6 @@ def _tokens(o: torch.Tensor) -> torch.Tensor:
     return o.transpose(1, 2).reshape(B * T, h * d)
 
 
-def _reference(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) -> torch.Tensor:
-    """fp32 SDPA on the same (bf16-rounded) q, k, v -> (B*T, h d)."""
-    q, k, v = _split(qkv, batch, heads, d)
-    return _tokens(F.scaled_dot_product_attention(q, k, v, scale=scale))
-
-
 def _emulate(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) -> torch.Tensor:
     """The kernel's quantisation scheme in fp32 PyTorch (see attention_int8.c): k u8 per channel over the
     tokens with an offset, q times the key scales s8 per row, probabilities u8 (255 at the row maximum), v s8
@@ -67,34 +60,16 @@ def _emulate(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) ->
     return _tokens((p @ vq) / p.sum(-1, keepdim=True) * (av / 127))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def _check(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float) -> None:
     assert KERNEL is not None
     out = KERNEL(qkv, batch, heads, d, scale)
     assert out.dtype == torch.bfloat16 and out.shape == (qkv.shape[0], heads * d)
-    assert _rel(out, _emulate(qkv, batch, heads, d, scale)) < SCHEME_TOL
-    assert _rel(out, _reference(qkv, batch, heads, d, scale)) < SDPA_TOL
+    assert rel_err(out, _emulate(qkv, batch, heads, d, scale)) < SCHEME_TOL
+    assert rel_err(out, sdpa_tokens(qkv, batch, heads, d, scale)) < SDPA_TOL
 
 
 @needs_kernel
-@pytest.mark.parametrize(
-    ("batch", "T", "heads", "d"),
-    [
-        (2, 197, 3, 64),
-        (1, 50, 2, 32),
-        (3, 37, 2, 80),
-        (1, 1, 1, 64),
-        (2, 16, 4, 64),
-        (1, 97, 2, 40),
-        (2, 65, 1, 2),
-        (1, 577, 2, 64),
-        (2, 30, 2, 5),
-        (1, 20, 1, 3),
-    ],
-)
+@pytest.mark.parametrize(("batch", "T", "heads", "d"), [*ATTENTION_SHAPES, (2, 30, 2, 5), (1, 20, 1, 3)])
 def test_int8_kernel_matches_fp32_sdpa_and_its_scheme(batch: int, T: int, heads: int, d: int) -> None:
     """The bf16 kernel's shapes (T odd, below or not a multiple of the blocks, 577; d = 2 .. 80, batch 1), and
     odd d (5, 3: the last quad of channels partly padding), which the int8 kernel takes too."""
@@ -102,8 +77,8 @@ def test_int8_kernel_matches_fp32_sdpa_and_its_scheme(batch: int, T: int, heads:
 
 
 @needs_kernel
-@pytest.mark.parametrize("T", [2, 11, 12, 13, 15, 16, 17, 31, 32, 33, 47, 48, 49, 64, 65, 80, 113, 145, 160, 161])
-@pytest.mark.parametrize("d", [34, 48, 64])
+@pytest.mark.parametrize("T", ATTENTION_EDGE_T)
+@pytest.mark.parametrize("d", ATTENTION_EDGE_D)
 def test_int8_kernel_at_block_and_tile_edges(T: int, d: int) -> None:
     """T on either side of the 6-row blocks, the 16-key vectors, the 4-key quads of P x V and the key tiles;
     d = 34 and 48 end on a partial quad (34) and a partial 16-column vector (34, 48). Logits of std ~2."""
@@ -126,8 +101,8 @@ def test_int8_kernel_on_large_logits_offsets_and_strided_rows() -> None:
     assert KERNEL is not None
     out = KERNEL(qkv, batch, heads, d, 1.0)
     assert torch.isfinite(out.float()).all()
-    assert _rel(out, _emulate(qkv, batch, heads, d, 1.0)) < SCHEME_TOL
-    assert _rel(out, _reference(qkv, batch, heads, d, 1.0)) < 0.15
+    assert rel_err(out, _emulate(qkv, batch, heads, d, 1.0)) < SCHEME_TOL
+    assert rel_err(out, sdpa_tokens(qkv, batch, heads, d, 1.0)) < 0.15
 
 
 @needs_kernel
@@ -141,7 +116,7 @@ def test_int8_kernel_is_not_finite_wherever_sdpa_is_not(part: int, value: str) -
     qkv[5, part * heads * d + 3] = float(value)  # image 0, head 0
     assert KERNEL is not None
     out = KERNEL(qkv, batch, heads, d, d**-0.5).float()
-    ref = _reference(qkv, batch, heads, d, d**-0.5)
+    ref = sdpa_tokens(qkv, batch, heads, d, d**-0.5)
     bad = ~torch.isfinite(ref)
     assert bad.any()
     assert out[bad].isnan().all()
@@ -180,8 +155,8 @@ def test_int8_fast_path_uses_the_int8_kernel_and_bf16_keeps_bf16() -> None:
         for b in int8_blocks:
             b.fused = attention.load()  # the same int8 path with the bf16 kernel
         plain = int8(x)
-    assert _rel(fused, plain) < 5e-2
-    assert _rel(fused, ref) < 8e-2
+    assert rel_err(fused, plain) < 5e-2
+    assert rel_err(fused, ref) < 8e-2
 
 
 @needs_kernel
