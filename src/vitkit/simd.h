@@ -1,4 +1,5 @@
-// AVX-512 helpers shared by vitkit's C kernels (train/kernels.c, train/attention.c, inference/gemm_int8.c).
+// AVX-512 helpers shared by vitkit's C kernels (train/kernels.c, train/attention.c, inference/gemm_int8.c,
+// inference/attention_int8.c, inference/quantize.c).
 // vitkit.native.kernel_source puts this file in front of a kernel's own source before it is compiled, so the
 // compiled library (and its cache key, a hash of the text) always carries the version it was built with.
 #include <immintrin.h>
@@ -8,6 +9,12 @@
 
 // 16 bf16 -> 16 fp32 (exact: bf16 is the upper half of an fp32)
 AI __m512 widen(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
+
+// the first n of 16 lanes: all of them when n >= 16, none when n <= 0
+AI __mmask16 lanes(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1u) : 0; }
+
+// 16 bf16 at p -> fp32; lanes outside m read as +0
+AI __m512 load16(const uint16_t *p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 
 #ifdef __AVX512BF16__
 // 16 fp32 -> 16 bf16, rounded to nearest even

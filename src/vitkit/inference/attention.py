@@ -103,5 +103,5 @@ def load_int8() -> FusedAttention | None:
     """The int8 variant (``attention_int8.c``: both products by ``vpdpbusd``, q, k, v and the probabilities
     quantised per (image, head) inside the kernel; for the int8 fast path), or None where it cannot run
     (no compiler, no AVX512_BF16 or AVX512_VNNI, not Linux)."""
-    lib = native.load(INT8_SOURCE.read_text(), "vk_attention_int8", INT8_FLAGS, INT8_NEEDS)
+    lib = native.load(native.kernel_source(INT8_SOURCE), "vk_attention_int8", INT8_FLAGS, INT8_NEEDS)
     return None if lib is None else FusedAttention(lib, "vk_attention_int8")

@@ -8,6 +8,7 @@
 //   P: the softmax numerators exp(s - max) in [0, 1] as u8 round(255 p) (the row maximum is 255 exactly),
 //      normalised by the sum of the rounded values;
 //   v: s8 per channel c (scale sv_c = max_t |v_tc| / 127), applied to the output column.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, lanes, load16, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -16,7 +17,6 @@
 #include <omp.h>
 
 #define MR 6  // query rows per block: MR x 4 accumulators of 16 lanes stay in registers
-#define AI static inline __attribute__((always_inline))
 #define NI __attribute__((noinline))  // kept out of the OpenMP body: inlined there, GCC 12 allocates registers worse
 
 // 255 * 2^x for x <= 0: 255 p(r) 2^floor(x), r = x - floor(x) in [0, 1) (vreduceps), p a degree-3 fit of 2^r
@@ -37,9 +37,7 @@ AI __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
     return acc;
 }
 
-AI __m512 bf16_to_ps(__m256i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16)); }
 
-AI __mmask16 mask16(int n) { return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1) : 0; }
 
 // s[r][t0 + 16 v + lane] = sum_j kp[j][t0 + 16 v + lane] (4 u8) . q_r[quad j] (4 s8), for MR rows
 #define QK_TILE(NV)                                                                                            \
@@ -117,7 +115,7 @@ NI static int channel_scales(const uint16_t *x, long stride, int T, int d, int d
             mx = _mm512_max_epu16(mx, _mm512_and_si512(abs, _mm512_maskz_loadu_epi16(m, x + (size_t)t * stride + c0)));
         if (_mm512_cmpge_epu16_mask(mx, _mm512_set1_epi16(0x7F80))) bad = 1;
         for (int half = 0; half < 2 && c0 + 16 * half < dpad; half++) {
-            __m512 a = bf16_to_ps(half ? _mm512_extracti64x4_epi64(mx, 1) : _mm512_castsi512_si256(mx));
+            __m512 a = widen(half ? _mm512_extracti64x4_epi64(mx, 1) : _mm512_castsi512_si256(mx));
             __mmask16 nz = _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_GT_OQ);
             _mm512_storeu_ps(sc + c0 + 16 * half, _mm512_mul_ps(a, _mm512_set1_ps(1.0f / 127)));
             _mm512_storeu_ps(isc + c0 + 16 * half, _mm512_maskz_div_ps(nz, _mm512_set1_ps(127.0f), a));
@@ -132,10 +130,10 @@ NI static int channel_ranges(const uint16_t *x, long stride, int T, int d, int d
                              float *isc) {
     __m512i bits = _mm512_setzero_si512();
     for (int c0 = 0; c0 < dpad; c0 += 16) {
-        __mmask16 m = mask16(d - c0);
+        __mmask16 m = lanes(d - c0);
         __m512 mx = _mm512_setzero_ps(), mn = _mm512_setzero_ps();  // (zero lanes beyond d)
         for (int t = 0; t < T; t++) {
-            __m512 v = bf16_to_ps(_mm256_maskz_loadu_epi16(m, x + (size_t)t * stride + c0));
+            __m512 v = widen(_mm256_maskz_loadu_epi16(m, x + (size_t)t * stride + c0));
             mx = t ? _mm512_max_ps(mx, v) : v;
             mn = t ? _mm512_min_ps(mn, v) : v;
             // |v| as integers: NaN above inf, and kept (vmaxps would drop a NaN)
@@ -156,14 +154,14 @@ NI static void pack_k(const uint16_t *k, long stride, int T, int d, int dq, int 
                       const float *isk, uint8_t *kq, uint32_t *kp) {
     for (int t = 0; t < T; t++)
         for (int c0 = 0; c0 < d; c0 += 16) {
-            __mmask16 m = mask16(d - c0);
-            __m512 x = bf16_to_ps(_mm256_maskz_loadu_epi16(m, k + (size_t)t * stride + c0));
+            __mmask16 m = lanes(d - c0);
+            __m512 x = widen(_mm256_maskz_loadu_epi16(m, k + (size_t)t * stride + c0));
             __m512 y = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_loadu_ps(lo + c0)), _mm512_loadu_ps(isk + c0));
             _mm_mask_storeu_epi8(kq + (size_t)t * kst + c0, m, _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(y)));
         }
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int t0 = 0; t0 < tpad; t0 += 16) {
-        __mmask16 m = mask16(T - t0);
+        __mmask16 m = lanes(T - t0);
         __m512i idx = _mm512_mullo_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32(t0)), _mm512_set1_epi32(kst));
         for (int j = 0; j < dq; j++)
             _mm512_storeu_si512(kp + (size_t)j * tpad + t0,
@@ -174,7 +172,7 @@ NI static void pack_k(const uint16_t *k, long stride, int T, int d, int dq, int 
 // s8 codes round(v_tc isv_c) of 16 columns of row t (zero for t >= T)
 AI __m128i v_codes(const uint16_t *v, long stride, int T, int t, int c0, __mmask16 m, __m512 isv) {
     if (t >= T) return _mm_setzero_si128();
-    __m512 x = bf16_to_ps(_mm256_maskz_loadu_epi16(m, v + (size_t)t * stride + c0));
+    __m512 x = widen(_mm256_maskz_loadu_epi16(m, v + (size_t)t * stride + c0));
     return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, isv)));
 }
 
@@ -184,7 +182,7 @@ NI static void pack_v(const uint16_t *v, long stride, int T, int d, int tqn, int
     for (int tq = 0; tq < tqn; tq++) {
         int t = 4 * tq;
         for (int c0 = 0; c0 < dpad; c0 += 16) {
-            __mmask16 m = mask16(d - c0);
+            __mmask16 m = lanes(d - c0);
             __m512 is = _mm512_loadu_ps(isv + c0);
             __m128i a0 = v_codes(v, stride, T, t, c0, m, is), a1 = v_codes(v, stride, T, t + 1, c0, m, is);
             __m128i a2 = v_codes(v, stride, T, t + 2, c0, m, is), a3 = v_codes(v, stride, T, t + 3, c0, m, is);
@@ -206,7 +204,7 @@ NI static void quantize_q(const uint16_t *const *q, int d, int dpad, const float
     for (int r = 0; r < MR; r++) {
         __m512 amax = _mm512_setzero_ps();
         for (int c0 = 0; c0 < dpad; c0 += 16) {
-            __m512 x = _mm512_mul_ps(bf16_to_ps(_mm256_maskz_loadu_epi16(mask16(d - c0), q[r] + c0)),
+            __m512 x = _mm512_mul_ps(widen(_mm256_maskz_loadu_epi16(lanes(d - c0), q[r] + c0)),
                                      _mm512_loadu_ps(sk + c0));
             _mm512_storeu_ps(qf + c0, x);
             // as integers: |x| bit patterns order like the values and NaN above inf (vmaxps would drop NaN)
@@ -230,7 +228,7 @@ NI static void quantize_q(const uint16_t *const *q, int d, int dpad, const float
 NI static void softmax_rows(const int32_t *s, int lds, int T, int tpad, const float *factor, uint8_t *p, int ldp,
                          float *inv) {
     int nv = tpad / 16;
-    __mmask16 last = mask16(T - 16 * (nv - 1));
+    __mmask16 last = lanes(T - 16 * (nv - 1));
     float mx[MR];
     for (int r = 0; r < MR; r++) {
         const int32_t *row = s + (size_t)r * lds;

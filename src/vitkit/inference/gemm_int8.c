@@ -13,7 +13,7 @@
 // The epilogue's residual and output lines are prefetched before each block's K loop (their cache misses
 // stalled the residual-add GEMMs by 25% without). Compiled at -O2: GCC 12 at -O3 keeps the accumulator
 // array in memory (stores in the K loop, half the speed); the unrolled loops below keep it in registers.
-// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, exp_neg.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, lanes, load16, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>

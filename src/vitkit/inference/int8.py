@@ -113,7 +113,7 @@ class NativeQuantizer:
 
 def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | None:
     """The C quantiser into [0, ``qmax``], or None where it cannot run (no AVX-512, no C compiler)."""
-    lib = native.load(QUANTIZE_SOURCE.read_text(), "vk_quantize", QUANTIZE_FLAGS, QUANTIZE_NEEDS)
+    lib = native.load(native.kernel_source(QUANTIZE_SOURCE), "vk_quantize", QUANTIZE_FLAGS, QUANTIZE_NEEDS)
     return None if lib is None else NativeQuantizer(lib, qmax, fallback)
 
 

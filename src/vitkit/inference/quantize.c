@@ -1,21 +1,13 @@
 // Dynamic per-tensor quantisation of bf16 activations to uint8 for the int8 inference fast path (AVX-512):
 // one parallel region, two passes over the tensor (min/max, then quantise), instead of the ~6 of eager PyTorch.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, lanes, load16, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
-#define AI static inline __attribute__((always_inline))
 #define BLOCK 64  // elements per loop iteration: 4 vectors of 16
-
-// 16 bf16 values -> fp32 (bf16 is the top half of an fp32); lanes past `m` read as +0
-AI __m512 load16(const uint16_t *p, __mmask16 m) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-AI __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u); }
 
 // Inside the parallel region, called by every thread: its range [tlo, thi] merged into the shared one, then the
 // scale and zero point of quantize_dynamic_u8 from it (one thread; the barrier ending `single` lets all see them).

@@ -12,7 +12,7 @@
 //   and dk = dS^T q broadcast, and its two halves are P's rows for dS = P * (dP - D).
 // Sizes: Tp = T rounded up to even (pairs), Tw = T rounded up to 16 (lanes), dw = d rounded up to 16; padding
 // is zero. The saved P is (B h, Tp / 2, Tw) words.
-// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, exp_neg.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, lanes, load16, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,7 +23,6 @@
 #define ATTN_T_MAX 4096
 #define ATTN_D_MAX 256
 
-AI __mmask16 tail(int n) { return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1u) : 0; }
 AI __m512 even_row(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 AI __m512 odd_row(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xFFFF0000u))); }
 // words (bf16(a), bf16(b)): a in the low half
@@ -81,7 +80,7 @@ static void pack_d(const uint16_t *x, long ld, int T, int d, int Tw, uint32_t *k
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)(ld / 2)));
     for (int t0 = 0; t0 < Tw; t0 += 16) {
-        __mmask16 m = tail(T - t0);
+        __mmask16 m = lanes(T - t0);
         const int *rows = (const int *)(x + (size_t)t0 * ld);
         for (int j = 0; j < d / 2; j++)
             _mm512_storeu_si512(kd + (size_t)j * Tw + t0,
@@ -94,7 +93,7 @@ static void pack_t(const uint16_t *x, long ld, int T, int d, int dw, uint32_t *x
     for (int i = 0; 2 * i < T; i++) {
         const uint16_t *r0 = x + (size_t)(2 * i) * ld, *r1 = r0 + ld;
         for (int c = 0; c < dw; c += 16) {
-            __mmask16 m = tail(d - c);
+            __mmask16 m = lanes(d - c);
             __m512i a = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r0 + c));
             __m512i b = 2 * i + 1 < T ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r1 + c)) : _mm512_setzero_si512();
             _mm512_storeu_si512(xt + (size_t)i * dw + c, _mm512_or_si512(a, _mm512_slli_epi32(b, 16)));
@@ -107,14 +106,14 @@ static void store_rows(const float *c, int ldc, float alpha, int nrows, int d, u
     __m512 al = _mm512_set1_ps(alpha);
     for (int r = 0; r < nrows; r++)
         for (int j = 0; j < d; j += 16)
-            _mm256_mask_storeu_epi16(dst + (size_t)r * ld + j, tail(d - j),
+            _mm256_mask_storeu_epi16(dst + (size_t)r * ld + j, lanes(d - j),
                                      narrow(_mm512_mul_ps(al, _mm512_loadu_ps(c + (size_t)r * ldc + j))));
 }
 
 // rows r < nrows of s (fp32, Tw wide) become softmax(scale s[r][0..T)) in place, zero from T to Tw
 static void softmax_rows(float *s, int Tw, int T, float scale, int nrows) {
     int nv = Tw / 16;
-    __mmask16 last = tail(T - 16 * (nv - 1));
+    __mmask16 last = lanes(T - 16 * (nv - 1));
     __m512 sc = _mm512_set1_ps(scale);
     for (int r = 0; r < nrows; r++) {
         float *row = s + (size_t)r * Tw;

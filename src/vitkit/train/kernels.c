@@ -3,7 +3,7 @@
 //   vk_gelu_bwd_bias:   dh = dy (Phi(h) + h phi(h)), db = sum over rows of dh (fp32), in one pass
 //   vk_softmax_fwd:     softmax of every row, in place
 // Rows are split over threads by OpenMP (libgomp, PyTorch's own runtime once torch is loaded).
-// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, exp_neg.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, narrow, lanes, load16, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -11,10 +11,8 @@
 #include <omp.h>
 
 AI __m512 ld(const uint16_t *p) { return widen(_mm256_loadu_si256((const __m256i *)p)); }
-AI __m512 ld_m(const uint16_t *p, __mmask16 m) { return widen(_mm256_maskz_loadu_epi16(m, p)); }
 AI void st(uint16_t *p, __m512 x) { _mm256_storeu_si256((__m256i *)p, narrow(x)); }
 AI void st_m(uint16_t *p, __mmask16 m, __m512 x) { _mm256_mask_storeu_epi16(p, m, narrow(x)); }
-AI __mmask16 tail(int n) { return (__mmask16)((1u << n) - 1u); }  // the first n < 16 lanes
 
 // Phi(h) = P(N(0,1) <= h) = (1 + erf(h / sqrt 2)) / 2, erf by Abramowitz & Stegun 7.1.26 as PyTorch's
 // own vectorised erf (absolute error < 1.5e-7): erf(z) = 1 - t P(t) exp(-z^2), t = 1 / (1 + 0.3275911 z), z >= 0,
@@ -51,8 +49,8 @@ void vk_gelu_fwd(const uint16_t *h, uint16_t *y, long n, int threads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads(threads))
     for (long v = 0; v < nv; v++) st(y + 16 * v, gelu(ld(h + 16 * v)));
     if (n % 16) {
-        __mmask16 m = tail((int)(n % 16));
-        st_m(y + 16 * nv, m, gelu(ld_m(h + 16 * nv, m)));
+        __mmask16 m = lanes((int)(n % 16));
+        st_m(y + 16 * nv, m, gelu(load16(h + 16 * nv, m)));
     }
 }
 
@@ -66,7 +64,7 @@ int vk_gelu_bwd_bias(const uint16_t *dy, const uint16_t *h, uint16_t *dh, float 
     float *part = aligned_alloc(64, (size_t)nt * padded * sizeof(float));
     if (!part) return -1;
     memset(part, 0, (size_t)nt * padded * sizeof(float));
-    __mmask16 m = tail(rem);
+    __mmask16 m = lanes(rem);
 #pragma omp parallel num_threads(nt)
     {
         float *acc = part + (size_t)omp_get_thread_num() * padded;
@@ -80,7 +78,7 @@ int vk_gelu_bwd_bias(const uint16_t *dy, const uint16_t *h, uint16_t *dh, float 
                 st(out + 16 * v, g);
             }
             if (rem) {
-                __m512 g = _mm512_mul_ps(ld_m(dyr + 16 * nv, m), gelu_grad(ld_m(hr + 16 * nv, m)));
+                __m512 g = _mm512_mul_ps(load16(dyr + 16 * nv, m), gelu_grad(load16(hr + 16 * nv, m)));
                 _mm512_store_ps(acc + 16 * nv, _mm512_add_ps(_mm512_load_ps(acc + 16 * nv), g));
                 st_m(out + 16 * nv, m, g);
             }
@@ -102,7 +100,7 @@ int vk_gelu_bwd_bias(const uint16_t *dy, const uint16_t *h, uint16_t *dh, float 
 int vk_softmax_fwd(uint16_t *x, long rows, int n, long stride, int threads) {
     if (n > SOFTMAX_MAX || n < 0) return -2;
     int nv = n / 16, rem = n % 16;
-    __mmask16 m = tail(rem);
+    __mmask16 m = lanes(rem);
 #pragma omp parallel num_threads(nthreads(threads))
     {
         float e[SOFTMAX_MAX] __attribute__((aligned(64)));
@@ -111,7 +109,7 @@ int vk_softmax_fwd(uint16_t *x, long rows, int n, long stride, int threads) {
             uint16_t *row = x + r * stride;
             __m512 mx = _mm512_set1_ps(-__builtin_inff());
             for (int v = 0; v < nv; v++) mx = _mm512_max_ps(mx, ld(row + 16 * v));
-            if (rem) mx = _mm512_mask_max_ps(mx, m, mx, ld_m(row + 16 * nv, m));
+            if (rem) mx = _mm512_mask_max_ps(mx, m, mx, load16(row + 16 * nv, m));
             __m512 big = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
             __m512 sum = _mm512_setzero_ps();
             for (int v = 0; v < nv; v++) {
@@ -120,7 +118,7 @@ int vk_softmax_fwd(uint16_t *x, long rows, int n, long stride, int threads) {
                 sum = _mm512_add_ps(sum, p);
             }
             if (rem) {
-                __m512 p = exp_neg(_mm512_sub_ps(ld_m(row + 16 * nv, m), big));
+                __m512 p = exp_neg(_mm512_sub_ps(load16(row + 16 * nv, m), big));
                 _mm512_store_ps(e + 16 * nv, p);
                 sum = _mm512_mask_add_ps(sum, m, sum, p);
             }
