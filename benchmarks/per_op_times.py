@@ -54,7 +54,9 @@ def main() -> None:
 
         base = fast.base
         base.embed = timed("stem", base.embed)  # type: ignore[method-assign]
-        base.norm.forward = timed("final norm", base.norm.forward)  # type: ignore[method-assign]
+        if fast.stem is not None:  # the patch embedding as a packed GEMM
+            fast.stem.forward = timed("stem", fast.stem.forward)  # type: ignore[method-assign]
+        fast.norm.forward = timed("final norm", fast.norm.forward)  # type: ignore[method-assign]
         base.forward_head = timed("head", base.forward_head)  # type: ignore[method-assign]
         for b in fast.blocks:
             assert isinstance(b, FastBlock)

@@ -57,6 +57,7 @@ from vitkit.inference.int8 import (
 )
 from vitkit.inference.layernorm import NativeLayerNorm
 from vitkit.inference.layernorm import load as load_layernorm
+from vitkit.inference.stem import PackedStem
 from vitkit.models.vit import Block, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
@@ -250,13 +251,21 @@ class InferenceViT(nn.Module):
         self.base = base.to(dtype)
         self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused, gemm, layernorm) for b in blocks)
         self.norm = NativeLayerNorm(self.base.norm, layernorm)  # the final norm
+        # CPU: the patch embedding as one pre-packed GEMM (``vitkit.inference.stem``)
+        self.stem = PackedStem(model, dtype, rows, PackedLinear) if pack and cpu else None
+        self.use_stem = self.stem is not None
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
-        z = self.base.embed(x.to(self.dtype))  # (B, T, D)
-        B, T, D = z.shape
-        z = z.reshape(B * T, D)
+        if self.stem is not None and self.use_stem and self.stem.supports(x):
+            B = x.shape[0]
+            z = self.stem(x)  # (B*T, D)
+        else:
+            z = self.base.embed(x.to(self.dtype))  # (B, T, D)
+            B = z.shape[0]
+            z = z.reshape(-1, z.shape[-1])
+        T, D = z.shape[0] // B, z.shape[1]
         for blk in self.blocks:
             z = blk(z, B)
         return self.norm(z).view(B, T, D)
