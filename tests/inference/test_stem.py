@@ -28,9 +28,11 @@ def test_stem_equals_the_models_embed(overrides: dict, rows: int | None) -> None
     kw: dict = {"num_classes": 5, "image_size": 48, "depth": 1, **overrides}
     model = randomize_(create_model("Ti/16", **kw)).eval()
     x = torch.randn(3, 3, *model.cfg.image_size)
+    bias = model.patch_embed.proj.bias.detach().clone()
     with torch.inference_mode():
         ref = model.embed(x).reshape(-1, model.cfg.hidden_size)  # (B*T, D)
         stem = PackedStem(model, torch.float32, rows, PackedLinear)
+        assert torch.equal(model.patch_embed.proj.bias, bias)  # zeroed for a moment only
         assert stem.supports(x)
         assert rel_err(stem(x), ref) < 1e-6
         stem16 = PackedStem(model, torch.bfloat16, rows, PackedLinear)

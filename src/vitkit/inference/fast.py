@@ -246,14 +246,14 @@ class InferenceViT(nn.Module):
         gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 else None
         layernorm = load_layernorm() if pack and cpu and dtype == torch.bfloat16 and not int8 else None
         base = copy.deepcopy(model).eval()
+        # CPU: the patch embedding as one pre-packed GEMM (``vitkit.inference.stem``; constants from ``base``)
+        self.stem = PackedStem(base, dtype, rows, PackedLinear) if pack and cpu else None
+        self.use_stem = self.stem is not None
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
         self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused, gemm, layernorm) for b in blocks)
         self.norm = NativeLayerNorm(self.base.norm, layernorm)  # the final norm
-        # CPU: the patch embedding as one pre-packed GEMM (``vitkit.inference.stem``)
-        self.stem = PackedStem(model, dtype, rows, PackedLinear) if pack and cpu else None
-        self.use_stem = self.stem is not None
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ embedding is resampled there) go to the model's ``embed``.
 
 from __future__ import annotations
 
-import copy
+from typing import cast
 
 import torch
 from torch import nn
@@ -27,21 +27,29 @@ class PackedStem(nn.Module):
     ``PackedLinear`` class of the fast path (passed in: this module sits below ``fast``)."""
 
     def __init__(self, model: VisionTransformer, dtype: torch.dtype, rows: int | None, linear: type) -> None:
+        """``model``: the fast path's own copy of the model, before its cast to ``dtype`` (its patch embedding's
+        bias is set to zero for a moment while the constants are taken)."""
         super().__init__()
         cfg = model.cfg
-        conv = model.patch_embed.proj
+        conv = cast(nn.Conv2d, model.patch_embed.proj)
         D, C, P, _ = conv.weight.shape
         self.dtype, self.patch, self.channels = dtype, P, C
         self.image_size = tuple(cfg.image_size)
         self.prefix = cfg.num_prefix_tokens
         as_linear = nn.Linear(C * P * P, D, bias=conv.bias is not None)
-        zero = copy.deepcopy(model).float().eval()
         with torch.no_grad():
             as_linear.weight.copy_(conv.weight.detach().reshape(D, C * P * P))
-            if conv.bias is not None:
-                as_linear.bias.copy_(conv.bias.detach())
-                zero.patch_embed.proj.bias.zero_()
-            offset = zero.embed(torch.zeros(1, C, *self.image_size))[0]  # (T, D): prefix rows; pos of patches
+            conv_bias = conv.bias
+            saved = None if conv_bias is None else conv_bias.detach().clone()
+            if conv_bias is not None and saved is not None:
+                as_linear.bias.copy_(saved)
+                conv_bias.zero_()
+            try:
+                zeros = torch.zeros(1, C, *self.image_size, dtype=conv.weight.dtype, device=conv.weight.device)
+                offset = model.embed(zeros)[0]  # (T, D): the prefix rows, then the patches' position embedding
+            finally:
+                if conv_bias is not None and saved is not None:
+                    conv_bias.copy_(saved)
         patch_rows = None if rows is None else rows // cfg.num_tokens() * (cfg.num_tokens() - self.prefix)
         self.proj = linear(as_linear, dtype, "none", patch_rows)  # packed for the batch's patch rows
         self.offset: torch.Tensor
