@@ -65,7 +65,9 @@ def instrument(fast: InferenceViT, acc: Times) -> None:
             b.fused = TimedKernel(b.fused, "attention kernel", acc)  # type: ignore[assignment]
         b.forward = timed(b.forward, "block", acc)  # type: ignore[method-assign]
     fast.base.embed = timed(fast.base.embed, "stem (patch embed)", acc)  # type: ignore[method-assign]
-    fast.base.norm.forward = timed(fast.base.norm.forward, "final norm", acc)  # type: ignore[method-assign]
+    if fast.stem is not None:  # the fast path's packed stem, where it takes the images
+        fast.stem.forward = timed(fast.stem.forward, "stem (patch embed)", acc)  # type: ignore[method-assign]
+    fast.norm.forward = timed(fast.norm.forward, "final norm", acc)  # type: ignore[method-assign]
     fast.base.forward_head = timed(fast.base.forward_head, "head", acc)  # type: ignore[method-assign]
 
 
