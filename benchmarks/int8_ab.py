@@ -11,7 +11,9 @@ VNNI kernel (``vitkit.inference.gemm_int8``) or by oneDNN (weights pre-packed fo
 ``lnq=1`` or ``lnq=0``: norm1 -> qkv and norm2 -> fc1 as one LayerNorm + quantise C kernel
 (``vitkit.inference.int8.LayerNormQuantize``) or LayerNorm then the quantiser; ``gemm=1`` or ``gemm=0``: the VNNI
 GEMM kernel as built from this tree or from ``gemm_int8.c`` at the git revision ``--gemm-rev`` (default main; the
-same packed weights), to compare a change of the kernel. After 2
+same packed weights), to compare a change of the kernel; ``rowq=1`` or ``rowq=0``: the inputs of proj and fc2 (attention
+output, fc1's output) quantised per row (``NativeQuantizer.per_row``, a scale and zero point per row in the VNNI
+GEMM) or per tensor. After 2
 warm-up rounds the variants are timed call by call, alternating (``vitkit.timing.time_alternating``)::
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/int8_ab.py B/16 \\
@@ -61,6 +63,11 @@ def configure(fast: InferenceViT, settings: dict[str, float], kernels: dict[obje
                         kernel = m.gemm or m.vnni  # type: ignore[has-type]
                         m.vnni = kernel  # type: ignore[assignment]
                         m.gemm = kernel if v else None
+                continue
+            if k == "rowq":  # int8: proj's and fc2's inputs quantised per row (1) or per tensor (0)
+                rows = kernels.setdefault("rows", b.rows_quantize)
+                assert rows is not None, "no per-row quantiser here (C quantiser and VNNI GEMM needed)"
+                b.rows_quantize = rows if v else None  # type: ignore[assignment]
                 continue
             if k == "gemm":  # the VNNI GEMM built from this tree (1) or from --gemm-rev (0)
                 for m in b.modules():
