@@ -15,9 +15,12 @@ printed. Variants:
 - ``sdpa``: PyTorch's fused ``scaled_dot_product_attention``;
 - ``compiled-blocks``: ``new-attn`` with every block ``torch.compile``'d (inductor);
 - ``compiled-blocks-old-attn``: ``old-attn`` with every block compiled (inductor sees the whole formula);
-- ``kernels``: ``new-attn`` with vitkit's C training kernels (``vitkit.train.kernels``: fc1 + GELU with the
-  fused GELU/bias-gradient backward, and the whole attention forward and backward in C), what the trainer
+- ``kernels``: ``new-attn`` with vitkit's training kernels (``vitkit.train.kernels``: fc1 + GELU with the
+  fused GELU/bias-gradient backward, the whole attention forward and backward in C, the Linear layers'
+  GEMMs through oneDNN on weights reordered once per pass), what the trainer
   runs on an AVX-512 BF16 CPU;
+- ``kernels-aten-linear``: ``kernels`` with the Linear layers' forward and input-gradient GEMMs as ATen's
+  ``addmm`` / ``mm`` on the plain weights (the trainer before the oneDNN GEMMs on reordered weights);
 - ``kernels-no-attn``: ``kernels`` with the attention left to ``softmax_attention``'s GEMMs and only its
   softmax in C (the trainer before the C attention kernel);
 - ``kernels-gelu`` / ``kernels-softmax``: one of the two elementwise kinds alone (no attention kernel).
@@ -69,9 +72,9 @@ def _compiled_blocks(model: VisionTransformer) -> VisionTransformer:
 
 
 def _with_kernels(
-    model: VisionTransformer, gelu: bool = True, softmax: bool = True, attention: bool = True
+    model: VisionTransformer, gelu: bool = True, softmax: bool = True, attention: bool = True, linear: bool = True
 ) -> VisionTransformer:
-    loaded = kernels.load(gelu=gelu, softmax=softmax, attention=attention)
+    loaded = kernels.load(gelu=gelu, softmax=softmax, attention=attention, linear=linear)
     if loaded is None:
         raise SystemExit("the C training kernels cannot run here (no C compiler or no AVX-512 BF16)")
     model.set_training_kernels(loaded)
@@ -86,6 +89,7 @@ VARIANTS: dict[str, Callable[[VisionTransformer], nn.Module]] = {
     "sdpa": lambda m: m,
     "kernels": _with_kernels,
     "kernels-no-attn": lambda m: _with_kernels(m, attention=False),
+    "kernels-aten-linear": lambda m: _with_kernels(m, linear=False),
     "kernels-gelu": lambda m: _with_kernels(m, softmax=False, attention=False),
     "kernels-softmax": lambda m: _with_kernels(m, gelu=False, attention=False),
 }
