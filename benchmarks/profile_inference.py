@@ -76,7 +76,7 @@ def classify(name: str, shapes: list[Any], D: int) -> str:
         return "attention: softmax"
     if "scaled_dot_product" in low or "flash_attention" in low or "fused_attention" in low:
         return "attention: fused kernel"
-    if "layer_norm" in low:
+    if "layer_norm" in low or "layernorm_bf16" in low:
         return "LayerNorm"
     if "compiled" in low or "quantize" in low or "aminmax" in low or "inductor" in low:
         return "quantise activations"

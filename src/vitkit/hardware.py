@@ -71,3 +71,12 @@ def has_tf32(device: torch.device | str) -> bool:
     (Ampere) and later."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def use_tf32(device: torch.device) -> str:
+    """fp32 matmuls on TF32 tensor cores where ``device`` has them (PyTorch's default is full fp32); returns the
+    previous ``torch.get_float32_matmul_precision()``, to put back when done."""
+    previous = torch.get_float32_matmul_precision()
+    if has_tf32(device):
+        torch.set_float32_matmul_precision("high")
+    return previous

@@ -11,9 +11,9 @@ gradients and optimiser state are sharded across processes -- for the large vari
 
 from __future__ import annotations
 
-import contextlib
 import os
-import time
+import signal
+import threading
 import types
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -73,32 +73,35 @@ def teardown(info: DistInfo, clean: bool = True) -> None:
 
 
 FAILURE_KEY = "vitkit/failure"  # in the process group's store: the first failed process's one-line error
-SEEN_KEY = "vitkit/failure_seen"  # how many other processes have read it
 
 
 class PeerFailure(VitkitError):
-    """Another process of the run failed; the message is that process's error."""
+    """Another process of the run failed; the message is that process's error. The process raising it ignores
+    SIGTERM from then on (``StopSignal``): it is expected to report this and exit."""
+
+
+class Terminated(VitkitError):
+    """This process was sent SIGTERM during a multi-process run (torchrun's agent stops the remaining processes
+    this way once one has exited)."""
 
 
 class FailureNotice:
     """What a process whose run raised ``error`` tells the others, through the rendezvous store at
-    MASTER_ADDR:MASTER_PORT (torchrun's, or process 0's), before it leaves the group.
+    MASTER_ADDR:MASTER_PORT (torchrun's agent serves it, so it outlives any one worker).
 
     The first failure is recorded; a process that fails later because of it (a collective whose peer left:
     gloo's "connection closed by peer") finds it and gets it as ``peer``, a :class:`PeerFailure` to raise
-    instead of its own error. Leaving the group (``teardown(clean=False)``) makes the peers' pending
-    collectives fail at once, so nobody waits out the process-group timeout; the failed process then waits
-    (``wait_for_peers``, a few seconds at most) until the others have read its error and left the group
-    (``acknowledge``), because the store may be served by its own process. Under torchrun the agent also
-    stops the remaining processes when one exits.
+    instead of its own error. The failed process then leaves at once: its peers' pending collectives fail only
+    when its connections close, and with DDP or FSDP holding the process group that is when the process exits
+    (measured with torch 2.13's gloo: destroying, aborting or shutting down the group does not close them).
     """
 
     def __init__(self, info: DistInfo, error: BaseException) -> None:
-        self.info, self.peer, self.store = info, None, None
+        self.peer: PeerFailure | None = None
         if not (info.enabled and dist.is_initialized()):
             return
-        try:  # a client of its own: the group's may already be closed by the failure; held until wait_for_peers
-            self.store = dist.TCPStore(
+        try:  # a client of its own: the group's may already be closed by the failure
+            store = dist.TCPStore(
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=5)
             )
         except (KeyError, ValueError, RuntimeError):
@@ -106,33 +109,46 @@ class FailureNotice:
         text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         mine = f"process {info.rank}: {text if isinstance(error, VitkitError) else f'{type(error).__name__}: {text}'}"
         try:
-            value = self.store.compare_set(FAILURE_KEY, "", mine)  # the first failure wins
+            value = store.compare_set(FAILURE_KEY, "", mine)  # the first failure wins
             first = value.decode() if isinstance(value, bytes) else str(value)
             if first != mine:
                 self.peer = PeerFailure(f"stopped because {first}")
-        except (RuntimeError, ValueError):  # the store is gone with the process that served it
-            self.store = None
+        except (RuntimeError, ValueError):  # no store to tell: each process reports its own error
+            pass
 
-    def acknowledge(self) -> None:
-        """A process stopped by another's failure: say it has read that error, once it has left the group. The
-        failed process waits for this before it exits, and under torchrun its exit makes the agent stop the
-        others: acknowledged earlier (while still leaving the group), a peer could be stopped before it had
-        reported the error."""
-        if self.store is None or self.peer is None:
-            return
-        with contextlib.suppress(RuntimeError, ValueError):
-            self.store.add(SEEN_KEY, 1)
-        self.store = None
 
-    def wait_for_peers(self, timeout: float = 10.0) -> None:
-        """After leaving the group: wait until every other process has read this failure (or ``timeout``)."""
-        if self.store is None or self.peer is not None:
-            return
-        deadline = time.monotonic() + timeout
-        with contextlib.suppress(RuntimeError, ValueError):
-            while self.store.add(SEEN_KEY, 0) < self.info.world - 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
-        self.store = None
+class StopSignal:
+    """SIGTERM during a multi-process run, as a :class:`Terminated` exception, so that the run stops through
+    its failure path (``FailureNotice``) instead of dying where it stands.
+
+    When one worker exits, torchrun's agent sends SIGTERM to the others (SIGKILL 30 s later). Their collectives
+    fail at the same moment (the exited worker's connections close), so without this the agent's signal
+    raced their report of the first failure and sometimes killed them before it (a slow test lost it 1 run in
+    ~10). Installed for the run's lifetime in the main thread of a multi-process run; ``stop`` holds further
+    SIGTERMs off while the failure is handled and ``release`` puts back the previous handler. A process stopped
+    by another's failure keeps SIGTERM held (``release(keep_holding=True)``): it is about to raise
+    :class:`PeerFailure`, and its caller reports that and exits.
+    """
+
+    def __init__(self, info: DistInfo) -> None:
+        self.previous: Any = None
+        self.armed = info.enabled and threading.current_thread() is threading.main_thread()
+        if self.armed:
+            self.previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def _raise(self, signum: int, frame: object) -> None:
+        self.stop()
+        raise Terminated("stopped by SIGTERM")
+
+    def stop(self) -> None:
+        """From now on SIGTERM is ignored (until ``release``)."""
+        if self.armed:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def release(self, keep_holding: bool = False) -> None:
+        if self.armed and not keep_holding:
+            signal.signal(signal.SIGTERM, self.previous)
+        self.armed = False
 
 
 def checkpoint_activations(model: nn.Module) -> nn.Module:

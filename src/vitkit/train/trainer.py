@@ -46,7 +46,7 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
-from vitkit.hardware import has_tf32
+from vitkit.hardware import use_tf32
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
@@ -106,10 +106,7 @@ class Trainer:
         self.progress = progress
         self.dist = distr.setup(cfg.device)
         self.device = self.dist.device
-        # fp32 matmuls on TF32 tensor cores where the GPU has them (PyTorch's default is full fp32); put back on close
-        self._matmul_precision = torch.get_float32_matmul_precision()
-        if has_tf32(self.device):
-            torch.set_float32_matmul_precision("high")
+        self._matmul_precision = use_tf32(self.device)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
         self.skipped = 0
@@ -164,6 +161,7 @@ class Trainer:
                 "optim.warmup_epochs=0)",
                 file=sys.stderr,
             )
+        self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
 
     # ---- setup -----------------------------------------------------------------------------------------
 
@@ -553,6 +551,7 @@ class Trainer:
             self._tb.close()
             self._tb = None
         distr.teardown(self.dist, clean)
+        self._sigterm.release()
         torch.set_float32_matmul_precision(self._matmul_precision)
 
     def __enter__(self) -> Trainer:
@@ -562,12 +561,12 @@ class Trainer:
         if exc is None:
             self.close()
             return
-        notice = distr.FailureNotice(self.dist, exc)  # tell the other processes (distributed.py)
+        self._sigterm.stop()  # no SIGTERM while the other processes are told (distributed.py)
+        peer = distr.FailureNotice(self.dist, exc).peer  # set when another process failed first
+        self._sigterm.release(keep_holding=peer is not None)  # torchrun's SIGTERM must not cut its report short
         self.close(clean=False)
-        if notice.peer is not None:  # this process stopped because another failed: report that one's error
-            notice.acknowledge()
-            raise notice.peer from None
-        notice.wait_for_peers()
+        if peer is not None:
+            raise peer from None
 
 
 def _holds_run(path: Path) -> bool:
