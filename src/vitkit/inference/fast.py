@@ -156,6 +156,7 @@ class FastBlock(nn.Module):
         itemsize = torch.empty((), dtype=dtype).element_size()
         mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         self.fuse_norm = False  # int8 with the C quantiser: LayerNormQuantize for norm1 -> qkv, norm2 -> fc1
+        self.rows_quantize: Quantizer | None = None  # int8: proj's and fc2's quantiser (NativeQuantizer.per_row)
         if quantize is not None:
             self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize, gemm)
             self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize, gemm)
@@ -164,6 +165,10 @@ class FastBlock(nn.Module):
             # LayerNorm -> quantiser as one C kernel where the quantiser is the C one (bf16 rows)
             kernel = quantize if isinstance(quantize, NativeQuantizer) else None
             self.fuse_norm = kernel is not None
+            # the inputs of proj and fc2 (attention output, fc1's output) quantised per row, one pass from memory per
+            # row, where the VNNI GEMM takes per-row scales
+            vnni = gemm is not None and dtype == torch.bfloat16  # (Int8Linear takes the kernel for bf16 outputs)
+            self.rows_quantize = kernel.per_row if kernel is not None and vnni else None
             self.norm1_q = LayerNormQuantize(norm1, quantize, kernel)
             self.norm2_q = LayerNormQuantize(norm2, quantize, kernel)
         else:
@@ -190,7 +195,10 @@ class FastBlock(nn.Module):
                 q, k, v = heads.unbind(0)  # 3 x (B, h, T, d), strided views
                 o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
             o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
-        x = self.proj(o, x)  # x + proj(o)
+        if self.rows_quantize is not None:  # int8: the attention output quantised per row
+            x = cast(Int8Linear, self.proj).forward_quantized(*self.rows_quantize(o), x)  # x + proj(o)
+        else:
+            x = self.proj(o, x)  # x + proj(o)
         step = chunk_rows(BT, self.fc1_features * x.element_size(), self.mlp_bytes) if self.mlp_bytes else BT
         if step >= BT:
             return self.mlp(x)
@@ -220,7 +228,10 @@ class FastBlock(nn.Module):
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuse_norm:
-            return self.fc2(cast(Int8Linear, self.fc1).forward_quantized(*self.norm2_q(x)), x)
+            h = cast(Int8Linear, self.fc1).forward_quantized(*self.norm2_q(x))  # (rows, hidden)
+            if self.rows_quantize is not None:
+                return cast(Int8Linear, self.fc2).forward_quantized(*self.rows_quantize(h), x)
+            return self.fc2(h, x)
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
 
 

@@ -15,8 +15,13 @@ autograd takes two (GELU backward, then the Linear's bias-gradient sum):
 
     h = x W^T + b,  y = h Phi(h);  dh = dy (Phi(h) + h phi(h)),  db = sum_rows dh,  dx = dh W,  dW = dh^T x.
 
-Under autocast it casts x, W and b to the autocast dtype as autocast's own Linear does, and runs the same
-GEMMs (``addmm`` forward, two ``mm`` backward); gradients come back in the parameters' dtypes.
+Under autocast it casts x, W and b to the autocast dtype as autocast's own Linear does; its forward and
+input-gradient GEMMs run through ``kernels.linear`` where it takes the activations (else ``addmm`` / ``mm``),
+the weight gradient through ``mm``; gradients come back in the parameters' dtypes.
+
+:func:`linear`: F.linear with the same GEMM routing (the blocks' qkv, proj and fc2 when kernels are set):
+on CPU, oneDNN's GEMM on the weight reordered into its blocked layout once per pass, forward (W) and
+backward (W^T for dx = dy W) -- ~1.2x the rate of ``addmm`` / ``mm`` on the plain weight (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 from vitkit.models.attention import attention_backward_reference, attention_reference
 from vitkit.models.kernel_api import TrainingKernels
 
-__all__ = ["TorchKernels", "TrainingKernels", "linear_gelu"]
+__all__ = ["TorchKernels", "TrainingKernels", "linear", "linear_gelu"]
 
 
 class TorchKernels:
@@ -44,6 +49,12 @@ class TorchKernels:
     def gelu_backward_bias(self, grad: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         dh = torch.ops.aten.gelu_backward(grad, h)
         return dh, dh.sum(0, dtype=torch.promote_types(dh.dtype, torch.float32))
+
+    def linear_supported(self, x: torch.Tensor) -> bool:
+        return True
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
 
     def softmax_supported(self, x: torch.Tensor) -> bool:
         return True
@@ -71,8 +82,9 @@ class _LinearGelu(torch.autograd.Function):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
         w = weight.to(x.dtype)  # (D_out, D_in)
-        h = torch.addmm(bias.to(x.dtype), x2, w.t())  # (N, D_out)
-        ctx.save_for_backward(x2, w, h)
+        ctx.gemm = kernels.linear_supported(x2)
+        h = kernels.linear(x2, w, bias.to(x.dtype)) if ctx.gemm else torch.addmm(bias.to(x.dtype), x2, w.t())
+        ctx.save_for_backward(x2, w, h)  # h: (N, D_out)
         ctx.kernels, ctx.lead, ctx.dtypes = kernels, lead, (weight.dtype, bias.dtype)
         return kernels.gelu(h).reshape(*lead, h.shape[1])
 
@@ -83,9 +95,55 @@ class _LinearGelu(torch.autograd.Function):
         g = grad.reshape(h.shape).to(h.dtype).contiguous()  # (N, D_out)
         dh, db = ctx.kernels.gelu_backward_bias(g, h)
         need_x, need_w, need_b, _ = ctx.needs_input_grad
-        dx = torch.mm(dh, w).reshape(*ctx.lead, w.shape[1]) if need_x else None
+        dx = _input_grad(ctx, dh, w).reshape(*ctx.lead, w.shape[1]) if need_x else None
         dw = torch.mm(dh.t(), x2).to(ctx.dtypes[0]) if need_w else None
         return dx, dw, db.to(ctx.dtypes[1]) if need_b else None, None
+
+
+def _input_grad(ctx: Any, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """grad W: (N, D_out) x (D_out, D_in), through the kernels' GEMM where the forward pass used it."""
+    return ctx.kernels.linear(grad, w.t(), None) if ctx.gemm else torch.mm(grad, w)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels
+    ) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
+        w = weight.to(x.dtype)  # (D_out, D_in)
+        y = kernels.linear(x2, w, None if bias is None else bias.to(x.dtype))  # (N, D_out)
+        ctx.save_for_backward(x2, w)
+        ctx.kernels, ctx.lead, ctx.gemm = kernels, lead, True
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return y.reshape(*lead, w.shape[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x2, w = ctx.saved_tensors
+        g = grad.reshape(-1, w.shape[0]).to(w.dtype).contiguous()  # (N, D_out)
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        dx = _input_grad(ctx, g, w).reshape(*ctx.lead, w.shape[1]) if need_x else None
+        dw = torch.mm(g.t(), x2).to(ctx.dtypes[0]) if need_w else None
+        db = g.sum(0).to(ctx.dtypes[1]) if need_b else None  # as autograd's (sum(dtype=fp32) is 5-50x slower)
+        return dx, dw, db, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels) -> torch.Tensor:
+    """F.linear(x, weight, bias) with its GEMMs (forward, input gradient) through ``kernels`` where they take the
+    activations (autocast applied as for a Linear), else PyTorch's Linear."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        x = x.to(torch.get_autocast_dtype(device))
+    elif weight.dtype != x.dtype:  # as F.linear would: no silent promotion
+        return F.linear(x, weight, bias)
+    if not kernels.linear_supported(x.new_empty(0)):
+        return F.linear(x, weight, bias)
+    with torch.autocast(device, enabled=False):
+        out: torch.Tensor = _Linear.apply(x, weight, bias, kernels)
+    return out
 
 
 def linear_gelu(

@@ -25,6 +25,15 @@ class TrainingKernels(Protocol):
         """(dh, db): dh = grad * gelu'(h) in h's dtype, db = dh summed over rows (at least fp32)."""
         ...
 
+    def linear_supported(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`linear` takes activations like ``x`` (dtype, device)."""
+        ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b for x (N, K) and ``weight`` (M, K) (any strides) and ``bias`` (M,), all in x's dtype, as a
+        new (N, M) tensor in that dtype (fp32 sums)."""
+        ...
+
     def softmax_supported(self, x: torch.Tensor) -> bool:
         """Whether :meth:`softmax_` takes a tensor like ``x``."""
         ...

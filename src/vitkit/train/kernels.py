@@ -17,6 +17,10 @@ step runs under bf16 autocast); any other tensor goes through PyTorch's ops as b
   fp32 sums), P kept in bf16 for the backward pass, the output written in the token layout (B, T, D); the
   backward writes dq, dk and dv straight into the projection's gradient (B, T, 3D).
 
+With them the Linear layers' forward and input-gradient GEMMs (bf16) run through oneDNN's
+``_linear_pointwise`` on the weight reordered for it (``_reorder_linear_weight``) once per pass, where this
+PyTorch has oneDNN's bf16 linear (``hardware.has_onednn_linear``).
+
 Loaded from ``vitkit.train`` rather than from the model, since models sit below the layer that compiles
 native code: the model only sees the interface.
 """
@@ -29,7 +33,7 @@ from typing import Any
 
 import torch
 
-from vitkit import native
+from vitkit import hardware, native
 
 FLAGS = (
     *("-fopenmp", "-fno-strict-aliasing"),
@@ -59,8 +63,10 @@ class CpuTrainingKernels:
         gelu: bool = True,
         softmax: bool = True,
         attention_lib: ctypes.CDLL | None = None,
+        linear: bool = True,
     ) -> None:
         self.lib, self.use_gelu, self.use_softmax = lib, gelu, softmax
+        self.use_linear = linear and hardware.has_onednn_linear(torch.bfloat16)
         self.attention_lib = attention_lib
         if attention_lib is not None:
             attention_lib.vk_attn_fwd.argtypes = [_ptr, _ptr, _ptr, *[_c_int] * 4, ctypes.c_float, _c_int]
@@ -80,7 +86,7 @@ class CpuTrainingKernels:
         return self  # stateless: a copied model shares the loaded library
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reload, (self.use_gelu, self.use_softmax, self.attention_lib is not None))
+        return (_reload, (self.use_gelu, self.use_softmax, self.attention_lib is not None, self.use_linear))
 
     def gelu_supported(self, h: torch.Tensor) -> bool:
         return self.use_gelu and _bf16_cpu(h)
@@ -106,6 +112,15 @@ class CpuTrainingKernels:
         if rc != 0:
             raise MemoryError("the GELU backward kernel could not allocate its per-thread sums")
         return dh, db
+
+    def linear_supported(self, x: torch.Tensor) -> bool:
+        return self.use_linear and _bf16_cpu(x)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # oneDNN's GEMM on the weight reordered into its blocked layout for x's rows: ~1.2x the rate of aten's
+        # mm / addmm on the plain weight (which oneDNN would reorder inside every call, or not at all)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), x.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
     def softmax_supported(self, x: torch.Tensor) -> bool:
         return self.use_softmax and _bf16_cpu(x) and x.is_contiguous() and 0 < x.shape[-1] <= SOFTMAX_MAX
@@ -182,7 +197,9 @@ def _raise_for(rc: int) -> None:
         raise ValueError("the attention kernel refused its arguments")
 
 
-def load(gelu: bool = True, softmax: bool = True, attention: bool = True) -> CpuTrainingKernels | None:
+def load(
+    gelu: bool = True, softmax: bool = True, attention: bool = True, linear: bool = True
+) -> CpuTrainingKernels | None:
     """The kernels compiled for this CPU, or None where they cannot run (see the module docstring)."""
     lib = native.load(native.kernel_source(SOURCE), "vk_train", FLAGS, NEEDS)
     if lib is None:
@@ -190,8 +207,8 @@ def load(gelu: bool = True, softmax: bool = True, attention: bool = True) -> Cpu
     attention_lib = (
         native.load(native.kernel_source(ATTENTION_SOURCE), "vk_train_attention", FLAGS, NEEDS) if attention else None
     )
-    return CpuTrainingKernels(lib, gelu, softmax, attention_lib)
+    return CpuTrainingKernels(lib, gelu, softmax, attention_lib, linear)
 
 
-def _reload(gelu: bool, softmax: bool, attention: bool = True) -> CpuTrainingKernels | None:
-    return load(gelu, softmax, attention)
+def _reload(gelu: bool, softmax: bool, attention: bool = True, linear: bool = True) -> CpuTrainingKernels | None:
+    return load(gelu, softmax, attention, linear)
