@@ -5,13 +5,18 @@ scikit-learn's 8x8 digits (upscaled to 32x32, RGB), a few epochs of AdamW, then 
 bf16 fast path and the int8 fast path on the held-out digits: accuracy of each and top-1 agreement with
 fp32. Run (about five minutes on 2 cores, most of it training):
 
-    PYTHONPATH=src python benchmarks/digits_agreement.py
+    PYTHONPATH=src python benchmarks/digits_agreement.py [--checkpoint /tmp/digits_ti4.pt]
+
+``--checkpoint PATH``: the trained weights are saved there, and read from there (no training) when the file
+exists, so that several versions of the fast paths can be compared on the same model.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,15 +38,11 @@ def digits_tensors(size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
 
 
-def main() -> None:
-    torch.manual_seed(0)
-    x_train, y_train, x_test, y_test = digits_tensors()
-    model = create_model("Ti/4", image_size=32, num_classes=10)
+def train(model: torch.nn.Module, x_train: torch.Tensor, y_train: torch.Tensor) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     epochs, batch = 15, 64
     steps = epochs * (len(y_train) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
-    start = time.time()
     model.train()
     for _ in range(epochs):
         perm = torch.randperm(len(y_train))
@@ -53,6 +54,22 @@ def main() -> None:
             loss.backward()
             opt.step()
             sched.step()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, help="save the trained weights here; read them if it exists")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    x_train, y_train, x_test, y_test = digits_tensors()
+    model = create_model("Ti/4", image_size=32, num_classes=10)
+    start = time.time()
+    if args.checkpoint is not None and args.checkpoint.is_file():
+        model.load_state_dict(torch.load(args.checkpoint, weights_only=True))
+    else:
+        train(model, x_train, y_train)
+        if args.checkpoint is not None:
+            torch.save(model.state_dict(), args.checkpoint)
     model.eval()
     report: dict[str, object] = {"train_seconds": round(time.time() - start, 1), "test_images": len(y_test)}
     with torch.inference_mode():

@@ -71,6 +71,8 @@ typedef struct {
     const float *bias;     // bias[n], or NULL
     float a_scale;
     int32_t zp;
+    const float *row_scale;  // per-row activation scales (M), or NULL: a_scale for every row
+    const int32_t *row_zp;   // per-row zero points (M), with row_scale
     const uint16_t *other; // bf16 (M, N) residual for EPI_ADD
     int64_t ldo;
     uint16_t *c;
@@ -138,14 +140,22 @@ AI void block(const job_t *J, int64_t m0, int mr, int j) {
         if (n >= J->N) continue;
         const int left = J->N - n;
         const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-        const __m512i comp = _mm512_mullo_epi32(_mm512_maskz_loadu_epi32(m, J->colsum + n), _mm512_set1_epi32(J->zp));
-        const __m512 sc = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, J->w_scale + n), _mm512_set1_ps(J->a_scale));
+        const __m512i cs = _mm512_maskz_loadu_epi32(m, J->colsum + n);
+        const __m512 ws = _mm512_maskz_loadu_ps(m, J->w_scale + n);
+        const __m512i comp = _mm512_mullo_epi32(cs, _mm512_set1_epi32(J->zp));
+        const __m512 sc = _mm512_mul_ps(ws, _mm512_set1_ps(J->a_scale));
         const __m512 bias = J->bias ? _mm512_maskz_loadu_ps(m, J->bias + n) : _mm512_setzero_ps();
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             if (r < mr) {
-                __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], comp));
-                y = _mm512_fmadd_ps(y, sc, bias);
+                __m512i cr = comp;
+                __m512 sr = sc;
+                if (J->row_scale) {  // the row's own scale and zero point
+                    cr = _mm512_mullo_epi32(cs, _mm512_set1_epi32(J->row_zp[m0 + r]));
+                    sr = _mm512_mul_ps(ws, _mm512_set1_ps(J->row_scale[m0 + r]));
+                }
+                __m512 y = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], cr));
+                y = _mm512_fmadd_ps(y, sr, bias);
                 if (J->epi == EPI_GELU) y = gelu_erf(y);
                 else if (J->epi == EPI_GELU_TANH) y = gelu_tanh(y);
                 else if (J->epi == EPI_ADD)
@@ -179,15 +189,18 @@ int vk_gemm_int8_panel(void) { return P; }
 // c (M, N) bf16 = epilogue(...) as above. a: uint8 (M, K), rows lda apart; bp: vk packed weights of N x K;
 // colsum, w_scale, bias (nullable): N values; other (EPI_ADD): bf16 rows ldo apart; c: rows ldc apart.
 // mc: rows per chunk (<= 0: a default). K <= 65536 keeps |acc| and zp * colsum below 2^31 (255 * 128 * K).
+// row_scale, row_zp (nullable, M values each): a scale and zero point per activation row instead of a_scale, zp.
 // Returns 0, or 1 for arguments it refuses.
 int vk_gemm_u8s8(const uint8_t *a, int64_t lda, int64_t M, int K, int N, const int8_t *bp, const int32_t *colsum,
                  const float *w_scale, const float *bias, float a_scale, int32_t zp, int epi, const uint16_t *other,
-                 int64_t ldo, uint16_t *c, int64_t ldc, int64_t mc, int threads) {
+                 int64_t ldo, uint16_t *c, int64_t ldc, int64_t mc, int threads, const float *row_scale,
+                 const int32_t *row_zp) {
     if (M < 0 || K < 1 || K > 65536 || N < 1 || lda < K || ldc < N || epi < 0 || epi > 3) return 1;
     if (((uintptr_t)bp) & 63) return 1;  // the packed weights' aligned loads
     if (epi == EPI_ADD && (other == NULL || ldo < N)) return 1;
+    if ((row_scale == NULL) != (row_zp == NULL)) return 1;
     if (M == 0) return 0;
-    job_t J = {a, lda, K, bp, colsum, w_scale, bias, a_scale, zp, other, ldo, c, ldc, N, epi};
+    job_t J = {a, lda, K, bp, colsum, w_scale, bias, a_scale, zp, row_scale, row_zp, other, ldo, c, ldc, N, epi};
     if (mc <= 0) mc = 256;
     mc = (mc + MR - 1) / MR * MR;
     int T = threads > 0 ? threads : 1;

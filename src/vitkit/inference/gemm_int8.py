@@ -1,8 +1,9 @@
 """A hand-written int8 GEMM for the int8 inference fast path (AVX-512 VNNI, ``vpdpbusd``), written in C.
 
 ``Int8Linear`` runs its GEMM here, where the kernel can be built, instead of oneDNN's ``qlinear_pointwise``:
-uint8 activations (per-tensor scale and zero point) times int8 weights (symmetric, per output channel), int32
-accumulation, the epilogue in fp32 (bias; none, exact GELU, tanh GELU or a residual add) and a bf16 output.
+uint8 activations (a scale and zero point per tensor or per row) times int8 weights (symmetric, per output
+channel), int32 accumulation, the epilogue in fp32 (bias; none, exact GELU, tanh GELU or a residual add) and a
+bf16 output.
 Weights are packed once (:func:`pack_weights`) into the kernel's operand layout: panels of ``panel`` columns,
 in each the K/4 groups of 4 consecutive k, so that one zmm holds 16 columns x 4 k; K and N are padded with
 zero weights. The zero point is taken out by ``zp * colsum(W)[n]`` per call (column sums precomputed).
@@ -30,14 +31,15 @@ ROWS_PER_CHUNK = 512  # activation rows a thread keeps in L2 while it walks the 
 
 
 class Int8Gemm:
-    """The loaded kernel: ``gemm(q, scale, zero, packed, colsum, w_scale, bias, epilogue, other)`` -> bf16."""
+    """The loaded kernel: ``gemm(q, scale, zero, packed, colsum, w_scale, bias, epilogue, other)`` -> bf16, with
+    ``scale``/``zero`` one per tensor (0-dim) or one per row of ``q`` ((M,) float32 / int32)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.vk_gemm_u8s8
         fn.restype = ctypes.c_int
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         fn.argtypes = [p, i64, i64, i32, i32, p, p, p, p, ctypes.c_float, ctypes.c_int32, i32, p, i64, p, i64, i64]
-        fn.argtypes += [i32]
+        fn.argtypes += [i32, p, p]
         self.fn = fn
         self.panel = int(lib.vk_gemm_int8_panel())
 
@@ -86,6 +88,15 @@ class Int8Gemm:
     ) -> torch.Tensor:
         M, K = q.shape
         N = colsum.shape[0]
+        per_row = scale.dim() == 1  # a scale and zero point per row (float32, int32), else one per tensor
+        if per_row and not (
+            scale.shape == (M,) == zero.shape
+            and scale.dtype == torch.float32
+            and zero.dtype == torch.int32
+            and scale.is_contiguous()
+            and zero.is_contiguous()
+        ):
+            raise ValueError(f"Int8Gemm: per-row scales and zero points must be ({M},) float32 and int32")
         if packed.numel() != -(-N // self.panel) * self.panel * -(-K // 4) * 4:
             raise ValueError(f"Int8Gemm: packed weights of {packed.numel()} bytes do not fit N={N}, K={K}")
         if epilogue == "add" and (other is None or other.shape != (M, N)):
@@ -103,8 +114,8 @@ class Int8Gemm:
                 colsum.data_ptr(),
                 w_scale.data_ptr(),
                 None if bias is None else bias.data_ptr(),
-                float(scale),
-                int(zero),
+                1.0 if per_row else float(scale),
+                0 if per_row else int(zero),
                 EPILOGUES[epilogue],
                 None if other is None else other.data_ptr(),
                 0 if other is None else other.stride(0),
@@ -112,6 +123,8 @@ class Int8Gemm:
                 N,
                 ROWS_PER_CHUNK,
                 torch.get_num_threads(),
+                scale.data_ptr() if per_row else None,
+                zero.data_ptr() if per_row else None,
             )
         if rc != 0:
             raise ValueError(f"the int8 GEMM kernel refused its arguments (M={M}, K={K}, N={N}, {epilogue})")

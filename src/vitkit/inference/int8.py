@@ -104,11 +104,31 @@ class NativeQuantizer:
         ln.restype = ctypes.c_int
         ln.argtypes = [p, i64, i64, i64, p, p, ctypes.c_float, p, p, p, ctypes.c_int, ctypes.c_int]
         self.layernorm = ln
+        rows = lib.vk_quantize_rows_u8  # per row: a scale and zero point for each (per_row)
+        rows.restype = ctypes.c_int
+        rows.argtypes = [p, i64, i64, i64, p, p, p, ctypes.c_int, ctypes.c_int]
+        self.rows_fn = rows
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or not x.is_contiguous():
             return self.fallback(x)
         return _run_quantizer(self.fn, "vitkit::quantize_u8", x.shape, self.qmax, x.data_ptr(), x.numel())
+
+    def per_row(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``quantize_dynamic_u8`` of each row of x (M, K) on its own: codes (M, K) uint8, scales (M,) float32,
+        zero points (M,) int32 (the VNNI GEMM's per-row operands). One pass from memory per row, no barrier
+        between threads; each row's range is at most the tensor's, so its step is too. bf16 CPU rows only."""
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError("per-row quantisation takes bf16 CPU rows (M, K) with contiguous rows")
+        M, K = x.shape
+        q = torch.empty(M, K, dtype=torch.uint8)
+        scale, zero = torch.empty(M, dtype=torch.float32), torch.empty(M, dtype=torch.int32)
+        with torch.profiler.record_function("vitkit::quantize_rows_u8"):
+            args = (x.data_ptr(), M, K, x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(), self.qmax)
+            rc = self.rows_fn(*args, torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the per-row quantisation kernel refused its arguments (rc={rc}, {(M, K)})")
+        return q, scale, zero
 
 
 def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | None:
@@ -233,10 +253,13 @@ class Int8Linear(nn.Module):
         self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, other: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``forward`` of activations quantised already (``q`` uint8 (M, K), per-tensor ``scale`` and ``zero``
-        point, as the quantiser returns them): for a quantiser fused into what precedes (``LayerNormQuantize``)."""
+        point, as the quantiser returns them; or per row, ``NativeQuantizer.per_row``, for the VNNI GEMM only): for a
+        quantiser fused into what precedes (``LayerNormQuantize``) or chosen by the caller."""
         if self.gemm is not None and self.gemm.supports(q, other, self.dtype):
             assert self.packed is not None and self.colsum is not None
             return self.gemm(q, scale, zero, self.packed, self.colsum, self.w_scale, self.bias, self.epilogue, other)
+        if scale.dim():
+            raise ValueError("per-row activation scales need the VNNI GEMM kernel (oneDNN's takes one per tensor)")
         args = (q, scale, zero, self.onednn_weight(), self.w_scale, self.w_zero)
         if self.epilogue == "add" and self.fuse_add:
             try:

@@ -155,3 +155,40 @@ int vk_layernorm_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, const 
     *zero_out = (int64_t)zero;
     return 0;
 }
+
+// vk_quantize_u8 per row (for the int8 GEMM's per-row scales and zero points): row r of x (M rows of D bf16, ldx
+// apart) quantised from its own range [min(min_r x, 0), max(max_r x, 0)] by the same formula -> codes q (rows D
+// apart), scale[r], zero[r]. One pass from memory per row: its min/max, then its codes from L1; no barrier. NaN
+// is left out of a row's range and quantises to 0, as in vk_quantize_u8.
+int vk_quantize_rows_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, uint8_t *q, float *scale_out,
+                        int32_t *zero_out, int qmax, int threads) {
+    if (M < 0 || D < 1 || ldx < D || qmax < 1 || qmax > 255) return 1;
+    const __m512 top = _mm512_set1_ps((float)qmax);
+#pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *row = x + r * ldx;
+        __m512 mn0 = _mm512_setzero_ps(), mn1 = mn0, mx0 = mn0, mx1 = mn0;  // the range contains 0
+        int64_t j = 0;
+        for (; j + 32 <= D; j += 32) {
+            __m512 a = load16(row + j, 0xFFFF), c = load16(row + j + 16, 0xFFFF);
+            mn0 = _mm512_min_ps(a, mn0), mx0 = _mm512_max_ps(a, mx0);  // the value first: NaN left out
+            mn1 = _mm512_min_ps(c, mn1), mx1 = _mm512_max_ps(c, mx1);
+        }
+        for (; j < D; j += 16) {
+            __m512 a = load16(row + j, lanes(D - j));  // zero-filled lanes: no change to a range containing 0
+            mn0 = _mm512_min_ps(a, mn0), mx0 = _mm512_max_ps(a, mx0);
+        }
+        const float lo = _mm512_reduce_min_ps(_mm512_min_ps(mn0, mn1));
+        const float hi = _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1));
+        float s = (hi - lo) / (float)qmax;
+        s = s < 1e-8f ? 1e-8f : s;
+        const float zero = rintf(-lo / s);
+        scale_out[r] = s, zero_out[r] = (int32_t)zero;
+        const __m512 inv = _mm512_set1_ps(1.0f / s), zp = _mm512_set1_ps(zero);
+        for (j = 0; j < D; j += 16) {
+            __mmask16 m = lanes(D - j);
+            store_codes(q + r * D + j, m, load16(row + j, m), inv, zp, top);
+        }
+    }
+    return 0;
+}
