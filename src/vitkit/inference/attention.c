@@ -213,7 +213,8 @@ int vk_attention_bf16(const uint16_t *qkv, uint16_t *out, int B, int T, int H, i
                 }
                 qk_block(kp, tpad, q, dh, s, tpad);
                 softmax_rows(s, tpad, T, tpad, scale, (uint16_t *)pp, tpad, inv);
-                pv_block(vp, dpad, pp, tph, tph, o, inv, T - i0 < MR ? T - i0 : MR, d);
+                // over the (T + 1) / 2 pairs holding a key: the rest of the 16-padded count is zeros
+                pv_block(vp, dpad, pp, tph, (T + 1) / 2, o, inv, T - i0 < MR ? T - i0 : MR, d);
             }
         }
         free(buf);

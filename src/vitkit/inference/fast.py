@@ -17,7 +17,7 @@ The transform keeps the model's function and changes how it is computed:
   weights;
 - in bf16 on a CPU with AVX512_BF16 and a C compiler, LayerNorm by a C kernel (``vitkit.inference.layernorm``:
   the same fp32 arithmetic as PyTorch's, 2.1-2.4x faster on the (B*T, D) tokens; Ti/16 +3%, S/16 +2%);
-- on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB (in L3, and below
+- on CPU the MLP runs over chunks of rows whose hidden activation stays ~10 MiB, ~5 MiB in bf16 (in L3, and below
   glibc's mmap threshold: no page faults per call);
 - optionally int8 linear layers (``vitkit.inference.int8``: per-channel int8 weights, activations quantised
   per call by a C kernel where the CPU has AVX-512: dynamic quantisation; the GEMMs by a VNNI kernel in C,
@@ -65,6 +65,10 @@ SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit pa
 # largest mmap threshold (32 MiB): every call then maps fresh pages and faults them in (220k page faults,
 # 0.36 s of kernel time per call, measured), and it leaves L3 between fc1 and fc2. Chunks of ~10 MiB: +5%.
 MLP_CHUNK_BYTES = 10 << 20
+# bf16 (not int8, whose activation scales are per chunk): chunks of ~5 MiB, measured faster still, alternating in
+# one process (benchmarks/int8_ab.py --precision bf16 --variant mlp_bytes=10 mlp_bytes=5): Ti/16 b32 +11%,
+# S/16 +3.3%, B/16 +1.4% (BENCHMARKS.md, 2026-11-24); 3 MiB was slower on B/16
+BF16_MLP_CHUNK_BYTES = 5 << 20
 
 
 def chunk_rows(rows: int, row_bytes: int, budget: int) -> int:
@@ -144,9 +148,11 @@ class FastBlock(nn.Module):
         # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
         self.explicit_attention = pack and block.attn.qkv.weight.device.type == "cpu"
         self.scores_bytes = SCORES_CHUNK_BYTES
-        # CPU: the MLP runs over chunks of rows (MLP_CHUNK_BYTES); its weights are packed for that many rows
+        # CPU: the MLP runs over chunks of rows (MLP_CHUNK_BYTES, BF16_MLP_CHUNK_BYTES in bf16); its weights are
+        # packed for that many rows
         hidden = self.fc1_features = block.mlp.fc1.out_features
-        self.mlp_bytes = MLP_CHUNK_BYTES if self.explicit_attention else 0
+        budget = BF16_MLP_CHUNK_BYTES if dtype == torch.bfloat16 and quantize is None else MLP_CHUNK_BYTES
+        self.mlp_bytes = budget if self.explicit_attention else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
         mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         self.fuse_norm = False  # int8 with the C quantiser: LayerNormQuantize for norm1 -> qkv, norm2 -> fc1
