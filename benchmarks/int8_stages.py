@@ -59,7 +59,7 @@ def instrument(fast: InferenceViT, acc: Times) -> None:
             assert isinstance(lin, Int8Linear)
             lin.quantize = timed(lin.quantize, f"{name}: quantise input", acc)
             lin.forward_quantized = timed(lin.forward_quantized, f"{name}: GEMM", acc)  # type: ignore[method-assign]
-        if b.rows_quantize is not None:  # the attention output and fc1's output quantised per row
+        if getattr(b, "rows_quantize", None) is not None:  # the attention output and fc1's output quantised per row
             b.rows_quantize = timed(b.rows_quantize, "proj + fc2: quantise inputs per row", acc)
         b.norm1_q.forward = timed(b.norm1_q.forward, "norm1 + quantise", acc)  # type: ignore[method-assign]
         b.norm2_q.forward = timed(b.norm2_q.forward, "norm2 + quantise", acc)  # type: ignore[method-assign]
