@@ -97,8 +97,9 @@ def test_layernorm_quantiser_equals_layernorm_then_quantiser(shape: tuple[int, i
 
 def test_layernorm_quantiser_nan_rows_and_other_inputs() -> None:
     """A row with NaN (LayerNorm makes the whole row NaN) is left out of the range and quantised to 0, as the C
-    quantiser does with NaN; the other rows are what they are without it. Inputs the kernel does not take (fp32,
-    non-contiguous) go through LayerNorm then the quantiser."""
+    quantiser does with NaN; the other rows are what they are without it; rows further apart than their length
+    give what their contiguous copy gives. Inputs the kernel does not take (fp32, a transposed view) go through
+    LayerNorm then the quantiser."""
     norm, native = _layernorm(40), _native()
     fused = int8.LayerNormQuantize(norm, native, native)
     x = torch.randn(9, 40).to(torch.bfloat16)
@@ -110,6 +111,9 @@ def test_layernorm_quantiser_nan_rows_and_other_inputs() -> None:
     assert torch.equal(torch.cat([q[:4], q[5:]]), q_rest)
     assert torch.equal(scale, scale_rest) and torch.equal(zero, zero_rest)
     assert torch.equal(native(norm(x))[0][4], torch.zeros(40, dtype=torch.uint8))  # the same NaN codes
+    rows = torch.randn(9, 56).to(torch.bfloat16)[:, 3:43]  # rows 56 apart: read in place, as their copy
+    for got, want in zip(fused(rows), fused(rows.contiguous()), strict=True):
+        assert torch.equal(got, want)
     plain = int8.LayerNormQuantize(norm.float(), int8.quantize_dynamic_u8, native)
     for other in (torch.randn(6, 40), torch.randn(40, 6).t()):
         for got, want in zip(plain(other), int8.quantize_dynamic_u8(norm(other)), strict=True):

@@ -144,7 +144,7 @@ def test_int8_fast_path_quantises_fc1_output_per_row_where_the_kernels_load() ->
     """Each block's fc2 takes fc1's output quantised per row; the logits stay within int8 noise of those with
     the per-tensor quantiser, and as close to fp32."""
     _gemm(), _native()
-    from helpers import randomize_
+    from helpers import randomize_, rel_err
 
     model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
     fast = InferenceViT(model, torch.bfloat16, None, int8=True)
@@ -156,6 +156,5 @@ def test_int8_fast_path_quantises_fc1_output_per_row_where_the_kernels_load() ->
         for b in blocks:
             b.rows_quantize = None
         tensor = fast(x).float()
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(rows, ref) < 0.1 and rel(rows, tensor) < 0.05
-    assert rel(rows, ref) < 1.25 * rel(tensor, ref)  # per row: no less accurate than per tensor
+    assert rel_err(rows, ref) < 0.1 and rel_err(rows, tensor) < 0.05
+    assert rel_err(rows, ref) < 1.25 * rel_err(tensor, ref)  # per row: no less accurate than per tensor

@@ -18,6 +18,7 @@ from torch import nn
 
 from vitkit import hardware, native
 from vitkit.inference.gemm_int8 import Int8Gemm
+from vitkit.inference.layernorm import LayerNormRows
 
 QUANTIZE_FLAGS = ("-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl")
 QUANTIZE_NEEDS = ("avx512f", "avx512bw", "avx512vl")
@@ -137,7 +138,7 @@ def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | N
     return None if lib is None else NativeQuantizer(lib, qmax, fallback)
 
 
-class LayerNormQuantize(nn.Module):
+class LayerNormQuantize(LayerNormRows):
     """``quantize(norm(x))`` -- a LayerNorm whose output feeds an ``Int8Linear`` -- in one C kernel for
     contiguous bf16 CPU rows (``vk_layernorm_u8`` in ``quantize.c``): mean, rstd and the min/max of the
     normalised output in one pass, the codes in a second, with no bf16 LayerNorm output written or read back.
@@ -145,31 +146,16 @@ class LayerNormQuantize(nn.Module):
     from ``quantize(norm(x))`` by one step. Other inputs, or no ``native`` quantiser, take the two steps."""
 
     def __init__(self, norm: nn.LayerNorm, quantize: Quantizer, native: NativeQuantizer | None) -> None:
-        super().__init__()
-        self.norm, self.quantize = norm, quantize
-        D = norm.normalized_shape[0]
-        self.fn = None if native is None or len(norm.normalized_shape) != 1 else native.layernorm
+        super().__init__(norm)
+        self.quantize = quantize
+        self.fn = None if native is None else native.layernorm
         self.qmax = 255 if native is None else native.qmax
-        weight = torch.ones(D) if norm.weight is None else norm.weight.detach().float()
-        bias = torch.zeros(D) if norm.bias is None else norm.bias.detach().float()
-        self.gamma: torch.Tensor
-        self.beta: torch.Tensor
-        self.register_buffer("gamma", weight.contiguous(), persistent=False)
-        self.register_buffer("beta", bias.contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        D = self.gamma.shape[0]
-        if (
-            self.fn is None
-            or x.device.type != "cpu"
-            or x.dtype != torch.bfloat16
-            or x.dim() != 2
-            or x.shape[1] != D
-            or not x.is_contiguous()
-        ):
+        if self.fn is None or not self.takes(x):
             return self.quantize(self.norm(x))
-        M, eps = x.shape[0], float(self.norm.eps)
-        head = (x.data_ptr(), M, D, D, self.gamma.data_ptr(), self.beta.data_ptr(), eps)
+        M, D, eps = x.shape[0], x.shape[1], float(self.norm.eps)
+        head = (x.data_ptr(), M, D, x.stride(0), self.gamma.data_ptr(), self.beta.data_ptr(), eps)
         return _run_quantizer(self.fn, "vitkit::layernorm_u8", x.shape, self.qmax, *head)
 
 

@@ -35,14 +35,15 @@ def load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return fn
 
 
-class NativeLayerNorm(nn.Module):
-    """``norm(x)`` (a LayerNorm over the last dimension) by the C kernel for bf16 CPU (rows, D) tensors with unit
-    column stride; anything else, or ``kernel`` None, goes to ``norm`` itself."""
+class LayerNormRows(nn.Module):
+    """A LayerNorm whose rows a C kernel reads: ``norm`` itself (the fallback), its scale and shift as
+    contiguous fp32 buffers (ones and zeros where it has none), and ``takes(x)``: whether ``x`` is what the
+    kernels read -- bf16 CPU (rows, D) with unit column stride and rows at least D apart. The base of
+    ``NativeLayerNorm`` and of the int8 path's ``LayerNormQuantize``."""
 
-    def __init__(self, norm: nn.LayerNorm, kernel: ctypes._CFuncPtr | None) -> None:  # type: ignore[name-defined]
+    def __init__(self, norm: nn.LayerNorm) -> None:
         super().__init__()
         self.norm = norm
-        self.fn = kernel if len(norm.normalized_shape) == 1 else None
         D = norm.normalized_shape[-1]
         weight = torch.ones(D) if norm.weight is None else norm.weight.detach().float()
         bias = torch.zeros(D) if norm.bias is None else norm.bias.detach().float()
@@ -51,17 +52,30 @@ class NativeLayerNorm(nn.Module):
         self.register_buffer("gamma", weight.contiguous(), persistent=False)
         self.register_buffer("beta", bias.contiguous(), persistent=False)
 
+    def takes(self, x: torch.Tensor) -> bool:
+        D = self.gamma.shape[0]
+        return (
+            len(self.norm.normalized_shape) == 1
+            and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16
+            and x.dim() == 2
+            and x.shape[1] == D
+            and x.stride(1) == 1
+            and x.stride(0) >= D
+        )
+
+
+class NativeLayerNorm(LayerNormRows):
+    """``norm(x)`` (a LayerNorm over the last dimension) by the C kernel for the rows it ``takes``; anything
+    else, or ``kernel`` None, goes to ``norm`` itself."""
+
+    def __init__(self, norm: nn.LayerNorm, kernel: ctypes._CFuncPtr | None) -> None:  # type: ignore[name-defined]
+        super().__init__(norm)
+        self.fn = kernel
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         D = self.gamma.shape[0]
-        if (
-            self.fn is None
-            or x.device.type != "cpu"
-            or x.dtype != torch.bfloat16
-            or x.dim() != 2
-            or x.shape[1] != D
-            or x.stride(1) != 1
-            or x.stride(0) < D
-        ):
+        if self.fn is None or not self.takes(x):
             return self.norm(x)
         y = torch.empty(x.shape, dtype=x.dtype)
         with torch.profiler.record_function("vitkit::layernorm_bf16"):
