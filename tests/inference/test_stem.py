@@ -56,3 +56,18 @@ def test_other_image_sizes_take_the_models_embed() -> None:
         plain = fast.forward_features(y)
         fast.use_stem = True
         assert rel_err(fast.forward_features(y), plain) < 1e-6
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_hybrid_models_keep_their_resnet_stem(int8: bool) -> None:
+    """A hybrid's stem is a ResNet before the projection: the fast path leaves it to the model (building a
+    PackedStem from its projection crashed optimize_for_inference) and computes the model's function."""
+    model = randomize_(create_model("R26+S/32", num_classes=5, image_size=64, depth=1)).eval()
+    assert not PackedStem.handles(model)
+    with pytest.raises(ValueError, match="replaces a PatchEmbed"):
+        PackedStem(model, torch.float32, None, PackedLinear)
+    fast = InferenceViT(model, torch.bfloat16, rows=None, int8=int8)
+    assert fast.stem is None
+    x = torch.randn(2, 3, 64, 64)
+    with torch.inference_mode():
+        assert rel_err(fast(x), model(x)) < (0.1 if int8 else 3e-2)

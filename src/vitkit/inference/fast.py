@@ -266,7 +266,7 @@ class InferenceViT(nn.Module):
         layernorm = load_layernorm() if pack and cpu and dtype == torch.bfloat16 and not int8 else None
         base = copy.deepcopy(model).eval()
         # CPU: the patch embedding as one pre-packed GEMM (``vitkit.inference.stem``; constants from ``base``)
-        self.stem = PackedStem(base, dtype, rows, PackedLinear) if pack and cpu else None
+        self.stem = PackedStem(base, dtype, rows, PackedLinear) if pack and cpu and PackedStem.handles(base) else None
         self.use_stem = self.stem is not None
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced

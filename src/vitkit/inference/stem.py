@@ -9,7 +9,8 @@ embedding is added while the result is written into the token matrix; the prefix
 position embedding where it has one) are a constant. The constant parts are taken from the model's own
 ``embed`` run on a zero image with a zero bias (in fp32, before the cast), so every embedding variant
 (learned or sin-cos, class token or GAP) gets them as the model defines them. Other image sizes (the position
-embedding is resampled there) go to the model's ``embed``.
+embedding is resampled there) go to the model's ``embed``, and so do hybrid models (their stem is a ResNet
+before the projection: ``PackedStem.handles``).
 """
 
 from __future__ import annotations
@@ -19,17 +20,24 @@ from typing import cast
 import torch
 from torch import nn
 
-from vitkit.models.vit import VisionTransformer
+from vitkit.models.vit import PatchEmbed, VisionTransformer
 
 
 class PackedStem(nn.Module):
     """``embed(images) -> (B*T, D)`` tokens in ``dtype`` (see the module docstring); ``linear`` is the
     ``PackedLinear`` class of the fast path (passed in: this module sits below ``fast``)."""
 
+    @staticmethod
+    def handles(model: VisionTransformer) -> bool:
+        """Whether the model's stem is the plain patch projection this replaces (not a hybrid's ResNet)."""
+        return isinstance(model.patch_embed, PatchEmbed)
+
     def __init__(self, model: VisionTransformer, dtype: torch.dtype, rows: int | None, linear: type) -> None:
         """``model``: the fast path's own copy of the model, before its cast to ``dtype`` (its patch embedding's
         bias is set to zero for a moment while the constants are taken)."""
         super().__init__()
+        if not self.handles(model):
+            raise ValueError(f"PackedStem replaces a PatchEmbed, not a {type(model.patch_embed).__name__}")
         cfg = model.cfg
         conv = cast(nn.Conv2d, model.patch_embed.proj)
         D, C, P, _ = conv.weight.shape
