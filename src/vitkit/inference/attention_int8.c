@@ -37,8 +37,6 @@ AI __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
     return acc;
 }
 
-
-
 // s[r][t0 + 16 v + lane] = sum_j kp[j][t0 + 16 v + lane] (4 u8) . q_r[quad j] (4 s8), for MR rows
 #define QK_TILE(NV)                                                                                            \
     NI static void qk_tile_##NV(const uint32_t *kp, int tpad, const uint32_t *q, int ldq, int dq, int32_t *s,  \
@@ -89,11 +87,11 @@ QK_TILE(4)
                 int c = c0 + 16 * v;                                                                          \
                 __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]),                                       \
                                          _mm512_mul_ps(sc, _mm512_loadu_ps(sv + c)));                         \
-                __m256i o = (__m256i)_mm512_cvtneps_pbh(y);                                                   \
+                __m256i o = narrow(y);                                                                        \
                 if (c + 16 <= d)                                                                              \
                     _mm256_storeu_si256((__m256i *)(out[r] + c), o);                                          \
                 else if (c < d)                                                                               \
-                    _mm256_mask_storeu_epi16(out[r] + c, (__mmask16)((1u << (d - c)) - 1), o);                \
+                    _mm256_mask_storeu_epi16(out[r] + c, lanes(d - c), o);                                    \
             }                                                                                                 \
         }                                                                                                     \
     }
@@ -133,7 +131,7 @@ NI static int channel_ranges(const uint16_t *x, long stride, int T, int d, int d
         __mmask16 m = lanes(d - c0);
         __m512 mx = _mm512_setzero_ps(), mn = _mm512_setzero_ps();  // (zero lanes beyond d)
         for (int t = 0; t < T; t++) {
-            __m512 v = widen(_mm256_maskz_loadu_epi16(m, x + (size_t)t * stride + c0));
+            __m512 v = load16(x + (size_t)t * stride + c0, m);
             mx = t ? _mm512_max_ps(mx, v) : v;
             mn = t ? _mm512_min_ps(mn, v) : v;
             // |v| as integers: NaN above inf, and kept (vmaxps would drop a NaN)
@@ -155,7 +153,7 @@ NI static void pack_k(const uint16_t *k, long stride, int T, int d, int dq, int 
     for (int t = 0; t < T; t++)
         for (int c0 = 0; c0 < d; c0 += 16) {
             __mmask16 m = lanes(d - c0);
-            __m512 x = widen(_mm256_maskz_loadu_epi16(m, k + (size_t)t * stride + c0));
+            __m512 x = load16(k + (size_t)t * stride + c0, m);
             __m512 y = _mm512_mul_ps(_mm512_sub_ps(x, _mm512_loadu_ps(lo + c0)), _mm512_loadu_ps(isk + c0));
             _mm_mask_storeu_epi8(kq + (size_t)t * kst + c0, m, _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(y)));
         }
@@ -172,7 +170,7 @@ NI static void pack_k(const uint16_t *k, long stride, int T, int d, int dq, int 
 // s8 codes round(v_tc isv_c) of 16 columns of row t (zero for t >= T)
 AI __m128i v_codes(const uint16_t *v, long stride, int T, int t, int c0, __mmask16 m, __m512 isv) {
     if (t >= T) return _mm_setzero_si128();
-    __m512 x = widen(_mm256_maskz_loadu_epi16(m, v + (size_t)t * stride + c0));
+    __m512 x = load16(v + (size_t)t * stride + c0, m);
     return _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, isv)));
 }
 
@@ -204,8 +202,7 @@ NI static void quantize_q(const uint16_t *const *q, int d, int dpad, const float
     for (int r = 0; r < MR; r++) {
         __m512 amax = _mm512_setzero_ps();
         for (int c0 = 0; c0 < dpad; c0 += 16) {
-            __m512 x = _mm512_mul_ps(widen(_mm256_maskz_loadu_epi16(lanes(d - c0), q[r] + c0)),
-                                     _mm512_loadu_ps(sk + c0));
+            __m512 x = _mm512_mul_ps(load16(q[r] + c0, lanes(d - c0)), _mm512_loadu_ps(sk + c0));
             _mm512_storeu_ps(qf + c0, x);
             // as integers: |x| bit patterns order like the values and NaN above inf (vmaxps would drop NaN)
             amax = _mm512_castsi512_ps(_mm512_max_epu32(_mm512_castps_si512(amax),

@@ -23,7 +23,6 @@
 #define NR 3  // 16-column vectors per micro-kernel block: panels of 48 columns
 #define P (NR * 16)
 
-
 enum { EPI_NONE = 0, EPI_GELU = 1, EPI_GELU_TANH = 2, EPI_ADD = 3 };
 
 
@@ -159,8 +158,8 @@ AI void block(const job_t *J, int64_t m0, int mr, int j) {
                 if (J->epi == EPI_GELU) y = gelu_erf(y);
                 else if (J->epi == EPI_GELU_TANH) y = gelu_tanh(y);
                 else if (J->epi == EPI_ADD)
-                    y = _mm512_add_ps(y, widen(_mm256_maskz_loadu_epi16(m, J->other + (m0 + r) * J->ldo + n)));
-                _mm256_mask_storeu_epi16(J->c + (m0 + r) * J->ldc + n, m, (__m256i)_mm512_cvtneps_pbh(y));
+                    y = _mm512_add_ps(y, load16(J->other + (m0 + r) * J->ldo + n, m));
+                _mm256_mask_storeu_epi16(J->c + (m0 + r) * J->ldc + n, m, narrow(y));
             }
         }
     }

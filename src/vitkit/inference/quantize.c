@@ -1,6 +1,6 @@
 // Dynamic per-tensor quantisation of bf16 activations to uint8 for the int8 inference fast path (AVX-512):
 // one parallel region, two passes over the tensor (min/max, then quantise), instead of the ~6 of eager PyTorch.
-// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, lanes, load16, exp_neg.
+// Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, lanes, load16, row_stats, affine16.
 #include <immintrin.h>
 #include <stdint.h>
 #include <math.h>
@@ -8,6 +8,13 @@
 #include <stdlib.h>
 
 #define BLOCK 64  // elements per loop iteration: 4 vectors of 16
+
+// scale and zero point of quantize_dynamic_u8 for the range [lo, hi] (which contains 0)
+AI void scale_zero(float lo, float hi, int qmax, float *scale, float *zero) {
+    float s = (hi - lo) / (float)qmax;
+    *scale = s < 1e-8f ? 1e-8f : s;
+    *zero = rintf(-lo / *scale);
+}
 
 // Inside the parallel region, called by every thread: its range [tlo, thi] merged into the shared one, then the
 // scale and zero point of quantize_dynamic_u8 from it (one thread; the barrier ending `single` lets all see them).
@@ -19,11 +26,7 @@ static void agree_range(float tlo, float thi, float *lo, float *hi, float *scale
     }
 #pragma omp barrier
 #pragma omp single
-    {
-        float s = (*hi - *lo) / (float)qmax;
-        *scale = s < 1e-8f ? 1e-8f : s;
-        *zero = rintf(-*lo / *scale);
-    }
+    scale_zero(*lo, *hi, qmax, scale, zero);
 }
 
 // codes clamp(round(y * inv) + zp, 0, qmax) of 16 values, stored to the lanes of `m` (vmaxps with 0 first: a NaN y
@@ -84,12 +87,6 @@ int vk_quantize_u8(const uint16_t *x, int64_t n, uint8_t *q, float *scale_out, i
     return 0;
 }
 
-// y = (x - mean) * (rstd * gamma) + beta for 16 columns (lanes past `m` are 0, or NaN when mean is)
-AI __m512 affine16(const uint16_t *x, __mmask16 m, __m512 mu, __m512 rs, const float *gamma, const float *beta) {
-    __m512 a = _mm512_mul_ps(rs, _mm512_maskz_loadu_ps(m, gamma));
-    return _mm512_fmadd_ps(_mm512_sub_ps(load16(x, m), mu), a, _mm512_maskz_loadu_ps(m, beta));
-}
-
 // LayerNorm of bf16 rows fused with the quantiser above (the int8 path's norm1 -> qkv and norm2 -> fc1): y =
 // (x - mean) * rstd * gamma + beta in fp32 (mean and variance in two passes over the row, in L1), quantised
 // per tensor as by vk_quantize_u8 from the min/max of y, which is computed on the fly and not stored: pass 1
@@ -111,25 +108,11 @@ int vk_layernorm_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, const 
 #pragma omp for schedule(static) nowait
         for (int64_t r = 0; r < M; r++) {
             const uint16_t *row = x + r * ldx;
-            __m512 s0 = _mm512_setzero_ps(), s1 = s0;
-            int64_t j = 0;
-            for (; j + 32 <= D; j += 32) {
-                s0 = _mm512_add_ps(s0, load16(row + j, 0xFFFF));
-                s1 = _mm512_add_ps(s1, load16(row + j + 16, 0xFFFF));
-            }
-            for (; j < D; j += 16) s0 = _mm512_add_ps(s0, load16(row + j, lanes(D - j)));
-            float mean = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1)) / (float)D;
-            const __m512 mu = _mm512_set1_ps(mean);
-            __m512 v0 = _mm512_setzero_ps();
-            for (j = 0; j < D; j += 16) {
-                __mmask16 m = lanes(D - j);
-                __m512 d = _mm512_maskz_sub_ps(m, load16(row + j, m), mu);
-                v0 = _mm512_fmadd_ps(d, d, v0);
-            }
-            float rstd = 1.0f / sqrtf(_mm512_reduce_add_ps(v0) / (float)D + eps);
+            float mean, rstd;
+            row_stats(row, D, eps, &mean, &rstd);
             stats[2 * r] = mean, stats[2 * r + 1] = rstd;
-            const __m512 rs = _mm512_set1_ps(rstd);
-            for (j = 0; j < D; j += 16) {
+            const __m512 mu = _mm512_set1_ps(mean), rs = _mm512_set1_ps(rstd);
+            for (int64_t j = 0; j < D; j += 16) {
                 __mmask16 m = lanes(D - j);
                 __m512 y = affine16(row + j, m, mu, rs, gamma + j, beta + j);
                 mn = _mm512_mask_min_ps(mn, m, y, mn);  // y first: a NaN y leaves the running value
@@ -180,9 +163,8 @@ int vk_quantize_rows_u8(const uint16_t *x, int64_t M, int64_t D, int64_t ldx, ui
         }
         const float lo = _mm512_reduce_min_ps(_mm512_min_ps(mn0, mn1));
         const float hi = _mm512_reduce_max_ps(_mm512_max_ps(mx0, mx1));
-        float s = (hi - lo) / (float)qmax;
-        s = s < 1e-8f ? 1e-8f : s;
-        const float zero = rintf(-lo / s);
+        float s, zero;
+        scale_zero(lo, hi, qmax, &s, &zero);
         scale_out[r] = s, zero_out[r] = (int32_t)zero;
         const __m512 inv = _mm512_set1_ps(1.0f / s), zp = _mm512_set1_ps(zero);
         for (j = 0; j < D; j += 16) {
