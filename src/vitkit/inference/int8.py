@@ -75,12 +75,16 @@ class CompiledQuantizer:
 
 
 def _run_quantizer(
-    fn: Callable[..., int], region: str, shape: torch.Size, qmax: int, *head: object
+    fn: Callable[..., int], region: str, shape: torch.Size, qmax: int, *head: object, per_row: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Call a quantising C kernel of ``quantize.c`` -- ``fn(*head, q, scale, zero, qmax, threads)``, the outputs
-    last -- with fresh outputs: codes of ``shape`` (uint8), the scale and the zero point; a named op in profiles."""
+    last -- with fresh outputs: codes of ``shape`` (uint8), the scale and the zero point (0-dim float32 and int64,
+    or with ``per_row`` one per row of ``shape``, float32 and int32); a named op in profiles."""
     q = torch.empty(shape, dtype=torch.uint8)
-    scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
+    if per_row:
+        scale, zero = torch.empty(shape[0], dtype=torch.float32), torch.empty(shape[0], dtype=torch.int32)
+    else:
+        scale, zero = torch.empty((), dtype=torch.float32), torch.empty((), dtype=torch.int64)
     with torch.profiler.record_function(region):
         rc = fn(*head, q.data_ptr(), scale.data_ptr(), zero.data_ptr(), qmax, torch.get_num_threads())
     if rc != 0:
@@ -122,14 +126,8 @@ class NativeQuantizer:
         if x.device.type != "cpu" or x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
             raise ValueError("per-row quantisation takes bf16 CPU rows (M, K) with contiguous rows")
         M, K = x.shape
-        q = torch.empty(M, K, dtype=torch.uint8)
-        scale, zero = torch.empty(M, dtype=torch.float32), torch.empty(M, dtype=torch.int32)
-        with torch.profiler.record_function("vitkit::quantize_rows_u8"):
-            args = (x.data_ptr(), M, K, x.stride(0), q.data_ptr(), scale.data_ptr(), zero.data_ptr(), self.qmax)
-            rc = self.rows_fn(*args, torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the per-row quantisation kernel refused its arguments (rc={rc}, {(M, K)})")
-        return q, scale, zero
+        head = (x.data_ptr(), M, K, x.stride(0))
+        return _run_quantizer(self.rows_fn, "vitkit::quantize_rows_u8", x.shape, self.qmax, *head, per_row=True)
 
 
 def load_native_quantizer(qmax: int, fallback: Quantizer) -> NativeQuantizer | None:

@@ -234,6 +234,11 @@ class PatchEmbed(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
+def _dense(layer: nn.Linear, x: torch.Tensor, kernels: TrainingKernels | None) -> torch.Tensor:
+    """``layer(x)``, its GEMMs through the training kernels' when there are any (``fused.linear``)."""
+    return layer(x) if kernels is None else linear(x, layer.weight, layer.bias, kernels)
+
+
 class Attention(nn.Module):
     """Multi-head self-attention, q/k/v computed by one fused Linear(D, 3D).
 
@@ -261,9 +266,9 @@ class Attention(nn.Module):
         B, T, D = x.shape
         p_drop = self.attention_dropout if self.training else 0.0
         if not (self.fused or return_attention or p_drop):  # q, k, v, scale and gradients in one function
-            out = softmax_attention(self._dense(self.qkv, x), self.num_heads, self.scale, self.kernels)
-            return self._dense(self.proj, out), None
-        qkv = self._dense(self.qkv, x).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
+            out = softmax_attention(_dense(self.qkv, x, self.kernels), self.num_heads, self.scale, self.kernels)
+            return _dense(self.proj, out, self.kernels), None
+        qkv = _dense(self.qkv, x, self.kernels).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
         probs = None
         if return_attention:
@@ -276,11 +281,7 @@ class Attention(nn.Module):
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)  # (B, h, T, d)
         out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, D)
-        return self._dense(self.proj, out), probs
-
-    def _dense(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)``, its GEMMs through the training kernels' when there are any (``fused.linear``)."""
-        return layer(x) if self.kernels is None else linear(x, layer.weight, layer.bias, self.kernels)
+        return _dense(self.proj, out, self.kernels), probs
 
 
 class Mlp(nn.Module):
@@ -301,9 +302,7 @@ class Mlp(nn.Module):
             h = linear_gelu(x, self.fc1.weight, self.fc1.bias, self.kernels)  # (B, T, mlp_dim)
         else:
             h = self.act(self.fc1(x))
-        h = self.drop1(h)
-        out = self.fc2(h) if self.kernels is None else linear(h, self.fc2.weight, self.fc2.bias, self.kernels)
-        return self.drop2(out)  # (B, T, D)
+        return self.drop2(_dense(self.fc2, self.drop1(h), self.kernels))  # (B, T, D)
 
 
 class DropPath(nn.Module):
