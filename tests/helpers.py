@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vitkit.inference import gemm_int8, int8
 from vitkit.models import VisionTransformer, create_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -85,3 +87,40 @@ def sdpa_tokens(qkv: torch.Tensor, batch: int, heads: int, d: int, scale: float)
     q, k, v = qkv.float().view(batch, BT // batch, 3, heads, d).permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
     o = F.scaled_dot_product_attention(q, k, v, scale=scale)  # (B, h, T, d)
     return o.transpose(1, 2).reshape(BT, heads * d)
+
+
+def native_quantizer(qmax: int = 255) -> int8.NativeQuantizer:
+    """The int8 path's C activation quantiser, or skip the test where it cannot be built."""
+    q = int8.load_native_quantizer(qmax, int8.quantize_dynamic_u8)
+    if q is None:
+        pytest.skip("the C quantiser needs AVX-512 and a C compiler")
+    return q
+
+
+def int8_gemm() -> gemm_int8.Int8Gemm:
+    """The VNNI int8 GEMM kernel, or skip the test where it cannot be built."""
+    g = gemm_int8.load()
+    if g is None:
+        pytest.skip("the int8 GEMM kernel needs AVX512_VNNI and AVX512_BF16 and a C compiler")
+    return g
+
+
+def int8_fast_path_switched(
+    attr: str, off: object, ready: Callable[[torch.nn.Module], bool]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A 3-block Ti/16 (48 px, random weights) through the int8 fast path, whose every block must be ``ready``:
+    the logits as built, fp32's, and the logits once each block's ``attr`` is set to ``off`` (the feature off)."""
+    from vitkit import optimize_for_inference
+    from vitkit.inference.fast import FastBlock
+
+    model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
+    fast = optimize_for_inference(model, int8=True)
+    blocks = [b for b in fast.modules() if isinstance(b, FastBlock)]
+    assert blocks and all(ready(b) for b in blocks)
+    x = torch.randn(4, 3, 48, 48)
+    with torch.inference_mode():
+        on, ref = fast(x).float(), model(x)
+        for b in blocks:
+            setattr(b, attr, off)
+        switched = fast(x).float()
+    return on, ref, switched

@@ -9,16 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from vitkit.inference import gemm_int8, int8
+from helpers import int8_gemm
+from vitkit.inference import int8
 from vitkit.inference.fast import InferenceViT
 from vitkit.models import create_model
-
-
-def _gemm() -> gemm_int8.Int8Gemm:
-    g = gemm_int8.load()
-    if g is None:
-        pytest.skip("the int8 GEMM kernel needs AVX512_VNNI and AVX512_BF16 and a C compiler")
-    return g
 
 
 def _reference(layer: int8.Int8Linear, linear: nn.Linear, x: torch.Tensor, other: torch.Tensor | None) -> torch.Tensor:
@@ -47,7 +41,7 @@ SHAPES = [(1, 4, 1), (7, 3, 5), (9, 68, 33), (37, 130, 50), (64, 768, 96), (101,
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "gelu_tanh", "add"])
 def test_int8_gemm_equals_the_quantised_formula_in_float64(shape: tuple[int, int, int], epilogue: str) -> None:
-    g = _gemm()
+    g = int8_gemm()
     M, K, N = shape
     torch.manual_seed(M * 1000 + K + N)
     linear = nn.Linear(K, N)
@@ -66,7 +60,7 @@ def test_int8_gemm_equals_the_quantised_formula_in_float64(shape: tuple[int, int
 def test_int8_gemm_agrees_with_onednn(epilogue: str) -> None:
     """B/16's MLP shapes, cut down: the two GEMMs round the same exact int32 sums to bf16 through their own fp32
     epilogues, so they agree to a bf16 step, and nearly all outputs are equal."""
-    g = _gemm()
+    g = int8_gemm()
     if not int8.has_onednn_int8():
         pytest.skip("no oneDNN int8 kernels in this PyTorch")
     torch.manual_seed(0)
@@ -82,7 +76,7 @@ def test_int8_gemm_agrees_with_onednn(epilogue: str) -> None:
 
 
 def test_int8_gemm_leaves_what_it_does_not_take_to_onednn() -> None:
-    g = _gemm()
+    g = int8_gemm()
     if not int8.has_onednn_int8():
         pytest.skip("no oneDNN int8 kernels in this PyTorch")
     torch.manual_seed(0)
@@ -99,7 +93,7 @@ def test_int8_gemm_leaves_what_it_does_not_take_to_onednn() -> None:
 
 
 def test_int8_gemm_refuses_arguments_that_do_not_fit() -> None:
-    g = _gemm()
+    g = int8_gemm()
     qw = torch.randint(-128, 128, (50, 64), dtype=torch.int8)
     packed = g.pack_weights(qw)
     assert packed.data_ptr() % 64 == 0 and packed.numel() == 96 * 64  # N padded to two 48-column panels
@@ -117,7 +111,7 @@ def test_int8_gemm_refuses_arguments_that_do_not_fit() -> None:
 
 
 def test_int8_fast_path_runs_its_gemms_on_the_kernel_where_it_loads() -> None:
-    _gemm()
+    int8_gemm()
     model = create_model("Ti/16", num_classes=10, image_size=32).eval()
     fast = InferenceViT(model, torch.bfloat16, 4, int8=True)
     layers = [m for m in fast.modules() if isinstance(m, int8.Int8Linear)]

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import int8_fast_path_switched, native_quantizer, rel_err
 from vitkit.inference import int8
-
-
-def _native(qmax: int = 255) -> int8.NativeQuantizer:
-    q = int8.load_native_quantizer(qmax, int8.quantize_dynamic_u8)
-    if q is None:
-        pytest.skip("the C quantiser needs AVX-512 and a C compiler")
-    return q
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 37), (16, 64), (111, 769), (1576, 3072)])
@@ -24,7 +18,7 @@ def test_native_quantiser_equals_pytorch(shape: tuple[int, int], offset: float, 
     at most one step apart (x * (1/scale) against x / scale at exact half-way points)."""
     torch.manual_seed(0)
     x = (torch.randn(shape) * 3 + offset).to(torch.bfloat16)
-    q, scale, zero = _native(qmax)(x)
+    q, scale, zero = native_quantizer(qmax)(x)
     ref_q, ref_scale, ref_zero = int8.quantize_dynamic_u8(x, qmax)
     assert q.dtype == torch.uint8 and q.shape == x.shape
     assert scale.dtype == torch.float32 and zero.dtype == torch.int64
@@ -35,7 +29,7 @@ def test_native_quantiser_equals_pytorch(shape: tuple[int, int], offset: float, 
 
 
 def test_native_quantiser_of_zeros_and_other_inputs() -> None:
-    quantize = _native()
+    quantize = native_quantizer()
     q, scale, zero = quantize(torch.zeros(5, 40, dtype=torch.bfloat16))
     assert torch.equal(q, torch.zeros(5, 40, dtype=torch.uint8)) and int(zero) == 0
     assert torch.equal(scale, int8.quantize_dynamic_u8(torch.zeros(1))[1])  # the clamped 1e-8
@@ -47,7 +41,7 @@ def test_native_quantiser_of_zeros_and_other_inputs() -> None:
 
 
 def test_int8_fast_path_quantises_with_the_c_kernel_where_it_loads() -> None:
-    _native()
+    native_quantizer()
     quantize = int8.fast_quantizer()
     assert isinstance(quantize, int8.NativeQuantizer)
     assert isinstance(quantize.fallback, int8.CompiledQuantizer)
@@ -71,7 +65,7 @@ def test_layernorm_quantiser_equals_layernorm_then_quantiser(shape: tuple[int, i
     bf16 LayerNorm then ``quantize_dynamic_u8`` (what the int8 path did before): at most one step apart, the
     bf16 rounding of the extremes moving the scale by up to ~2^-8."""
     M, D = shape
-    norm, native = _layernorm(D), _native(qmax)
+    norm, native = _layernorm(D), native_quantizer(qmax)
     fused = int8.LayerNormQuantize(norm, native, native)
     x = (torch.randn(M, D) * 2 + 0.5).to(torch.bfloat16)
     q, scale, zero = fused(x)
@@ -100,7 +94,7 @@ def test_layernorm_quantiser_nan_rows_and_other_inputs() -> None:
     quantiser does with NaN; the other rows are what they are without it; rows further apart than their length
     give what their contiguous copy gives. Inputs the kernel does not take (fp32, a transposed view) go through
     LayerNorm then the quantiser."""
-    norm, native = _layernorm(40), _native()
+    norm, native = _layernorm(40), native_quantizer()
     fused = int8.LayerNormQuantize(norm, native, native)
     x = torch.randn(9, 40).to(torch.bfloat16)
     x[4, 7] = float("nan")
@@ -123,31 +117,17 @@ def test_layernorm_quantiser_nan_rows_and_other_inputs() -> None:
 def test_int8_fast_path_fuses_layernorm_and_quantiser_where_the_kernel_loads() -> None:
     """Each block's norm1 -> qkv and norm2 -> fc1 go through the fused kernel; the logits stay those of the
     two-step path up to int8 noise (a one-step code difference on ~2% of the activations)."""
-    _native()
-    from helpers import randomize_
-    from vitkit import optimize_for_inference
-    from vitkit.inference.fast import FastBlock
-    from vitkit.models import create_model
-
-    model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
-    fast = optimize_for_inference(model, int8=True)
-    blocks = [b for b in fast.modules() if isinstance(b, FastBlock)]
-    assert blocks and all(b.fuse_norm and b.norm1_q.fn is not None for b in blocks)
-    x = torch.randn(4, 3, 48, 48)
-    with torch.inference_mode():
-        fused, ref = fast(x).float(), model(x)
-        for b in blocks:
-            b.fuse_norm = False
-        two_step = fast(x).float()
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    assert rel(fused, ref) < 0.1 and rel(fused, two_step) < 0.05
+    native_quantizer()
+    fused_ready = lambda b: b.fuse_norm and b.norm1_q.fn is not None  # noqa: E731
+    fused, ref, two_step = int8_fast_path_switched("fuse_norm", False, fused_ready)
+    assert rel_err(fused, ref) < 0.1 and rel_err(fused, two_step) < 0.05
 
 
 @pytest.mark.parametrize("n", [40, 64 * 5 + 17])
 def test_native_quantiser_leaves_nan_out_of_the_range(n: int) -> None:
     """NaN (in the loop's full blocks and in its tail) neither widens nor resets the range: the scale and the
     other codes are those of the tensor with 0 in its place, and NaN quantises to 0."""
-    quantize = _native()
+    quantize = native_quantizer()
     torch.manual_seed(1)
     x = (torch.randn(n) * 3).to(torch.bfloat16)
     x[0], x[1] = -100.0, 90.0  # the extremes, in lanes 0 and 1 of the first vector

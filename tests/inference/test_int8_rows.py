@@ -11,23 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from vitkit.inference import gemm_int8, int8
-from vitkit.inference.fast import FastBlock, InferenceViT
-from vitkit.models import create_model
-
-
-def _native(qmax: int = 255) -> int8.NativeQuantizer:
-    q = int8.load_native_quantizer(qmax, int8.quantize_dynamic_u8)
-    if q is None:
-        pytest.skip("the C quantiser needs AVX-512 and a C compiler")
-    return q
-
-
-def _gemm() -> gemm_int8.Int8Gemm:
-    g = gemm_int8.load()
-    if g is None:
-        pytest.skip("the int8 GEMM kernel needs AVX512_VNNI and AVX512_BF16 and a C compiler")
-    return g
+from helpers import int8_fast_path_switched, int8_gemm, native_quantizer, rel_err
+from vitkit.inference import int8
 
 
 def _rows_reference(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,7 +29,7 @@ def test_per_row_quantiser_equals_pytorch_row_by_row(shape: tuple[int, int], qma
     torch.manual_seed(shape[0] + shape[1])
     offsets = torch.randn(shape[0], 1) * 8  # rows on either side of zero
     x = (torch.randn(shape) * torch.rand(shape[0], 1) * 4 + offsets).to(torch.bfloat16)
-    q, scale, zero = _native(qmax).per_row(x)
+    q, scale, zero = native_quantizer(qmax).per_row(x)
     ref_q, ref_scale, ref_zero = _rows_reference(x, qmax)
     assert q.dtype == torch.uint8 and q.shape == x.shape
     assert scale.dtype == torch.float32 and zero.dtype == torch.int32 and scale.shape == zero.shape == (shape[0],)
@@ -54,7 +39,7 @@ def test_per_row_quantiser_equals_pytorch_row_by_row(shape: tuple[int, int], qma
 
 
 def test_per_row_quantiser_nan_zero_rows_and_strided_rows() -> None:
-    quantize = _native()
+    quantize = native_quantizer()
     torch.manual_seed(0)
     base = torch.randn(6, 100) * 2
     base[1] = 0.0  # an all-zero row: the clamped scale, zero point 0, codes 0
@@ -102,7 +87,7 @@ def _gemm_reference(
 @pytest.mark.parametrize("shape", [(1, 4, 1), (7, 3, 5), (9, 68, 33), (37, 130, 50), (101, 770, 145), (64, 3072, 96)])
 @pytest.mark.parametrize("epilogue", ["none", "gelu", "add"])
 def test_gemm_with_per_row_scales_equals_the_quantised_formula(shape: tuple[int, int, int], epilogue: str) -> None:
-    g, quantize = _gemm(), _native()
+    g, quantize = int8_gemm(), native_quantizer()
     M, K, N = shape
     torch.manual_seed(M * 1000 + K + N)
     linear = nn.Linear(K, N)
@@ -118,7 +103,7 @@ def test_gemm_with_per_row_scales_equals_the_quantised_formula(shape: tuple[int,
 
 def test_gemm_with_per_row_scales_agrees_with_onednn_row_by_row() -> None:
     """oneDNN's GEMM takes one scale and zero point per tensor: run it on each row's codes alone."""
-    g, quantize = _gemm(), _native()
+    g, quantize = int8_gemm(), native_quantizer()
     if not int8.has_onednn_int8():
         pytest.skip("no oneDNN int8 kernels in this PyTorch")
     torch.manual_seed(1)
@@ -143,18 +128,7 @@ def test_gemm_with_per_row_scales_agrees_with_onednn_row_by_row() -> None:
 def test_int8_fast_path_quantises_fc1_output_per_row_where_the_kernels_load() -> None:
     """Each block's fc2 takes fc1's output quantised per row; the logits stay within int8 noise of those with
     the per-tensor quantiser, and as close to fp32."""
-    _gemm(), _native()
-    from helpers import randomize_, rel_err
-
-    model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
-    fast = InferenceViT(model, torch.bfloat16, None, int8=True)
-    blocks = [b for b in fast.modules() if isinstance(b, FastBlock)]
-    assert blocks and all(b.rows_quantize is not None for b in blocks)
-    x = torch.randn(4, 3, 48, 48)
-    with torch.inference_mode():
-        rows, ref = fast(x).float(), model(x)
-        for b in blocks:
-            b.rows_quantize = None
-        tensor = fast(x).float()
+    int8_gemm(), native_quantizer()
+    rows, ref, tensor = int8_fast_path_switched("rows_quantize", None, lambda b: b.rows_quantize is not None)
     assert rel_err(rows, ref) < 0.1 and rel_err(rows, tensor) < 0.05
     assert rel_err(rows, ref) < 1.25 * rel_err(tensor, ref)  # per row: no less accurate than per tensor
