@@ -135,7 +135,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     card = served.card()
     print(
         f"vitkit serve: {card['name']} ({card['num_classes']} classes, {card['image_size'][0]}x{card['image_size'][1]}"
-        f" px, {served.precision} on {served.backend}) on http://{args.host}:{args.port}  (API docs: /docs)",
+        f" px, {served.engine.describe()}) on http://{args.host}:{args.port}  (API docs: /docs)",
         file=sys.stderr,
         flush=True,
     )

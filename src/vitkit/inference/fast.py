@@ -249,7 +249,9 @@ def _scaled_qkv(qkv: nn.Linear, scale: float) -> nn.Linear:
 
 
 class InferenceViT(nn.Module):
-    """What ``optimize_for_inference`` returns: ``forward(images) -> logits`` in the serving dtype."""
+    """What ``optimize_for_inference`` returns: ``forward(images) -> logits`` in the serving dtype;
+    ``forward_features`` (final tokens) and ``forward_head(tokens, pre_logits=True)`` (pre-logits features)
+    as on the model."""
 
     def __init__(
         self, model: VisionTransformer, dtype: torch.dtype, rows: int | None, int8: bool = False, pack: bool = True
@@ -290,6 +292,19 @@ class InferenceViT(nn.Module):
         return self.norm(z).view(B, T, D)
 
     @torch.no_grad()
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        """Final tokens (B, T, D) -> logits (B, K), or with ``pre_logits=True`` the pre-logits features (B, R)
+        that linear probes, few-shot evaluation and embeddings use (the model's pooling and optional
+        pre-logits layer), in the serving dtype: ``forward_head(forward_features(x), pre_logits=True)`` is the
+        model's own ``forward_head(forward_features(x), pre_logits=True)`` up to the dtype's rounding."""
+        return self.base.forward_head(tokens, pre_logits)
+
+    @property
+    def head(self) -> nn.Module:
+        """The classification head (features -> logits), in the serving dtype."""
+        return self.base.head
+
+    @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.forward_head(self.forward_features(x))
 
@@ -311,8 +326,9 @@ def optimize_for_inference(
     only). ``compile``: instead of pre-packing the weights by hand, hand the fused forward to
     ``torch.compile`` (inductor with weight freezing, which packs and fuses itself; the first call
     compiles). On CPU the eager pre-packed path is the faster one (see BENCHMARKS.md); ``compile`` is the
-    choice on CUDA. The original model is left untouched. The result has ``forward`` (logits) and
-    ``forward_features``; it runs without gradients.
+    choice on CUDA. The original model is left untouched. The result has ``forward`` (logits),
+    ``forward_features`` and ``forward_head(tokens, pre_logits=True)`` (pre-logits features); it runs without
+    gradients.
 
     ``backend``: "torch" (the above), "onnxruntime" or "openvino" (exported to ONNX and run by that engine,
     ``calibration`` images for OpenVINO's int8; see ``vitkit.inference.backends``: callable like the model,

@@ -1,10 +1,10 @@
-"""The model behind ``vitkit serve`` and ``vitkit demo``: a checkpoint, its fast inference copy, and the
+"""The model behind ``vitkit serve`` and ``vitkit demo``: a checkpoint on the inference engine, and the
 attention analyses for single images.
 
-Predictions run through the inference fast path (``vitkit.optimize_for_inference``: pre-packed bf16 or
-int8 weights on CPUs with the instructions, fp32 otherwise), or on ONNX Runtime or OpenVINO (``backend``).
-Attention maps need the attention probabilities, which the fast path never materialises, so they come from
-the checkpoint's own fp32 model (``forward_intermediates``), run only for the images that ask for them.
+Predictions run through :class:`vitkit.inference.engine.InferenceEngine` (the engine every batch job uses:
+the fast path in bf16 or int8, the fp32 reference, or ONNX Runtime / OpenVINO). Attention maps need the
+attention probabilities, which the fast path never materialises, so they come from the checkpoint's own fp32
+model (``forward_intermediates``), run only for the images that ask for them.
 """
 
 from __future__ import annotations
@@ -24,12 +24,29 @@ from PIL import Image
 from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
 from vitkit.checkpoints import Loaded, load_checkpoint, preprocess
 from vitkit.errors import ConfigError, DataError, VitkitError
-from vitkit.hardware import has_native_bf16
-from vitkit.inference import optimize_for_inference
-from vitkit.inference.backends import BACKENDS
+from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
+    CALIBRATION_MAX_IMAGES,
+    PRECISIONS,
+    InferenceEngine,
+    calibration_batch,
+    check_calibration_used,
+    resolve_precision,
+    uses_calibration,
+)
 
-PRECISIONS = ("auto", "fp32", "bf16", "int8")
-CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
+__all__ = [
+    "CALIBRATION_MAX_IMAGES",
+    "PRECISIONS",
+    "Prediction",
+    "RequestError",
+    "ServedModel",
+    "calibration_batch",
+    "check_calibration_used",
+    "decode_image",
+    "png_base64",
+    "resolve_precision",
+    "uses_calibration",
+]
 
 
 class RequestError(VitkitError):
@@ -39,50 +56,6 @@ class RequestError(VitkitError):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
-    """``auto`` -> ``bf16`` where the device computes bf16 natively (AVX512_BF16/AMX, CUDA), else ``fp32``."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if precision == "auto":
-        return "bf16" if has_native_bf16(device) else "fp32"
-    return precision
-
-
-def uses_calibration(backend: str, precision: str) -> bool:
-    """Whether serving on ``backend`` in ``precision`` calibrates on images: OpenVINO's int8 (NNCF post-training
-    quantisation), with ``--backend openvino`` or ``auto``; vitkit's and ONNX Runtime's int8 quantise dynamically."""
-    return backend in ("openvino", "auto") and precision == "int8"
-
-
-def check_calibration_used(backend: str, precision: str) -> None:
-    """Raise ConfigError naming ``--calibration`` when serving on ``backend`` in ``precision`` would not use
-    calibration images (see :func:`uses_calibration`)."""
-    if not uses_calibration(backend, precision):
-        raise ConfigError(
-            "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
-            f"--precision int8), not --backend {backend} --precision {precision}"
-        )
-
-
-def calibration_batch(
-    files: Sequence[str | os.PathLike[str]], pre: preprocess.Preprocess, limit: int = CALIBRATION_MAX_IMAGES
-) -> torch.Tensor:
-    """Calibration images as the model sees a request: decoded by the decoder of every command and transformed
-    by the checkpoint's preprocessing, (N, C, H, W). Of more than ``limit`` files, ``limit`` spread evenly over
-    the list are taken (a sorted class-per-folder tree then gives every class its share), and only those are
-    decoded. Raises DataError naming ``--calibration`` and the file for one that does not decode."""
-    if not files:
-        raise DataError("--calibration: no image files given")
-    picked = list(files) if len(files) <= limit else [files[i * len(files) // limit] for i in range(limit)]
-    images = []
-    for f in picked:
-        try:
-            images.append(pre.to_tensor(preprocess.load_image(f)))
-        except DataError as e:
-            raise DataError(f"--calibration: {e}") from None
-    return torch.stack(images)
 
 
 def decode_image(data: bytes, max_pixels: int) -> Image.Image:
@@ -118,16 +91,16 @@ class Prediction:
 
 
 class ServedModel:
-    """A loaded checkpoint ready to answer: ``predict`` (fast path) and ``attention`` (fp32 model).
+    """A loaded checkpoint ready to answer: ``predict`` (the inference engine) and ``attention`` (fp32 model).
 
     ``precision``: ``auto``, ``fp32``, ``bf16`` or ``int8`` (see :func:`resolve_precision`); ``max_batch``
     chooses oneDNN's weight layout for the batches the server will run (any batch works). ``fast=False``
-    predicts with the checkpoint's own fp32 model (no second copy of the weights; the demo's choice).
-    ``backend``: ``torch`` (vitkit's fast path), ``onnxruntime``, ``openvino`` or ``auto`` (the fastest of
-    them here, measured at start-up); ONNX Runtime computes in fp32 or int8, so ``auto`` precision means fp32
-    there. OpenVINO's int8 is calibrated on ``calibration`` (image files: see :func:`calibration_batch`), else on
-    the preprocessed sample photos and digits of ``vitkit.bench.images``; ``calibration`` with any other backend
-    or precision is refused (ConfigError), as it would not be used.
+    predicts with the checkpoint's own fp32 model (no second copy of the weights; the demo's choice), as
+    ``precision="fp32"`` does. ``backend``: ``torch`` (vitkit's fast path), ``onnxruntime``, ``openvino`` or
+    ``auto`` (the fastest of them here, measured at start-up); ONNX Runtime computes in fp32 or int8, so ``auto``
+    precision means fp32 there. OpenVINO's int8 is calibrated on ``calibration`` (image files: see
+    :func:`calibration_batch`), else on the preprocessed sample photos and digits of ``vitkit.bench.images``;
+    ``calibration`` with any other backend or precision is refused (ConfigError), as it would not be used.
     """
 
     def __init__(
@@ -141,47 +114,36 @@ class ServedModel:
         calibration: Sequence[str | os.PathLike[str]] | None = None,
     ) -> None:
         self.loaded = loaded
-        self.device = torch.device(device)
-        self.model = loaded.model.eval().to(self.device)
-        self.preprocess = loaded.meta.preprocess
-        if self.model.cfg.num_classes <= 0:
+        if loaded.model.cfg.num_classes <= 0:
             raise ConfigError(f"{loaded.meta.source}: the model has no classification head; nothing to serve")
-        if backend not in BACKENDS:
-            raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-        if backend != "torch" and (self.device.type != "cpu" or not fast):
+        if backend != "torch" and (torch.device(device).type != "cpu" or not fast):
             raise ConfigError(f"--backend {backend}: the engines run the fast path on the CPU")
-        if backend == "onnxruntime" and precision == "auto":
-            precision = "fp32"  # ONNX Runtime's CPU provider has no bf16 kernels
-        self.precision = resolve_precision(precision, self.device) if fast else "fp32"
-        self.backend = backend
         if calibration is not None:  # without the fast path the precision is fp32: nothing calibrates
-            check_calibration_used(backend, self.precision)
-        if not fast:
-            self.fast: torch.nn.Module = self.model
-            return
-        dtype = torch.float32 if self.precision == "fp32" else torch.bfloat16
-        if self.precision == "int8":
-            dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
-        calibration_x = None
-        if uses_calibration(backend, self.precision) and calibration is not None:
-            calibration_x = calibration_batch(calibration, self.preprocess)
-        elif uses_calibration(backend, self.precision):
+            backend_precision = resolve_precision(precision, device, backend) if fast else "fp32"
+            check_calibration_used(backend, backend_precision)
+        pre = loaded.meta.preprocess
+
+        def calibrate() -> torch.Tensor:
+            if calibration is not None:
+                return calibration_batch(calibration, pre)
             from vitkit.bench.images import real_image_batch
 
-            calibration_x = real_image_batch(self.preprocess, digits=8)  # NNCF: 24 photos and 8 digits
-        try:
-            self.fast = optimize_for_inference(
-                self.model,
-                dtype,
-                int8=self.precision == "int8",
-                batch_size=max_batch,
-                backend=backend,
-                calibration=calibration_x,
-            )
-        except ValueError as e:  # e.g. int8 without oneDNN, bf16 on ONNX Runtime
-            option = "--precision" if backend == "torch" else f"--backend {backend} --precision"
-            raise ConfigError(f"{option} {self.precision}: {e}") from None
-        self.backend = getattr(self.fast, "backend", backend)  # auto: the one it chose
+            return real_image_batch(pre, digits=8)  # NNCF: 24 photos and 8 digits
+
+        self.engine = InferenceEngine.from_loaded(
+            loaded,
+            precision=precision if fast else "fp32",
+            backend=backend,
+            device=device,
+            batch_size=max_batch,
+            calibration=calibrate,
+        )
+        self.device = self.engine.device
+        self.model = self.engine.model
+        self.preprocess = pre
+        self.precision = self.engine.precision
+        self.backend = self.engine.backend
+        self.fast: torch.nn.Module = self.engine.runner
 
     @classmethod
     def from_checkpoint(
@@ -240,10 +202,9 @@ class ServedModel:
         """A decoded image -> the model's input (C, H, W), by the checkpoint's preprocessing."""
         return self.preprocess.to_tensor(img)
 
-    @torch.inference_mode()
     def probabilities(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> class probabilities (B, K), float32, through the fast path."""
-        return self.fast(x.to(self.device)).float().softmax(dim=-1).cpu()
+        """(B, C, H, W) -> class probabilities (B, K), float32, through the engine."""
+        return self.engine.probabilities(x)
 
     @torch.inference_mode()
     def attentions(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int]]:

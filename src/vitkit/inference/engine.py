@@ -1,0 +1,260 @@
+"""One inference engine for every job: a model and its preprocessing, run at a precision on a backend.
+
+:class:`InferenceEngine` is what ``vitkit predict``, ``eval``, ``fewshot``, ``serve`` and ``demo`` put their
+images through. It holds the checkpoint's fp32 model, its :class:`~vitkit.checkpoints.preprocess.Preprocess`
+and, for the fast precisions, the copy ``optimize_for_inference`` made of it, and gives batched logits,
+probabilities or pre-logits features (the representation the paper's linear probes use).
+
+Precisions (``resolve_precision``):
+
+- ``fp32``: the checkpoint's own fp32 model, its own forward -- the reference, bit for bit what
+  ``model(x)`` computes (and what earlier vitkit versions reported), with images decoded at full scale;
+- ``bf16``: the bf16 fast path (pre-packed weights, fused kernels; ``vitkit.inference.fast``);
+- ``int8``: dynamically quantised linear layers on the fast path (the rest in bf16 where the CPU computes
+  bf16 natively, else fp32);
+- ``auto``: the fastest path that computes the model's function up to floating-point rounding: the bf16
+  fast path where bf16 matmuls are native *and* faster than fp32 ones (CUDA; a CPU with bf16 instructions
+  where a measured GEMM says so, see :func:`vitkit.hardware.bf16_is_faster`), else the fp32 fast path.
+
+Backends: ``torch`` (vitkit's fast path), ``onnxruntime`` (fp32, int8), ``openvino`` (fp32, bf16, NNCF int8,
+calibrated on images), ``auto`` (the fastest of those installed, measured when built). The engines run
+vitkit's ONNX export, which computes logits only: features on them are refused (ConfigError).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vitkit.checkpoints import Loaded, load_checkpoint
+from vitkit.checkpoints.preprocess import Preprocess, load_image
+from vitkit.errors import ConfigError, DataError
+from vitkit.hardware import bf16_is_faster, has_native_bf16
+from vitkit.inference.backends import BACKENDS
+from vitkit.inference.fast import optimize_for_inference
+from vitkit.models.vit import VisionTransformer
+
+PRECISIONS = ("auto", "fp32", "bf16", "int8")
+CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
+
+Calibration = torch.Tensor | Callable[[], torch.Tensor]
+
+
+def resolve_precision(precision: str, device: torch.device | str = "cpu", backend: str = "torch") -> str:
+    """``auto`` -> ``bf16`` where bf16 matmuls are native and faster than fp32 ones on ``device``
+    (:func:`vitkit.hardware.bf16_is_faster`), else ``fp32``; ONNX Runtime (no bf16 kernels) -> ``fp32``.
+    Other precisions are returned as they are (ConfigError for an unknown one)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    if backend == "onnxruntime":
+        return "fp32"
+    return "bf16" if bf16_is_faster(device) else "fp32"
+
+
+def uses_calibration(backend: str, precision: str) -> bool:
+    """Whether ``backend`` in ``precision`` calibrates on images: OpenVINO's int8 (NNCF post-training
+    quantisation), with ``--backend openvino`` or ``auto``; vitkit's and ONNX Runtime's int8 quantise dynamically."""
+    return backend in ("openvino", "auto") and precision == "int8"
+
+
+def check_calibration_used(backend: str, precision: str) -> None:
+    """Raise ConfigError naming ``--calibration`` when ``backend`` in ``precision`` would not use calibration
+    images (see :func:`uses_calibration`)."""
+    if not uses_calibration(backend, precision):
+        raise ConfigError(
+            "--calibration: only OpenVINO's int8 calibrates on images (--backend openvino or auto with "
+            f"--precision int8), not --backend {backend} --precision {precision}"
+        )
+
+
+def calibration_batch(
+    files: Sequence[str | os.PathLike[str]], pre: Preprocess, limit: int = CALIBRATION_MAX_IMAGES
+) -> torch.Tensor:
+    """Calibration images as the model sees them: decoded by the decoder of every command and transformed by
+    the checkpoint's preprocessing, (N, C, H, W). Of more than ``limit`` files, ``limit`` spread evenly over the
+    list are taken (a sorted class-per-folder tree then gives every class its share), and only those are
+    decoded. Raises DataError naming ``--calibration`` and the file for one that does not decode."""
+    if not files:
+        raise DataError("--calibration: no image files given")
+    picked = list(files) if len(files) <= limit else [files[i * len(files) // limit] for i in range(limit)]
+    images = []
+    for f in picked:
+        try:
+            images.append(pre.to_tensor(load_image(f)))
+        except DataError as e:
+            raise DataError(f"--calibration: {e}") from None
+    return torch.stack(images)
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """What one batch gave: pre-logits features (B, R) and/or logits (B, K), float32 on the CPU."""
+
+    features: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+
+
+class InferenceEngine:
+    """A model, its preprocessing, a precision and a backend -> batched logits, probabilities or features.
+
+    ``model``: the fp32 model (left untouched; the fast precisions run a copy). ``precision``/``backend``: see
+    the module docstring (``auto`` resolved here). ``batch_size``: the batch the engine will mostly see, to
+    choose oneDNN's weight layout (any batch works). ``calibration``: OpenVINO int8's calibration images
+    (N, C, H, W), or a function giving them, called only when that engine is built (ConfigError when it is
+    needed and missing). ``labels``: class names for :meth:`label`. Building takes time (packing weights,
+    exporting and compiling for an engine): ``build_seconds`` says how much, :meth:`describe` says it all.
+    """
+
+    def __init__(
+        self,
+        model: VisionTransformer,
+        preprocess: Preprocess,
+        *,
+        precision: str = "auto",
+        backend: str = "torch",
+        device: torch.device | str = "cpu",
+        batch_size: int = 32,
+        calibration: Calibration | None = None,
+        labels: Sequence[str] | None = None,
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+        self.device = torch.device(device)
+        if backend != "torch" and self.device.type != "cpu":
+            raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {self.device}")
+        self.model = model.eval().to(self.device)
+        self.preprocess = preprocess
+        self.labels = list(labels) if labels else None
+        self.requested = precision
+        self.precision = resolve_precision(precision, self.device, backend)
+        self.backend = backend
+        # explicit fp32 on torch: the reference model itself; everything else runs an optimised copy
+        self.fast = not (backend == "torch" and precision == "fp32")
+        start = time.perf_counter()
+        self.runner: torch.nn.Module = self.model
+        if self.fast:
+            self.runner = self._build(batch_size, calibration)
+            self.backend = getattr(self.runner, "backend", backend)  # auto: the one it chose
+        self.build_seconds = time.perf_counter() - start
+
+    @classmethod
+    def from_loaded(cls, loaded: Loaded, **kwargs: Any) -> InferenceEngine:
+        """An engine for a loaded checkpoint: its model, preprocessing and class names."""
+        names = loaded.meta.class_names
+        labels = [loaded.label(i) for i in range(loaded.model.cfg.num_classes)] if names else None
+        return cls(loaded.model, loaded.meta.preprocess, labels=labels, **kwargs)
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | os.PathLike[str], *, format: str | None = None, **kwargs: Any
+    ) -> InferenceEngine:
+        """:meth:`from_loaded` of ``load_checkpoint(path, format=format)``."""
+        return cls.from_loaded(load_checkpoint(path, format=format), **kwargs)
+
+    def _build(self, batch_size: int, calibration: Calibration | None) -> torch.nn.Module:
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
+        if self.precision == "int8":  # the floating-point parts: bf16 where native (the VNNI GEMM writes bf16)
+            dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
+        images = None
+        if uses_calibration(self.backend, self.precision):
+            if calibration is None and self.backend == "openvino":
+                raise ConfigError("--backend openvino --precision int8: NNCF needs calibration images")
+            images = calibration() if callable(calibration) else calibration
+        try:
+            return optimize_for_inference(
+                self.model,
+                dtype,
+                int8=self.precision == "int8",
+                batch_size=batch_size,
+                backend=self.backend,
+                calibration=images,
+            )
+        except ValueError as e:  # e.g. int8 without oneDNN, bf16 on ONNX Runtime
+            option = "--precision" if self.backend == "torch" else f"--backend {self.backend} --precision"
+            raise ConfigError(f"{option} {self.precision}: {e}") from None
+
+    # ---- facts ----------------------------------------------------------------------------------------
+
+    @property
+    def num_classes(self) -> int:
+        return self.model.cfg.num_classes
+
+    @property
+    def gives_features(self) -> bool:
+        """Whether :meth:`features` works: the torch paths do; the ONNX engines give logits only."""
+        return self.backend == "torch"
+
+    @property
+    def reduced_decode(self) -> bool:
+        """Whether JPEGs may be decoded at reduced scale for this engine (the same pixels within resampling
+        error; see :class:`vitkit.data.stream.EvalTransform`): everywhere except the fp32 reference."""
+        return self.fast
+
+    def label(self, index: int) -> str:
+        """The name of class ``index`` (``"class N"`` without class names)."""
+        return self.labels[index] if self.labels and index < len(self.labels) else f"class {index}"
+
+    def describe(self) -> str:
+        """One line: precision, path, backend, device and the build's cost, e.g. ``bf16 fast path (torch) on
+        cpu, built in 0.6 s``."""
+        if not self.fast:
+            what = "fp32 reference (the checkpoint's own model)"
+        elif self.backend == "torch":
+            what = f"{self.precision} fast path"
+        else:
+            what = f"{self.precision} on {self.backend}"
+        auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""
+        built = f", built in {self.build_seconds:.1f} s" if self.fast else ""
+        return f"{auto}{what} on {self.device}{built}"
+
+    # ---- compute --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, x: torch.Tensor, *, logits: bool = True, features: bool = False) -> Outputs:
+        """Images (B, C, H, W), preprocessed -> :class:`Outputs` with the pre-logits features (B, R) and/or the
+        logits (B, K), float32 on the CPU. The reference path computes exactly ``model.forward_head(
+        model.forward_features(x), pre_logits=True)`` and ``model.head`` of it (= ``model(x)``)."""
+        if not (logits or features):
+            raise ValueError("nothing to compute: ask for logits, features or both")
+        if logits and self.num_classes <= 0:
+            raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
+        x = x.to(self.device)
+        if not features:
+            return Outputs(logits=self.runner(x).float().cpu())
+        if not self.gives_features:
+            raise ConfigError(
+                f"--backend {self.backend} computes logits only (vitkit's ONNX export); features need --backend torch"
+            )
+        runner: Any = self.runner
+        rep = runner.forward_head(runner.forward_features(x), pre_logits=True)  # (B, R)
+        out = runner.head(rep).float().cpu() if logits else None
+        return Outputs(features=rep.float().cpu(), logits=out)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> logits (B, K), float32."""
+        out = self.forward(x).logits
+        assert out is not None
+        return out
+
+    def probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> class probabilities (B, K), float32 (softmax of the logits in float32)."""
+        return self.logits(x).softmax(dim=-1)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> pre-logits features (B, R), float32 (ConfigError on the ONNX engines)."""
+        out = self.forward(x, logits=False, features=True).features
+        assert out is not None
+        return out
+
+    def warm_up(self, batch_sizes: Sequence[int]) -> None:
+        """One forward at each batch size, so the first real calls meet ready kernels."""
+        C, (H, W) = self.model.cfg.in_channels, self.preprocess.image_size
+        for b in sorted(set(batch_sizes)):
+            self.forward(torch.zeros(b, C, H, W), logits=self.num_classes > 0, features=self.num_classes <= 0)

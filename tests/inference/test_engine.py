@@ -1,0 +1,96 @@
+"""The one inference engine: the fp32 reference is the model itself, the fast precisions compute the same
+function (logits and pre-logits features) up to their rounding, the ONNX engines refuse features."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import randomize_, rel_err
+from vitkit import hardware
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.errors import ConfigError
+from vitkit.inference import engine as engine_module
+from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.inference.int8 import has_onednn_int8
+from vitkit.models import create_model
+from vitkit.models.vit import VisionTransformer
+
+PRE = Preprocess(image_size=48)
+
+
+def _model(**overrides: object) -> VisionTransformer:
+    kw: dict = {"num_classes": 11, "image_size": 48, "depth": 3, **overrides}
+    return randomize_(create_model("Ti/16", **kw)).eval()  # type: ignore[return-value]
+
+
+def _reference(model: VisionTransformer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        rep = model.forward_head(model.forward_features(x), pre_logits=True)  # (B, R)
+        return rep, model(x)
+
+
+def test_fp32_reference_is_the_model_bit_for_bit() -> None:
+    model = _model(representation_size=24)
+    x = torch.randn(5, 3, 48, 48)
+    rep, logits = _reference(model, x)
+    eng = InferenceEngine(model, PRE, precision="fp32")
+    assert not eng.fast and eng.runner is model and "reference" in eng.describe()
+    out = eng.forward(x, logits=True, features=True)
+    assert torch.equal(out.logits, logits) and torch.equal(out.features, rep)  # type: ignore[arg-type]
+    assert torch.equal(eng.probabilities(x), logits.softmax(-1))
+
+
+PRECISION_TOL = [("fp32", 1e-5), ("bf16", 3e-2), ("int8", 6e-2)]
+
+
+@pytest.mark.parametrize("overrides", [{"representation_size": 24}, {"classifier": "gap"}])
+@pytest.mark.parametrize(("precision", "tol"), PRECISION_TOL)
+def test_fast_path_features_and_logits_match_the_fp32_model(overrides: dict, precision: str, tol: float) -> None:
+    """The fast path's pre-logits output against the model's forward_head(forward_features(x), pre_logits=True)."""
+    if precision == "int8" and not has_onednn_int8():
+        pytest.skip("int8 needs oneDNN")
+    model = _model(**overrides)
+    x = torch.randn(6, 3, 48, 48)
+    rep, logits = _reference(model, x)
+    if precision == "fp32":  # the fp32 fast path is what --precision auto picks where bf16 is not faster
+        eng = InferenceEngine(model, PRE, precision="auto", batch_size=6)
+        if eng.precision != "fp32":
+            pytest.skip("auto picks bf16 on this machine")
+    else:
+        eng = InferenceEngine(model, PRE, precision=precision, batch_size=6)
+    assert eng.fast and eng.precision == precision and eng.runner is not model
+    out = eng.forward(x, logits=True, features=True)
+    assert out.features is not None and out.logits is not None
+    assert out.features.dtype == torch.float32 and out.features.shape == rep.shape
+    assert rel_err(out.features, rep) < tol
+    assert rel_err(out.logits, logits) < tol
+    assert rel_err(eng.features(x), rep) < tol
+
+
+def test_engines_refuse_features_with_a_clear_error() -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    model = _model()
+    eng = InferenceEngine(model, PRE, precision="fp32", backend="onnxruntime", batch_size=2)
+    x = torch.randn(2, 3, 48, 48)
+    assert rel_err(eng.logits(x), _reference(model, x)[1]) < 1e-4
+    assert not eng.gives_features
+    with pytest.raises(ConfigError, match=r"--backend onnxruntime computes logits only.*--backend torch"):
+        eng.features(x)
+
+
+def test_auto_precision_follows_the_measured_bf16_speed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "bf16_is_faster", lambda device="cpu": True)
+    assert resolve_precision("auto") == "bf16" and resolve_precision("auto", backend="onnxruntime") == "fp32"
+    monkeypatch.setattr(engine_module, "bf16_is_faster", lambda device="cpu": False)
+    assert resolve_precision("auto") == "fp32" and resolve_precision("int8") == "int8"
+    with pytest.raises(ConfigError, match="--precision 'fp16'"):
+        resolve_precision("fp16")
+    eng = InferenceEngine(_model(), PRE, precision="auto")  # fp32, but the fast path: not the reference
+    assert eng.fast and eng.precision == "fp32" and eng.describe().startswith("--precision auto -> fp32; fp32 fast")
+
+
+def test_bf16_is_never_faster_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": False)
+    assert not hardware.bf16_is_faster("cpu")
