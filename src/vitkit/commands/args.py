@@ -126,8 +126,51 @@ def add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
         required=required,
         help="dataset: 'digits', an ImageFolder root, a CIFAR python folder, an .npz, or WebDataset shards",
     )
-    p.add_argument("--workers", type=nonnegative_int, default=0, help="image-decoding worker processes (default 0)")
+    add_workers_arg(p)
     p.add_argument("--skip-bad", action="store_true", help="skip unreadable images instead of failing")
+
+
+def add_workers_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--workers",
+        type=nonnegative_int,
+        help="image-decoding worker processes; 0 decodes in the main process (default: one per 4 cores, at least 1)",
+    )
+
+
+def resolve_workers(workers: int | None) -> int:
+    """``--workers`` as given, or the default for this machine (:func:`vitkit.data.stream.default_workers`)."""
+    from vitkit.data.stream import default_workers
+
+    return default_workers() if workers is None else workers
+
+
+def add_engine_args(p: argparse.ArgumentParser, *, backend: bool = True, device: bool = True) -> None:
+    """``--precision`` (and ``--backend``, ``--device``) of the inference engine a job runs on."""
+    p.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "int8"],
+        default="auto",
+        help="auto (default): the fastest path that computes the model's function up to rounding -- bf16 where "
+        "bf16 matmuls are native and measured faster than fp32, else the fp32 fast path; fp32: the checkpoint's own "
+        "model, exactly as earlier versions computed; bf16; int8: dynamically quantised linear layers (CPU)",
+    )
+    if backend:
+        p.add_argument(
+            "--backend",
+            choices=["torch", "onnxruntime", "openvino", "auto"],
+            default="torch",
+            help="what runs the model: torch (vitkit's fast path, default), onnxruntime (fp32, int8), openvino (fp32, "
+            "bf16, NNCF int8 calibrated on the input's images), auto (the fastest installed, measured at start-up); "
+            "pip install 'vitkit[bench]'",
+        )
+    if device:
+        p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default: auto)")
+
+
+def report_engine(engine: Any) -> None:
+    """The engine a job runs on, printed once on stderr as a note: precision, path, backend, device, build time."""
+    print(f"note: engine: {engine.describe()}", file=sys.stderr, flush=True)
 
 
 def load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:

@@ -11,9 +11,12 @@ from vitkit.commands.args import (
     IntermixedParser,
     add_checkpoint_args,
     add_data_args,
+    add_engine_args,
     image_size,
     load_for_eval,
     positive_int,
+    report_engine,
+    resolve_workers,
 )
 from vitkit.errors import VitkitError
 
@@ -58,6 +61,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_checkpoint_args(p)
+    add_engine_args(p, device=False)
     add_data_args(p, required=True)
     p.add_argument("--split", default="test", help="dataset split (default: test)")
     p.add_argument("--real-labels", metavar="FILE", help="label-set file for ReaL-style accuracy (format below)")
@@ -89,7 +93,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         label_file=args.real_labels,
         batch_size=args.batch_size,
         device=device,
-        workers=args.workers,
+        workers=resolve_workers(args.workers),
+        precision=args.precision,
+        backend=args.backend,
+        on_engine=report_engine,
     )
     out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
     paths = write_eval_report(report, out)
@@ -119,6 +126,7 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
         "mean and standard deviation over seeds.",
     )
     add_checkpoint_args(p)
+    add_engine_args(p, backend=False, device=False)
     add_data_args(p, required=True)
     p.add_argument("--train-split", default="train", help="split the shots are drawn from (default: train)")
     p.add_argument("--test-split", default="test", help="split accuracy is measured on (default: test)")
@@ -164,7 +172,9 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
         heldout_per_class=args.heldout,
         batch_size=args.batch_size,
         device=device,
-        workers=args.workers,
+        workers=resolve_workers(args.workers),
+        precision=args.precision,
+        on_engine=report_engine,
     )
     doc = {"checkpoint": args.checkpoint, "data": args.data, **result.to_dict()}
     if args.out:

@@ -1,11 +1,20 @@
-"""``vitkit predict``: top-k labels for image files (the loop is :func:`vitkit.predict`)."""
+"""``vitkit predict``: top-k labels for images -- files, folders, glob patterns or a dataset -- streamed through the
+inference engine, printed or written to a JSONL/CSV/Parquet file (the job is :func:`vitkit.inference.predict.
+predict_job`)."""
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
-from vitkit.commands.args import positive_int
+from vitkit.commands.args import (
+    IntermixedParser,
+    add_engine_args,
+    add_workers_arg,
+    positive_int,
+    report_engine,
+    resolve_workers,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,31 +24,88 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_predict(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "predict",
-        help="top-k labels for images with a checkpoint",
-        description="Classify images with any supported checkpoint. Preprocessing (resize, mean/std) is "
-        "taken from the checkpoint; labels from its class names when it has them.",
+        help="top-k labels for images (files, folders, globs or a dataset), printed or written to a file",
+        description="Classify images with any supported checkpoint. Preprocessing (resize, mean/std) is taken from "
+        "the checkpoint; labels from its class names when it has them. Images are decoded as they are needed, in "
+        "worker processes, so any number of them runs in bounded memory; results are printed as they come, or "
+        "written to --out (.jsonl, .csv or .parquet by its suffix, one row per image: index, image id, top-k "
+        "labels, class indices and probabilities, optionally the logits), flushed per batch; --resume continues "
+        "an interrupted run from what --out holds.",
     )
-    p.add_argument("images", nargs="+", help="image files (any format Pillow reads)")
+    p.__class__ = IntermixedParser  # images may follow options
+    p.add_argument(
+        "images", nargs="*", help="image files, folders (searched recursively) or glob patterns ('photos/**/*.jpg')"
+    )
     p.add_argument(
         "--checkpoint", "-c", required=True, help="checkpoint: a path, URL, registry name (vitkit models) or hub id"
     )
     p.add_argument("--format", help="checkpoint format, if detection should be overridden")
+    p.add_argument(
+        "--data",
+        help="instead of (or besides no) image files: a dataset as 'vitkit train' reads it ('digits', an ImageFolder "
+        "root, WebDataset shards, a Hugging Face dataset, an .npz); ids are its files, shard members or rows",
+    )
+    p.add_argument("--split", default="test", help="split of --data (default: test)")
     p.add_argument("--top-k", type=positive_int, default=5, help="how many labels per image (default 5)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass")
-    p.add_argument("--json", action="store_true", help="print JSON lines instead of text")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass (default 32)")
+    add_engine_args(p)
+    add_workers_arg(p)
+    p.add_argument("--skip-bad", action="store_true", help="a bad image: a row marked failed, counted at the end")
+    p.add_argument("--out", metavar="FILE", help="write rows to FILE: .jsonl, .csv or .parquet (pip install pyarrow)")
+    p.add_argument("--resume", action="store_true", help="continue the interrupted run that --out holds")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument("--logits", action="store_true", help="with --out: also write every image's K logits")
+    p.add_argument("--json", action="store_true", help="without --out: print JSON lines instead of text")
     p.set_defaults(func=cmd_predict)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from vitkit.inference import predict
+    from vitkit.checkpoints import load_checkpoint
+    from vitkit.data.stream import DatasetSource, FileSource, ImageSource, list_inputs
+    from vitkit.errors import ConfigError
+    from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
+    from vitkit.inference.writers import check_rows_output
 
-    results = predict(args.checkpoint, args.images, top_k=args.top_k, batch_size=args.batch_size, format=args.format,
-                      progress=True)  # fmt: skip
-    for r in results:
-        if args.json:
-            print(json.dumps({"image": r.image, "top": [{"label": lab, "prob": p} for lab, p in r.top]}))
-        else:
-            print(r.image)
-            for rank, (lab, p) in enumerate(r.top, 1):
-                print(f"  {rank}. {lab:<40} {p:7.2%}")
+    if bool(args.images) == bool(args.data):
+        raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")
+    if args.out is None and (args.resume or args.logits or args.overwrite):
+        raise ConfigError("--resume, --overwrite and --logits go with --out FILE")
+    if args.out is not None:  # refused before the model is loaded
+        from pathlib import Path
+
+        check_rows_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+    source: ImageSource
+    if args.data:
+        from vitkit.data.base import note_skipped
+        from vitkit.data.datasets import open_dataset
+
+        source = DatasetSource(note_skipped(open_dataset(args.data, args.split, skip_bad=args.skip_bad)))
+    else:
+        source = FileSource(list_inputs(args.images, skip_bad=args.skip_bad))
+    loaded = load_checkpoint(args.checkpoint, format=args.format)
+    opts = PredictOptions(
+        top_k=args.top_k,
+        batch_size=args.batch_size,
+        precision=args.precision,
+        backend=args.backend,
+        device=args.device,
+        workers=resolve_workers(args.workers),
+        skip_bad=args.skip_bad,
+        logits=args.logits,
+    )
+
+    def echo(text: str) -> None:
+        print(text, flush=True)
+
+    summary = predict_job(
+        loaded, source, opts, out=args.out, resume=args.resume, overwrite=args.overwrite, as_json=args.json,
+        echo=echo, on_engine=report_engine,
+    )  # fmt: skip
+    note = summary.failure_note()
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    if args.out is not None:
+        from pathlib import Path
+
+        print(default_output_note(Path(args.out), summary), file=sys.stderr)
     return 0

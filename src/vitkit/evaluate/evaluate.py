@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,7 @@ from vitkit.evaluate.fewshot import (
 )
 from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
 from vitkit.fileio import check_report_dir
+from vitkit.inference.engine import InferenceEngine
 from vitkit.models.vit import VisionTransformer
 
 
@@ -83,7 +84,7 @@ def dataset_file_names(dataset: Any) -> list[str] | None:
 
 
 def evaluate_dataset(
-    model: VisionTransformer,
+    model: VisionTransformer | InferenceEngine,
     dataset: Any,
     preprocess: Preprocess,
     *,
@@ -93,9 +94,17 @@ def evaluate_dataset(
     device: torch.device | str | None = "cpu",
     workers: int = 0,
     progress: bool = True,
+    precision: str = "fp32",
+    backend: str = "torch",
+    on_engine: Callable[[InferenceEngine], None] | None = None,
 ) -> EvalReport:
-    """Top-1/top-5, per-class accuracy and confusion matrix (plus ReaL accuracy given a label-set file)."""
-    K = model.cfg.num_classes
+    """Top-1/top-5, per-class accuracy and confusion matrix (plus ReaL accuracy given a label-set file).
+
+    ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` in ``precision`` (default
+    ``fp32``: the model itself, the reference numbers) on ``backend`` (``on_engine`` is called with the engine
+    once built, after the inputs are checked), or an engine already built. ``workers``: decoding processes
+    (0: this one)."""
+    K = model.num_classes if isinstance(model, InferenceEngine) else model.cfg.num_classes
     if K <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); use 'vitkit fewshot' instead")
     mapping, notes = align_labels(list(dataset.classes), class_names, K)
@@ -106,8 +115,10 @@ def evaluate_dataset(
             sets = read_label_sets(label_file, len(dataset), names, dataset_file_names(dataset))
         elif not Path(label_file).is_file():
             raise DataError(f"{label_file}: no such label file")
-    out = extract(model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers,
-                  desc="eval", progress=progress)  # fmt: skip
+    out = extract(
+        model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers, desc="eval",
+        progress=progress, precision=precision, backend=backend, on_engine=on_engine,
+    )  # fmt: skip
     assert out.logits is not None
     labels = out.labels if mapping is None else mapping[out.labels]
     if labels.min() < 0 or labels.max() >= K:
@@ -165,7 +176,7 @@ def dataset_labels(dataset: Any) -> np.ndarray | None:
 
 
 def fewshot_dataset(
-    model: VisionTransformer,
+    model: VisionTransformer | InferenceEngine,
     train: Any,
     test: Any,
     preprocess: Preprocess,
@@ -179,29 +190,45 @@ def fewshot_dataset(
     device: torch.device | str | None = "cpu",
     workers: int = 0,
     progress: bool = True,
+    precision: str = "fp32",
+    on_engine: Callable[[InferenceEngine], None] | None = None,
 ) -> FewShotResult:
     """Few-shot linear evaluation of a frozen model: features of the training split's sampled shots and of
     the whole test split, then the closed-form probe of :mod:`vitkit.evaluate.fewshot`.
 
     When the training dataset exposes its labels, only the sampled examples are run through the model.
+    ``model``: a model, run in ``precision`` (default ``fp32``: the model itself; ``on_engine`` is called with
+    the engine once built, after the episodes are drawn), or an engine already built.
     """
     K = len(train.classes)
     if len(test.classes) != K:
         raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
     held = heldout_per_class if l2 == "auto" else 0
-    kw: dict[str, Any] = {"batch_size": batch_size, "device": device, "workers": workers, "progress": progress}
+    built: list[InferenceEngine] = []
+
+    def engine() -> InferenceEngine:  # one engine for both splits (its weights packed once), built when needed
+        if isinstance(model, InferenceEngine):
+            return model
+        if not built:
+            dev = device if device is not None else "auto"
+            built.append(InferenceEngine(model, preprocess, precision=precision, device=dev, batch_size=batch_size))
+            if on_engine is not None:
+                on_engine(built[0])
+        return built[0]
+
+    kw: dict[str, Any] = {"batch_size": batch_size, "workers": workers, "progress": progress}
     labels = dataset_labels(train)
     if labels is not None:  # sample first, then extract only what the episodes use
         episodes = sample_episodes(labels, K, shots, seeds, held)
         needed = np.unique(np.concatenate([np.concatenate([e.train, e.heldout]) for e in episodes]))
-        tr = extract(model, train, preprocess, logits=False, features=True, indices=needed.tolist(), **kw,
+        tr = extract(engine(), train, preprocess, logits=False, features=True, indices=needed.tolist(), **kw,
                      desc="features (train shots)")  # fmt: skip
         pos = np.full(len(labels), -1, dtype=np.int64)
         pos[tr.indices] = np.arange(len(tr.indices))
         episodes = [type(e)(e.seed, e.shots, pos[e.train], pos[e.heldout]) for e in episodes]
     else:
-        tr = extract(model, train, preprocess, logits=False, features=True, desc="features (train)", **kw)
+        tr = extract(engine(), train, preprocess, logits=False, features=True, desc="features (train)", **kw)
         episodes = sample_episodes(tr.labels, K, shots, seeds, held)
-    te = extract(model, test, preprocess, logits=False, features=True, desc="features (test)", **kw)
+    te = extract(engine(), test, preprocess, logits=False, features=True, desc="features (test)", **kw)
     assert tr.features is not None and te.features is not None
     return run_episodes(episodes, tr.features, tr.labels, te.features, te.labels, K, l2, l2_grid)

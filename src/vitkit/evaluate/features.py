@@ -2,13 +2,14 @@
 
 Works with any dataset that follows vitkit's data interface: map-style (``__len__`` and ``__getitem__ ->
 (PIL image, label)``) or iterable-only (streaming shards), preprocessed with the checkpoint's
-:class:`~vitkit.checkpoints.preprocess.Preprocess`.
+:class:`~vitkit.checkpoints.preprocess.Preprocess` (:class:`~vitkit.data.eval_transform.EvalTransform`),
+decoded as needed (:mod:`vitkit.data.stream`) and run on the :class:`~vitkit.inference.engine.InferenceEngine`.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,63 +18,18 @@ import torch
 from tqdm import tqdm
 
 from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.data.eval_transform import EvalTransform
+from vitkit.data.stream import DatasetSource, StreamBatch, stream_batches, stream_iterable
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.jobs import calibration_sample
 from vitkit.models.vit import VisionTransformer
 
 
 def is_map_style(dataset: Any) -> bool:
     """Whether the dataset supports ``len`` and random access (else it is streamed in order)."""
     return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
-
-
-class _Prepared(torch.utils.data.Dataset):
-    """Map-style view that preprocesses examples and remembers their dataset index."""
-
-    def __init__(self, dataset: Any, preprocess: Preprocess, indices: Sequence[int]) -> None:
-        self.dataset, self.preprocess, self.indices = dataset, preprocess, list(indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, j: int) -> tuple[torch.Tensor, int, int]:
-        i = self.indices[j]
-        img, label = self.dataset[i]
-        return self.preprocess.to_tensor(img), int(label), i
-
-
-def iterate_batches(
-    dataset: Any,
-    preprocess: Preprocess,
-    batch_size: int,
-    indices: Sequence[int] | None = None,
-    workers: int = 0,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Yield (images (B, C, H, W), labels (B,), dataset indices (B,)) in dataset order.
-
-    ``indices`` restricts a map-style dataset to those examples; ``workers`` > 0 decodes in worker
-    processes (map-style only).
-    """
-    if is_map_style(dataset):
-        chosen = range(len(dataset)) if indices is None else indices
-        loader = torch.utils.data.DataLoader(
-            _Prepared(dataset, preprocess, chosen), batch_size=batch_size, shuffle=False, num_workers=workers
-        )
-        yield from loader
-        return
-    if indices is not None:
-        raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
-    xs: list[torch.Tensor] = []
-    ys: list[int] = []
-    for i, (img, label) in enumerate(dataset):
-        xs.append(preprocess.to_tensor(img))
-        ys.append(int(label))
-        if len(xs) == batch_size:
-            yield torch.stack(xs), torch.tensor(ys), torch.arange(i + 1 - len(xs), i + 1)
-            xs, ys = [], []
-    if xs:
-        n = len(xs)
-        yield torch.stack(xs), torch.tensor(ys), torch.arange(i + 1 - n, i + 1)
 
 
 @dataclass
@@ -86,9 +42,8 @@ class Extracted:
     features: np.ndarray | None = None  # (N, R) float32, pre-logits representation
 
 
-@torch.inference_mode()
 def extract(
-    model: VisionTransformer,
+    model: VisionTransformer | InferenceEngine,
     dataset: Any,
     preprocess: Preprocess,
     *,
@@ -100,35 +55,63 @@ def extract(
     workers: int = 0,
     desc: str = "extract",
     progress: bool = True,
+    precision: str = "fp32",
+    backend: str = "torch",
+    on_engine: Callable[[InferenceEngine], None] | None = None,
 ) -> Extracted:
     """Run the model over a dataset in batches, collecting logits and/or pre-logits features.
 
     Features are the frozen representation the paper's linear probes use: the pooled token after the
     optional pre-logits layer (``forward_head(tokens, pre_logits=True)``).
+
+    ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` built here in
+    ``precision`` (default ``fp32``: the model itself, exactly) on ``backend`` and ``device`` (``on_engine`` is
+    called with it once built), or an engine already built (``precision``, ``backend`` and ``device`` are then
+    its own). A map-style dataset is decoded by ``workers`` processes (0: this one), which start before the
+    engine is built; ``indices`` restricts it to those examples. An iterable-only dataset is streamed in order.
     """
     if not (logits or features):
         raise ValueError("nothing to extract: ask for logits, features or both")
-    if logits and model.cfg.num_classes <= 0:
+    if not isinstance(model, InferenceEngine) and logits and model.cfg.num_classes <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
-    dev = device if isinstance(device, torch.device) else resolve_device(device)
-    model = model.eval().to(dev)
+    reference = not model.reduced_decode if isinstance(model, InferenceEngine) else precision == "fp32"
+    transform = EvalTransform(preprocess, reference=reference and backend == "torch")
     total = None
+    batches: Iterator[StreamBatch]
     if is_map_style(dataset):
-        n = len(dataset) if indices is None else len(indices)
-        total = -(-n // batch_size)
+        total = len(dataset) if indices is None else len(indices)
+        batches = stream_batches(DatasetSource(dataset), transform, batch_size, positions=indices, workers=workers)
+    elif indices is not None:
+        raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
+    else:
+        items = ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
+        batches = stream_iterable(items, transform, batch_size)
+    engine = model
+    if not isinstance(engine, InferenceEngine):
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        calibrate = (lambda: calibration_sample(DatasetSource(dataset), transform)) if total is not None else None
+        engine = InferenceEngine(
+            engine, preprocess, precision=precision, backend=backend, device=dev, batch_size=batch_size,
+            calibration=calibrate,
+        )  # fmt: skip
+        if on_engine is not None:
+            on_engine(engine)
     out_logits: list[np.ndarray] = []
     out_feats: list[np.ndarray] = []
     out_labels: list[np.ndarray] = []
     out_idx: list[np.ndarray] = []
-    batches = iterate_batches(dataset, preprocess, batch_size, indices, workers)
-    for x, y, idx in tqdm(batches, desc=desc, total=total, unit="batch", file=sys.stderr, disable=not progress):
-        rep = model.forward_head(model.forward_features(x.to(dev)), pre_logits=True)  # (B, R)
-        if features:
-            out_feats.append(rep.float().cpu().numpy())
-        if logits:
-            out_logits.append(model.head(rep).float().cpu().numpy())  # (B, K)
-        out_labels.append(y.numpy().astype(np.int64))
-        out_idx.append(idx.numpy().astype(np.int64))
+    with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not progress) as bar:
+        for b in batches:
+            out = engine.forward(b.images, logits=logits, features=features)
+            if features:
+                assert out.features is not None
+                out_feats.append(out.features.numpy())  # (B, R)
+            if logits:
+                assert out.logits is not None
+                out_logits.append(out.logits.numpy())  # (B, K)
+            out_labels.append(b.labels)
+            out_idx.append(b.positions)
+            bar.update(len(b))
     if not out_labels:
         raise DataError("the dataset has no examples")
     return Extracted(

@@ -34,7 +34,7 @@ import torch
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess, load_image
 from vitkit.errors import ConfigError, DataError
-from vitkit.hardware import bf16_is_faster, has_native_bf16
+from vitkit.hardware import bf16_is_faster, has_native_bf16, resolve_device
 from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fast import optimize_for_inference
 from vitkit.models.vit import VisionTransformer
@@ -105,8 +105,9 @@ class InferenceEngine:
     """A model, its preprocessing, a precision and a backend -> batched logits, probabilities or features.
 
     ``model``: the fp32 model (left untouched; the fast precisions run a copy). ``precision``/``backend``: see
-    the module docstring (``auto`` resolved here). ``batch_size``: the batch the engine will mostly see, to
-    choose oneDNN's weight layout (any batch works). ``calibration``: OpenVINO int8's calibration images
+    the module docstring (``auto`` resolved here); ``device`` a name (``auto``: this process's GPU where there
+    is one, as :func:`vitkit.hardware.resolve_device`) or a device. ``batch_size``: the batch the engine will
+    mostly see, to choose oneDNN's weight layout (any batch works). ``calibration``: OpenVINO int8's calibration images
     (N, C, H, W), or a function giving them, called only when that engine is built (ConfigError when it is
     needed and missing). ``labels``: class names for :meth:`label`. Building takes time (packing weights,
     exporting and compiling for an engine): ``build_seconds`` says how much, :meth:`describe` says it all.
@@ -126,7 +127,9 @@ class InferenceEngine:
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-        self.device = torch.device(device)
+        if isinstance(device, str):  # "auto": this process's GPU when there is one (the engines: the CPU)
+            device = resolve_device("cpu" if backend != "torch" and device == "auto" else device)
+        self.device = device
         if backend != "torch" and self.device.type != "cpu":
             raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {self.device}")
         self.model = model.eval().to(self.device)

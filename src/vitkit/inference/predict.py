@@ -1,60 +1,299 @@
-"""Classify image files with a model or checkpoint: ``vitkit.predict(...)`` (what ``vitkit predict`` prints)."""
+"""Classify images with a checkpoint: ``vitkit.predict(...)`` in Python, and :func:`predict_job` behind
+``vitkit predict`` (any number of images, streamed, to the console or to a JSONL/CSV/Parquet file, resumable).
+
+Both run the :class:`~vitkit.inference.engine.InferenceEngine` over images streamed by
+:mod:`vitkit.data.stream`: decoded as they are needed, so memory stays bounded by the batch and prefetch
+whatever the number of images.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, overload
 
 import torch
 from PIL import Image
-from tqdm import tqdm
 
 from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.checkpoints.preprocess import load_image
+from vitkit.data.eval_transform import EvalTransform
+from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
 from vitkit.errors import VitkitError
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.jobs import JobSummary, calibration_sample, run_job
+from vitkit.inference.writers import Field, open_rows
+
+ImageInput = str | os.PathLike[str] | Image.Image
 
 
 @dataclass
 class Prediction:
-    """The ``top`` labels of one image, most probable first, as (label, probability)."""
+    """The ``top`` labels of one image, most probable first, as (label, probability); ``error`` the reason it
+    could not be read (``skip_bad``; ``top`` is then empty)."""
 
     image: str
     top: list[tuple[str, float]]
+    error: str | None = None
+
+
+def prediction_fields(top_k: int, num_classes: int, *, logits: bool = False, errors: bool = False) -> list[Field]:
+    """The columns of a prediction output: ``index`` (the image's position in the input), ``image`` (its id:
+    path, shard member or dataset row), the top-k ``labels``, class indices (``classes``) and ``probs``; with
+    ``logits`` all K logits; with ``errors`` an ``error`` column (empty for images that were read)."""
+    k = min(top_k, num_classes)
+    fields = [
+        Field("index", "int"),
+        Field("image", "str"),
+        Field("labels", "str_list", k),
+        Field("classes", "int_list", k),
+        Field("probs", "float_list", k),
+    ]
+    if logits:
+        fields.append(Field("logits", "float_list", num_classes))
+    if errors:
+        fields.append(Field("error", "str"))
+    return fields
+
+
+def prediction_columns(
+    engine: InferenceEngine, batch: StreamBatch, top_k: int, *, logits: bool = False, errors: bool = False
+) -> dict[str, list[Any]]:
+    """One batch through the engine, as the columns of :func:`prediction_fields` (a failed image: no labels,
+    probabilities or logits, and its error)."""
+    n = len(batch)
+    cols: dict[str, list[Any]] = {
+        "index": batch.positions.tolist(),
+        "image": list(batch.ids),
+        "labels": [None] * n,
+        "classes": [None] * n,
+        "probs": [None] * n,
+    }
+    if logits:
+        cols["logits"] = [None] * n
+    if errors:
+        cols["error"] = [e or "" for e in batch.errors]
+    if batch.images.numel():
+        out = engine.logits(batch.images)  # (G, K) float32
+        top_p, top_i = out.softmax(dim=-1).topk(min(top_k, engine.num_classes), dim=-1)  # (G, k)
+        rows = [j for j, e in enumerate(batch.errors) if e is None]
+        for g, j in enumerate(rows):
+            classes = top_i[g].tolist()
+            cols["classes"][j] = classes
+            cols["labels"][j] = [engine.label(c) for c in classes]
+            cols["probs"][j] = top_p[g].tolist()
+            if logits:
+                cols["logits"][j] = out[g].tolist()
+    return cols
+
+
+def _predictions(cols: Mapping[str, list[Any]]) -> list[Prediction]:
+    errors = cols.get("error") or [""] * len(cols["image"])
+    return [
+        Prediction(img, [] if labels is None else list(zip(labels, probs, strict=True)), err or None)
+        for img, labels, probs, err in zip(cols["image"], cols["labels"], cols["probs"], errors, strict=True)
+    ]
+
+
+@overload  # a list in, a list out; any other iterable (a generator) in, a generator out
+def predict(  # type: ignore[overload-overlap]
+    checkpoint: str | os.PathLike[str] | Loaded,
+    images: list[ImageInput] | tuple[ImageInput, ...],
+    *,
+    top_k: int = ...,
+    batch_size: int = ...,
+    format: str | None = ...,
+    progress: bool = ...,
+    precision: str = ...,
+    backend: str = ...,
+    device: torch.device | str = ...,
+    workers: int = ...,
+    skip_bad: bool = ...,
+) -> list[Prediction]: ...
+
+
+@overload
+def predict(
+    checkpoint: str | os.PathLike[str] | Loaded,
+    images: Iterable[ImageInput],
+    *,
+    top_k: int = ...,
+    batch_size: int = ...,
+    format: str | None = ...,
+    progress: bool = ...,
+    precision: str = ...,
+    backend: str = ...,
+    device: torch.device | str = ...,
+    workers: int = ...,
+    skip_bad: bool = ...,
+) -> Iterator[Prediction]: ...
 
 
 def predict(
     checkpoint: str | os.PathLike[str] | Loaded,
-    images: Sequence[str | os.PathLike[str] | Image.Image],
+    images: Iterable[ImageInput],
     *,
     top_k: int = 5,
     batch_size: int = 32,
     format: str | None = None,
     progress: bool = False,
-) -> list[Prediction]:
-    """Top-``top_k`` labels with softmax probabilities for each image.
+    precision: str = "fp32",
+    backend: str = "torch",
+    device: torch.device | str = "cpu",
+    workers: int = 0,
+    skip_bad: bool = False,
+) -> list[Prediction] | Iterator[Prediction]:
+    """Top-``top_k`` labels with softmax probabilities for each image (file path or PIL image).
 
     ``checkpoint``: any supported checkpoint (or an already loaded one); its preprocessing is applied and its
-    class names label the output. Every image file is decoded first, so a bad one fails before any compute.
+    class names label the output. A list or tuple of images gives a list of predictions; any other iterable (a
+    generator) gives a generator, reading the images as it goes, ``batch_size`` at a time. Images are decoded
+    as they are needed (never all at once); ``workers`` > 0 decodes a list of files in that many processes.
+
+    ``precision``: ``fp32`` (default: the checkpoint's own model, the same numbers as ever), ``auto``, ``bf16``
+    or ``int8`` (the fast path, see :class:`~vitkit.inference.engine.InferenceEngine`); ``backend``: ``torch``,
+    ``onnxruntime``, ``openvino`` or ``auto``. A bad image raises DataError naming it; with ``skip_bad`` its
+    prediction has an empty ``top`` and the ``error``.
     """
     loaded = checkpoint if isinstance(checkpoint, Loaded) else load_checkpoint(checkpoint, format=format)
-    model, pre = loaded.model, loaded.meta.preprocess
-    if model.cfg.num_classes <= 0:
+    if loaded.model.cfg.num_classes <= 0:
         where = loaded.meta.source if isinstance(checkpoint, Loaded) else os.fspath(checkpoint)
         raise VitkitError(f"{where}: the model has no classification head; nothing to predict")
-    decoded = [img if isinstance(img, Image.Image) else load_image(img) for img in images]
-    names = [f"image {i}" if isinstance(img, Image.Image) else os.fspath(img) for i, img in enumerate(images)]
-    k = min(top_k, model.cfg.num_classes)
-    starts = range(0, len(decoded), batch_size)
-    out: list[Prediction] = []
-    with torch.inference_mode():
-        for start in tqdm(
-            starts, desc="predict", unit="batch", disable=not progress or len(starts) < 2, file=sys.stderr
-        ):
-            x = torch.stack([pre.to_tensor(img) for img in decoded[start : start + batch_size]])  # (B, C, H, W)
-            top_p, top_i = model(x).float().softmax(dim=-1).topk(k, dim=-1)  # (B, k)
-            for j in range(x.shape[0]):
-                pairs = [(loaded.label(int(i)), float(p)) for p, i in zip(top_p[j], top_i[j], strict=True)]
-                out.append(Prediction(names[start + j], pairs))
-    return out
+    engine = InferenceEngine.from_loaded(
+        loaded, precision=precision, backend=backend, device=device, batch_size=batch_size
+    )
+    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.fast)
+    if isinstance(images, list | tuple):
+        files = all(not isinstance(img, Image.Image) for img in images)
+        if files:
+            source = FileSource([os.fspath(img) for img in images if not isinstance(img, Image.Image)])
+            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad)
+        else:
+            batches = stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad)
+        return list(_predict(engine, batches, top_k, len(images), progress))
+    return _predict(engine, stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad), top_k, None,
+                    progress)  # fmt: skip
+
+
+def _named(images: Iterable[ImageInput]) -> Iterator[tuple[Any, str, int]]:
+    for i, img in enumerate(images):
+        yield (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
+
+
+def _predict(
+    engine: InferenceEngine, batches: Iterable[StreamBatch], top_k: int, total: int | None, progress: bool
+) -> Iterator[Prediction]:
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="predict", unit="img", disable=not progress, file=sys.stderr) as bar:
+        for batch in batches:
+            yield from _predictions(prediction_columns(engine, batch, top_k, errors=True))
+            bar.update(len(batch))
+
+
+# ---- the job behind ``vitkit predict`` -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PredictOptions:
+    """How ``vitkit predict`` runs: the engine (precision, backend, device, batch), the decoding (workers,
+    prefetch, skip_bad) and what each row holds (top_k, logits)."""
+
+    top_k: int = 5
+    batch_size: int = 32
+    precision: str = "auto"
+    backend: str = "torch"
+    device: str = "cpu"
+    workers: int = 0
+    prefetch: int = 2
+    skip_bad: bool = False
+    logits: bool = False
+    progress: bool = True
+
+
+class ConsoleRows:
+    """A sink that prints rows as ``vitkit predict`` always has: per image its path and the ranked labels, or
+    with ``as_json`` one JSON object per line ({"image", "top": [{"label", "prob"}]}); flushed per batch."""
+
+    def __init__(self, as_json: bool, echo: Callable[[str], None]) -> None:
+        self.as_json, self.echo = as_json, echo
+        self.ids: list[str] = []
+
+    @property
+    def done(self) -> int:
+        return 0
+
+    def write(self, columns: Mapping[str, Any]) -> None:
+        import json
+
+        lines = []
+        for p in _predictions(columns):
+            if self.as_json:
+                doc: dict[str, Any] = {"image": p.image, "top": [{"label": lab, "prob": v} for lab, v in p.top]}
+                if p.error:
+                    doc["error"] = p.error
+                lines.append(json.dumps(doc))
+            else:
+                lines.append(p.image)
+                lines += [f"  {rank}. {lab:<40} {v:7.2%}" for rank, (lab, v) in enumerate(p.top, 1)]
+                if p.error:
+                    lines.append(f"  failed: {p.error}")
+        self.echo("\n".join(lines))
+
+
+def predict_job(
+    loaded: Loaded,
+    source: ImageSource,
+    opts: PredictOptions,
+    *,
+    out: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    as_json: bool = False,
+    echo: Callable[[str], None] = print,
+    on_engine: Callable[[InferenceEngine], None] | None = None,
+) -> JobSummary:
+    """``vitkit predict``: every image of ``source`` through the engine, the rows (:func:`prediction_fields`)
+    written to ``out`` (.jsonl, .csv or .parquet, per batch; ``resume`` continues it, ``overwrite`` starts it
+    again) or printed (:class:`ConsoleRows`). OpenVINO's int8 is calibrated on up to 300 of the input's own
+    images."""
+    if loaded.model.cfg.num_classes <= 0:
+        raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
+    K = loaded.model.cfg.num_classes
+    reference = opts.backend == "torch" and opts.precision == "fp32"
+    transform = EvalTransform(loaded.meta.preprocess, reference=reference)
+    sink: Any
+    if out is not None:
+        fields = prediction_fields(opts.top_k, K, logits=opts.logits, errors=opts.skip_bad)
+        meta = {"vitkit.job": "predict"}
+        sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
+    else:
+        sink = ConsoleRows(as_json, echo)
+
+    def build() -> InferenceEngine:
+        return InferenceEngine.from_loaded(
+            loaded, precision=opts.precision, backend=opts.backend, device=opts.device, batch_size=opts.batch_size,
+            calibration=lambda: calibration_sample(source, transform),
+        )  # fmt: skip
+
+    def rows(engine: InferenceEngine, batch: StreamBatch) -> dict[str, list[Any]]:
+        return prediction_columns(engine, batch, opts.top_k, logits=opts.logits, errors=opts.skip_bad or out is None)
+
+    try:
+        return run_job(
+            source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
+            prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
+            where=f"--out {out}", on_engine=on_engine,
+        )  # fmt: skip
+    finally:
+        close = getattr(sink, "close", None)
+        if close is not None:
+            close()
+
+
+def default_output_note(out: Path, summary: JobSummary) -> str:
+    """The closing line of ``vitkit predict --out``: rows written, resumed, where."""
+    again = f" ({summary.resumed} were there already)" if summary.resumed else ""
+    return f"wrote {summary.resumed + summary.written} rows to {out}{again}"

@@ -1,0 +1,91 @@
+"""The batch jobs' evaluation transform: the reference path is Preprocess.to_tensor of the full decode bit for
+bit; the fast path (reduced-scale JPEG decoding, PyTorch's antialiased resize) stays within resampling error of
+it on real photos."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from vitkit.checkpoints.preprocess import Preprocess, load_image, open_lazy
+from vitkit.data.eval_transform import EvalTransform, reduced_scale
+
+
+def photo(path: Path, width: int, height: int) -> Path:
+    """A JPEG of scikit-learn's two sample photos tiled 3 x 3 (natural detail at native resolution, 1920 x 1281),
+    resized to ``width`` x ``height``."""
+    from sklearn.datasets import load_sample_image
+
+    a, b = load_sample_image("china.jpg"), load_sample_image("flower.jpg")
+    rows = [np.concatenate(r, axis=1) for r in ((a, b, a), (b, a, b), (a, b, a))]
+    img = Image.fromarray(np.concatenate(rows, axis=0))
+    if img.size != (width, height):
+        img = img.resize((width, height), Image.Resampling.LANCZOS)
+    img.save(path, quality=90)
+    return path
+
+
+def pixels(x: torch.Tensor, pre: Preprocess) -> np.ndarray:
+    """A model input (C, H, W) back in 0..255 pixel units (H, W, C), unrounded."""
+    mean, std = np.asarray(pre.mean), np.asarray(pre.std)
+    return (x.permute(1, 2, 0).double().numpy() * std + mean) * 255.0
+
+
+PRES = [
+    Preprocess(image_size=224),
+    Preprocess(image_size=224, resize="crop", crop_pct=0.875, interpolation="bicubic"),
+    Preprocess(image_size=(160, 224)),
+]
+
+
+@pytest.mark.parametrize("pre", PRES)
+def test_reference_path_is_the_full_decode_bit_for_bit(tmp_path: Path, pre: Preprocess) -> None:
+    jpg = photo(tmp_path / "p.jpg", 700, 460)
+    png = tmp_path / "p.png"
+    Image.open(jpg).save(png)
+    ref = EvalTransform(pre, reference=True)
+    for path in (jpg, png):
+        want = pre.to_tensor(load_image(path))
+        assert torch.equal(ref(open_lazy(path)), want) and torch.equal(ref(load_image(path)), want)
+    assert not ref.lazy and EvalTransform(pre).lazy
+
+
+SIZES = [(1920, 1281), (1000, 700), (3000, 2000), (500, 375)]
+
+
+def test_the_photos_cover_every_decode_scale() -> None:
+    assert {reduced_scale(*size, pre) for size in SIZES for pre in PRES} == {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("pre", PRES)
+@pytest.mark.parametrize("size", SIZES)
+def test_fast_path_is_within_resampling_error_of_the_full_decode(
+    tmp_path: Path, pre: Preprocess, size: tuple[int, int]
+) -> None:
+    path = photo(tmp_path / "p.jpg", *size)
+    got = pixels(EvalTransform(pre)(open_lazy(path)), pre)
+    full = load_image(path)
+    want = pixels(pre.to_tensor(full), pre)
+    err = np.abs(got - want)
+    if reduced_scale(*size, pre) == 1:  # full-scale decode, PyTorch's resize: Pillow's pixels within rounding
+        assert err.max() <= 2.001 and err.mean() < 0.05
+        return
+    # resampling error: what two standard filters disagree by on the same decode (Pillow bilinear vs bicubic)
+    swapped = "bicubic" if pre.interpolation == "bilinear" else "bilinear"
+    filters = np.abs(pixels(Preprocess(**{**pre.to_dict(), "interpolation": swapped}).to_tensor(full), pre) - want)
+    assert err.mean() < 1.0 and np.percentile(err, 99) <= 6.001  # in 0..255 pixel levels
+    assert err.mean() < 0.7 * filters.mean() and np.percentile(err, 99) <= np.percentile(filters, 99)
+
+
+def test_greyscale_models_and_other_formats_take_the_reference_path(tmp_path: Path) -> None:
+    jpg = photo(tmp_path / "p.jpg", 1920, 1281)
+    pre = Preprocess(image_size=8, grayscale=True)
+    assert torch.equal(EvalTransform(pre)(open_lazy(jpg)), pre.to_tensor(load_image(jpg)))
+    gif = tmp_path / "p.gif"
+    Image.open(jpg).convert("P").save(gif)
+    rgb = Preprocess(image_size=32)
+    assert torch.equal(EvalTransform(rgb)(open_lazy(gif)), rgb.to_tensor(load_image(gif)))
