@@ -94,8 +94,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
         logits=args.logits,
     )
 
-    def echo(text: str) -> None:
-        print(text, flush=True)
+    def echo(text: str) -> None:  # rows on stdout, the progress bar on stderr: tqdm clears and redraws it around them
+        from tqdm import tqdm
+
+        tqdm.write(text, file=sys.stdout)
+        sys.stdout.flush()
 
     summary = predict_job(
         loaded, source, opts, out=args.out, resume=args.resume, overwrite=args.overwrite, as_json=args.json,

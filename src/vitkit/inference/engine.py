@@ -107,10 +107,12 @@ class InferenceEngine:
     ``model``: the fp32 model (left untouched; the fast precisions run a copy). ``precision``/``backend``: see
     the module docstring (``auto`` resolved here); ``device`` a name (``auto``: this process's GPU where there
     is one, as :func:`vitkit.hardware.resolve_device`) or a device. ``batch_size``: the batch the engine will
-    mostly see, to choose oneDNN's weight layout (any batch works). ``calibration``: OpenVINO int8's calibration images
-    (N, C, H, W), or a function giving them, called only when that engine is built (ConfigError when it is
-    needed and missing). ``labels``: class names for :meth:`label`. Building takes time (packing weights,
-    exporting and compiling for an engine): ``build_seconds`` says how much, :meth:`describe` says it all.
+    mostly see, to choose oneDNN's weight layout (any batch works). ``calibration``: OpenVINO int8's
+    calibration images (N, C, H, W), or a function giving them, called only when that engine is built
+    (ConfigError when it is needed and missing). ``labels``: class names for :meth:`label`.
+    ``fp32_reference=False`` runs an explicit ``fp32`` on the fp32 fast path instead of the model itself (a
+    training run's validation pass). Building takes time (packing weights, exporting and compiling for an
+    engine): ``build_seconds`` says how much, :meth:`describe` says it all.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class InferenceEngine:
         batch_size: int = 32,
         calibration: Calibration | None = None,
         labels: Sequence[str] | None = None,
+        fp32_reference: bool = True,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -139,7 +142,7 @@ class InferenceEngine:
         self.precision = resolve_precision(precision, self.device, backend)
         self.backend = backend
         # explicit fp32 on torch: the reference model itself; everything else runs an optimised copy
-        self.fast = not (backend == "torch" and precision == "fp32")
+        self.fast = not (backend == "torch" and precision == "fp32" and fp32_reference)
         start = time.perf_counter()
         self.runner: torch.nn.Module = self.model
         if self.fast:

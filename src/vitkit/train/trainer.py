@@ -47,6 +47,7 @@ from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
 from vitkit.hardware import use_tf32
+from vitkit.inference.engine import InferenceEngine, resolve_precision
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
@@ -161,6 +162,7 @@ class Trainer:
                 "optim.warmup_epochs=0)",
                 file=sys.stderr,
             )
+        self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
 
     # ---- setup -----------------------------------------------------------------------------------------
@@ -289,6 +291,7 @@ class Trainer:
         self.net.set_fused_attention(True)  # no backward: the fused kernel, which never holds (B, h, T, T)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
         with ctx:
+            forward, autocast = self._validation_forward()
             for b in eval_batches(
                 ds,
                 self.preprocess.to_tensor,
@@ -299,8 +302,8 @@ class Trainer:
                 pin_memory=self.device.type == "cuda",
             ):
                 x, y = b.images.to(self.device, non_blocking=True), b.labels.to(self.device, non_blocking=True)
-                with self._autocast():
-                    logits = self.forward(x).float()
+                with autocast:
+                    logits = forward(x).float()
                 if b.valid is not None:  # padding that keeps every process's forward passes in step
                     keep = b.valid.to(self.device)
                     logits, y = logits[keep], y[keep]
@@ -315,6 +318,23 @@ class Trainer:
         totals = distr.all_reduce_sum(totals, self.dist)
         n = max(float(totals[2]), 1.0)
         return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
+
+    def _validation_forward(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+        """(forward, autocast context) of a validation pass. One process on the CPU: the inference engine's fast
+        path, built now from the current (EMA, when on) weights -- packing them costs about what one or two
+        images of the pass save (S/16 0.1 s, B/16 0.7 s against 7-23 ms per image, BENCHMARKS.md) -- in fp32
+        for an fp32 run (the model's function up to fp32 rounding), for a bf16 run in bf16 where that is
+        native and faster than fp32 (else fp32). Elsewhere (GPUs, several processes, torch.compile): the
+        training model under the run's autocast."""
+        if self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
+            return self.forward, self._autocast()
+        if self._val_precision is None:
+            self._val_precision = "fp32" if self.cfg.precision == "fp32" else resolve_precision("auto", self.device)
+        engine = InferenceEngine(
+            self.net, self.preprocess, precision=self._val_precision, device=self.device,
+            batch_size=self.cfg.data.eval_batch_size, fp32_reference=False,
+        )  # fmt: skip
+        return engine.logits, contextlib.nullcontext()
 
     # ---- saving ---------------------------------------------------------------------------------------
 
