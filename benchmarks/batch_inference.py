@@ -154,11 +154,12 @@ def cpu_name() -> str:
     return f"{name}, family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {os.cpu_count()} cores"
 
 
-def engine_precision(engine_note: str | None) -> str:
-    """The precision the engine ran in, from its note (``... -> fp32; fp32 fast path ...``)."""
-    if engine_note and "->" in engine_note:
-        return engine_note.split("->", 1)[1].split(";", 1)[0].strip()
-    return "fp32"
+def auto_precision() -> str:
+    """What ``--precision auto`` picks on this machine (the engine's own rule, a GEMM timed now)."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from vitkit.inference.engine import resolve_precision
+
+    return resolve_precision("auto")
 
 
 def run_step(step: str, model: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -167,7 +168,7 @@ def run_step(step: str, model: str, work: Path, args: argparse.Namespace) -> dic
     n = len(list((data / "test").rglob("*.jpg")))
     b = str(args.batch_size)
     if step == "bench":
-        precision = args.precision or engine_precision(run_step_cache(work, model, "eval"))
+        precision = args.precision or auto_precision()
         out = work / f"bench-{model.replace('/', '')}.json"
         cmd = vitkit_cmd("bench", str(ckpt), "--batch-size", b, "--precision", precision, "--no-latency", "--repeats",
                          str(args.repeats), "--json", str(out), "--overwrite")  # fmt: skip
@@ -201,11 +202,6 @@ def run_step(step: str, model: str, work: Path, args: argparse.Namespace) -> dic
         res["checkpoint_mib"] = sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20
     res.update(images=n, img_per_s=n / res["seconds"])
     return res
-
-
-def run_step_cache(work: Path, model: str, step: str) -> str | None:
-    doc = load(work / "results.json")
-    return doc.get(model, {}).get(step, {}).get("engine")
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -265,7 +261,11 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["S/16", "B/16"])
     p.add_argument("--steps", nargs="+", choices=STEPS, default=[])
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--precision", help="precision of bench and the new-default runs (default: what auto picks)")
+    p.add_argument(
+        "--precision",
+        help="precision of bench and the new-default runs (default: what auto picks); results are kept "
+        "apart, under 'MODEL --precision P'",
+    )
     p.add_argument("--repeats", type=int, default=5, help="vitkit bench's timed calls")
     p.add_argument("--report", action="store_true", help="print the BENCHMARKS.md table of what --work holds")
     args = p.parse_args()
@@ -277,7 +277,8 @@ def main() -> None:
         for step in args.steps:
             res = run_step(step, model, args.work, args)
             doc = load(results)
-            doc.setdefault(model, {})[step] = res
+            key = f"{model} --precision {args.precision}" if args.precision else model
+            doc.setdefault(key, {})[step] = res
             import torch
 
             doc.update(cpu=cpu_name(), threads=torch.get_num_threads(), batch_size=args.batch_size,

@@ -34,6 +34,15 @@ def has_native_bf16(device: torch.device | str = "cpu") -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def fp32_fast_path_pays(device: torch.device | str = "cpu") -> bool:
+    """Whether the fp32 fast path (pre-packed oneDNN GEMMs, chunked attention and MLP) runs faster than the
+    model's own forward on ``device``: on CPUs with AVX-512 (B/16 and S/16 at batch 32 on an Intel Xeon of family
+    6 model 207: 1.17x), and on GPUs; not on AVX2-only CPUs, where it measured 0.91x (Ti/16 at batch 8,
+    BENCHMARKS.md, "CPUs without AVX-512")."""
+    device = torch.device(device)
+    return device.type != "cpu" or "avx512f" in cpu_flags()
+
+
 # bf16 must beat fp32 by this much to be chosen by --precision auto (it also rounds more)
 BF16_MIN_SPEEDUP = 1.2
 

@@ -53,10 +53,8 @@ def test_fast_path_features_and_logits_match_the_fp32_model(overrides: dict, pre
     model = _model(**overrides)
     x = torch.randn(6, 3, 48, 48)
     rep, logits = _reference(model, x)
-    if precision == "fp32":  # the fp32 fast path is what --precision auto picks where bf16 is not faster
-        eng = InferenceEngine(model, PRE, precision="auto", batch_size=6)
-        if eng.precision != "fp32":
-            pytest.skip("auto picks bf16 on this machine")
+    if precision == "fp32":  # the fp32 fast path (a training run's validation pass; auto's pick on some CPUs)
+        eng = InferenceEngine(model, PRE, precision="fp32", batch_size=6, fp32_reference=False)
     else:
         eng = InferenceEngine(model, PRE, precision=precision, batch_size=6)
     assert eng.fast and eng.precision == precision and eng.runner is not model
@@ -87,8 +85,14 @@ def test_auto_precision_follows_the_measured_bf16_speed(monkeypatch: pytest.Monk
     assert resolve_precision("auto") == "fp32" and resolve_precision("int8") == "int8"
     with pytest.raises(ConfigError, match="--precision 'fp16'"):
         resolve_precision("fp16")
+    monkeypatch.setattr(engine_module, "fp32_fast_path_pays", lambda device="cpu": True)
     eng = InferenceEngine(_model(), PRE, precision="auto")  # fp32, but the fast path: not the reference
     assert eng.fast and eng.precision == "fp32" and eng.describe().startswith("--precision auto -> fp32; fp32 fast")
+    assert eng.reduced_decode
+    monkeypatch.setattr(engine_module, "fp32_fast_path_pays", lambda device="cpu": False)  # an AVX2 CPU
+    eng = InferenceEngine(_model(), PRE, precision="auto")
+    assert not eng.fast and eng.reduced_decode and "slower on this CPU" in eng.describe()
+    assert not InferenceEngine(_model(), PRE, precision="fp32").reduced_decode  # the reference decodes fully
 
 
 def test_bf16_is_never_faster_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:

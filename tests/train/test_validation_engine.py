@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from train_helpers import tiny_config
 
 from vitkit.data.loader import eval_batches
+from vitkit.inference.engine import InferenceEngine
+from vitkit.train import trainer as trainer_module
 from vitkit.train.trainer import Trainer
 
 
@@ -32,9 +34,15 @@ def direct(trainer: Trainer, weights: dict[str, torch.Tensor]) -> tuple[float, f
 
 
 @pytest.mark.parametrize("ema", [None, 0.9])
-def test_validation_sees_the_current_weights(tmp_path: Path, ema: float | None) -> None:
+def test_validation_sees_the_current_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ema: float | None
+) -> None:
     cfg = tiny_config(**{"steps": 6, "epochs": None, "ema_decay": ema})
+    monkeypatch.setattr(trainer_module, "VALIDATION_FAST_TOKENS", 0)  # the digits pass is small: the engine anyway
     with Trainer(cfg, tmp_path / "run", progress=False) as t:
+        assert t.val_set is not None
+        forward, _ = t._validation_forward(t.val_set)
+        assert isinstance(getattr(forward, "__self__", None), InferenceEngine)
         seen = []
         for step, micro in zip(range(6), t.loader.epoch(0, 0), strict=False):
             t.train_step(micro)
@@ -50,3 +58,11 @@ def test_validation_sees_the_current_weights(tmp_path: Path, ema: float | None) 
                 seen.append(got["val_loss"])
         assert seen[0] != seen[1]  # trained in between: a new copy of the weights each time
         assert t.net.training  # back to training mode, training kernels untouched
+
+
+def test_small_validation_passes_keep_the_model(tmp_path: Path) -> None:
+    """The default digits job validates 359 images of 5 tokens: packing would cost more than it saves."""
+    with Trainer(tiny_config(), tmp_path / "run", progress=False) as t:
+        assert t.val_set is not None
+        forward, _ = t._validation_forward(t.val_set)
+        assert forward is t.forward

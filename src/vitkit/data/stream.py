@@ -46,8 +46,6 @@ GLOB_CHARS = frozenset("*?[")
 class ImageSource:
     """Random access to a job's images. Subclasses implement ``__len__``, :meth:`item_id` and :meth:`load`."""
 
-    what: str = "input"  # names the source in messages
-
     def __len__(self) -> int:
         raise NotImplementedError
 
@@ -66,7 +64,6 @@ class FileSource(ImageSource):
 
     def __init__(self, paths: Sequence[str]) -> None:
         self.paths = list(paths)
-        self.what = f"{len(self.paths)} image file(s)"
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -87,8 +84,6 @@ class DatasetSource(ImageSource):
 
     def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
-        source, split = getattr(dataset, "source", None), getattr(dataset, "split", None)
-        self.what = f"{source} [{split}]" if source is not None else type(dataset).__name__
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -14,7 +14,8 @@ Precisions (``resolve_precision``):
   bf16 natively, else fp32);
 - ``auto``: the fastest path that computes the model's function up to floating-point rounding: the bf16
   fast path where bf16 matmuls are native *and* faster than fp32 ones (CUDA; a CPU with bf16 instructions
-  where a measured GEMM says so, see :func:`vitkit.hardware.bf16_is_faster`), else the fp32 fast path.
+  where a measured GEMM says so, see :func:`vitkit.hardware.bf16_is_faster`), else the fp32 fast path where
+  it pays (:func:`vitkit.hardware.fp32_fast_path_pays`: AVX-512 CPUs, GPUs), else the model itself.
 
 Backends: ``torch`` (vitkit's fast path), ``onnxruntime`` (fp32, int8), ``openvino`` (fp32, bf16, NNCF int8,
 calibrated on images), ``auto`` (the fastest of those installed, measured when built). The engines run
@@ -34,7 +35,7 @@ import torch
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess, load_image
 from vitkit.errors import ConfigError, DataError
-from vitkit.hardware import bf16_is_faster, has_native_bf16, resolve_device
+from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16, resolve_device
 from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fast import optimize_for_inference
 from vitkit.models.vit import VisionTransformer
@@ -141,8 +142,11 @@ class InferenceEngine:
         self.requested = precision
         self.precision = resolve_precision(precision, self.device, backend)
         self.backend = backend
-        # explicit fp32 on torch: the reference model itself; everything else runs an optimised copy
-        self.fast = not (backend == "torch" and precision == "fp32" and fp32_reference)
+        # explicit fp32 on torch: the reference, bit for bit (the model itself, images decoded at full scale)
+        self.exact = backend == "torch" and precision == "fp32" and fp32_reference
+        # the model itself also where auto lands on fp32 and the fp32 fast path does not pay; else a fast copy
+        plain = backend == "torch" and precision == "auto" and self.precision == "fp32"
+        self.fast = not (self.exact or (plain and not fp32_fast_path_pays(self.device)))
         start = time.perf_counter()
         self.runner: torch.nn.Module = self.model
         if self.fast:
@@ -200,8 +204,9 @@ class InferenceEngine:
     @property
     def reduced_decode(self) -> bool:
         """Whether JPEGs may be decoded at reduced scale for this engine (the same pixels within resampling
-        error; see :class:`vitkit.data.stream.EvalTransform`): everywhere except the fp32 reference."""
-        return self.fast
+        error; see :class:`vitkit.data.eval_transform.EvalTransform`): everywhere except an explicit fp32, the
+        reference bit for bit."""
+        return not self.exact
 
     def label(self, index: int) -> str:
         """The name of class ``index`` (``"class N"`` without class names)."""
@@ -210,8 +215,10 @@ class InferenceEngine:
     def describe(self) -> str:
         """One line: precision, path, backend, device and the build's cost, e.g. ``bf16 fast path (torch) on
         cpu, built in 0.6 s``."""
-        if not self.fast:
+        if self.exact:
             what = "fp32 reference (the checkpoint's own model)"
+        elif not self.fast:
+            what = "fp32, the checkpoint's own model (the fp32 fast path is slower on this CPU)"
         elif self.backend == "torch":
             what = f"{self.precision} fast path"
         else:

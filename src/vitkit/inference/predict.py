@@ -164,7 +164,7 @@ def predict(
     engine = InferenceEngine.from_loaded(
         loaded, precision=precision, backend=backend, device=device, batch_size=batch_size
     )
-    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.fast)
+    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode)
     if isinstance(images, list | tuple):
         files = all(not isinstance(img, Image.Image) for img in images)
         if files:

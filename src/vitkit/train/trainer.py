@@ -57,6 +57,9 @@ from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at
 from vitkit.train.state import resume_config
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
+# a validation pass of at least this many tokens (images x tokens per image) runs on the inference fast path,
+# packed from the current weights; smaller ones on the model itself (see Trainer._validation_forward)
+VALIDATION_FAST_TOKENS = 20_000
 
 
 class NonFiniteLossError(VitkitError):
@@ -291,7 +294,7 @@ class Trainer:
         self.net.set_fused_attention(True)  # no backward: the fused kernel, which never holds (B, h, T, T)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
         with ctx:
-            forward, autocast = self._validation_forward()
+            forward, autocast = self._validation_forward(ds)
             for b in eval_batches(
                 ds,
                 self.preprocess.to_tensor,
@@ -319,14 +322,17 @@ class Trainer:
         n = max(float(totals[2]), 1.0)
         return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
 
-    def _validation_forward(self) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
-        """(forward, autocast context) of a validation pass. One process on the CPU: the inference engine's fast
-        path, built now from the current (EMA, when on) weights -- packing them costs about what one or two
-        images of the pass save (S/16 0.1 s, B/16 0.7 s against 7-23 ms per image, BENCHMARKS.md) -- in fp32
-        for an fp32 run (the model's function up to fp32 rounding), for a bf16 run in bf16 where that is
-        native and faster than fp32 (else fp32). Elsewhere (GPUs, several processes, torch.compile): the
-        training model under the run's autocast."""
-        if self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
+    def _validation_forward(self, dataset: ImageDataset) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+        """(forward, autocast context) of a validation pass over ``dataset``. One process on the CPU, and a pass
+        of at least ``VALIDATION_FAST_TOKENS`` tokens (images x tokens per image): the inference engine's fast
+        path, built now from the current (EMA, when on) weights, in fp32 for an fp32 run (the model's function up
+        to fp32 rounding), for a bf16 run in bf16 where that is native and faster than fp32 (else fp32).
+        Otherwise (smaller passes, GPUs, several processes, torch.compile): the training model under the run's
+        autocast. Packing the weights costs about what the fast path saves on ~12,000 tokens (B/16 and S/16 at
+        224 px, 64 images: 1.00-1.02x the model's own pass; the default digits job's 6,100: 1.55x; measured by
+        benchmarks/validation_pass.py), so smaller passes keep the model."""
+        small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
+        if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
             return self.forward, self._autocast()
         if self._val_precision is None:
             self._val_precision = "fp32" if self.cfg.precision == "fp32" else resolve_precision("auto", self.device)
