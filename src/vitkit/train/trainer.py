@@ -329,7 +329,7 @@ class Trainer:
         to fp32 rounding), for a bf16 run in bf16 where that is native and faster than fp32 (else fp32).
         Otherwise (smaller passes, GPUs, several processes, torch.compile): the training model under the run's
         autocast. Packing the weights costs about what the fast path saves on ~12,000 tokens (B/16 and S/16 at
-        224 px, 64 images: 1.00-1.02x the model's own pass; the default digits job's 6,100: 1.55x; measured by
+        224 px, 64 images: 1.00-1.02x the model's own pass; the default digits job's 5,700: 1.55x; measured by
         benchmarks/validation_pass.py), so smaller passes keep the model."""
         small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
         if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
