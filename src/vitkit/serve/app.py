@@ -68,7 +68,8 @@ class ServeOptions:
         their upload): ``max_decoding``, or one per CPU core available to this process, at most ``max_queue``."""
         if self.max_decoding > 0:
             return self.max_decoding
-        return max(1, min(self.max_queue, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(self.max_queue, cores))
 
     @property
     def max_connections(self) -> int:

@@ -3,7 +3,8 @@
 Upload, paste or pick a sample image; the page shows the top-5 classes as bars, the attention rollout
 overlaid on the image as the model sees it, one layer's raw attention (a head, or the mean of the heads),
 and the model's own figures: position-embedding similarity and the principal components of the
-patch-embedding filters (paper fig. 7). Predictions and attention come from the checkpoint's fp32 model
+patch-embedding filters (paper fig. 7). Uploads are decoded by vitkit's decoder (a file that is not an image
+is one line on the page and in the log), and predictions and attention come from the checkpoint's fp32 model
 (``forward_intermediates``), so the labels are those of ``vitkit predict``.
 """
 
