@@ -98,6 +98,7 @@ def test_health_model_card_openapi(client: TestClient, ckpt: Path) -> None:
     assert card["classes"] == CLASSES and card["num_classes"] == 6 and card["image_size"] == [32, 48]
     assert card["preprocessing"]["resize"] == "crop" and card["preprocessing"]["mean"] == [0.5, 0.4, 0.3]
     assert card["precision"] == "fp32" and card["serving"]["max_batch"] == 4
+    assert card["serving"]["max_connections"] == 64 + 4 + 16 and card["serving"]["decoders"] >= 1
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/predict"]["post"]["requestBody"]["content"]
     assert {"image/*", "application/octet-stream", "multipart/form-data"} <= set(body)
@@ -230,6 +231,9 @@ def test_health_503_is_declared(ckpt: Path) -> None:
     r = c.get("/health")
     assert r.status_code == 503 and "not serving" in r.json()["detail"]
     assert_conforms(c.get("/openapi.json").json(), "get", "/health", r)
+    r = c.post("/predict", content=image_bytes(1))  # refused before the upload is read, never a 500
+    assert r.status_code == 503 and "not serving" in r.json()["detail"]
+    assert_conforms(c.get("/openapi.json").json(), "post", "/predict", r)
 
 
 def test_the_schema_refuses_what_the_server_refuses(client: TestClient) -> None:

@@ -352,6 +352,8 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         return await asyncio.shield(task)
 
     async def answer(request: Request, top_k: int, attention: bool) -> dict[str, Any]:
+        if not batcher.alive:
+            raise _Unavailable("not serving (starting up or shutting down)")
         busy = batcher.depth + admitted.count
         if busy >= opts.max_queue:  # before the upload is read or anything decoded
             raise _Unavailable(
@@ -418,7 +420,7 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
 
     @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching", responses=BUSY)
     async def model_card() -> Any:
-        return {**card, "serving": asdict(opts)}
+        return {**card, "serving": {**asdict(opts), "decoders": opts.decoders, "max_connections": opts.max_connections}}
 
     @app.get(
         "/metrics",
