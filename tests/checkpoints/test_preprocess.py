@@ -250,3 +250,13 @@ def test_predict_refuses_a_line_of_pixels_in_one_line(capsys: pytest.CaptureFixt
     ]
     code, out, _ = run_cli(capsys, "predict", "-c", str(squash), str(line))
     assert code == 0 and str(line) in out
+    # eval on a folder dataset names the file too
+    for cls in ("a", "b", "c"):  # the model's three classes
+        (tmp_path / "data" / "test" / cls).mkdir(parents=True)
+        Image.new("RGB", (40, 30), (1, 2, 3)).save(tmp_path / "data" / "test" / cls / "ok.png")
+    (tmp_path / "data" / "test" / "b" / "line.png").write_bytes(line.read_bytes())
+    data, out_dir = str(tmp_path / "data"), str(tmp_path / "ev")
+    code, _, err = run_cli(capsys, "eval", str(crop), "--data", data, "--out", out_dir)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"{tmp_path / 'data' / 'test' / 'b' / 'line.png'}: image of 30000x1 has an aspect ratio" in lines[0]
