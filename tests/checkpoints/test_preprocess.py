@@ -260,3 +260,6 @@ def test_predict_refuses_a_line_of_pixels_in_one_line(capsys: pytest.CaptureFixt
     lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert f"{tmp_path / 'data' / 'test' / 'b' / 'line.png'}: image of 30000x1 has an aspect ratio" in lines[0]
+    code, _, err = run_cli(capsys, "analyze", str(crop), str(ok), str(line), "--out", str(tmp_path / "an"))
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
+    assert code == 2 and len(lines) == 1 and "line.png: image of 30000x1 has an aspect ratio" in lines[0], err

@@ -211,8 +211,11 @@ def _attention_figures(
     progress: bool,
 ) -> dict[str, Any]:
     bs = opts.batch_size
+    for img, name in zip(images, names, strict=True):
+        preprocess.check_size(img.width, img.height, name)  # before any compute (a line of pixels, centre crop)
     batches = (
-        torch.stack([preprocess.to_tensor(img) for img in images[i : i + bs]]) for i in range(0, len(images), bs)
+        torch.stack([preprocess.to_tensor(images[j], names[j]) for j in range(i, min(i + bs, len(images)))])
+        for i in range(0, len(images), bs)
     )
     res = attention_analysis(model, batches, opts, device, total=-(-len(images) // bs), progress=progress)
     n = len(res.rollout)
