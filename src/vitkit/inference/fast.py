@@ -279,6 +279,8 @@ class InferenceViT(nn.Module):
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
+        if x.shape[0] == 0:  # an empty batch: the model's empty (0, T, D), from its own embedding (shape checks)
+            return self.base.embed(x.to(self.dtype))
         if self.stem is not None and self.use_stem and self.stem.supports(x):
             B = x.shape[0]
             z = self.stem(x)  # (B*T, D)
