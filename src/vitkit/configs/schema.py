@@ -107,6 +107,9 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
     warmup_epochs: float = 0.0  # added to warmup_steps once the epoch length is known
+    # a recipe's warm-up is sized for its own data set: on a run with fewer steps it takes at most this share of
+    # the run's steps (scaled down, with a note; vitkit.train.optim.fitted_warmup); None: exactly as given
+    warmup_max_fraction: float | None = 0.2
     end_lr: float = 0.0  # learning rate at the last step (linear / cosine)
     clip_norm: float | None = 1.0  # global gradient-norm clipping
 
@@ -174,6 +177,9 @@ class TrainConfig:
             raise ConfigError("batch size and accumulation steps must be positive")
         if self.optim.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.optim.lr}")
+        f = self.optim.warmup_max_fraction
+        if f is not None and not 0.0 < f <= 1.0:
+            raise ConfigError(f"optim.warmup_max_fraction must be in (0, 1] or null, got {f}")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.keep_last < 1:

@@ -52,7 +52,7 @@ from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
-from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
+from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
 from vitkit.train.state import resume_config
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
@@ -153,8 +153,17 @@ class Trainer:
         )
         spe = self.loader.steps_per_epoch
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round((cfg.epochs or 0) * spe))
-        self.warmup_steps = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
-        if self.warmup_steps >= self.total_steps > 1 and cfg.optim.schedule != "constant" and self.dist.is_main:
+        given = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
+        self.warmup_steps = fitted_warmup(given, self.total_steps, cfg.optim.warmup_max_fraction)
+        if self.warmup_steps != given and self.dist.is_main:
+            share = cfg.optim.warmup_max_fraction
+            print(
+                f"note: the recipe's warm-up ({given} steps, sized for its own data set) is longer than {share:.0%} "
+                f"of this run ({self.total_steps} steps of batch {cfg.data.batch_size}); warming up for "
+                f"{self.warmup_steps} steps instead (--set optim.warmup_max_fraction=null keeps it as given)",
+                file=sys.stderr,
+            )
+        elif self.warmup_steps >= self.total_steps > 1 and cfg.optim.schedule != "constant" and self.dist.is_main:
             print(
                 f"note: the warm-up ({self.warmup_steps} steps) fills the whole run ({self.total_steps} steps), so "
                 "the learning rate never decays; shorten it with --set optim.warmup_steps=N (and "
