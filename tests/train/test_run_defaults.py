@@ -120,3 +120,21 @@ def test_recipe_on_32_images_names_batch_size_and_peaks_within_the_run(
     peak = max(lr, key=lambda s: lr[s])
     assert lr[peak] == pytest.approx(1e-3) and peak == 12  # step 12 (1-based) ends the warm-up
     assert lr[60] < 0.05 * lr[peak]  # and the cosine decays within the run
+
+
+def test_a_run_from_before_the_warmup_cap_resumes_with_its_warmup(tmp_path: Path) -> None:
+    """A run whose config has no optim.warmup_max_fraction (written before it existed) ran its warm-up as
+    given: --resume keeps that (null), and does not take the edit check's 'added' for an edit."""
+    from vitkit.train.state import resume_config
+
+    run = tmp_path / "run"
+    assert main(["train", "--steps", "2", "--out", str(run), "--quiet"]) == 0
+    assert resume_config(run)[0].optim.warmup_max_fraction == 0.2
+    states = list(run.glob("checkpoints/*/state.json"))
+    assert states
+    for path in [run / "config.json", *states]:
+        doc = json.loads(path.read_text())
+        config = doc.get("config", doc)
+        del config["optim"]["warmup_max_fraction"]
+        path.write_text(json.dumps(doc))
+    assert resume_config(run)[0].optim.warmup_max_fraction is None
