@@ -162,6 +162,25 @@ def check_not_input(out: Path, inputs: Iterable[str | os.PathLike[str] | None]) 
             raise CheckpointError(f"{out}: the output would overwrite the input {src}; choose another output path")
 
 
+def check_output_location(out: Path, *, inside: bool = False) -> None:
+    """Can ``out`` be created (or, ``inside``, files be written into the folder ``out``)? The nearest folder that
+    exists -- ``out`` itself when ``inside`` and it is one, else the nearest existing parent -- must be a folder
+    this process may write into. A file there, or a read-only folder, would otherwise fail only when the work
+    whose result goes there is done; every command checks its outputs with this before any work."""
+    where = out if inside and out.is_dir() else None
+    if where is None:
+        for parent in out.absolute().parents:  # nearest first ("a/b/c" -> a/b, a, ...)
+            if parent.exists() or parent.is_symlink():
+                where = parent
+                break
+    if where is None:
+        return
+    if not where.is_dir():
+        raise ConfigError(f"{out}: {where} is a file, not a folder; choose another output path")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{out}: cannot write in {where} (no permission, or a read-only file system)")
+
+
 def check_output_dir(
     out: Path, *, allowed: Iterable[str], owned: Callable[[Path], bool], overwrite: bool, what: str
 ) -> None:
@@ -169,6 +188,7 @@ def check_output_dir(
     (``owned``, and every entry in ``allowed``), and only with ``overwrite``."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise CheckpointError(f"{out}: exists and is not a folder; choose another output path")
+    check_output_location(out)  # written beside it, then renamed into place
     if not out.exists():
         return
     entries = sorted(p.name for p in out.iterdir())
@@ -189,6 +209,7 @@ def check_output_file(out: Path, *, overwrite: bool) -> None:
         raise CheckpointError(f"{out}: is a folder; name a file")
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: already exists; pass --overwrite (overwrite=True) to replace it")
+    check_output_location(out)  # written beside it, then renamed into place
 
 
 def check_report_dir(out: Path, names: Callable[[str], bool], json_key: tuple[str, str], what: str) -> None:
@@ -196,6 +217,7 @@ def check_report_dir(out: Path, names: Callable[[str], bool], json_key: tuple[st
     earlier report (``names``; its JSON file ``json_key[0]`` must hold the key ``json_key[1]``)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out}: exists and is not a folder; --out names a folder")
+    check_output_location(out, inside=True)
     if not out.is_dir():
         return
     for entry in sorted(out.iterdir()):

@@ -171,7 +171,7 @@ class FastBlock(nn.Module):
             # row, where the VNNI GEMM takes per-row scales
             # (Int8Linear takes the kernel for bf16 outputs and K <= 65536: an fc2 wider than that runs oneDNN's
             # GEMM, which takes one scale per tensor; see mlp())
-            vnni = cast(Int8Linear, self.proj).gemm is not None
+            vnni = self.proj.gemm is not None
             self.rows_quantize = kernel.per_row if kernel is not None and vnni else None
             self.norm1_q = LayerNormQuantize(norm1, quantize, kernel)
             self.norm2_q = LayerNormQuantize(norm2, quantize, kernel)
