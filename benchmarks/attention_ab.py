@@ -18,7 +18,13 @@ in one process (15 rounds; min and median ms), e.g. the previous commit's::
         --against /tmp/old.c
 
 ``--layer --int8``: the bf16 kernel against its int8 variant (``attention_int8.c``, the int8 fast path's) the same
-way, and each one's relative error from fp32 SDPA on the same bf16 q, k, v.
+way, and each one's relative error from fp32 SDPA on the same bf16 q, k, v. ``--layer --int8 --against OLD.c``: the
+int8 variant built from another version of ``attention_int8.c`` against this one (feeds BENCHMARKS.md, "int8
+attention past 65,536 keys")::
+
+    git show main:src/vitkit/inference/attention_int8.c > /tmp/old_int8.c
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/attention_ab.py B/16 S/16 \
+        --layer --int8 --against /tmp/old_int8.c
 """
 
 from __future__ import annotations
@@ -88,14 +94,19 @@ def one_layer(name: str, batch: int, flex: bool = False) -> None:
             print(f"{name} one layer, b{B}: {form}: {ms:.2f} ms, {flops / ms / 1e6:.0f} GFLOP/s", flush=True)
 
 
-def kernel_ab(name: str, batch: int, against: Path | None, repeats: int = 15) -> None:
+def kernel_ab(name: str, batch: int, against: Path | None, int8: bool = False, repeats: int = 15) -> None:
     """One layer's attention: the kernel built from ``against`` and the current one, alternating call by call
-    (``against`` None: the bf16 kernel against the int8 one, and each one's relative error from fp32 SDPA on
-    the same bf16 q, k, v). Each writes into an output of its own allocated once: a fresh 5 MB output per call
-    is page-faulted anew or not depending on glibc's allocation history (0 or ~470 faults per call, up to +30%
-    time), which would decide the comparison instead of the kernels."""
+    (``int8``: the int8 variant's; ``against`` None: the bf16 kernel against the int8 one, and each one's relative
+    error from fp32 SDPA on the same bf16 q, k, v). Each writes into an output of its own allocated once: a fresh
+    5 MB output per call is page-faulted anew or not depending on glibc's allocation history (0 or ~470 faults
+    per call, up to +30% time), which would decide the comparison instead of the kernels."""
     if against is None:
         old, new = attention.load(), attention.load_int8()
+    elif int8:
+        source = native.kernel_source(against)  # (simd.h in front, as for the current one)
+        old_lib = native.load(source, "vk_attention_int8_against", attention.INT8_FLAGS, attention.INT8_NEEDS)
+        old = None if old_lib is None else attention.FusedAttention(old_lib, "vk_attention_int8")
+        new = attention.load_int8()
     else:
         old_lib = native.load(against.read_text(), "vk_attention_against", attention.FLAGS, attention.NEEDS)
         old, new = (None if old_lib is None else attention.FusedAttention(old_lib)), attention.load()
@@ -120,6 +131,9 @@ def kernel_ab(name: str, batch: int, against: Path | None, repeats: int = 15) ->
     a, b = timings.keys()
     ratio = timings[a].median / timings[b].median
     print(f"{name} one layer, b{B}: {line}; {b} / {a} speed {ratio:.3f}", flush=True)
+    if against is not None:
+        same = torch.equal(*outs.values())
+        print(f"{name}: outputs {'equal bit for bit' if same else 'DIFFER'} between the two versions", flush=True)
     if against is None:  # the error of each from fp32 SDPA (inputs: rows of N(0, 1), like a LayerNorm's)
         q, k, v = qkv.float().view(B, T, 3, h, d).permute(2, 0, 3, 1, 4).unbind(0)
         ref = F.scaled_dot_product_attention(q, k, v, scale=d**-0.5).transpose(1, 2).reshape(B * T, h * d)
@@ -160,7 +174,7 @@ def main() -> None:
     torch.manual_seed(0)
     for name in args.models:
         if args.layer and (args.against or args.int8):
-            kernel_ab(name, args.batch_size, args.against)
+            kernel_ab(name, args.batch_size, args.against, args.int8)
             continue
         if args.layer:
             one_layer(name, args.batch_size, args.flex)
