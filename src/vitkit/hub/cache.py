@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+#: The environment variable that names vitkit's cache folder (downloads, compiled kernels).
 ENV_VAR = "VITKIT_HOME"
 
 

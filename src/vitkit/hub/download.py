@@ -104,6 +104,8 @@ def record_path(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
 
 
 def read_record(url: str, cache: str | os.PathLike[str] | None = None) -> Record | None:
+    """The download record (size, SHA-256, source) kept beside a cached file, or None if there is none or it
+    is unreadable."""
     try:
         return Record(**json.loads(record_path(url, cache).read_text()))
     except (OSError, ValueError, TypeError):
@@ -111,10 +113,12 @@ def read_record(url: str, cache: str | os.PathLike[str] | None = None) -> Record
 
 
 def is_cached(url: str, cache: str | os.PathLike[str] | None = None) -> bool:
+    """Whether the file of ``url`` is complete in the cache (a ``.partial`` download does not count)."""
     return cache_path(url, cache).is_file()
 
 
 def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file as lowercase hex, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(CHUNK):
