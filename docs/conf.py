@@ -101,7 +101,7 @@ html_theme_options = {
     "footer_start": ["copyright"],
     "footer_end": ["sphinx-version"],
 }
-html_sidebars = {"**": [], "api/**": ["sidebar-nav-bs"]}  # the section list where there is a section
+html_sidebars = {"*": [], "api/*": ["sidebar-nav-bs"]}  # the section list where there is a section
 html_show_sourcelink = False
 html_copy_source = False
 # MathJax is not shipped (its default comes from a CDN): the pages use no math, and vitkit_docs fails a page with any

@@ -35,7 +35,7 @@ LOADING_ATTRS: dict[str, tuple[str, ...]] = {
 # <link rel=...> values whose href is not fetched
 LINK_NOT_FETCHED = {"canonical", "author", "license", "alternate", "help", "search", "next", "prev", "index", "top"}
 CSS_URL = re.compile(r"""url\(\s*['"]?([^'")\s]+)""")
-CSS_IMPORT = re.compile(r"""@import\s+(?:url\()?\s*['"]?([^'")\s;]+)""")
+CSS_IMPORT = re.compile(r"""@import\s+['"]([^'"]+)""")  # @import url(...) is found by CSS_URL
 # a script that fetches or injects from an absolute URL (string literals only: comments and licences mention URLs)
 JS_STRING_URL = re.compile(r"""(['"`])((?:https?:)?//[^'"`\s]+)\1""")
 # URLs that name something rather than load it (XML namespaces, doctypes)

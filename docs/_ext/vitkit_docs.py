@@ -237,7 +237,7 @@ class ApiIndexDirective(SphinxDirective):
             rows += [f"   * - :py:obj:`vitkit.{name}`", f"     - {summary_of(entry)}"]
         lines = [*rows, ""]
         if local:
-            lines += ["Defined in modules without a package export", "--------------------------------------------", ""]
+            lines += ["Names no package exports", "------------------------", ""]
             for entry in local:
                 lines += autodoc_lines(entry)
         lines += [".. py:data:: vitkit.__version__", "   :type: str", "", "   The installed version of vitkit.", ""]
