@@ -54,7 +54,7 @@ def private_dirs(folder: Path) -> None:
             os.mkdir(p, 0o700)
 
 
-def untrusted(folder: Path) -> str | None:
+def untrusted(folder: Path, *, sticky_ok: bool = False) -> str | None:
     """Why another local user could change what is in ``folder`` (one phrase naming the path at fault), or
     None when only this user and root can.
 
@@ -62,8 +62,9 @@ def untrusted(folder: Path) -> str | None:
     their targets in turn: every folder on the way must be owned by this user or root, and writable by no
     one else (group or others) unless it has the sticky bit (like ``/tmp``: others may add names but not
     rename or remove ours); ``folder`` itself must be writable by no one else, sticky or not; a symbolic link
-    must be owned by this user or root (no one else created it). Not checked where there is no POSIX
-    ownership (Windows)."""
+    must be owned by this user or root (no one else created it). ``sticky_ok``: ``folder`` may be sticky too,
+    as a parent (to check the deepest existing folder before creating private ones in it). Not checked where
+    there is no POSIX ownership (Windows)."""
     if not hasattr(os, "getuid"):
         return None
     owners = {os.getuid(), 0}
@@ -91,7 +92,7 @@ def untrusted(folder: Path) -> str | None:
         if st.st_uid not in owners:
             return f"{current} is owned by another user (uid {st.st_uid})"
         others = st.st_mode & 0o022
-        if others and (not todo or not st.st_mode & stat.S_ISVTX):
+        if others and not (st.st_mode & stat.S_ISVTX and (todo or sticky_ok)):
             who = "others" if st.st_mode & 0o002 else "its group"
             return f"{current} can be written by {who} (mode {stat.S_IMODE(st.st_mode):o})"
         if not todo:
