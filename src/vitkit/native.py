@@ -78,7 +78,7 @@ def _unusable(path: Path) -> str | None:
         return why
     if not os.access(path, os.W_OK | os.X_OK):
         return "cannot be written"
-    if os.statvfs(path).f_flag & getattr(os, "ST_NOEXEC", 0):
+    if hasattr(os, "statvfs") and os.statvfs(path).f_flag & getattr(os, "ST_NOEXEC", 0):
         return "on a noexec mount, where libraries cannot be loaded"
     with _reported_lock:
         if path in _unloadable:
