@@ -269,8 +269,19 @@ def plant(cache: Path, marker: Path) -> Path:
     return honest
 
 
+def shared_group(path: Path) -> None:
+    """Give ``path`` a group other users are in (a group of the user's own counts as private)."""
+    from vitkit.hub.cache import _own_group
+
+    if is_root:
+        os.chown(path, -1, OTHER_UID)
+    elif _own_group(path.stat().st_gid):
+        pytest.skip("needs root to give a folder a group other users are in")
+
+
 def make_untrusted(how: str, cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "group-writable cache":
+        shared_group(cache / "native")
         (cache / "native").chmod(0o770)
     elif how == "world-writable parent without sticky bit":
         cache.chmod(0o777)  # anyone may rename native/ aside and put their own in its place
@@ -349,11 +360,27 @@ def test_untrusted_names_the_path_at_fault(tmp_path: Path) -> None:
     assert untrusted(tmp_path / "a" / "b") is None
     assert untrusted(tmp_path / "a") == f"{tmp_path / 'a'} can be written by others (mode 1777)"
     (tmp_path / "a" / "b").chmod(0o770)
+    shared_group(tmp_path / "a" / "b")
     assert untrusted(tmp_path / "a" / "b") == f"{tmp_path / 'a' / 'b'} can be written by its group (mode 770)"
     (tmp_path / "l").symlink_to("a/b/../b")  # a relative link with "..": resolved as the kernel does
     (tmp_path / "a" / "b").chmod(0o700)
     assert untrusted(tmp_path / "l") is None
     assert untrusted(tmp_path / "nope") == f"{tmp_path / 'nope'}: No such file or directory"
+
+
+def test_a_folder_writable_by_the_users_own_group_counts_as_private(tmp_path: Path) -> None:
+    """User private groups (Debian, Ubuntu, Fedora): each user's primary group is named as the user and has no
+    other members, and umask 002 leaves new folders group-writable; refusing those would refuse most caches."""
+    from vitkit.hub.cache import _own_group, untrusted
+
+    if not _own_group(os.getgid()):
+        pytest.skip("this user's primary group is shared with others")
+    (tmp_path / "c").mkdir()
+    os.chown(tmp_path / "c", -1, os.getgid())
+    (tmp_path / "c").chmod(0o770)
+    assert untrusted(tmp_path / "c") is None
+    (tmp_path / "c").chmod(0o772)  # others: never
+    assert untrusted(tmp_path / "c") == f"{tmp_path / 'c'} can be written by others (mode 772)"
 
 
 def fail_to_load_in(folder: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -62,7 +62,10 @@ def untrusted(folder: Path, *, sticky_ok: bool = False) -> str | None:
     their targets in turn: every folder on the way must be owned by this user or root, and writable by no
     one else (group or others) unless it has the sticky bit (like ``/tmp``: others may add names but not
     rename or remove ours); ``folder`` itself must be writable by no one else, sticky or not; a symbolic link
-    must be owned by this user or root (no one else created it). ``sticky_ok``: ``folder`` may be sticky too,
+    must be owned by this user or root (no one else created it). A folder its group can write counts as
+    private when that group is this user's own (user private groups, as Debian, Ubuntu and Fedora make for
+    each user and their umask 002 leaves writable: the user's primary group, named as the user, with no other
+    members). ``sticky_ok``: ``folder`` may be sticky too,
     as a parent (to check the deepest existing folder before creating private ones in it). Not checked where
     there is no POSIX ownership (Windows)."""
     if not hasattr(os, "getuid"):
@@ -91,7 +94,7 @@ def untrusted(folder: Path, *, sticky_ok: bool = False) -> str | None:
             return f"{current} is not a folder"
         if st.st_uid not in owners:
             return f"{current} is owned by another user (uid {st.st_uid})"
-        others = st.st_mode & 0o022
+        others = st.st_mode & (0o002 if _own_group(st.st_gid) else 0o022)
         if others and not (st.st_mode & stat.S_ISVTX and (todo or sticky_ok)):
             who = "others" if st.st_mode & 0o002 else "its group"
             return f"{current} can be written by {who} (mode {stat.S_IMODE(st.st_mode):o})"
@@ -99,3 +102,16 @@ def untrusted(folder: Path, *, sticky_ok: bool = False) -> str | None:
             return None
         name = todo.pop(0)
         current = current.parent if name == ".." else current / name
+
+
+def _own_group(gid: int) -> bool:
+    """Whether ``gid`` is this user's private group: the primary group, named as the user, no other members."""
+    try:
+        import grp
+        import pwd
+
+        user = pwd.getpwuid(os.getuid()).pw_name
+        group = grp.getgrgid(gid)
+    except (ImportError, KeyError):  # no such databases (Windows), or ids without names (containers)
+        return False
+    return gid == os.getgid() and group.gr_name == user and set(group.gr_mem) <= {user}
