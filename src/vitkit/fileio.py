@@ -7,6 +7,10 @@ Rules every writer follows (README: "never delete or overwrite what vitkit did n
 - an existing folder is replaced only when vitkit wrote it (every entry is a file vitkit writes there, and
   the weights carry vitkit's marker) and the caller asked to replace it (``overwrite=True`` / ``--overwrite``);
   an existing file likewise only with ``overwrite``; an output never overlaps the input it was made from;
+- every file of a checkpoint (weights, config, class names; training states and exports too) gets one mode:
+  that of a new file under the process's umask, ``0666 & ~umask`` (0644 under the usual 022, 0600 under
+  077; :func:`file_mode`), whatever the library that wrote it chose (safetensors' ``save_file`` makes
+  0600 files), so whoever can read a checkpoint's config can read its weights; folders get ``0777 & ~umask``;
 - replacing a folder takes two renames (old aside to ``.NAME.old``, new into place); readers that find no
   ``NAME`` use ``.NAME.old`` (:func:`complete_dir`), and :func:`clean_stale` restores or removes such leftovers
   (only names of that exact shape, which only vitkit creates) the next time vitkit starts on that folder.
@@ -28,6 +32,31 @@ from vitkit.errors import CheckpointError, ConfigError
 WRITER_KEY = "vitkit.writer"  # safetensors metadata key marking a file vitkit wrote
 WRITER = "vitkit"
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp-[a-z0-9]{8}|old|del-[a-z0-9]{8})$")
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux's /proc/self/status);
+    elsewhere set and restored at once (which briefly affects files other threads create)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode of every file vitkit writes into a checkpoint: ``0666 & ~umask``."""
+    return 0o666 & ~umask()
+
+
+def set_modes(path: Path) -> None:
+    """Give ``path`` (a file) or every file under it (a folder) :func:`file_mode`."""
+    mode = file_mode()
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    for f in files:
+        os.chmod(f, mode)
 
 
 def fsync(path: Path) -> None:
@@ -257,6 +286,7 @@ def write_file_atomic(out: Path, write: Callable[[Path], object]) -> Path:
         tmp = temp_path(out)
         try:
             write(tmp)
+            set_modes(tmp)
             fsync(tmp)
             os.replace(tmp, out)
         finally:
@@ -272,6 +302,7 @@ def write_dir_atomic(out: Path, write: Callable[[Path], object]) -> Path:
         tmp = make_temp_dir(out)
         try:
             write(tmp)
+            set_modes(tmp)
             sync_tree(tmp)
             replace_dir(tmp, out)
         finally:

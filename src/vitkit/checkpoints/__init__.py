@@ -5,13 +5,15 @@ id (resolved by :mod:`vitkit.hub`), detects the format from the file's structure
 converts it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
 ``save_checkpoint(model, path, format)`` writes any format that can represent the model exactly.
 
-| name       | what                                                              |
-|------------|-------------------------------------------------------------------|
-| vitkit     | folder: model.safetensors + config.json (config, preprocessing, class names, provenance) |
-| official   | Google ViT/AugReg/hybrid .npz, vit_jax names                      |
-| big_vision | big_vision .npz (params/ prefix, Linen names, scan-stacked or not) |
-| hf         | Hugging Face transformers ViT folder (config.json + model.safetensors) |
-| timm       | timm ViT state dict (.safetensors/.pth) or timm hub folder        |
+==========  ==========================================================================================
+name        what
+==========  ==========================================================================================
+vitkit      folder: model.safetensors + config.json (config, preprocessing, class names, provenance)
+official    Google ViT/AugReg/hybrid .npz, vit_jax names
+big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
+hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
+timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
+==========  ==========================================================================================
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def _check_file_output(out: Path, overwrite: bool) -> None:
     check_output_file(out, overwrite=overwrite)
 
 
+#: The formats by name: how each is detected, read and (where it can be) written.
 FORMATS: dict[str, Format] = {
     "vitkit": Format(
         "vitkit",

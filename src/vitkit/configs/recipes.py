@@ -144,7 +144,7 @@ def paper_imagenet(variant: str = "B/16", source: str = "imagenet") -> TrainConf
     return cfg
 
 
-# Paper Table 4 (fine-tuning): steps per data set; lr swept over {0.001, 0.003, 0.01, 0.03} (0.01 for VTAB).
+#: Paper Table 4 (fine-tuning): steps per data set; lr swept over {0.001, 0.003, 0.01, 0.03} (0.01 for VTAB).
 FINETUNE_STEPS = {"imagenet": 20_000, "cifar10": 10_000, "cifar100": 10_000, "pets": 500, "flowers": 500, "vtab": 2_500}
 
 
@@ -252,6 +252,7 @@ def plain_vit_s16(source: str = "imagenet") -> TrainConfig:
     )
 
 
+#: The training recipes by name (``vitkit train --recipe NAME``), each a function returning a TrainConfig.
 RECIPES: dict[str, Callable[..., TrainConfig]] = {
     "digits": digits,
     "cifar-small": cifar_small,

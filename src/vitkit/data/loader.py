@@ -31,6 +31,9 @@ SampleTransform = Callable[[Image.Image, np.random.Generator], torch.Tensor]
 
 @dataclass
 class Batch:
+    """One batch from a loader: images, labels, their dataset indices and, when padded, which rows are
+    real."""
+
     images: torch.Tensor  # (B, C, H, W)
     labels: torch.Tensor  # (B,) int64
     indices: torch.Tensor  # (B,) dataset indices, for debugging and tests

@@ -62,6 +62,9 @@ def align_labels(
 
 @dataclass
 class EvalReport:
+    """What ``vitkit eval`` reports: the metrics, the class names they are indexed by, and notes (e.g. classes
+    missing from the split)."""
+
     metrics: Metrics
     class_names: list[str]
     notes: list[str] = field(default_factory=list)

@@ -64,6 +64,9 @@ class NonFiniteLossError(VitkitError):
 
 @dataclass
 class TrainResult:
+    """What :func:`train` returns: the run folder, the last optimiser step, the per-step log (step, loss,
+    learning rate) and the per-epoch metrics (the rows of ``metrics.csv``)."""
+
     run_dir: Path
     step: int
     steps: list[dict[str, float]] = field(default_factory=list)  # per optimiser step: step, loss, lr
