@@ -1,5 +1,7 @@
-"""Resident memory of ``vitkit serve`` under a flood of maximum-size uploads (issue 25, item 7). Feeds the
-BENCHMARKS.md section "Serving: resident memory under a flood of maximum-size uploads".
+"""Feeds the table "Serving: memory under a flood of maximum-size uploads" of BENCHMARKS.md (``python
+benchmarks/run_all.py serve_memory``; its "before" rows add ``--reference-src`` with an older checkout's ``src``).
+
+Resident memory of ``vitkit serve`` under a flood of maximum-size uploads (issue 25, item 7).
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/serve_memory.py \
         [--clients 8 32] [--seconds 25] [--reference-src DIR] [--json out.json]
