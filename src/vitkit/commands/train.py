@@ -142,9 +142,16 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from vitkit.configs import apply_overrides, finetune_config
-    from vitkit.train import train
+    from pathlib import Path
 
+    from vitkit.configs import apply_overrides, finetune_config, get_recipe
+    from vitkit.train import check_run_dir, train
+
+    # the run folder before the checkpoint is read (train() checks it again when it claims it)
+    if args.out is not None:
+        check_run_dir(Path(args.out))
+    else:  # runs/<name>, numbered when taken
+        check_run_dir(Path("runs") / get_recipe(args.recipe).name, numbered=True)
     notes: list[str] = []
     base = finetune_config(
         args.checkpoint, getattr(args, "data.source"), args.recipe, getattr(args, "data.image_size"), notes=notes

@@ -72,14 +72,17 @@ class EvalTransform:
         """Whether it wants JPEGs read and not decoded (the fast path); the reference decodes them fully."""
         return not self.reference
 
-    def __call__(self, img: LazyImage) -> torch.Tensor:
+    def __call__(self, img: LazyImage, name: str = "image") -> torch.Tensor:
+        """``name`` identifies a decoded image in errors (a JPEG read and not decoded carries its own)."""
         pre = self.preprocess
         if isinstance(img, EncodedJpeg):
+            pre.check_size(img.width, img.height, img.name)  # refused from the header, before any decoding
             if self.reference or pre.grayscale or img.mode != "RGB" or pre.interpolation not in _TORCH_MODES:
-                img = decode_image(img.data, img.name)
+                name = img.name
+                img = decode_image(img.data, name)
             else:
                 return self._jpeg(img)
-        return pre.to_tensor(img)
+        return pre.to_tensor(img, name)
 
     def _jpeg(self, jpeg: EncodedJpeg) -> torch.Tensor:
         import simplejpeg

@@ -176,7 +176,7 @@ class _Decoded(torch.utils.data.Dataset):
         item_id = self.source.item_id(pos)
         try:
             img, label = self.source.load(pos, self.lazy)
-            x = self.transform(img)
+            x = self.transform(img, item_id)
         except DataError as e:
             return None, str(e), -1, pos, item_id
         if self.on_load is not None:
@@ -260,7 +260,7 @@ def stream_iterable(
         try:
             if not isinstance(img, Image.Image):
                 img = open_lazy(img) if lazy else load_image(img)
-            return transform(img), None, label, pos, item_id
+            return transform(img, item_id), None, label, pos, item_id
         except DataError as e:
             return None, str(e), -1, pos, item_id
 

@@ -88,7 +88,7 @@ def calibration_batch(
     images = []
     for f in picked:
         try:
-            images.append(pre.to_tensor(load_image(f)))
+            images.append(pre.to_tensor(load_image(f), os.fspath(f)))
         except DataError as e:
             raise DataError(f"--calibration: {e}") from None
     return torch.stack(images)
