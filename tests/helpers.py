@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,24 @@ from vitkit.models import VisionTransformer, create_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SRC = Path(__file__).parents[1] / "src"
+
+# ``@pytest.mark.parametrize("device", DEVICES)``: a behaviour test on every device there can be; the CUDA case is
+# marked ``gpu`` and skipped (saying why) without CUDA (conftest.py)
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@contextmanager
+def full_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions in full precision on CUDA (no TF32) while inside, as on the CPU: for tests
+    that compare two ways of computing the same function to fp32 rounding. (PyTorch computes cuDNN convolutions in
+    TF32 by default, and vitkit's trainer selects TF32 matmuls on GPUs that have it; hardware.use_tf32.)"""
+    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = conv
 
 
 def file_modes(root: Path) -> dict[str, str]:

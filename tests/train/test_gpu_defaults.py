@@ -39,6 +39,23 @@ def test_tf32_on_gpus_that_have_it(
     assert hardware.has_tf32("cpu") is False
 
 
+def test_tf32_false_is_full_fp32_and_both_are_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TrainConfig.tf32: True selects TF32 matmuls on an Ampere GPU (CUDA faked), False full fp32 for matmuls and
+    cuDNN convolutions on any device; restore_tf32 puts back what was there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    start = torch.get_float32_matmul_precision()
+    before = hardware.use_tf32(torch.device("cuda", 0))
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    hardware.restore_tf32(before)
+    assert torch.get_float32_matmul_precision() == start == "highest"
+    before = hardware.use_tf32(torch.device("cuda", 0), enabled=False)
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    hardware.restore_tf32(before)
+    assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == start
+
+
 def test_fsdp_bf16_policy_computes_in_bf16_and_reduces_in_fp32() -> None:
     policy = fsdp_mixed_precision("bf16", torch.device("cuda", 0))
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32

@@ -46,7 +46,8 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import check_output_location, clean_stale
-from vitkit.hardware import use_tf32
+from vitkit.hardware import restore_tf32, use_tf32
+from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
@@ -96,6 +97,20 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
+    """Whether training steps run the explicit softmax attention (else the fused SDPA kernel; evaluation always
+    runs the fused one). ``choice`` "auto": the explicit softmax on CPU, whose backward is faster than PyTorch's
+    fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
+    keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
+    sequences."""
+    if choice != "auto":
+        return choice == "explicit"
+    if device.type != "cpu":
+        return False
+    kept = micro_batch * model.num_heads * model.num_tokens() ** 2 * 4 * model.depth  # fp32 probabilities, all layers
+    return kept <= EXPLICIT_ATTENTION_BYTES
+
+
 class Trainer:
     """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
 
@@ -109,7 +124,7 @@ class Trainer:
         self.progress = progress
         self.dist = distr.setup(cfg.device)
         self.device = self.dist.device
-        self._matmul_precision = use_tf32(self.device)  # TF32 for fp32 matmuls where the GPU has it; undone on close
+        self._tf32 = use_tf32(self.device, cfg.tf32)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
         self.skipped = 0
@@ -207,19 +222,8 @@ class Trainer:
         return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
 
     def _explicit_attention(self) -> bool:
-        """The attention kernel for training steps (evaluation always runs the fused one). "auto": the
-        explicit softmax on CPU, whose backward is faster than PyTorch's fused CPU kernel at every ViT length
-        measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it keeps for the backward pass
-        stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long sequences."""
-        if self.cfg.attention != "auto":
-            return self.cfg.attention == "explicit"
-        if self.device.type != "cpu":
-            return False
-        m = self.net.cfg
-        tokens = m.num_tokens()
         micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
-        kept = micro_batch * m.num_heads * tokens**2 * 4 * m.depth  # fp32 probabilities of every layer
-        return kept <= EXPLICIT_ATTENTION_BYTES
+        return explicit_attention(self.cfg.attention, self.device, self.net.cfg, micro_batch)
 
     # ---- one optimiser step -------------------------------------------------------------------------
 
@@ -563,7 +567,7 @@ class Trainer:
             self._tb = None
         distr.teardown(self.dist, clean)
         self._sigterm.release()
-        torch.set_float32_matmul_precision(self._matmul_precision)
+        restore_tf32(self._tf32)
 
     def __enter__(self) -> Trainer:
         return self
