@@ -64,10 +64,13 @@ def _losses(steps: list[dict[str, float]]) -> list[tuple[int, float, float]]:
     return [(int(r["step"]), r["loss"], r["lr"]) for r in steps]
 
 
-def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path, device: str) -> None:
     """Every random path on (dropout, stochastic depth, RandAugment, Mixup/CutMix, EMA): kill at step 15
-    (mid-epoch 2, last checkpoint at 12), resume, and compare everything exactly."""
+    (mid-epoch 2, last checkpoint at 12), resume, and compare everything exactly (on a GPU too: the same kernels
+    on the same inputs in one process)."""
     cfg = tiny_config(
+        device=device,
         **{"model.overrides": {**tiny_config().model.overrides, "dropout": 0.1, "drop_path": 0.2}},
         **{"aug.randaug_layers": 2, "aug.randaug_magnitude": 5, "aug.mixup": 0.4, "aug.cutmix": 1.0},
         **{"aug.label_smoothing": 0.1, "ema_decay": 0.9, "checkpoint_every_steps": 4},
