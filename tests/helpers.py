@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vitkit import hardware
 from vitkit.inference import gemm_int8, int8
 from vitkit.models import VisionTransformer, create_model
 
@@ -25,15 +26,12 @@ DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=
 @contextmanager
 def full_fp32() -> Iterator[None]:
     """fp32 matmuls and convolutions in full precision on CUDA (no TF32) while inside, as on the CPU: for tests
-    that compare two ways of computing the same function to fp32 rounding. (PyTorch computes cuDNN convolutions in
-    TF32 by default, and vitkit's trainer selects TF32 matmuls on GPUs that have it; hardware.use_tf32.)"""
-    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
+    that compare the GPU with the CPU to fp32 rounding (PyTorch computes cuDNN convolutions in TF32 by default)."""
+    previous = hardware.use_tf32(torch.device("cpu"), enabled=False)
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(matmul)
-        torch.backends.cudnn.allow_tf32 = conv
+        hardware.restore_tf32(previous)
 
 
 def file_modes(root: Path) -> dict[str, str]:
