@@ -55,7 +55,7 @@ def test_fastest_sdpa_backend_is_measured_and_drops_what_cannot_run() -> None:
     )
     assert set(timings) == {"flash", "math"} and all(t > 0 for t in timings.values())
     assert best == min(timings, key=timings.__getitem__)
-    assert planning.fastest_sdpa_backend(("cudnn",), (1, 1, 4, 8), torch.float32, cpu) == (None, {})
+    assert planning.fastest_sdpa_backend(("cudnn",), (1, 1, 4, 8), torch.float32, torch.device("cpu")) == (None, {})
 
 
 def test_sdpa_backend_restricts_the_kernel() -> None:
