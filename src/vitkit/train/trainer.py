@@ -46,7 +46,7 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import check_output_location, clean_stale
-from vitkit.hardware import restore_tf32, use_tf32
+from vitkit.hardware import has_native_bf16, restore_tf32, use_tf32
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
@@ -97,6 +97,14 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def train_precision(choice: str, device: torch.device) -> str:
+    """The precision a run computes in: ``choice`` "fp32" or "bf16" as given; "auto" bf16 autocast on a CUDA GPU
+    that computes bf16 natively (Ampere and later), fp32 elsewhere (on CPUs fp32 is vitkit's measured default)."""
+    if choice != "auto":
+        return choice
+    return "bf16" if device.type == "cuda" and has_native_bf16(device) else "fp32"
+
+
 def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
     """Whether training steps run the explicit softmax attention (else the fused SDPA kernel; evaluation always
     runs the fused one). ``choice`` "auto": the explicit softmax on CPU, whose backward is faster than PyTorch's
@@ -124,6 +132,7 @@ class Trainer:
         self.progress = progress
         self.dist = distr.setup(cfg.device)
         self.device = self.dist.device
+        self.precision = train_precision(cfg.precision, self.device)  # "auto" resolved: "fp32" or "bf16"
         self._tf32 = use_tf32(self.device, cfg.tf32)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
@@ -149,7 +158,7 @@ class Trainer:
         if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
             self.net.set_training_kernels(kernels.load())  # else PyTorch's ops); inductor fuses on its own
         self.model = distr.wrap(
-            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=cfg.precision
+            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=self.precision
         )
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
@@ -228,7 +237,7 @@ class Trainer:
     # ---- one optimiser step -------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.precision == "bf16":
+        if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
