@@ -11,7 +11,7 @@ from torch import nn
 
 from vitkit.models import create_model
 from vitkit.models.lora import LoraSpec, adapter_state, add_lora, is_adapted, load_adapter_state, merge_lora
-from vitkit.models.vit import ViTConfig, VisionTransformer
+from vitkit.models.vit import VisionTransformer, ViTConfig
 
 peft = pytest.importorskip("peft")
 
@@ -73,7 +73,7 @@ def test_adapter_state_round_trips_in_peft_names() -> None:
     x = torch.randn(2, 3, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(dst.eval()(x), src.eval()(x))
-    with pytest.raises(Exception, match="lacks blocks.0.attn.qkv.lora_A.weight"):
+    with pytest.raises(Exception, match=r"lacks blocks\.0\.attn\.qkv\.lora_A\.weight"):
         load_adapter_state(dst, {k: v for k, v in state.items() if "blocks.0.attn.qkv.lora_A" not in k}, "a")
 
 

@@ -25,6 +25,7 @@ from vitkit.errors import ConfigError, VitkitError
 # short target name -> the module it names in every block
 TARGET_MODULES = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
 ADAPTER = "default"  # peft's adapter name; one adapter per model
+M = TypeVar("M", bound=nn.Module)
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,17 @@ def _peft() -> Any:
     return peft
 
 
-def add_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
+def add_lora(model: M, spec: LoraSpec, seed: int | None = None) -> M:
     """Inject adapters into ``model`` in place and freeze everything but them and the head; returns ``model``.
 
-    The head (and a pre-logits layer, if any) stays trainable: new classes need a new head."""
+    The head (and a pre-logits layer, if any) stays trainable: new classes need a new head. ``A`` starts
+    Kaiming-uniform (peft's default; ``B`` at zero), drawn from ``seed`` when given (the global generator is
+    left as it was), else from the global generator."""
     peft = _peft()
-    peft.inject_adapter_in_model(spec.peft_config(), model, adapter_name=ADAPTER)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        peft.inject_adapter_in_model(spec.peft_config(), model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_(_is_adapter(name) or name.startswith(("head.", "pre_logits.")))
     return model
@@ -98,9 +104,6 @@ def is_adapted(model: nn.Module) -> bool:
     """Whether ``model`` holds LoRA layers."""
     tuner = _peft().tuners.tuners_utils.BaseTunerLayer
     return any(isinstance(m, tuner) for m in model.modules())
-
-
-M = TypeVar("M", bound=nn.Module)
 
 
 @torch.no_grad()

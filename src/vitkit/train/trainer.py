@@ -30,15 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.checkpoints import vitkit_format
-from vitkit.checkpoints.base import empty_model
+from vitkit.checkpoints import load_checkpoint, lora_format, vitkit_format
+from vitkit.checkpoints.base import empty_model, state_digest
 from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset, note_skipped
 from vitkit.data.datasets import open_dataset, open_split_or_none
@@ -47,6 +47,7 @@ from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import clean_stale
 from vitkit.hardware import use_tf32
+from vitkit.models.lora import LoraSpec, add_lora, merge_lora
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
@@ -75,10 +76,11 @@ class TrainResult:
     val_split: str | None = None  # which split final_top1 was measured on
     final_metrics: dict[str, float] = field(default_factory=dict)
     rank: int = 0  # the process that produced this result (only process 0 writes and prints)
+    notes: list[str] = field(default_factory=list)  # e.g. how a linear head's L2 strength was chosen
 
     def summary(self) -> str:
         """The lines ``vitkit train`` prints at the end."""
-        lines = []
+        lines = list(self.notes)
         if self.final_top1 is not None:
             n = int(self.final_metrics.get("val_count", 0))
             lines.append(f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n})")
@@ -93,8 +95,12 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
-class Trainer:
-    """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
+class Run:
+    """What every run has, whatever trains it: the config, the process group and device, the run folder, the
+    data, the model built for it (with its preprocessing), saving the model, and clean-up. :class:`Trainer`
+    adds the gradient steps; ``vitkit.train.linear.LinearRun`` fits a linear head in closed form instead."""
+
+    ema: EMA | None = None
 
     def __init__(
         self, cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, claim: bool | str = "exclusive"
@@ -109,12 +115,8 @@ class Trainer:
         self._matmul_precision = use_tf32(self.device)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
-        self.skipped = 0
-        self.best_top1: float | None = None
-        self.epoch_loss = [0.0, 0]  # running sum and count of the current epoch's step losses
-        self.history: list[dict[str, float]] = []
-        self.epoch_rows: list[dict[str, Any]] = []
         self._tb: Any = None
+        self._sigterm: distr.StopSignal | None = None
 
         # loader workers per process: a recipe's 8 on a 2-core machine are 2; N processes share the cores
         self.workers = min(cfg.data.workers, max(1, (os.cpu_count() or 1) // self.dist.local_world))
@@ -125,7 +127,157 @@ class Trainer:
         self.classes = self.train_set.classes
         net, pre = build.build_model(cfg, self.classes)
         self.preprocess = pre
+        self.lora: LoraSpec | None = None
+        self._base_digest_value: str | None = None
+        if cfg.adapt.method == "lora":  # adapters in place (drawn from the seed), all else but the head frozen
+            if cfg.distributed == "fsdp" and self.dist.enabled:
+                raise ConfigError(
+                    "adapt.method lora: train with distributed=ddp (FSDP shards frozen and trained weights alike)"
+                )
+            a = cfg.adapt
+            self.lora = LoraSpec(a.lora_rank, a.lora_alpha, a.lora_dropout, a.lora_targets)
+            add_lora(net, self.lora, seed=cfg.seed)
         self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
+
+    # ---- setup -----------------------------------------------------------------------------------------
+
+    def _claim(self, base: Path, mode: bool | str) -> Path:
+        """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
+        n = 0
+        for p in (base, *base.parents):  # a file where the run folder (or a folder above it) should be
+            if p.exists() and not p.is_dir():
+                raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
+        if self.dist.is_main:
+            if mode == "numbered":
+                while _holds_run(base if n == 0 else base.with_name(f"{base.name}-{n}")):
+                    n = max(n + 1, 2)
+            elif _holds_run(base):
+                n = -1
+        n = distr.broadcast_int(n, self.dist)
+        if n < 0:
+            raise ConfigError(f"{base} already holds a run; resume it with --resume {base}, or choose another --out")
+        return base if n == 0 else base.with_name(f"{base.name}-{n}")
+
+    def _open_data(self) -> tuple[ImageDataset, ImageDataset | None]:
+        d = self.cfg.data
+        train = open_dataset(d.source, d.train_split, skip_bad=d.skip_bad)
+        if d.val_split is None:
+            return train, None
+        if d.val_split == "auto":
+            for split in ("val", "test"):
+                val = open_split_or_none(d.source, split, skip_bad=d.skip_bad, classes=train.classes)
+                if val is not None:
+                    return train, val
+            return train, None
+        return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
+
+    # ---- saving ---------------------------------------------------------------------------------------
+
+    def _full_model_state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # copies: on one process these would alias the parameters (and change when EMA weights swap out)
+        return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+    def save_model(self, folder: str, **provenance: Any) -> None:
+        """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
+        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
+        with ctx:
+            state = self._full_model_state()
+        if self.dist.is_main:
+            cfg = self.net.cfg
+            model = empty_model(cfg)
+            if self.lora is not None:
+                add_lora(model, self.lora)
+            model.load_state_dict(state, strict=True)
+            prov = {"recipe": self.cfg.recipe, "run": str(self.run_dir), "step": self.step, **provenance}
+            if self.cfg.model.init_from:
+                prov["fine_tuned_from"] = self.cfg.model.init_from
+                prov["method"] = self.cfg.adapt.method
+            if self.lora is not None:
+                prov["lora"] = self.lora.to_dict()
+            if self.lora is not None and self.cfg.adapt.save_adapters:
+                assert self.cfg.model.init_from  # validate(): adaptation starts from a checkpoint
+                lora_format.save(
+                    model,
+                    self.run_dir / folder,
+                    base=self.cfg.model.init_from,
+                    base_digest=self._base_digest(),
+                    spec=self.lora,
+                    pos_interpolation=self.cfg.model.pos_interpolation,
+                    preprocess=self.preprocess,
+                    class_names=self.classes,
+                    provenance=prov,
+                    overwrite=True,
+                )
+            else:
+                vitkit_format.save(
+                    merge_lora(model) if self.lora is not None else model,
+                    self.run_dir / folder,
+                    preprocess=self.preprocess,
+                    class_names=self.classes,
+                    provenance=prov,
+                    overwrite=True,  # the run's own model/ or best/, replaced as training goes on
+                )
+        distr.barrier(self.dist)
+
+    def _base_digest(self) -> str:
+        """``state_digest`` of the checkpoint fine-tuning started from, as loaded (its resolution and head)."""
+        if self._base_digest_value is None:
+            assert self.cfg.model.init_from
+            self._base_digest_value = state_digest(load_checkpoint(self.cfg.model.init_from).model.state_dict())
+        return self._base_digest_value
+
+    def _clean_after_kill(self) -> None:
+        """Restore or remove what a killed run left in its folder (only vitkit's own hidden temporaries and
+        incomplete ``step-N/`` folders), before anything reads it."""
+        if self.dist.is_main:
+            done = clean_stale(self.run_dir, ("model", "best"))
+            done += train_state.clean_states(self.run_dir / "checkpoints")
+            for note in done:
+                print(f"note: {self.run_dir}: {note} (left by an interrupted run)", file=sys.stderr)
+        distr.barrier(self.dist)
+
+    def close(self, clean: bool = True) -> None:
+        """Release the TensorBoard writer and the process group (``clean=False`` after an error)."""
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        distr.teardown(self.dist, clean)
+        if self._sigterm is not None:
+            self._sigterm.release()
+        torch.set_float32_matmul_precision(self._matmul_precision)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        if exc is None:
+            self.close()
+            return
+        if self._sigterm is not None:
+            self._sigterm.stop()  # no SIGTERM while the other processes are told (distributed.py)
+        peer = distr.FailureNotice(self.dist, exc).peer  # set when another process failed first
+        if self._sigterm is not None:  # torchrun's SIGTERM must not cut its report short
+            self._sigterm.release(keep_holding=peer is not None)
+        self.close(clean=False)
+        if peer is not None:
+            raise peer from None
+
+
+class Trainer(Run):
+    """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
+
+    def __init__(
+        self, cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, claim: bool | str = "exclusive"
+    ) -> None:
+        super().__init__(cfg, run_dir, progress=progress, claim=claim)
+        self.skipped = 0
+        self.best_top1: float | None = None
+        self.epoch_loss = [0.0, 0]  # running sum and count of the current epoch's step losses
+        self.history: list[dict[str, float]] = []
+        self.epoch_rows: list[dict[str, Any]] = []
         self.explicit_attention = self._explicit_attention()
         self.net.set_fused_attention(not self.explicit_attention)
         if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
@@ -162,38 +314,6 @@ class Trainer:
                 file=sys.stderr,
             )
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
-
-    # ---- setup -----------------------------------------------------------------------------------------
-
-    def _claim(self, base: Path, mode: bool | str) -> Path:
-        """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
-        n = 0
-        for p in (base, *base.parents):  # a file where the run folder (or a folder above it) should be
-            if p.exists() and not p.is_dir():
-                raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
-        if self.dist.is_main:
-            if mode == "numbered":
-                while _holds_run(base if n == 0 else base.with_name(f"{base.name}-{n}")):
-                    n = max(n + 1, 2)
-            elif _holds_run(base):
-                n = -1
-        n = distr.broadcast_int(n, self.dist)
-        if n < 0:
-            raise ConfigError(f"{base} already holds a run; resume it with --resume {base}, or choose another --out")
-        return base if n == 0 else base.with_name(f"{base.name}-{n}")
-
-    def _open_data(self) -> tuple[ImageDataset, ImageDataset | None]:
-        d = self.cfg.data
-        train = open_dataset(d.source, d.train_split, skip_bad=d.skip_bad)
-        if d.val_split is None:
-            return train, None
-        if d.val_split == "auto":
-            for split in ("val", "test"):
-                val = open_split_or_none(d.source, split, skip_bad=d.skip_bad, classes=train.classes)
-                if val is not None:
-                    return train, val
-            return train, None
-        return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
 
     def _explicit_attention(self) -> bool:
         """The attention kernel for training steps (evaluation always runs the fused one). "auto": the
@@ -318,13 +438,6 @@ class Trainer:
 
     # ---- saving ---------------------------------------------------------------------------------------
 
-    def _full_model_state(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # copies: on one process these would alias the parameters (and change when EMA weights swap out)
-        return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
-
     def save_state(self) -> None:
         """Write the resumable state (every process takes part; process 0 writes)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -383,38 +496,6 @@ class Trainer:
         self.best_top1 = meta.get("best_top1")
         self.epoch_loss = [float(meta["epoch_loss"][0]), int(meta["epoch_loss"][1])]
 
-    def save_model(self, folder: str, **provenance: Any) -> None:
-        """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
-        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-        with ctx:
-            state = self._full_model_state()
-        if self.dist.is_main:
-            cfg = self.net.cfg
-            model = empty_model(cfg)
-            model.load_state_dict(state, strict=True)
-            prov = {"recipe": self.cfg.recipe, "run": str(self.run_dir), "step": self.step, **provenance}
-            if self.cfg.model.init_from:
-                prov["fine_tuned_from"] = self.cfg.model.init_from
-            vitkit_format.save(
-                model,
-                self.run_dir / folder,
-                preprocess=self.preprocess,
-                class_names=self.classes,
-                provenance=prov,
-                overwrite=True,  # the run's own model/ or best/, replaced as training goes on
-            )
-        distr.barrier(self.dist)
-
-    def _clean_after_kill(self) -> None:
-        """Restore or remove what a killed run left in its folder (only vitkit's own hidden temporaries and
-        incomplete ``step-N/`` folders), before anything reads it."""
-        if self.dist.is_main:
-            done = clean_stale(self.run_dir, ("model", "best"))
-            done += train_state.clean_states(self.run_dir / "checkpoints")
-            for note in done:
-                print(f"note: {self.run_dir}: {note} (left by an interrupted run)", file=sys.stderr)
-        distr.barrier(self.dist)
-
     # ---- logs -------------------------------------------------------------------------------------------
 
     def _log_step(self, rec: dict[str, float], images_per_s: float) -> None:
@@ -463,9 +544,12 @@ class Trainer:
         """Train to ``total_steps``; ``on_step(trainer, record)`` is called after every step (tests, hooks)."""
         t0 = time.perf_counter()
         self._clean_after_kill()
+        notes: list[str] = []
         if resume is not None:
             self.load_state(train_state.resolve_resume(resume))
-        self._open_logs(resumed=resume is not None)
+        self._open_logs(resumed=resume is not None)  # config.json first: a stage-1 crash leaves a resumable run
+        if resume is None and self.cfg.adapt.method == "lp-ft":
+            notes.append(self._linear_probe_head())
         cfg, spe = self.cfg, self.loader.steps_per_epoch
         from tqdm import tqdm
 
@@ -543,30 +627,31 @@ class Trainer:
             self.val_set.split if self.val_set is not None else None,
             last_eval,
             self.dist.rank,
+            notes,
         )
 
-    def close(self, clean: bool = True) -> None:
-        """Release the TensorBoard writer and the process group (``clean=False`` after an error)."""
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        distr.teardown(self.dist, clean)
-        self._sigterm.release()
-        torch.set_float32_matmul_precision(self._matmul_precision)
+    def _linear_probe_head(self) -> str:
+        """LP-FT's first stage (Kumar et al., ICLR 2022): the head fitted on the frozen features
+        (``vitkit.train.linear``) on process 0 and shared; every weight is then trained from it. Returns the
+        line that says how its L2 strength was chosen."""
+        from vitkit.train.linear import fit_linear_head, probe_summary, write_probe_report
 
-    def __enter__(self) -> Trainer:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
-        self._sigterm.stop()  # no SIGTERM while the other processes are told (distributed.py)
-        peer = distr.FailureNotice(self.dist, exc).peer  # set when another process failed first
-        self._sigterm.release(keep_holding=peer is not None)  # torchrun's SIGTERM must not cut its report short
-        self.close(clean=False)
-        if peer is not None:
-            raise peer from None
+        line = ""
+        if self.dist.is_main:
+            self.net.set_fused_attention(True)  # features as every evaluation computes them (and caches them)
+            fit = fit_linear_head(self)
+            self.net.set_fused_attention(not self.explicit_attention)
+            write_probe_report(self, fit, {})
+            line = probe_summary(fit)
+        with torch.no_grad():
+            for p in self.net.head.parameters():
+                if not self.dist.is_main:
+                    p.zero_()
+                distr.all_reduce_sum(p.data, self.dist)  # process 0's head, on every process
+        if self.ema is not None:  # the averages start from the fitted head too
+            self.ema = EMA(self.net, self.cfg.ema_decay or 0.0, self.cfg.ema_warmup)
+        self.net.train()
+        return line
 
 
 def _holds_run(path: Path) -> bool:
@@ -583,17 +668,23 @@ def train(
     """Train ``cfg`` into ``run_dir`` (default ``runs/<name>``, numbered when taken; a given folder must not
     hold a run yet), or continue the run at ``resume`` exactly (its saved config; 1..N processes alike)."""
     state: Path | None = None
+    claim: bool | str
     if resume is not None:
         if cfg is not None or run_dir is not None:
             raise ConfigError("resume continues a run with its saved config and folder; give only resume=")
         cfg, folder, state = resume_config(resume)
-        trainer = Trainer(cfg, folder, progress=progress, claim=False)
+        claim = False
     elif cfg is None:
         raise ConfigError("nothing to run: give a config or a run to resume")
     else:
         folder = Path(run_dir) if run_dir is not None else Path("runs") / cfg.name
-        trainer = Trainer(cfg, folder, progress=progress, claim="numbered" if run_dir is None else "exclusive")
-    with trainer:
+        claim = "numbered" if run_dir is None else "exclusive"
+    if cfg.adapt.method == "linear":  # no gradient steps: a head fitted on frozen features
+        from vitkit.train.linear import LinearRun
+
+        with LinearRun(cfg, folder, progress=progress, claim=claim) as run:
+            return run.fit()
+    with Trainer(cfg, folder, progress=progress, claim=claim) as trainer:
         return trainer.fit(state)
 
 
