@@ -81,7 +81,7 @@ def fit_linear_head(run: Run) -> ProbeFit:
     a = run.cfg.adapt
     fit = fit_probe(
         x, y, len(run.classes), examples=examples, clean=clean, l2=a.l2, heldout_fraction=a.heldout_fraction,
-        seed=run.cfg.seed,
+        seed=run.cfg.seed, progress=run.progress,
     )  # fmt: skip
     for note in fit.notes:
         print(f"note: {note}", file=sys.stderr)

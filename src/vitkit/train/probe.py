@@ -18,6 +18,7 @@ dataset index, so no augmented copy of a held-out example is fitted, and held-ou
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from vitkit.errors import DataError
 from vitkit.models.vit import VisionTransformer
@@ -127,6 +129,7 @@ def fit_probe(
     heldout_fraction: float = 0.2,
     seed: int = 0,
     grid: Sequence[float] = L2_GRID,
+    progress: bool = False,
 ) -> ProbeFit:
     """Fit the head on rows ``x`` (N, R), labels ``y``. ``examples`` (N,): each row's dataset example
     (default: row i is example i); ``clean`` (N,) bool: rows of the clean pass (default: all). ``l2`` None:
@@ -161,7 +164,9 @@ def fit_probe(
             fit.heldout_count = int(val_rows.sum())
             best: tuple[float, float, float] | None = None  # (-top1, loss, -l2): smallest wins
             init = None
-            for lam in sorted(grid, reverse=True):  # strongest first; each warm-starts the next
+            lams = sorted(grid, reverse=True)  # strongest first; each warm-starts the next
+            bar = tqdm(lams, desc="choose l2", unit="fit", file=sys.stderr, disable=not progress, leave=False)
+            for lam in bar:
                 init = fit_logistic(xs[fit_rows], yt[fit_rows], num_classes, lam, init=init, tol=GRID_TOL)
                 logits = xs[val_rows] @ init[0].T + init[1]
                 top1 = float((logits.argmax(1) == yt[val_rows]).double().mean())
