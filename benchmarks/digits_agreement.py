@@ -1,11 +1,14 @@
-"""Top-1 agreement of the fast bf16 and int8 paths with fp32, on a ViT whose predictions mean something.
+"""Feeds the table "Does int8 change predictions?" of BENCHMARKS.md (``python benchmarks/run_all.py
+int8_agreement``).
+
+Top-1 agreement of the fast bf16 and int8 paths with fp32, on a ViT whose predictions mean something.
 
 No pretrained ViT weights exist on this machine, so this script trains one: a ViT-Ti with 4x4 patches on
 scikit-learn's 8x8 digits (upscaled to 32x32, RGB), a few epochs of AdamW, then compares fp32, the
 bf16 fast path and the int8 fast path on the held-out digits: accuracy of each and top-1 agreement with
 fp32. Run (about five minutes on 2 cores, most of it training):
 
-    PYTHONPATH=src python benchmarks/digits_agreement.py [--checkpoint /tmp/digits_ti4.pt]
+    PYTHONPATH=src python benchmarks/digits_agreement.py [--checkpoint /tmp/digits_ti4.pt] [--json F]
 
 ``--checkpoint PATH``: the trained weights are saved there, and read from there (no training) when the file
 exists, so that several versions of the fast paths can be compared on the same model.
@@ -38,9 +41,9 @@ def digits_tensors(size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return x[idx_train], y[idx_train], x[idx_test], y[idx_test]
 
 
-def train(model: torch.nn.Module, x_train: torch.Tensor, y_train: torch.Tensor) -> None:
+def train(model: torch.nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, epochs: int = 15) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
-    epochs, batch = 15, 64
+    batch = 64
     steps = epochs * (len(y_train) // batch)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=steps, pct_start=0.1)
     model.train()
@@ -59,6 +62,8 @@ def train(model: torch.nn.Module, x_train: torch.Tensor, y_train: torch.Tensor) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, help="save the trained weights here; read them if it exists")
+    ap.add_argument("--epochs", type=int, default=15, help="training epochs (fewer: a weaker model, quicker)")
+    ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = digits_tensors()
@@ -67,11 +72,15 @@ def main() -> None:
     if args.checkpoint is not None and args.checkpoint.is_file():
         model.load_state_dict(torch.load(args.checkpoint, weights_only=True))
     else:
-        train(model, x_train, y_train)
+        train(model, x_train, y_train, args.epochs)
         if args.checkpoint is not None:
             torch.save(model.state_dict(), args.checkpoint)
     model.eval()
-    report: dict[str, object] = {"train_seconds": round(time.time() - start, 1), "test_images": len(y_test)}
+    report: dict[str, object] = {
+        "train_seconds": round(time.time() - start, 1),
+        "epochs": args.epochs,
+        "test_images": len(y_test),
+    }
     with torch.inference_mode():
         ref = model(x_test).float()
         outputs = {
@@ -86,6 +95,8 @@ def main() -> None:
             "rel_err": float((out - ref).norm() / ref.norm()),
         }
     print(json.dumps(report, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

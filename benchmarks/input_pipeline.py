@@ -1,8 +1,10 @@
-"""Training input pipeline on photo-sized JPEGs: decode + inception crop + flip + normalise, images per second
+"""Feeds the table "Input pipeline" of BENCHMARKS.md (``python benchmarks/run_all.py input_pipeline``).
+
+Training input pipeline on photo-sized JPEGs: decode + inception crop + flip + normalise, images per second
 of one worker (one process, one thread), vitkit's sample path against the plain Pillow full decode; and
 the default-worker loader of the S/16 recipe against the S/16 training step it feeds.
 
-    PYTHONPATH=src python benchmarks/input_pipeline.py [--images 200] [--sizes 224,160,128] [--rounds 5]
+    PYTHONPATH=src python benchmarks/input_pipeline.py [--images 200] [--sizes 224,160,128] [--rounds 5] [--json F]
 
 The ImageFolder is made here from scikit-learn's two sample photos (china.jpg, flower.jpg, 640x427):
 random 4:3 crops resized to 500x375 (every fourth one turned to portrait 375x500), random flips, JPEG
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import platform
 import statistics
@@ -120,7 +123,7 @@ def make_shard(root: Path, out: Path) -> Path:
     return out
 
 
-def per_worker(ds, shard, sizes: list[int], rounds: int) -> None:  # type: ignore[no-untyped-def]
+def per_worker(ds, shard, sizes: list[int], rounds: int) -> dict:  # type: ignore[no-untyped-def]
     torch.set_num_threads(1)  # a DataLoader worker's setting
     mean, std = np.asarray(IMAGENET_MEAN, np.float32), np.asarray(IMAGENET_STD, np.float32)
     n = len(ds)
@@ -130,6 +133,7 @@ def per_worker(ds, shard, sizes: list[int], rounds: int) -> None:  # type: ignor
         "| vitkit, WebDataset shard | vitkit / plain |"
     )
     print("|---|---|---|---|---|---|")
+    result: dict = {}
     for size in sizes:
         tf = TrainTransform((size, size), mean=IMAGENET_MEAN, std=IMAGENET_STD)
         runs: dict[str, list[float]] = {"plain": [], "eager": [], "lazy": [], "wds": []}
@@ -151,6 +155,11 @@ def per_worker(ds, shard, sizes: list[int], rounds: int) -> None:  # type: ignor
                 tf(shard.lazy_item(i)[0], sample_rng(0, 0, i))
             runs["wds"].append(len(shard) / (time.perf_counter() - t0))
         med = {k: statistics.median(v) for k, v in runs.items()}
+        result[f"{size}px"] = {
+            "img_per_s": med,
+            "vitkit_over_plain": med["lazy"] / med["plain"],
+            "rounds_vitkit_over_plain": [a / b for a, b in zip(runs["lazy"], runs["plain"], strict=True)],
+        }
         print(
             f"| {size} px | {med['plain']:.0f} | {med['eager']:.0f} | {med['lazy']:.0f} | {med['wds']:.0f} | "
             f"**{med['lazy'] / med['plain']:.2f}x** (rounds: "
@@ -160,13 +169,15 @@ def per_worker(ds, shard, sizes: list[int], rounds: int) -> None:  # type: ignor
     print("\nsame region (every sample; mean |difference| in 0..255 levels):")
     for size in sizes:
         same, inner, moved = region_check(ds, size)
+        result[f"{size}px"]["mean_abs_diff_levels"] = {"vs_plain": same, "inner": inner, "plain_moved_2px": moved}
         print(
             f"  {size} px: vitkit vs plain {same:.2f} (inside the outermost rows/columns {inner:.2f}); "
             f"plain vs plain moved 2 px {moved:.2f}"
         )
+    return result
 
 
-def loader_vs_step(root: Path, steps: int) -> None:
+def loader_vs_step(root: Path, steps: int) -> dict:
     """The plain-vit-s16 recipe on this folder, batch 32: training step img/s on a fixed batch (loader
     idle), then the loader alone with the trainer's default worker count (no training running)."""
     from vitkit.configs import get_recipe
@@ -194,6 +205,12 @@ def loader_vs_step(root: Path, steps: int) -> None:
             f"  loader, {tr.workers} workers (the trainer's default on {os.cpu_count()} cores), 2 epochs: "
             f"{load_ips:.0f} img/s = {load_ips / step_ips:.1f}x the step"
         )
+    return {
+        "step_img_per_s": step_ips,
+        "loader_img_per_s": load_ips,
+        "workers": tr.workers,
+        "loader_over_step": load_ips / step_ips,
+    }
 
 
 def cpu_name() -> str:
@@ -213,15 +230,19 @@ def main() -> None:
     ap.add_argument("--sizes", default="224,160,128")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=6, help="S/16 training steps timed (0: skip)")
+    ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
+    report: dict = {"cpu": cpu_name(), "images": args.images, "rounds": args.rounds}
     print(f"{cpu_name()}, torch {torch.__version__}, {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as tmp:
         root = make_folder(Path(tmp) / "photos", args.images)
         ds = open_dataset(str(root), "train")
         shard = open_dataset(str(make_shard(root, Path(tmp) / "train-000000.tar")), "train")
-        per_worker(ds, shard, [int(s) for s in args.sizes.split(",")], args.rounds)
+        report["per_worker"] = per_worker(ds, shard, [int(s) for s in args.sizes.split(",")], args.rounds)
         if args.steps:
-            loader_vs_step(root, args.steps)
+            report["s16_loader_vs_step"] = loader_vs_step(root, args.steps)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
 
 
 if __name__ == "__main__":

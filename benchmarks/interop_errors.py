@@ -1,6 +1,9 @@
-"""Measure, per checkpoint format, the relative error of vitkit against a real reference implementation.
+"""Feeds the table "Checkpoint interop: error per format" of BENCHMARKS.md (``python benchmarks/run_all.py
+interop``).
 
-    PYTHONPATH=src python benchmarks/interop_errors.py
+Measure, per checkpoint format, the relative error of vitkit against a real reference implementation.
+
+    PYTHONPATH=src python benchmarks/interop_errors.py [--json F]
 
 Relative error = ||ours - reference|| / ||reference|| on logits (or on the tokens, for the hybrid stem),
 maximum over the cases listed. Prints a Markdown table.
@@ -8,6 +11,8 @@ maximum over the cases listed. Prints a Markdown table.
 
 from __future__ import annotations
 
+import argparse
+import json
 import tempfile
 from pathlib import Path
 
@@ -90,10 +95,10 @@ def hf_in(tmp: Path) -> float:
 @torch.no_grad()
 def hf_out(tmp: Path) -> float:
     errs = []
-    for kw in ({}, {"gelu": "tanh"}, {"qkv_bias": False}, {"pos_embed": "sincos2d"}):
+    for i, kw in enumerate(({}, {"gelu": "tanh"}, {"qkv_bias": False}, {"pos_embed": "sincos2d"})):
         model = randomize(vitkit.create_model("Ti/16", image_size=32, patch_size=8, depth=2, num_classes=5, **kw))
-        save_checkpoint(model, tmp / "out", "hf")
-        ref = transformers.ViTForImageClassification.from_pretrained(tmp / "out").eval()
+        save_checkpoint(model, tmp / f"out{i}", "hf")
+        ref = transformers.ViTForImageClassification.from_pretrained(tmp / f"out{i}").eval()
         x = torch.randn(4, 3, 32, 32)
         errs.append(rel(ref(pixel_values=x).logits, model(x)))
     return max(errs)
@@ -126,11 +131,15 @@ def onnx(tmp: Path) -> float:
                       "resnet_layers": (1, 2)}),
     ]:  # fmt: skip
         model = randomize(vitkit.create_model(name, num_classes=5, **kw))
-        errs.append(validate_onnx(model, export_onnx(model, tmp / "m.onnx", dynamic_batch=True), (1, 4)).rel_err)
+        path = tmp / f"m{len(errs)}.onnx"
+        errs.append(validate_onnx(model, export_onnx(model, path, dynamic_batch=True), (1, 4)).rel_err)
     return max(errs)
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args()
     torch.manual_seed(0)
     rows = [
         ("official .npz (vit_jax)", "official implementation's golden logits", official),
@@ -148,9 +157,14 @@ def main() -> None:
         ("ONNX (plain + hybrid)", "onnxruntime vs PyTorch", onnx),
     ]
     print("| format | reference | max relative error |\n|---|---|---|")
+    results = []
     with tempfile.TemporaryDirectory() as d:
         for name, ref, fn in rows:
-            print(f"| {name} | {ref} | {fn(Path(d)):.2g} |")
+            err = float(fn(Path(d)))
+            results.append({"format": name, "reference": ref, "max_rel_error": err})
+            print(f"| {name} | {ref} | {err:.2g} |")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": results}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Bounded load test of ``vitkit serve`` on loopback, against the offline speed of the same model.
+"""Feeds the table "Serving under load" of BENCHMARKS.md (``python benchmarks/run_all.py serving``).
+
+Bounded load test of ``vitkit serve`` on loopback, against the offline speed of the same model.
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src OMP_NUM_THREADS=2 python benchmarks/serve_load.py \
         [--model B/16] [--max-batch 8] [--max-wait-ms 5] [--requests 160] [--clients 16] [--json out.json]

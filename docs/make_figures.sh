@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Regenerate docs/figures/ and the digits eval / few-shot numbers in BENCHMARKS.md.
+# Regenerate docs/figures/ and the digits eval / few-shot numbers in docs/evaluation.md.
 #
 #   docs/make_figures.sh [RUN_DIR]
 #

@@ -17,6 +17,19 @@ FIXTURES = Path(__file__).parent / "fixtures"
 SRC = Path(__file__).parents[1] / "src"
 
 
+def file_modes(root: Path) -> dict[str, str]:
+    """Mode (octal) of everything under ``root`` (``root`` itself as "."), files and folders."""
+    found = [root, *root.rglob("*")] if root.is_dir() else [root]
+    return {str(p.relative_to(root)): f"{p.stat().st_mode & 0o7777:o}" for p in found}
+
+
+def umask_modes(root: Path, umask: int) -> dict[str, str]:
+    """What :func:`file_modes` should say under ``umask``: 0666 & ~umask for files, 0777 & ~umask for folders
+    (what vitkit promises for every checkpoint it writes; fileio)."""
+    found = [root, *root.rglob("*")] if root.is_dir() else [root]
+    return {str(p.relative_to(root)): f"{(0o777 if p.is_dir() else 0o666) & ~umask:o}" for p in found}
+
+
 def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float:
     """Relative L2 error ||a - b|| / ||b|| for two tensors (of any float dtypes, compared in float64) or two
     arrays."""

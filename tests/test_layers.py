@@ -1,6 +1,6 @@
 """The package layering stays true: every import under src/vitkit points down (or sideways without a cycle).
 
-Layers, bottom to top (README, ARCHITECTURE)::
+Layers, bottom to top (docs/architecture.md)::
 
     errors, fileio, hardware, timing  <-  models  <-  checkpoints (hub, native)  <-  data  <-  configs
         <-  train / evaluate / analysis / inference  <-  bench / serve  <-  vitkit (the API)  <-  commands / cli

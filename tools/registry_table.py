@@ -1,4 +1,5 @@
-"""Writes the registry table into README.md between its registry-table markers (tests check it is current).
+"""Writes the registry table into docs/pretrained-models.md between its registry-table markers (a test checks it
+is current).
 
 Run: PYTHONPATH=src python tools/registry_table.py
 """
@@ -13,12 +14,12 @@ START, END = "<!-- registry-table:start -->", "<!-- registry-table:end -->"
 
 
 def main() -> None:
-    readme = Path(__file__).resolve().parents[1] / "README.md"
-    text = readme.read_text()
+    page = Path(__file__).resolve().parents[1] / "docs" / "pretrained-models.md"
+    text = page.read_text()
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n{markdown_table()}{END}{tail}")
-    print(f"updated {readme}")
+    page.write_text(f"{head}{START}\n{markdown_table()}{END}{tail}")
+    print(f"updated {page}")
 
 
 if __name__ == "__main__":

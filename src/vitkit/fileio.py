@@ -7,6 +7,10 @@ Rules every writer follows (README: "never delete or overwrite what vitkit did n
 - an existing folder is replaced only when vitkit wrote it (every entry is a file vitkit writes there, and
   the weights carry vitkit's marker) and the caller asked to replace it (``overwrite=True`` / ``--overwrite``);
   an existing file likewise only with ``overwrite``; an output never overlaps the input it was made from;
+- every file of a checkpoint (weights, config, class names; training states and exports too) gets one mode:
+  that of a new file under the process's umask, ``0666 & ~umask`` (0644 under the usual 022, 0600 under
+  077; :func:`file_mode`), whatever the library that wrote it chose (safetensors' ``save_file`` makes
+  0600 files), so whoever can read a checkpoint's config can read its weights; folders get ``0777 & ~umask``;
 - replacing a folder takes two renames (old aside to ``.NAME.old``, new into place); readers that find no
   ``NAME`` use ``.NAME.old`` (:func:`complete_dir`), and :func:`clean_stale` restores or removes such leftovers
   (only names of that exact shape, which only vitkit creates) the next time vitkit starts on that folder.
@@ -28,6 +32,31 @@ from vitkit.errors import CheckpointError, ConfigError
 WRITER_KEY = "vitkit.writer"  # safetensors metadata key marking a file vitkit wrote
 WRITER = "vitkit"
 _TEMP = re.compile(r"^\.(?P<name>.+)\.(?:tmp-[a-z0-9]{8}|old|del-[a-z0-9]{8})$")
+
+
+def umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux's /proc/self/status);
+    elsewhere set and restored at once (which briefly affects files other threads create)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode of every file vitkit writes into a checkpoint: ``0666 & ~umask``."""
+    return 0o666 & ~umask()
+
+
+def set_modes(path: Path) -> None:
+    """Give ``path`` (a file) or every file under it (a folder) :func:`file_mode`."""
+    mode = file_mode()
+    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
+    for f in files:
+        os.chmod(f, mode)
 
 
 def fsync(path: Path) -> None:
@@ -162,6 +191,25 @@ def check_not_input(out: Path, inputs: Iterable[str | os.PathLike[str] | None]) 
             raise CheckpointError(f"{out}: the output would overwrite the input {src}; choose another output path")
 
 
+def check_output_location(out: Path, *, inside: bool = False) -> None:
+    """Can ``out`` be created (or, ``inside``, files be written into the folder ``out``)? The nearest folder that
+    exists -- ``out`` itself when ``inside`` and it is one, else the nearest existing parent -- must be a folder
+    this process may write into. A file there, or a read-only folder, would otherwise fail only when the work
+    whose result goes there is done; every command checks its outputs with this before any work."""
+    where = out if inside and out.is_dir() else None
+    if where is None:
+        for parent in out.absolute().parents:  # nearest first ("a/b/c" -> a/b, a, ...)
+            if parent.exists() or parent.is_symlink():
+                where = parent
+                break
+    if where is None:
+        return
+    if not where.is_dir():
+        raise ConfigError(f"{out}: {where} is a file, not a folder; choose another output path")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise ConfigError(f"{out}: cannot write in {where} (no permission, or a read-only file system)")
+
+
 def check_output_dir(
     out: Path, *, allowed: Iterable[str], owned: Callable[[Path], bool], overwrite: bool, what: str
 ) -> None:
@@ -169,6 +217,7 @@ def check_output_dir(
     (``owned``, and every entry in ``allowed``), and only with ``overwrite``."""
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise CheckpointError(f"{out}: exists and is not a folder; choose another output path")
+    check_output_location(out)  # written beside it, then renamed into place
     if not out.exists():
         return
     entries = sorted(p.name for p in out.iterdir())
@@ -189,6 +238,7 @@ def check_output_file(out: Path, *, overwrite: bool) -> None:
         raise CheckpointError(f"{out}: is a folder; name a file")
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: already exists; pass --overwrite (overwrite=True) to replace it")
+    check_output_location(out)  # written beside it, then renamed into place
 
 
 def check_report_dir(out: Path, names: Callable[[str], bool], json_key: tuple[str, str], what: str) -> None:
@@ -196,6 +246,7 @@ def check_report_dir(out: Path, names: Callable[[str], bool], json_key: tuple[st
     earlier report (``names``; its JSON file ``json_key[0]`` must hold the key ``json_key[1]``)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out}: exists and is not a folder; --out names a folder")
+    check_output_location(out, inside=True)
     if not out.is_dir():
         return
     for entry in sorted(out.iterdir()):
@@ -235,6 +286,7 @@ def write_file_atomic(out: Path, write: Callable[[Path], object]) -> Path:
         tmp = temp_path(out)
         try:
             write(tmp)
+            set_modes(tmp)
             fsync(tmp)
             os.replace(tmp, out)
         finally:
@@ -250,6 +302,7 @@ def write_dir_atomic(out: Path, write: Callable[[Path], object]) -> Path:
         tmp = make_temp_dir(out)
         try:
             write(tmp)
+            set_modes(tmp)
             sync_tree(tmp)
             replace_dir(tmp, out)
         finally:

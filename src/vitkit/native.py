@@ -3,11 +3,15 @@
 Used by :mod:`vitkit.bench.peak` (the FMA-loop peak) and :mod:`vitkit.inference.fast` (the fused attention
 kernel). A source is compiled once per content (source text, compiler and flags hash to the file name) into
 ``<cache>/native/`` -- the cache directory of :func:`vitkit.hub.cache.cache_dir` (``$VITKIT_HOME``, else
-``$XDG_CACHE_HOME/vitkit``, else the platform's user cache) -- or, when that cannot be written, a per-user
-directory under the system temporary directory
-(only one this user owns and no one else can write). Concurrent processes are safe: each compiles into a private
-temporary name in the same directory and renames it into place atomically, so a library is either absent
-or complete (two processes compiling at once both produce the same file; the last rename wins).
+``$XDG_CACHE_HOME/vitkit``, else the platform's user cache) -- when that folder is safe to load code from: only
+this user (or root) can change it or any folder on its path, no symbolic link on the way was made by another
+user (:func:`vitkit.hub.cache.untrusted`), it can be written, and its mount allows executing code (not
+``noexec``). Otherwise -- and when a library compiled there does not load -- the per-user folder
+``vitkit-native-<uid>`` in the system temporary directory is used (under the same rule; it is created with mode
+0700), and a warning on the ``vitkit.native`` logger says so once per process. Missing folders are created with
+mode 0700. Concurrent processes are safe: each compiles into a private temporary name in the same directory
+and renames it into place atomically, so a library is either absent or complete (two processes compiling at
+once both produce the same file; the last rename wins).
 
 Nothing here is required: :func:`load` returns ``None`` when there is no compiler, the CPU lacks a flag the
 kernel needs, or compilation fails or hangs, and every caller keeps a pure-PyTorch path for that case. A compiler
@@ -28,7 +32,6 @@ import os
 import shlex
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import tempfile
@@ -37,13 +40,14 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from vitkit import hardware
-from vitkit.hub.cache import cache_dir
+from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 
 COMPILE_TIMEOUT_S = 120.0  # a kernel compiles in about a second; past this the pure-PyTorch path is taken
 STDERR_LINES = 12  # of a failed compilation's errors, in the report; the first errors are the telling ones
 
 logger = logging.getLogger(__name__)
-_reported: set[str] = set()  # libraries whose failed build was reported in this process (once per source)
+_reported: set[str] = set()  # what was reported in this process: failed builds (once per source), folders
+_unloadable: set[Path] = set()  # folders where a library compiled in this process did not load
 _reported_lock = threading.Lock()
 
 
@@ -60,40 +64,68 @@ def compiler() -> list[str] | None:
     return None
 
 
-def _writable_dir(path: Path, private: bool = False) -> Path | None:
-    """``path`` created if missing and writable, else None. ``private``: in a shared directory (the system
-    temporary one) it must also be a real directory of this user that no one else can write, since what is
-    loaded from it runs in this process -- another user could have made it first and planted a library."""
+def _unusable(path: Path) -> str | None:
+    """Why compiled libraries cannot be kept in ``path`` (created, mode 0700, if missing), or None if they can:
+    another user could change it (:func:`vitkit.hub.cache.untrusted`: what is loaded from it runs in this
+    process, and the library names are predictable), it cannot be written, or its mount forbids executing
+    code (``noexec``: ``dlopen`` would fail on every library there)."""
     try:
-        path.mkdir(mode=0o700 if private else 0o777, parents=True, exist_ok=True)
-        st = path.lstat()
-    except OSError:
-        return None
-    if private and (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022):
-        return None
-    return path if os.access(path, os.W_OK | os.X_OK) else None
+        private_dirs(path)
+    except OSError as e:
+        return f"cannot be created: {e.strerror or e}"
+    why = untrusted(path)
+    if why is not None:
+        return why
+    if not os.access(path, os.W_OK | os.X_OK):
+        return "cannot be written"
+    if hasattr(os, "statvfs") and os.statvfs(path).f_flag & getattr(os, "ST_NOEXEC", 0):
+        return "on a noexec mount, where libraries cannot be loaded"
+    with _reported_lock:
+        if path in _unloadable:
+            return "a library compiled there did not load"
+    return None
+
+
+def private_temp_dir() -> Path | None:
+    """The fallback folder: ``vitkit-native-<uid>`` in the system temporary directory (None without uids)."""
+    return Path(tempfile.gettempdir()) / f"vitkit-native-{os.getuid()}" if hasattr(os, "getuid") else None
 
 
 def library_dir() -> Path | None:
-    """Where compiled libraries are kept (created if missing); None when no candidate is writable."""
-    found = _writable_dir(cache_dir() / "native")
-    if found is None and hasattr(os, "getuid"):
-        found = _writable_dir(Path(tempfile.gettempdir()) / f"vitkit-native-{os.getuid()}", private=True)
+    """Where compiled libraries are kept: ``<cache>/native`` (created if missing), else -- when it is not a
+    folder only this user (or root) can change, cannot be written or is on a noexec mount -- the private
+    per-user temporary folder (:func:`private_temp_dir`), saying so once per process on the ``vitkit.native``
+    logger. None when neither can be used (then native kernels are off)."""
+    wanted = cache_dir() / "native"
+    why = _unusable(wanted)
+    if why is None:
+        return wanted
+    fallback = private_temp_dir()
+    why_not = _unusable(fallback) if fallback is not None else "no per-user temporary folder on this system"
+    found = fallback if why_not is None else None
+    instead = f"using {fallback} instead" if found else f"going on without native kernels ({fallback}: {why_not})"
+    _warn_once(f"dir:{wanted}", "vitkit.native: not keeping compiled kernels in %s (%s); %s", wanted, why, instead)
     return found
 
 
 def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
     """Compile ``source`` into a shared library (``-O2 -shared -fPIC`` plus ``flags``) unless a library of
     the same source, compiler and flags is cached already; its path, or None if that is not possible."""
-    cc = compiler()
     where = library_dir()
-    if cc is None or where is None:
-        return None
+    return None if where is None else _build(source, name, flags, where)[0]
+
+
+def _build(source: str, name: str, flags: Sequence[str], where: Path) -> tuple[Path | None, bool]:
+    """:func:`build` into ``where``: the library (None when it cannot be built) and whether it was compiled
+    now (False: it was cached)."""
+    cc = compiler()
+    if cc is None:
+        return None, False
     args = ["-O2", "-shared", "-fPIC", *flags]
     tag = hashlib.sha256("\0".join([source, *cc, *args]).encode()).hexdigest()[:16]
     lib = where / f"{name}-{tag}.so"
     if lib.is_file():
-        return lib
+        return lib, False
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=where) as tmp:
         src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
         src.write_text(source)
@@ -102,16 +134,16 @@ def build(source: str, name: str, flags: Sequence[str] = ()) -> Path | None:
             returncode, stderr = _run(command, COMPILE_TIMEOUT_S)
         except OSError as e:  # not executable after all, out of processes
             _report(lib.stem, command, f"could not be started: {e.strerror or e}", b"")
-            return None
+            return None, False
         if returncode is None:  # a compiler that hangs must not hang vitkit
             _report(lib.stem, command, f"gave up after {COMPILE_TIMEOUT_S:g} s", stderr)
-            return None
+            return None, False
         if returncode != 0 or not out.is_file():
             why = f"exit status {returncode}" if returncode != 0 else "exit status 0 but no library written"
             _report(lib.stem, command, why, stderr)
-            return None
+            return None, False
         os.replace(out, lib)  # atomic within one directory: other processes see nothing or the whole file
-    return lib
+    return lib, True
 
 
 def _run(command: list[str], timeout: float) -> tuple[int | None, bytes]:
@@ -144,10 +176,8 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 def _report(key: str, command: Sequence[str], why: str, stderr: bytes) -> None:
     """A warning on the ``vitkit.native`` logger, once per ``key`` (library name and content hash) and
     process: the command, why it failed and the first lines of the compiler's errors."""
-    with _reported_lock:
-        if key in _reported:
-            return
-        _reported.add(key)
+    if not _first(key):
+        return
     lines = stderr.decode(errors="replace").strip().splitlines()
     shown = lines[:STDERR_LINES]
     if len(lines) > STDERR_LINES:
@@ -159,6 +189,21 @@ def _report(key: str, command: Sequence[str], why: str, stderr: bytes) -> None:
         shlex.join(command),
         "".join(f"\n  {line}" for line in shown),
     )
+
+
+def _first(key: str) -> bool:
+    """Whether ``key`` is reported for the first time in this process (and mark it reported)."""
+    with _reported_lock:
+        if key in _reported:
+            return False
+        _reported.add(key)
+        return True
+
+
+def _warn_once(key: str, message: str, *args: object) -> None:
+    """A warning on the ``vitkit.native`` logger, the first time ``key`` comes up in this process."""
+    if _first(key):
+        logger.warning(message, *args)
 
 
 SHARED_HEADER = Path(__file__).with_name("simd.h")  # AVX-512 helpers several kernels share
@@ -173,16 +218,54 @@ def kernel_source(path: Path) -> str:
 
 def load(source: str, name: str, flags: Sequence[str] = (), needs: Iterable[str] = ()) -> ctypes.CDLL | None:
     """The compiled ``source`` loaded with ctypes, or None when the CPU lacks one of the ``needs`` flags
-    (names as in /proc/cpuinfo, e.g. ``avx512_bf16``), there is no compiler, or compilation fails."""
-    if sys.platform == "win32" or not set(needs) <= hardware.cpu_flags():
+    (names as in /proc/cpuinfo, e.g. ``avx512_bf16``), there is no compiler, or compilation fails.
+
+    A library that was built but does not load from the cache folder (a mount with ``noexec`` that the
+    mount flags do not show, a security policy) is reported once, the folder is not used again in this
+    process, and the library is built in the private temporary folder instead."""
+    if sys.platform == "win32" or not set(needs) <= hardware.cpu_flags() or compiler() is None:
         return None
-    for attempt in range(2):
-        lib = build(source, name, flags)
+    where = library_dir()
+    if where is None:
+        return None
+    loaded, error = _load_from(source, name, flags, where)
+    if error is None:
+        return loaded
+    with _reported_lock:
+        _unloadable.add(where)
+    fallback = private_temp_dir()
+    usable = fallback is not None and fallback != where and _unusable(fallback) is None
+    _warn_once(
+        f"dir:{where}",  # the key of library_dir's warning: one warning per folder
+        "vitkit.native: a kernel compiled in %s does not load (%s); %s",
+        where,
+        error,
+        f"using {fallback} instead" if usable else "going on without native kernels",
+    )
+    if not usable or fallback is None:
+        return None
+    loaded, error = _load_from(source, name, flags, fallback)
+    if error is not None:
+        _warn_once(
+            f"load:{fallback}", "vitkit.native: a kernel compiled in %s does not load either (%s)", fallback, error
+        )
+    return loaded
+
+
+def _load_from(source: str, name: str, flags: Sequence[str], where: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """The library built in ``where`` and loaded, and None; or None and why a library built there does not
+    load; (None, None) when it cannot be built (that is reported by :func:`_build`). A cached library that does
+    not load (truncated, damaged: vitkit's own file in its own folder) is removed and built once more."""
+    error = "it did not load"
+    for _ in range(2):
+        lib, fresh = _build(source, name, flags, where)
         if lib is None:
-            return None
+            return None, None
         try:
-            return ctypes.CDLL(str(lib))
-        except OSError:  # a cached library that does not load (truncated, damaged): vitkit's own file in its
-            if attempt == 0:  # own folder, so it is removed and built once more
-                lib.unlink(missing_ok=True)
-    return None
+            return ctypes.CDLL(str(lib)), None
+        except OSError as e:
+            if fresh:  # a library compiled just now: the folder, not the file, is at fault
+                return None, str(e)
+            lib.unlink(missing_ok=True)
+            error = str(e)
+    return None, error

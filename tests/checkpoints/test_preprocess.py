@@ -60,3 +60,206 @@ def test_invalid_options() -> None:
     with pytest.raises(ValueError, match="crop_pct"):
         Preprocess(crop_pct=0)
     assert Preprocess.from_dict(Preprocess(image_size=12).to_dict()) == Preprocess(image_size=12)
+
+
+# ---- centre crop: only the crop's source box is resized, and hostile shapes are refused ------------------------
+
+
+def crop_geometry(pre: Preprocess, width: int, height: int) -> tuple[int, int, int, int]:
+    """timm/DeiT's eval transform: the size (new_w, new_h) the whole image is resized to (shorter side
+    size / crop_pct, at least the target), and the offset (left, top) of the centre crop in it."""
+    H, W = pre.image_size
+    scale = max(H / height, W / width) / pre.crop_pct
+    new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
+    return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
+
+
+def full_resize_then_crop(pre: Preprocess, img: Image.Image) -> Image.Image:
+    """The reference, as Pillow spells timm's transform: the whole image resized, then the centre cut out
+    (what vitkit's crop did before it resized only the crop's box)."""
+    H, W = pre.image_size
+    new_w, new_h, left, top = crop_geometry(pre, img.width, img.height)
+    full = img.resize((new_w, new_h), {"nearest": 0, "bilinear": 2, "bicubic": 3, "lanczos": 1}[pre.interpolation])
+    return full.crop((left, top, left + W, top + H))
+
+
+def ordinary_images(sample_jpeg: Path) -> list[Image.Image]:
+    """A photo, a photo's corner in portrait, random noise in several sizes (up- and downscaled), greyscale."""
+    rng = np.random.default_rng(3)
+    photo = Image.open(sample_jpeg).convert("RGB")
+    sizes = [(97, 61), (20, 33), (300, 301)]
+    noise = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in sizes]
+    grey = Image.fromarray(rng.integers(0, 256, (50, 75), dtype=np.uint8))
+    return [photo, photo.crop((0, 0, 200, 333)), *noise, grey]
+
+
+CROPS = [((224, 224), 0.875), ((32, 48), 0.9), ((40, 40), 1.0)]
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos"])
+@pytest.mark.parametrize(("size", "crop_pct"), CROPS)
+def test_crop_equals_full_resize_then_crop(
+    sample_jpeg: Path, interpolation: str, size: tuple[int, int], crop_pct: float
+) -> None:
+    """Resizing only the crop's box gives the pixels of the full resize-then-crop: the same sample positions
+    and filter support. Pillow takes a box in float32, so a sample position can move by ~1e-5 px; where the
+    fixed-point sum is on a rounding tie that flips the last grey level (of 3% of the pixels at worst, a photo
+    at 224 px bilinear: 5/3 scale puts many sums on ties)."""
+    pre = Preprocess(image_size=size, resize="crop", crop_pct=crop_pct, interpolation=interpolation)
+    for img in ordinary_images(sample_jpeg):
+        got = np.asarray(pre.resized(img), dtype=np.int16)
+        want = np.asarray(full_resize_then_crop(pre, img), dtype=np.int16)
+        assert got.shape == want.shape
+        diff = np.abs(got - want)
+        assert diff.max() <= 1, (img.size, diff.max())
+        assert (diff > 0).mean() < 0.05, (img.size, (diff > 0).mean())
+
+
+def coordinate_image(width: int, height: int) -> Image.Image:
+    """Each pixel holds its own coordinates: R, G = x, y mod 256; B = x // 256 + 16 (y // 256)."""
+    y, x = np.mgrid[:height, :width]
+    return Image.fromarray(np.stack([x % 256, y % 256, x // 256 + 16 * (y // 256)], -1).astype(np.uint8))
+
+
+def coordinates(img: Image.Image) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(img, dtype=np.int64)
+    return a[..., 0] + 256 * (a[..., 2] % 16), a[..., 1] + 256 * (a[..., 2] // 16)
+
+
+def nearest_sources(offset: int, count: int, source: int, resized: int) -> list[set[int]]:
+    """For output pixels offset .. offset + count - 1 of a nearest-neighbour resize of ``source`` pixels to
+    ``resized``: the source pixel each may take. Its centre maps to (i + 1/2) source / resized, in exact
+    arithmetic; on a pixel boundary (a tie) either neighbour is right, elsewhere only the pixel it falls in."""
+    from fractions import Fraction
+
+    allowed = []
+    for i in range(offset, offset + count):
+        pos = Fraction(2 * i + 1, 2) * Fraction(source, resized)
+        allowed.append({int(pos), int(pos) - 1} if pos.denominator == 1 else {int(pos)})
+    return allowed
+
+
+@pytest.mark.parametrize(("size", "crop_pct"), CROPS)
+def test_nearest_crop_samples_the_right_pixels(size: tuple[int, int], crop_pct: float) -> None:
+    """Nearest neighbour, on an image of its own coordinates: every output pixel comes from the source pixel
+    that exact arithmetic says (either neighbour where the sample position is exactly on a boundary, which
+    the last float bit decides for the full resize and the box alike)."""
+    H, W = size
+    pre = Preprocess(image_size=size, resize="crop", crop_pct=crop_pct, interpolation="nearest")
+    for w, h in [(640, 427), (200, 333), (97, 61), (20, 33), (300, 301), (75, 50)]:
+        gx, gy = coordinates(pre.resized(coordinate_image(w, h)))
+        new_w, new_h, left, top = crop_geometry(pre, w, h)
+        for j, ok in enumerate(nearest_sources(left, W, w, new_w)):
+            assert set(gx[:, j].tolist()) <= ok, (w, h, j)
+        for i, ok in enumerate(nearest_sources(top, H, h, new_h)):
+            assert set(gy[i].tolist()) <= ok, (w, h, i)
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic", "lanczos", "nearest"])
+def test_crop_is_exact_where_the_sample_positions_are_exact(interpolation: str) -> None:
+    """With power-of-two scales and whole-pixel crop offsets every sample position is exact in floating point
+    (float32 included), so box resizing and full-resize-then-crop compute the very same sums: equal to the bit."""
+    rng = np.random.default_rng(5)
+    pre = Preprocess(image_size=(32, 48), resize="crop", crop_pct=1.0, interpolation=interpolation)
+    for w, h in [(128, 64), (96, 64), (64, 32), (48, 64), (24, 8), (192, 256), (256, 64)]:
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        np.testing.assert_array_equal(np.asarray(pre.resized(img)), np.asarray(full_resize_then_crop(pre, img)))
+
+
+def test_elongated_image_is_not_resized_whole(tmp_path: Path) -> None:
+    """A 900x1 image under a 224 px centre crop (allowed: 900:1) would be scaled to 230400x256 (177 MB) before
+    cropping; resizing only the crop's box needs the 224x224 output. Measured as the growth of the peak resident
+    memory of a fresh process (Linux: the peak is reset to the current size first)."""
+    import subprocess
+    import sys
+
+    from helpers import SRC
+
+    path = tmp_path / "thin.png"
+    Image.new("RGB", (900, 1), (10, 200, 30)).save(path)
+    script = """
+import sys
+from PIL import Image
+from vitkit.checkpoints.preprocess import Preprocess, load_image
+
+def kib(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+
+pre = Preprocess(image_size=224, resize="crop", crop_pct=0.875)
+img = load_image(sys.argv[1])
+pre(Image.new("RGB", (300, 200)))  # everything imported and warm
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # peak resident size := current
+before = kib("VmRSS")
+x = pre(img)
+print(kib("VmHWM") - before, tuple(x.shape))
+"""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc")
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}).stdout.split(maxsplit=1)  # fmt: skip
+    grown_kib, shape = int(out[0]), out[1].strip()
+    assert shape == "(3, 224, 224)"
+    assert grown_kib < 30 * 1024, f"peak memory grew by {grown_kib / 1024:.0f} MiB"
+
+
+@pytest.mark.parametrize(("size", "words"), [((30000, 1), "aspect ratio of 30000:1"), ((1, 5000), "1:5000")])
+def test_too_elongated_for_a_centre_crop_is_one_named_error(tmp_path: Path, size: tuple[int, int], words: str) -> None:
+    from vitkit.checkpoints.preprocess import ImageTooLarge
+
+    path = tmp_path / "line.png"
+    Image.new("L", size, 77).save(path)
+    with pytest.raises(ImageTooLarge, match=words) as info:
+        Preprocess(image_size=224, resize="crop", crop_pct=0.875)(path)
+    assert str(path) in str(info.value)
+    assert Preprocess(image_size=224)(path).shape == (3, 224, 224)  # squashing allocates only the output
+
+
+def test_resized_size_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The image the crop is cut from may not exceed the decoder's pixel limit (Pillow's MAX_IMAGE_PIXELS)."""
+    from vitkit.checkpoints.preprocess import ImageTooLarge
+
+    pre = Preprocess(image_size=224, resize="crop", crop_pct=0.875)
+    img = Image.new("RGB", (400, 1))  # 400:1, resized to 102400x256 = 26 M pixels before cropping
+    assert pre(img).shape == (3, 224, 224)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20_000_000)
+    with pytest.raises(ImageTooLarge, match=r"102400x256 = 26214400 pixels .* limit of 20000000"):
+        pre(img)
+
+
+def test_predict_refuses_a_line_of_pixels_in_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``vitkit predict`` on a centre-crop checkpoint: a 30000x1 PNG (a few hundred bytes) is one line naming
+    the file, exit 2, before any image is classified; a squashing checkpoint classifies it."""
+    from helpers import randomize_, run_cli
+    from vitkit.checkpoints.vitkit_format import save
+    from vitkit.models import create_model
+
+    model = create_model("Ti/16", patch_size=8, image_size=32, hidden_size=32, depth=1, num_heads=2, mlp_dim=64,
+                         num_classes=3)  # fmt: skip
+    randomize_(model)
+    crop = save(model.eval(), tmp_path / "crop", preprocess=Preprocess(image_size=32, resize="crop", crop_pct=0.875))
+    squash = save(model.eval(), tmp_path / "squash", preprocess=Preprocess(image_size=32))
+    ok, line = tmp_path / "ok.png", tmp_path / "line.png"
+    Image.new("RGB", (40, 30), (1, 2, 3)).save(ok)
+    Image.new("RGB", (30000, 1), (200, 2, 3)).save(line)
+    code, out, err = run_cli(capsys, "predict", "-c", str(crop), str(ok), str(line))
+    assert code == 2 and out == "" and "Traceback" not in err, err
+    assert err.strip().splitlines() == [
+        f"vitkit predict: error: {line}: image of 30000x1 has an aspect ratio of 30000:1, over the limit of 1000:1 "
+        "for a centre crop"
+    ]
+    code, out, _ = run_cli(capsys, "predict", "-c", str(squash), str(line))
+    assert code == 0 and str(line) in out
+    # eval on a folder dataset names the file too
+    for cls in ("a", "b", "c"):  # the model's three classes
+        (tmp_path / "data" / "test" / cls).mkdir(parents=True)
+        Image.new("RGB", (40, 30), (1, 2, 3)).save(tmp_path / "data" / "test" / cls / "ok.png")
+    (tmp_path / "data" / "test" / "b" / "line.png").write_bytes(line.read_bytes())
+    data, out_dir = str(tmp_path / "data"), str(tmp_path / "ev")
+    code, _, err = run_cli(capsys, "eval", str(crop), "--data", data, "--out", out_dir)
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert f"{tmp_path / 'data' / 'test' / 'b' / 'line.png'}: image of 30000x1 has an aspect ratio" in lines[0]
+    code, _, err = run_cli(capsys, "analyze", str(crop), str(ok), str(line), "--out", str(tmp_path / "an"))
+    lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
+    assert code == 2 and len(lines) == 1 and "line.png: image of 30000x1 has an aspect ratio" in lines[0], err

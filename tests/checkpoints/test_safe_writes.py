@@ -96,6 +96,31 @@ def test_convert_replaces_a_vitkit_checkpoint_only_with_overwrite(
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
+@pytest.mark.parametrize("first", ["timm", "hf", "vitkit"])
+def test_convert_overwrite_replaces_a_folder_vitkit_wrote_in_any_format(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, first: str
+) -> None:
+    """Issue 25 item 17: ``convert M out --to vitkit --overwrite`` over the folder ``--to timm`` (or hf) wrote
+    there was refused as "not a vitkit checkpoint vitkit wrote". Every folder format vitkit writes is vitkit's to
+    replace, by every other; a user's file in it still stops the replacement and is kept."""
+    src = tmp_path / "src"
+    vitkit.save_pretrained(tiny(), src, class_names=["a", "b", "c"])
+    out = tmp_path / "out"
+    assert run_cli(capsys, "convert", str(src), str(out), "--to", first)[0] == 0
+    for fmt in ("vitkit", "hf", "timm"):
+        if fmt == first:
+            continue
+        code, _, err = run_cli(capsys, "convert", str(src), str(out), "--to", fmt)
+        assert code == 2 and "--overwrite" in err, err  # it is vitkit's, but replacing it needs the flag
+        code, _, err = run_cli(capsys, "convert", str(src), str(out), "--to", fmt, "--overwrite")
+        assert code == 0, err
+        assert vitkit.checkpoints.detect_format(out) == fmt
+    (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "convert", str(src), str(out), "--to", first, "--overwrite")
+    assert code == 2 and "notes.txt" in err and (out / "notes.txt").read_text() == "mine"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
 def test_save_pretrained_never_deletes_foreign_files(tmp_path: Path) -> None:
     mine = user_folder(tmp_path / "mine")
     with pytest.raises(CheckpointError, match=r"notes\.txt"):

@@ -1,4 +1,4 @@
-"""The shipped registry and label files: consistent, sourced, and the README table generated from them."""
+"""The shipped registry and label files: consistent, sourced, and the docs' table generated from them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from vitkit.hub import entries, label_names, lookup, search
 from vitkit.hub.labels import imagenet21k_synsets
 from vitkit.hub.registry import AmbiguousName, markdown_table
 
-README = Path(__file__).parents[2] / "README.md"
+MODELS_PAGE = Path(__file__).parents[2] / "docs" / "pretrained-models.md"
 
 
 def test_entries_are_unique_sourced_and_consistent() -> None:
@@ -67,10 +67,10 @@ def test_shipped_label_sets() -> None:
     assert synsets[0] == "n00004475" and all(s[0] == "n" and len(s) == 9 for s in synsets)
 
 
-def test_readme_table_is_the_generated_one() -> None:
-    text = README.read_text()
+def test_pretrained_models_page_table_is_the_generated_one() -> None:
+    text = MODELS_PAGE.read_text()
     table = text.split("<!-- registry-table:start -->\n", 1)[1].split("<!-- registry-table:end -->", 1)[0]
-    assert table == markdown_table(), "README is stale: run PYTHONPATH=src python tools/registry_table.py"
+    assert table == markdown_table(), "the page is stale: run PYTHONPATH=src python tools/registry_table.py"
 
 
 def test_models_command(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -169,3 +169,51 @@ def test_without_vnni_the_int8_fast_path_keeps_the_bf16_kernel(monkeypatch: pyte
     model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=2)).eval()
     fast = InferenceViT(model, torch.bfloat16, rows=None, int8=True)
     assert all(b.fused is not None and not b.fused.int8 for b in fast.blocks if isinstance(b, FastBlock))
+
+
+def _uniform_attention(T: int, d: int, v: torch.Tensor) -> torch.Tensor:
+    """qkv of one image and one head with q = k = 0 (every probability 1/T, all u8 numerators 255) and values
+    ``v`` (T,) in every channel, built for the kernel directly (a model at such T is minutes and gigabytes)."""
+    qkv = torch.zeros(T, 3 * d, dtype=torch.bfloat16)  # (T, 3d)
+    qkv[:, 2 * d :] = v[:, None].to(torch.bfloat16)
+    return qkv
+
+
+@needs_kernel
+@pytest.mark.parametrize("T", [66_311, 66_312, 66_400])
+def test_int8_kernel_long_rows_do_not_wrap_around(T: int) -> None:
+    """The probabilities x values products sum 255 * 127 per key in int32: from T = 66,312 (255 * 127 * T >
+    2^31; issue 25 item 9) they wrapped, the output of q = k = 0, v = 1 was -1.0 instead of 1.0. Just under
+    the boundary and over it (a 4128 px image at patch 16 has 66,565 tokens; ViTConfig allows 2^20)."""
+    assert KERNEL is not None
+    d = 16
+    out = KERNEL(_uniform_attention(T, d, torch.ones(T)), 1, 1, d, 1.0)  # (T, d)
+    assert torch.equal(out, torch.ones_like(out))
+
+
+@pytest.mark.slow
+@needs_kernel
+def test_int8_kernel_carries_runs_of_keys_in_fp32() -> None:
+    """Three runs of 65,536 keys (the last of 100): the first two add up in fp32 before the third. Values +1,
+    +1, -1 by run, so each run's sum must land with its own sign and none may wrap (the total is far beyond
+    2^31 in int32): the mean is (2 * 65,536 - 100) / T; a dropped run gives ~0.5 or ~0."""
+    assert KERNEL is not None
+    T, run, d = 2 * 65_536 + 100, 65_536, 16
+    v = torch.ones(T)
+    v[2 * run :] = -1
+    out = KERNEL(_uniform_attention(T, d, v), 1, 1, d, 1.0).float()  # (T, d)
+    torch.testing.assert_close(out, torch.full_like(out, (2 * run - 100) / T), rtol=2**-7, atol=0)
+
+
+@needs_kernel
+def test_int8_kernel_refuses_what_its_32_bit_offsets_cannot_reach() -> None:
+    """Keys are gathered by 32-bit byte offsets t * 4 ceil(d / 4) and the softmax sums 255 T in int32: past
+    2^31 the kernel is not asked (the fast path keeps PyTorch's attention). Stride-0 rows: no memory."""
+    assert KERNEL is not None
+    d = 1024
+    row = torch.zeros(1, 3 * d, dtype=torch.bfloat16)
+    assert KERNEL.supports(row.expand(2**21 - 1, 3 * d), d)
+    assert not KERNEL.supports(row.expand(2**21, 3 * d), d)
+    assert KERNEL.supports(row.expand(2 * (2**21 - 1), 3 * d), d, batch=2)  # per image
+    row = torch.zeros(1, 3 * 4, dtype=torch.bfloat16)
+    assert not KERNEL.supports(row.expand(2**31 // 255 + 1, 12), 4)  # the softmax sum

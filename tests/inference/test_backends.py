@@ -74,6 +74,8 @@ def test_engine_backend_matches_the_pytorch_model(model: torch.nn.Module, backen
         assert _rel(out, ref) < 1e-5
     else:
         assert _rel(out, ref) > 1e-3
+    empty = engine(torch.zeros(0, 3, 32, 32))  # an empty batch: the model's (0, K), as the torch fast path
+    assert empty.shape == (0, 10) and empty.dtype == torch.float32
 
 
 def test_auto_picks_the_fastest_candidate_by_measurement(model: torch.nn.Module) -> None:

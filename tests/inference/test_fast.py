@@ -114,13 +114,37 @@ def test_the_model_is_left_untouched_and_bad_options_fail() -> None:
 
 @pytest.mark.slow
 def test_compiled_fast_path_matches_the_model() -> None:
-    """compile=True: the unpacked fused forward under torch.compile (inductor, weight freezing on CPU)."""
+    """compile=True: the unpacked fused forward under torch.compile (inductor, weight freezing on CPU); an empty
+    batch too."""
     model = _model(depth=2)
     x = torch.randn(2, 3, 48, 48)
     with torch.no_grad():  # inductor's weight freezing does not accept inference-mode tensors
         ref = model(x)
-        out = optimize_for_inference(model, torch.float32, compile=True)(x)
+        fast = optimize_for_inference(model, torch.float32, compile=True)
+        out = fast(x)
+        assert fast(x[:0]).shape == (0, 11)
     assert _rel(out, ref) < 1e-4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("size", [48, 64])
+def test_an_empty_batch_gives_the_models_empty_result(precision: str, size: int) -> None:
+    """The model answers an empty batch with (0, K) logits and (0, T, D) tokens; every fast path divided by
+    the batch size (ZeroDivisionError, issue 25 item 11). At the model's own size (the packed stem) and at
+    another (the resampled position embedding)."""
+    if precision == "int8" and not int8.has_onednn_int8():
+        pytest.skip("int8 inference needs oneDNN's int8 kernels")
+    model = _model(classifier="gap") if size == 64 else _model()
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    fast = optimize_for_inference(model, dtype, int8=precision == "int8", batch_size=4)
+    x = torch.zeros(0, 3, size, size)
+    with torch.inference_mode():
+        logits, tokens = fast(x), fast.forward_features(x)  # type: ignore[operator]
+        ref_logits, ref_tokens = model(x), model.forward_features(x)
+    assert ref_logits.shape == (0, 11) and ref_tokens.shape[0] == 0
+    assert logits.shape == ref_logits.shape and logits.dtype == dtype
+    assert tokens.shape == ref_tokens.shape and tokens.dtype == dtype
+    assert fast(torch.randn(2, 3, size, size)).shape == (2, 11)  # and the next batch is served as before
 
 
 def test_chunked_explicit_attention_equals_sdpa() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import int8_gemm
+from helpers import int8_gemm, randomize_, rel_err
 from vitkit.inference import int8
 from vitkit.inference.fast import InferenceViT
 from vitkit.models import create_model
@@ -120,3 +120,23 @@ def test_int8_fast_path_runs_its_gemms_on_the_kernel_where_it_loads() -> None:
         y = fast(torch.randn(4, 3, 32, 32))
     assert y.shape == (4, 10) and torch.isfinite(y.float()).all()
     assert all(m._onednn is None for m in layers)
+
+
+def test_int8_fast_path_with_an_mlp_wider_than_the_kernel_takes() -> None:
+    """The kernel sums K <= 65536 products in int32; ViTConfig allows mlp_dim up to 262144. Such an fc2 must
+    run oneDNN's GEMM (one scale per tensor) instead of raising (issue 25 item 10); the other layers keep the
+    kernel, and the model's function is kept."""
+    g = int8_gemm()
+    if not int8.has_onednn_int8():
+        pytest.skip("no oneDNN int8 kernels in this PyTorch")
+    assert g.supports(torch.zeros(2, 65536, dtype=torch.uint8), None, torch.bfloat16)
+    assert not g.supports(torch.zeros(2, 65537, dtype=torch.uint8), None, torch.bfloat16)
+    model = create_model("Ti/16", num_classes=10, image_size=32, depth=1, hidden_size=32, num_heads=2, mlp_dim=65540)
+    model = randomize_(model, std=0.02).eval()
+    fast = InferenceViT(model, torch.bfloat16, 4, int8=True)
+    block = fast.blocks[0]
+    assert block.fc2.gemm is None and block.fc1.gemm is not None and block.qkv.gemm is not None
+    x = torch.randn(4, 3, 32, 32)
+    with torch.inference_mode():
+        ref, out = model(x), fast(x)
+    assert rel_err(out, ref) < 0.1

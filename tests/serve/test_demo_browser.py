@@ -53,8 +53,43 @@ def test_demo_model_predicts_like_vitkit_predict(
     build_demo(served, tmp_path)  # the page builds for this checkpoint
 
 
+def test_demo_answers_a_file_that_is_not_an_image_in_one_line(
+    ckpt: Path, sample_jpeg: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The page's upload handler on Gradio's file record: a text file, a truncated JPEG and an empty file are one
+    verdict line naming the file (its name as uploaded, not Gradio's cache path) and one warning in the log; an
+    image is classified as ``vitkit predict`` classifies it (the same decoder)."""
+    pytest.importorskip("gradio")
+    from vitkit.serve.demo import MEAN_OF_HEADS, DemoModel
+    from vitkit.serve.engine import ServedModel
+
+    demo = DemoModel(ServedModel.from_checkpoint(ckpt, fast=False))
+    cache = tmp_path / "gradio-cache-8f3a"
+    cache.mkdir()
+    bad = {"notes.txt": b"shopping list\n", "cut.jpg": sample_jpeg.read_bytes()[:3000], "empty.png": b""}
+    words = {"notes.txt": "not a recognised image file", "cut.jpg": "corrupt or truncated", "empty.png": "not a rec"}
+    for name, data in bad.items():
+        (cache / "upload").write_bytes(data)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="vitkit.serve.demo"):
+            *outputs, verdict = demo.upload_view({"path": str(cache / "upload"), "orig_name": name}, 2, MEAN_OF_HEADS)
+        assert outputs == [None, None, None, None]
+        assert verdict.startswith("**Cannot classify this upload:** ") and f"{name}: {words[name]}" in verdict
+        assert "\n" not in verdict and str(cache) not in verdict
+        assert [r.getMessage() for r in caplog.records] == [f"vitkit demo: upload refused: {verdict.split('** ')[1]}"]
+    labels, rollout, raw, state, verdict = demo.upload_view({"path": str(sample_jpeg)}, 2, MEAN_OF_HEADS)
+    assert verdict.startswith("**Prediction: ") and rollout is not None and raw is not None
+    assert list(labels) == [t["label"] for t in state["top"]]
+    assert demo.upload_view(None, 2, MEAN_OF_HEADS) == (None, None, None, None, "")
+
+
 @pytest.fixture
-def demo_url(ckpt: Path) -> Iterator[str]:
+def demo_url(demo_process: tuple[str, subprocess.Popen[str]]) -> str:
+    return demo_process[0]
+
+
+@pytest.fixture
+def demo_process(ckpt: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     port = free_port()
     cmd = [sys.executable, "-m", "vitkit", "demo", str(ckpt), "--port", str(port)]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=subprocess.PIPE,
@@ -73,7 +108,7 @@ def demo_url(ckpt: Path) -> Iterator[str]:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"vitkit demo did not start:\n{proc.stdout.read() if proc.stdout else ''}")
             time.sleep(0.25)
-        yield url
+        yield url, proc
     finally:
         proc.terminate()
         try:
@@ -115,3 +150,50 @@ def test_demo_in_headless_chromium(
                 assert width >= 32, elem  # a decoded picture, not a placeholder
         finally:
             ctx.close()
+
+
+def stop(proc: subprocess.Popen[str]) -> str:
+    """Stop the demo and return everything it printed."""
+    proc.terminate()
+    out, _ = proc.communicate(timeout=30)
+    return out
+
+
+@pytest.mark.slow
+def test_demo_in_headless_chromium_refuses_a_non_image_upload(
+    demo_process: tuple[str, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    """A text file named like a PNG (so the browser's own file-type check lets it through to the server): one line
+    on the page, one line in the demo's log, no traceback and no Gradio preprocessing message."""
+    if not os.path.exists(CHROMIUM):
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed on CI (.ci/run installs it with apt-get)")
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url, proc = demo_process
+    fake = tmp_path / "holiday.png"
+    fake.write_text("these are not the pixels you are looking for\n")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run"]  # fmt: skip
+    with sync_api.sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=flags,
+            viewport={"width": 1400, "height": 1000},
+        )  # fmt: skip
+        try:
+            page = ctx.new_page()
+            page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+            page.locator("#input-image input[type=file]").set_input_files(str(fake))
+            verdict = page.locator("#verdict")
+            sync_api.expect(verdict).to_contain_text(
+                "Cannot classify this upload: holiday.png: not a recognised image file", timeout=60_000
+            )
+            assert "\n" not in verdict.inner_text().strip()
+            assert page.locator(".toast-body").count() == 0  # no Gradio error pop-up
+        finally:
+            ctx.close()
+    log = stop(proc)
+    assert "Traceback" not in log and "preprocess" not in log, log
+    assert [line for line in log.splitlines() if "holiday.png" in line] == [
+        "vitkit demo: upload refused: holiday.png: not a recognised image file"
+    ], log

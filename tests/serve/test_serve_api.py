@@ -8,6 +8,7 @@ import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -97,6 +98,7 @@ def test_health_model_card_openapi(client: TestClient, ckpt: Path) -> None:
     assert card["classes"] == CLASSES and card["num_classes"] == 6 and card["image_size"] == [32, 48]
     assert card["preprocessing"]["resize"] == "crop" and card["preprocessing"]["mean"] == [0.5, 0.4, 0.3]
     assert card["precision"] == "fp32" and card["serving"]["max_batch"] == 4
+    assert card["serving"]["max_connections"] == 64 + 4 + 16 and card["serving"]["decoders"] >= 1
     spec = client.get("/openapi.json").json()
     body = spec["paths"]["/predict"]["post"]["requestBody"]["content"]
     assert {"image/*", "application/octet-stream", "multipart/form-data"} <= set(body)
@@ -134,6 +136,7 @@ def bad_requests() -> list[tuple[str, dict, int, str]]:
         ("over max pixels", {"content": flat_png(1100, 1000)}, 413, "1100x1000 = 1100000 pixels exceeds"),
         ("bad top_k", {"content": real, "params": {"top_k": 0}}, 422, "top_k"),
         ("bad attention flag", {"content": real, "params": {"attention": "maybe"}}, 422, "attention"),
+        ("line of pixels", {"content": flat_png(30000, 1)}, 413, "aspect ratio of 30000:1"),  # centre crop
     ]
 
 
@@ -181,3 +184,73 @@ def test_missing_extra_says_how_to_install() -> None:
 
     with pytest.raises(VitkitError, match=r"not_a_module_xyz.*pip install 'vitkit\[serve\]'"):
         require_extra("fastapi", "not_a_module_xyz")
+
+
+# ---- the OpenAPI schema describes what the server sends (issue 25, item 13) -------------------------------------
+
+
+def declared(spec: dict, path: str, method: str, status: int, content_type: str) -> dict:
+    """The schema the OpenAPI document declares for this answer (asserting that it declares the status and the
+    media type), with the document's components so that its $refs resolve."""
+    responses = spec["paths"][path][method]["responses"]
+    assert str(status) in responses, f"{method.upper()} {path}: {status} is not declared ({sorted(responses)})"
+    content = responses[str(status)].get("content", {})
+    media = content_type.split(";")[0].strip()
+    assert media in content, f"{method.upper()} {path} {status}: {media} is not declared ({sorted(content)})"
+    return {**content[media].get("schema", {}), "components": spec.get("components", {})}
+
+
+def assert_conforms(spec: dict, method: str, path: str, r: Any) -> None:
+    import jsonschema
+
+    schema = declared(spec, path, method, r.status_code, r.headers["content-type"])
+    body = r.json() if r.headers["content-type"].startswith("application/json") else r.text
+    jsonschema.validate(body, schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_every_answer_is_declared_in_the_schema(client: TestClient) -> None:
+    """Each answer's status, content type and body are those /openapi.json declares: the error model of a 422
+    (FastAPI's default declares a list of validation errors), /metrics as Prometheus text, every 4xx."""
+    spec = client.get("/openapi.json").json()
+    ok = client.post("/predict?attention=1", content=image_bytes(2, (48, 32)))
+    assert ok.status_code == 200
+    assert_conforms(spec, "post", "/predict", ok)
+    for _, kwargs, status, _ in bad_requests():
+        r = client.post("/predict", **kwargs)
+        assert r.status_code == status
+        assert_conforms(spec, "post", "/predict", r)
+    for path in ("/health", "/model", "/metrics"):
+        assert_conforms(spec, "get", path, client.get(path))
+    assert client.get("/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_health_503_is_declared(ckpt: Path) -> None:
+    """/health while the model worker is not running (no lifespan: the batcher never started) is a declared 503."""
+    app = create_app(ServedModel.from_checkpoint(ckpt, precision="fp32"), ServeOptions())
+    c = TestClient(app)  # not entered: no lifespan
+    r = c.get("/health")
+    assert r.status_code == 503 and "not serving" in r.json()["detail"]
+    assert_conforms(c.get("/openapi.json").json(), "get", "/health", r)
+    r = c.post("/predict", content=image_bytes(1))  # refused before the upload is read, never a 500
+    assert r.status_code == 503 and "not serving" in r.json()["detail"]
+    assert_conforms(c.get("/openapi.json").json(), "post", "/predict", r)
+
+
+def test_the_schema_refuses_what_the_server_refuses(client: TestClient) -> None:
+    """An empty file or body is invalid by the schema (the server answers 400), a multipart part is declared an
+    image, and query parameters carry their bounds: a generated client cannot build a request the schema calls
+    valid and the server refuses for its shape."""
+    import jsonschema
+
+    spec = client.get("/openapi.json").json()
+    op = spec["paths"]["/predict"]["post"]
+    content = op["requestBody"]["content"]
+    for media in ("image/*", "application/octet-stream", "multipart/form-data"):
+        schema = content[media]["schema"]
+        value: Any = {"file": ""} if media == "multipart/form-data" else ""
+        assert not jsonschema.Draft202012Validator(schema).is_valid(value), media
+        assert jsonschema.Draft202012Validator(schema).is_valid({"file": "x"} if media.startswith("multi") else "x")
+    assert content["multipart/form-data"]["encoding"]["file"]["contentType"] == "image/*"
+    top_k = next(p for p in op["parameters"] if p["name"] == "top_k")["schema"]
+    assert (top_k["minimum"], top_k["maximum"]) == (1, 1000)
+    assert "HTTPValidationError" not in json.dumps(spec)  # FastAPI's list-shaped 422 body is never sent

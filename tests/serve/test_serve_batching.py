@@ -144,6 +144,120 @@ def test_full_queue_answers_503_and_timeout_504(served: ServedModel) -> None:
         assert metric(text, "vitkit_requests_total", path="/predict", status="504") == 1
 
 
+class SlowDecoding:
+    """``served.to_tensor`` that waits on a gate and records how many images are being decoded at once."""
+
+    def __init__(self, served: ServedModel, gate: threading.Event | None = None, seconds: float = 0.0) -> None:
+        self.real, self.gate, self.seconds = served.to_tensor, gate, seconds
+        self.calls = self.now = self.peak = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        with self.lock:
+            self.calls += 1
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        try:
+            if self.gate is not None:
+                self.gate.wait(10)
+            time.sleep(self.seconds)
+            return self.real(img)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.fixture
+def slow_served(ckpt: Path) -> ServedModel:
+    return ServedModel.from_checkpoint(ckpt, precision="fp32", max_batch=8)
+
+
+def test_a_full_queue_is_refused_before_decoding(slow_served: ServedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests being decoded count against --max-queue: with two images stuck in decoding and a queue of 2, a
+    third request is answered 503 at once, and its image is never decoded."""
+    gate = threading.Event()
+    spy = SlowDecoding(slow_served, gate)
+    monkeypatch.setattr(slow_served, "to_tensor", spy)
+    opts = ServeOptions(max_batch=8, max_wait_ms=1, max_queue=2, max_decoding=4, timeout_s=20)
+    with uvicorn_thread(create_app(slow_served, opts)) as url, ThreadPoolExecutor(2) as pool:
+        first = [pool.submit(httpx.post, f"{url}/predict", content=image_bytes(i), timeout=30) for i in range(2)]
+        deadline = time.monotonic() + 10
+        while spy.now < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(f"{url}/predict", content=image_bytes(9), timeout=30)
+        assert r.status_code == 503 and "busy" in r.json()["detail"] and r.headers["retry-after"] == "1"
+        gate.set()
+        assert [f.result().status_code for f in first] == [200, 200]
+    assert spy.calls == 2
+
+
+def test_images_decoded_at_once_are_bounded(slow_served: ServedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most ``max_decoding`` images are decoded at once, however many requests arrive; a request that times
+    out while its image is decoded keeps its slot until the decoding is done (the thread cannot be stopped), and
+    requests that time out while waiting for a slot are never decoded."""
+    spy = SlowDecoding(slow_served, seconds=0.3)
+    monkeypatch.setattr(slow_served, "to_tensor", spy)
+    opts = ServeOptions(max_batch=8, max_wait_ms=1, max_queue=32, max_decoding=2, timeout_s=30)
+    with uvicorn_thread(create_app(slow_served, opts)) as url, ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: httpx.post(f"{url}/predict", content=image_bytes(i), timeout=30), range(8)))
+    assert [r.status_code for r in answers] == [200] * 8
+    assert spy.calls == 8 and spy.peak == 2
+    spy = SlowDecoding(slow_served, seconds=1.0)
+    monkeypatch.setattr(slow_served, "to_tensor", spy)
+    opts = ServeOptions(max_batch=8, max_wait_ms=1, max_queue=32, max_decoding=1, timeout_s=0.2)
+    with uvicorn_thread(create_app(slow_served, opts)) as url, ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda i: httpx.post(f"{url}/predict", content=image_bytes(i), timeout=30), range(3)))
+        assert [r.status_code for r in answers] == [504] * 3
+        deadline = time.monotonic() + 10
+        while spy.now:  # the abandoned decodings finish one after the other
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+    assert spy.peak == 1 and spy.calls == 1
+
+
+def test_serve_limits_open_connections(ckpt: Path) -> None:
+    """``vitkit serve`` sets uvicorn's limit_concurrency to --max-queue + --max-batch + 16: with that many
+    connections open, the next request is answered 503 by uvicorn (plain text, declared in the schema) without
+    reaching the app; once they close, requests are served again."""
+    import socket
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vitkit", "serve", str(ckpt), "--port", str(port), "--precision", "fp32"]
+    cmd += ["--max-batch", "1", "--max-queue", "1", "--log-level", "error"]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(SRC)}, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url)
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(1 + 1 + 16)]
+        time.sleep(0.5)  # the server has accepted them
+        r = httpx.post(f"{url}/predict", content=image_bytes(1), timeout=30)
+        assert r.status_code == 503 and r.headers["content-type"].startswith("text/plain")
+        for s in held:
+            s.close()
+        deadline = time.monotonic() + 10
+        while (r := httpx.post(f"{url}/predict", content=image_bytes(1), timeout=30)).status_code == 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert r.status_code == 200
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def server_process(ckpt: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     port = free_port()

@@ -317,3 +317,22 @@ def test_finetune_command_linear_then_another_l2_reuses_the_features(
         {k: v for k, v in a.state_dict().items() if not k.startswith("head.")},
         {k: v for k, v in b.state_dict().items() if not k.startswith("head.")},
     )  # the backbone is the checkpoint's, untouched
+
+
+def test_a_feature_cache_others_can_write_is_refused_before_any_work(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A head is fitted on whatever the cache holds: like vitkit's download cache, a folder another user could
+    change is refused (one line naming it), and a new one is created private (0700)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by everyone, no sticky bit
+    argv = [str(base), "--data", str(upper), "--method", "linear", "--quiet"]
+    code, _, err = run_cli(capsys, "finetune", *argv, "--feature-cache", str(shared), "--out", str(tmp_path / "r"))
+    assert code == 2 and "feature cache" in err and str(shared) in err and "others" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists() and not any(shared.iterdir())
+    code, _, err = run_cli(capsys, "finetune", *argv, "--feature-cache", str(tmp_path / "new" / "cache"),
+                           "--out", str(tmp_path / "r2"))  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "new" / "cache").stat().st_mode & 0o777 == 0o700

@@ -16,7 +16,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from train_helpers import assert_same_weights, tiny_config, weights
 
-from helpers import SRC
+from helpers import SRC, file_modes, umask_modes
 from vitkit.errors import CheckpointError
 from vitkit.train import state as ck
 from vitkit.train import train
@@ -172,3 +172,17 @@ def test_optimizer_state_round_trip() -> None:
         o.step()
     for a, b in zip(m.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask022", "umask027"])
+def test_a_training_run_folder_gets_the_umask_mode(tmp_path: Path, umask: int) -> None:
+    """A real (tiny) run: model/, checkpoints/step-*, its config and logs all get 0666 & ~umask (folders
+    0777 & ~umask); safetensors' save_file alone made the weights 0600 beside a 0644 config (issue 25, 18)."""
+    old = os.umask(umask)
+    try:
+        train(tiny_config(epochs=1), tmp_path / "run", progress=False)
+    finally:
+        os.umask(old)
+    run = tmp_path / "run"
+    assert (run / "model" / "model.safetensors").is_file() and any((run / "checkpoints").iterdir())
+    assert file_modes(run) == umask_modes(run, umask)

@@ -142,6 +142,12 @@ def is_report_file(name: str) -> bool:
     return name in REPORT_FILES or re.fullmatch(r"attention_layer\d+\.png", name) is not None
 
 
+def check_analysis_dir(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse a folder :func:`analyze` would refuse (a file, a read-only place, a folder holding files of
+    something else): ``vitkit analyze`` asks this before loading anything."""
+    check_report_dir(Path(out_dir), is_report_file, ("summary.json", "position_embedding"), "vitkit analysis")
+
+
 def analyze(
     model: VisionTransformer,
     preprocess: Preprocess,
@@ -159,7 +165,7 @@ def analyze(
     ``out_dir`` must be new, empty, or hold only an earlier analysis (other files are never overwritten).
     """
     out = Path(out_dir)
-    check_report_dir(out, is_report_file, ("summary.json", "position_embedding"), "vitkit analysis")
+    check_analysis_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     layer, heads = _check_layer_head(model, opts)
     cfg = model.cfg
@@ -211,8 +217,11 @@ def _attention_figures(
     progress: bool,
 ) -> dict[str, Any]:
     bs = opts.batch_size
+    for img, name in zip(images, names, strict=True):
+        preprocess.check_size(img.width, img.height, name)  # before any compute (a line of pixels, centre crop)
     batches = (
-        torch.stack([preprocess.to_tensor(img) for img in images[i : i + bs]]) for i in range(0, len(images), bs)
+        torch.stack([preprocess.to_tensor(images[j], names[j]) for j in range(i, min(i + bs, len(images)))])
+        for i in range(0, len(images), bs)
     )
     res = attention_analysis(model, batches, opts, device, total=-(-len(images) // bs), progress=progress)
     n = len(res.rollout)

@@ -41,6 +41,7 @@ CALIBRATION_IMAGES = 32  # NNCF calibration: the first real images of vitkit.ben
 
 
 def engines_in(compare: tuple[str, ...]) -> list[str]:
+    """The CPU engines (ONNX Runtime, OpenVINO) among the peers of ``--compare``."""
     return [p for p in compare if p in ENGINES]
 
 

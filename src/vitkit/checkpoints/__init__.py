@@ -5,14 +5,16 @@ id (resolved by :mod:`vitkit.hub`), detects the format from the file's structure
 converts it to vitkit's layout, builds the model and returns it with its metadata (preprocessing, class names).
 ``save_checkpoint(model, path, format)`` writes any format that can represent the model exactly.
 
-| name       | what                                                              |
-|------------|-------------------------------------------------------------------|
-| vitkit     | folder: model.safetensors + config.json (config, preprocessing, class names, provenance) |
-| official   | Google ViT/AugReg/hybrid .npz, vit_jax names                      |
-| big_vision | big_vision .npz (params/ prefix, Linen names, scan-stacked or not) |
-| hf         | Hugging Face transformers ViT folder (config.json + model.safetensors) |
-| timm       | timm ViT state dict (.safetensors/.pth) or timm hub folder        |
-| lora       | LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name |
+==========  ==========================================================================================
+name        what
+==========  ==========================================================================================
+vitkit      folder: model.safetensors + config.json (config, preprocessing, class names, provenance)
+official    Google ViT/AugReg/hybrid .npz, vit_jax names
+big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
+hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
+timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
+lora        LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name
+==========  ==========================================================================================
 """
 
 from __future__ import annotations
@@ -26,11 +28,20 @@ from typing import Any, Protocol
 
 import torch
 
-from vitkit.checkpoints import big_vision, hf, lora_format, npz_files, official, timm_format, vitkit_format
+from vitkit.checkpoints import (
+    big_vision,
+    hf,
+    lora_format,
+    npz_files,
+    official,
+    timm_format,
+    torch_files,
+    vitkit_format,
+)
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
-from vitkit.fileio import check_not_input, complete_dir
+from vitkit.fileio import check_not_input, check_output_file, complete_dir
 from vitkit.hub import Resolved, label_names, label_set_for, resolve
 from vitkit.models.variants import create_model
 from vitkit.models.vit import VisionTransformer
@@ -51,6 +62,9 @@ class Format:
     detect: Callable[[Path], bool]
     load: Callable[[Path], Checkpoint]
     save: SaveFn | None = None
+    # may ``save`` write this path (``overwrite`` as given)? Raises the error ``save`` would raise, without the
+    # model: commands ask it before loading anything
+    check_output: Callable[[Path, bool], None] | None = None
 
 
 def _save_vitkit(
@@ -85,6 +99,11 @@ def _load_run(path: Path) -> Checkpoint:
             tried = folder  # a replace may have moved it between the lookup and the read: look once more
 
 
+def _check_file_output(out: Path, overwrite: bool) -> None:
+    check_output_file(out, overwrite=overwrite)
+
+
+#: The formats by name: how each is detected, read and (where it can be) written.
 FORMATS: dict[str, Format] = {
     "vitkit": Format(
         "vitkit",
@@ -92,6 +111,7 @@ FORMATS: dict[str, Format] = {
         vitkit_format.looks_like,
         vitkit_format.load,
         _save_vitkit,
+        vitkit_format.check_output,
     ),
     "lora": Format(
         "lora",
@@ -106,6 +126,7 @@ FORMATS: dict[str, Format] = {
         lambda p: npz_files.file_layout(p) == "official",
         official.load,
         official.save,
+        _check_file_output,
     ),
     "big_vision": Format(
         "big_vision",
@@ -113,14 +134,18 @@ FORMATS: dict[str, Format] = {
         big_vision.looks_like,
         big_vision.load,
         big_vision.save,
+        _check_file_output,
     ),
-    "hf": Format("hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save),
+    "hf": Format(
+        "hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save, torch_files.check_folder_output
+    ),
     "timm": Format(
         "timm",
         "timm ViT state dict (.safetensors/.pth file, or timm hub folder)",
         timm_format.looks_like,
         timm_format.load,
         timm_format.save,
+        timm_format.check_output,
     ),
 }
 
@@ -288,6 +313,23 @@ def load_pretrained(
     ).model
 
 
+def check_save_target(
+    path: str | os.PathLike[str], format: str, *, overwrite: bool = False, inputs: tuple[str | None, ...] = ()
+) -> Path:
+    """Refuse, before any work, what :func:`save_checkpoint` would refuse for ``path`` in ``format``: an unknown or
+    read-only format, an output that is, holds or lies inside one of ``inputs``, a folder vitkit did not write,
+    an existing output without ``overwrite``, a place that cannot be written."""
+    fmt = FORMATS.get(format)
+    if fmt is None or fmt.save is None:
+        writable = [f.name for f in FORMATS.values() if f.save is not None]
+        raise ConfigError(f"cannot write format {format!r}; writable: {', '.join(writable)}")
+    out = Path(path)
+    check_not_input(out, inputs)
+    if fmt.check_output is not None:
+        fmt.check_output(out, overwrite)
+    return out
+
+
 def save_checkpoint(
     model: VisionTransformer,
     path: str | os.PathLike[str],
@@ -333,6 +375,7 @@ __all__ = [
     "CheckpointMeta",
     "Format",
     "Loaded",
+    "check_save_target",
     "detect_format",
     "empty_model",
     "expected_state",

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vitkit.errors import VitkitError
-from vitkit.fileio import check_output_file
+from vitkit.fileio import check_output_file, set_modes
 from vitkit.models.vit import VisionTransformer
 
 DEFAULT_OPSET = 18
@@ -81,6 +81,7 @@ def export_onnx(
     if metadata:
         program.model.metadata_props.update(metadata)
     program.save(str(out))
+    set_modes(out)  # the mode of every checkpoint file vitkit writes (fileio)
     return out
 
 

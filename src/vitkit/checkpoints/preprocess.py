@@ -5,7 +5,8 @@ was trained on. Two resize modes cover the common conventions:
 
 - ``"squash"``: resize straight to (H, W), ignoring aspect ratio (official ``vit_jax`` eval and Hugging
   Face's ViT image processor);
-- ``"crop"``: resize the shorter side to size / crop_pct, then centre-crop (timm, DeiT).
+- ``"crop"``: resize the shorter side to size / crop_pct, then centre-crop (timm, DeiT); only the crop's
+  source box is resized, and images too elongated for a crop are refused (:meth:`Preprocess.crop_box`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ INCEPTION_MEAN = (0.5, 0.5, 0.5)  # official ViT: inputs scaled to [-1, 1]
 INCEPTION_STD = (0.5, 0.5, 0.5)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# A centre crop refuses images more elongated than this (a 30000x1 PNG of 200 bytes is not a photograph)
+MAX_ASPECT_RATIO = 1000
 
 RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
@@ -88,29 +92,62 @@ class Preprocess:
 
     # ---- application -----------------------------------------------------------------------------
 
-    def resized(self, img: Image.Image) -> Image.Image:
-        """``img`` at ``image_size``: squashed, or shorter side scaled then centre-cropped."""
+    def resized(self, img: Image.Image, name: str = "image") -> Image.Image:
+        """``img`` at ``image_size``: squashed, or shorter side scaled then centre-cropped (only the crop's source
+        box is resized: see :meth:`crop_box`). ``name`` identifies the image in errors."""
         H, W = self.image_size
         resample = RESAMPLE[self.interpolation]
         if img.size == (W, H) and (self.resize == "squash" or self.crop_pct == 1.0):
             return img  # resizing to the same size is the identity
         if self.resize == "squash":
             return img.resize((W, H), resample)
-        # shorter side to size / crop_pct, then centre crop (H, W)
-        scale = max(H / img.height, W / img.width) / self.crop_pct
-        new_w, new_h = max(W, round(img.width * scale)), max(H, round(img.height * scale))
-        img = img.resize((new_w, new_h), resample)
-        left, top = (new_w - W) // 2, (new_h - H) // 2
-        return img.crop((left, top, left + W, top + H))
+        return img.resize((W, H), resample, box=self.crop_box(img.width, img.height, name))
 
-    def to_tensor(self, img: Image.Image) -> torch.Tensor:
-        """A decoded image -> normalised float tensor (C, H, W)."""
+    def crop_box(self, width: int, height: int, name: str = "image") -> tuple[float, float, float, float]:
+        """Crop mode: the part of a ``width`` x ``height`` image that becomes the model input, in its own pixels
+        (left, top, right, bottom). The input is the centre (H, W) of the image resized so that its shorter side
+        is size / crop_pct; Pillow maps output pixel centres to source coordinates the same way whether it
+        resizes the whole image or a box, so resizing this box gives those pixels without allocating the
+        resized image (to within the last bit of a sample position; exactly where scales are powers of two).
+
+        Raises :class:`ImageTooLarge` naming ``name`` for an image more elongated than
+        :data:`MAX_ASPECT_RATIO`, or one that the resize before cropping would take over the decoder's pixel
+        limit (:func:`max_image_pixels`): a line of pixels asking for a resize of billions of pixels.
+        """
+        H, W = self.image_size
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            raise ImageTooLarge(
+                f"{name}: image of {width}x{height} has an aspect ratio of {width}:{height}, over the limit of "
+                f"{MAX_ASPECT_RATIO}:1 for a centre crop"
+            )
+        scale = max(H / height, W / width) / self.crop_pct
+        new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
+        limit = max_image_pixels()
+        if limit is not None and new_w * new_h > limit:
+            raise ImageTooLarge(
+                f"{name}: a centre crop resizes the {width}x{height} image to {new_w}x{new_h} = {new_w * new_h} "
+                f"pixels before cropping, over the limit of {limit} pixels"
+            )
+        left, top = (new_w - W) // 2, (new_h - H) // 2  # the crop in the resized image's pixels
+        # source = resized * (width / new_w); products first, so the right/bottom edge is exact (never > width)
+        return (left * width / new_w, top * height / new_h, (left + W) * width / new_w, (top + H) * height / new_h)
+
+    def check_size(self, width: int, height: int, name: str = "image") -> None:
+        """Raise :class:`ImageTooLarge` naming ``name`` when preprocessing a ``width`` x ``height`` image would
+        be refused (crop mode: see :meth:`crop_box`), so a batch can be checked before any work."""
+        if self.resize == "crop":
+            self.crop_box(width, height, name)
+
+    def to_tensor(self, img: Image.Image, name: str = "image") -> torch.Tensor:
+        """A decoded image -> normalised float tensor (C, H, W). ``name`` identifies it in errors."""
+        self.check_size(img.width, img.height, name)  # before the mode conversion's copy
         img = convert_image(img, "L" if self.grayscale else "RGB")
-        return normalize(np.asarray(self.resized(img)), self._mean, self._std)
+        return normalize(np.asarray(self.resized(img, name)), self._mean, self._std)
 
     def __call__(self, path_or_image: str | os.PathLike[str] | Image.Image) -> torch.Tensor:
-        img = path_or_image if isinstance(path_or_image, Image.Image) else load_image(path_or_image)
-        return self.to_tensor(img)
+        if isinstance(path_or_image, Image.Image):
+            return self.to_tensor(path_or_image)
+        return self.to_tensor(load_image(path_or_image), os.fspath(path_or_image))
 
 
 def normalize(arr: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:
@@ -281,7 +318,8 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
 
 
 class ImageTooLarge(DataError):
-    """An image whose header declares more pixels than the decoder's limit (a decompression bomb)."""
+    """An image whose header declares more pixels than the decoder's limit (a decompression bomb), or whose
+    preprocessing would ask for too much (a centre crop of a line of pixels: :meth:`Preprocess.crop_box`)."""
 
 
 def decode_image(

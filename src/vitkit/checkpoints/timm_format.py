@@ -377,6 +377,15 @@ def _recoverable_from_shapes(cfg: ViTConfig) -> bool:
     return cfg.num_heads == heads and cfg.gelu == "exact" and cfg.layer_norm_eps == 1e-6 and square
 
 
+def check_output(out: Path, overwrite: bool) -> None:
+    """May :func:`save` write ``out``: a ``.safetensors``/``.pth`` file (an existing one only with ``overwrite``), or
+    else a folder (only a checkpoint folder vitkit wrote, and that only with ``overwrite``)."""
+    if out.suffix in SUFFIXES:
+        check_output_file(out, overwrite=overwrite)
+    else:
+        torch_files.check_folder_output(out, overwrite)
+
+
 def save(
     model: VisionTransformer, path: str | Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False
 ) -> Path:
@@ -385,10 +394,7 @@ def save(
     Files are written atomically; an existing file or vitkit-written folder is replaced only with ``overwrite``.
     """
     out = Path(path)
-    if out.suffix in SUFFIXES:
-        check_output_file(out, overwrite=overwrite)
-    else:
-        torch_files.check_folder_output(out, overwrite)
+    check_output(out, overwrite)
     cfg = model.cfg
     target = "a timm state dict"
     require(cfg.resnet_layers is None, target, "hybrid stems use timm's ResNetV2 with different StdConv eps")

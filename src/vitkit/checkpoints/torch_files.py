@@ -85,15 +85,20 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
 
 
-FOLDER_FILES = ("model.safetensors", "config.json", "preprocessor_config.json")  # what vitkit writes in folders
+# what vitkit writes in a checkpoint folder, in any of its folder formats: vitkit (weights + config.json), hf
+# (+ preprocessor_config.json), timm (weights + config.json)
+FOLDER_FILES = ("model.safetensors", "config.json", "preprocessor_config.json")
 
 
 def _folder_owned(folder: Path) -> bool:
+    """vitkit wrote it: its weights carry vitkit's writer mark, or it is a vitkit-format folder (which older
+    versions wrote without the mark)."""
     return fileio.safetensors_marked(folder / "model.safetensors") or native_looks_like(folder)
 
 
 def check_folder_output(out: Path, overwrite: bool) -> None:
-    """Refuse to replace anything but a checkpoint folder vitkit wrote (and that only with ``overwrite``)."""
+    """Refuse to replace anything but a checkpoint folder vitkit wrote, whatever folder format it wrote there
+    (vitkit, hf, timm: every writer of a folder checks this one rule), and that only with ``overwrite``."""
     fileio.check_output_dir(
         out, allowed=FOLDER_FILES, owned=_folder_owned, overwrite=overwrite, what="checkpoint folder"
     )

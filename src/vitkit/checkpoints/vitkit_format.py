@@ -7,7 +7,8 @@
 
 Weights are plain safetensors (no pickle anywhere). Writes are atomic: files go to a temporary folder
 that replaces the target by renames, so a crash never leaves a half-written model behind. An existing
-folder is replaced only when it is a vitkit checkpoint and ``overwrite=True``; anything else is refused.
+folder is replaced only when vitkit wrote it (a checkpoint folder in any format vitkit writes: vitkit, hf,
+timm) and ``overwrite=True``; anything else is refused.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from vitkit import fileio
+from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
@@ -132,10 +134,10 @@ def save(
 
 
 def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse to replace anything but a vitkit checkpoint folder (and that only with ``overwrite``)."""
-    fileio.check_output_dir(
-        out, allowed=(WEIGHTS, CONFIG), owned=looks_like, overwrite=overwrite, what="vitkit checkpoint"
-    )
+    """Refuse to replace anything but a checkpoint folder vitkit wrote -- in any of its folder formats (vitkit,
+    hf, timm): ``convert --to vitkit --overwrite`` replaces what ``--to timm`` wrote there -- and that only with
+    ``overwrite``."""
+    torch_files.check_folder_output(out, overwrite)
 
 
 def state_dict_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -33,9 +33,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from vitkit.checkpoints.preprocess import load_image
     from vitkit.serve.demo import build_demo, launch
     from vitkit.serve.engine import ServedModel
+    from vitkit.serve.net import check_free
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")
+    check_free(args.host, args.port)  # a taken port is one line here, before the model loads or any banner
     samples = [Path(s) for s in args.samples]
     for s in samples:
         load_image(s)  # a bad sample is an error naming it, before the page starts

@@ -71,9 +71,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset
-    from vitkit.evaluate.evaluate import evaluate_dataset, write_eval_report
+    from vitkit.evaluate.evaluate import check_eval_report_dir, evaluate_dataset, write_eval_report
     from vitkit.hardware import resolve_device
 
+    out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
+    check_eval_report_dir(out)  # refused before the evaluation, never after it
     device = resolve_device(args.device)
     loaded = load_for_eval(args)
     dataset = note_skipped(
@@ -91,7 +93,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
         device=device,
         workers=args.workers,
     )
-    out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
     paths = write_eval_report(report, out)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -206,12 +207,13 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from vitkit.analysis.analyze import AnalyzeOptions, analyze
+    from vitkit.analysis.analyze import AnalyzeOptions, analyze, check_analysis_dir
     from vitkit.checkpoints.preprocess import load_image
     from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset, sample_images
     from vitkit.hardware import resolve_device
 
+    check_analysis_dir(args.out)  # refused before loading anything, never after the analyses
     device = resolve_device(args.device)
     loaded = load_for_eval(args, image_size=args.image_size)
     images = [load_image(path) for path in args.images]  # fail on a bad file before any compute

@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from vitkit.errors import VitkitError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_download(sub)
@@ -37,8 +39,15 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
+    from vitkit.fileio import check_output_location
     from vitkit.hub import read_record, resolve
+    from vitkit.hub.cache import cache_dir
 
+    cache = cache_dir(args.cache_dir)  # where the downloads go: refused before any request
+    if cache.exists() and not cache.is_dir():
+        raise VitkitError(f"{cache}: the download cache is a file, not a folder; choose another --cache-dir")
+    if not cache.exists():
+        check_output_location(cache)
     for name in args.names:
         found = resolve(name, cache_dir=args.cache_dir, progress=not args.quiet)
         if found.kind == "local":

@@ -92,13 +92,12 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from pathlib import Path
 
-    from vitkit.checkpoints import load_checkpoint, save_checkpoint
+    from vitkit.checkpoints import check_save_target, load_checkpoint, save_checkpoint
     from vitkit.checkpoints.verify import compare_models
-    from vitkit.fileio import check_not_input
 
-    check_not_input(Path(args.output), [args.input])  # before the (possibly long) load
+    # the output as the writer will judge it, before the (possibly long) load
+    check_save_target(args.output, args.to, overwrite=args.overwrite, inputs=(args.input,))
     loaded = load_checkpoint(
         args.input,
         format=args.format,

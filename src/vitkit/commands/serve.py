@@ -72,7 +72,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="longest a request waits for others to join its batch (default 5)",
     )
     p.add_argument(
-        "--max-queue", type=positive_int, default=64, help="requests waiting at most; more get 503 (default 64)"
+        "--max-queue",
+        type=positive_int,
+        default=64,
+        help="requests waiting at most (for the model, or being read or decoded); more get 503 before their upload "
+        "is read (default 64). More than --max-queue + --max-batch + 16 open connections are answered 503 by uvicorn",
+    )
+    p.add_argument(
+        "--max-decoding",
+        type=positive_int,
+        help="images decoded at once, each up to --max-pixels x 4 bytes and a copy in memory (default: one per CPU "
+        "core, at most --max-queue)",
     )
     p.add_argument("--timeout", type=positive_float, default=30.0, help="request timeout in seconds, 504 (default 30)")
     p.add_argument("--max-upload-mb", type=positive_float, default=16.0, help="largest upload in MiB, 413 (default 16)")
@@ -95,9 +105,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from vitkit.data.folder import list_image_files
     from vitkit.serve.app import ServeOptions, create_app
     from vitkit.serve.engine import ServedModel, check_calibration_used, uses_calibration
+    from vitkit.serve.net import bind
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")
+    sock = bind(args.host, args.port)  # a taken port is one line here, before the model loads or any banner
     calibration = None
     if args.calibration is not None:  # a bad folder fails here, before the model is loaded
         check_calibration_used(args.backend, args.precision)
@@ -118,6 +130,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_upload_bytes=int(args.max_upload_mb * (1 << 20)),
         max_pixels=args.max_pixels,
         top_k=args.top_k,
+        max_decoding=args.max_decoding or 0,
     )
     served = ServedModel.from_checkpoint(
         args.checkpoint,
@@ -144,7 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        limit_concurrency=opts.max_connections,  # more open connections: uvicorn answers 503 itself
         timeout_graceful_shutdown=int(args.timeout) + 5,  # in-flight requests finish, bounded
     )
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -227,10 +227,22 @@ def _adapt_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
-    from vitkit.configs import apply_overrides, finetune_config
-    from vitkit.train import train
+    from pathlib import Path
 
-    adapt = _adapt_changes(args)  # refused before any checkpoint is read
+    from vitkit.configs import apply_overrides, finetune_config, get_recipe
+    from vitkit.train import check_run_dir, train
+
+    adapt = _adapt_changes(args)  # refused before any file is touched
+    # the run folder before the checkpoint is read (train() checks it again when it claims it)
+    if args.out is not None:
+        check_run_dir(Path(args.out))
+    else:  # runs/<name>, numbered when taken (finetune_config names a method's run <recipe>-<method>)
+        name = get_recipe(args.recipe).name + ("" if args.method == "full" else f"-{args.method}")
+        check_run_dir(Path("runs") / name, numbered=True)
+    if args.method in ("linear", "lp-ft"):  # and where their features are kept
+        from vitkit.evaluate.feature_cache import check_root
+
+        check_root(adapt.get("adapt.feature_cache"))
     notes: list[str] = []
     base = finetune_config(
         args.checkpoint,

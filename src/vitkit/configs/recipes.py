@@ -11,6 +11,16 @@
 | ``deit-i1k`` | DeiT (Touvron et al. 2021): AdamW, 300 epochs, RandAugment, Mixup + CutMix, label smoothing |
 | ``plain-vit-s16`` | "Better plain ViT baselines" (Beyer et al. 2022): S/16, GAP, sin-cos, 90 epochs -> 76.5% |
 
+Recipes are sized for their own data sets (batch 1024 and 10k warm-up steps for ImageNet's 1.28M images). On
+other data the run is what its data makes it: the batch must fit the training set (``--batch-size``, an error
+naming it otherwise), and the warm-up, in steps once the epoch length is known, takes at most a fifth of the
+run's steps (``optim.warmup_max_fraction``, 0.2): a longer one is scaled down to that fifth, with a note on
+stderr (``plain-vit-s16`` on 32 images, batch 16, 30 epochs: 60 steps, 12 of warm-up instead of 3,333, so the
+learning rate reaches its value; ``--set optim.warmup_max_fraction=null`` keeps the warm-up as given). Every
+recipe's warm-up on its own data set is within that fifth (2-11% of the run; ``paper-finetune`` caps its own at a
+fifth), so there nothing changes. ``--epochs``/``--steps`` shorter than the recipe's shrink its warm-up in
+proportion first (``vitkit.configs.overrides.shortened_warmup``).
+
 Weight decay is AdamW's (p -= lr * wd * p). big_vision's ``wd`` is not multiplied by the base lr, so its
 ``wd=1e-4`` at ``lr=1e-3`` is ``weight_decay=0.1`` here; the paper's and AugReg's values (0.03, 0.1) are
 already in this convention.
@@ -134,7 +144,7 @@ def paper_imagenet(variant: str = "B/16", source: str = "imagenet") -> TrainConf
     return cfg
 
 
-# Paper Table 4 (fine-tuning): steps per data set; lr swept over {0.001, 0.003, 0.01, 0.03} (0.01 for VTAB).
+#: Paper Table 4 (fine-tuning): steps per data set; lr swept over {0.001, 0.003, 0.01, 0.03} (0.01 for VTAB).
 FINETUNE_STEPS = {"imagenet": 20_000, "cifar10": 10_000, "cifar100": 10_000, "pets": 500, "flowers": 500, "vtab": 2_500}
 
 
@@ -242,6 +252,7 @@ def plain_vit_s16(source: str = "imagenet") -> TrainConfig:
     )
 
 
+#: The training recipes by name (``vitkit train --recipe NAME``), each a function returning a TrainConfig.
 RECIPES: dict[str, Callable[..., TrainConfig]] = {
     "digits": digits,
     "cifar-small": cifar_small,

@@ -39,6 +39,9 @@ AUGREG_MIXUP = {
 
 @dataclass
 class DataConfig:
+    """The dataset of a run: source (see :func:`vitkit.data.datasets.open_dataset`), splits, input size and
+    loader settings."""
+
     source: str = "digits"  # see vitkit.data.open_dataset
     train_split: str = "train"
     val_split: str | None = "auto"  # "auto": "val" if the source has one, else "test"; None: no evaluation
@@ -56,6 +59,9 @@ class DataConfig:
 
 @dataclass
 class AugConfig:
+    """Augmentation: crop, flip, RandAugment, Mixup/CutMix and label smoothing, or an AugReg level that sets
+    them."""
+
     augreg: str | None = None  # an AugReg level; sets randaug_* and mixup (overriding them) when given
     crop: Literal["inception", "pad", "resize"] = "inception"
     crop_scale: tuple[float, float] = (0.05, 1.0)
@@ -90,6 +96,9 @@ class AugConfig:
 
 @dataclass
 class ModelConfig:
+    """The model of a run: a paper variant with :class:`~vitkit.models.ViTConfig` overrides, and for
+    fine-tuning the checkpoint to start from."""
+
     name: str | None = "Ti/16"  # a paper variant; None: every field from ``overrides`` (ViTConfig defaults)
     overrides: dict[str, Any] = field(default_factory=dict)  # any ViTConfig field: depth, dropout, drop_path...
     init_from: str | None = None  # fine-tuning: a checkpoint (any supported format) to start from
@@ -98,6 +107,9 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
+    """Optimiser and schedule: Adam/AdamW/SGD, learning rate, decoupled weight decay, warm-up then decay,
+    clipping, gradient accumulation."""
+
     name: Literal["adamw", "adam", "sgd"] = "adamw"
     lr: float = 1e-3
     weight_decay: float = 0.0  # decoupled (AdamW: p -= lr * wd * p); never on norms, biases, embeddings
@@ -108,6 +120,9 @@ class OptimConfig:
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup_steps: int = 0
     warmup_epochs: float = 0.0  # added to warmup_steps once the epoch length is known
+    # a recipe's warm-up is sized for its own data set: on a run with fewer steps it takes at most this share of
+    # the run's steps (scaled down, with a note; vitkit.train.optim.fitted_warmup); None: exactly as given
+    warmup_max_fraction: float | None = 0.2
     end_lr: float = 0.0  # learning rate at the last step (linear / cosine)
     clip_norm: float | None = 1.0  # global gradient-norm clipping
 
@@ -162,6 +177,9 @@ class AdaptConfig:
 
 @dataclass
 class TrainConfig:
+    """A whole training run (``vitkit train``): data, augmentation, model, optimiser and the loop's settings.
+    Recipes (:func:`vitkit.configs.get_recipe`) return one; ``--set KEY=VALUE`` overrides any field."""
+
     name: str = "run"
     recipe: str | None = None
     data: DataConfig = field(default_factory=DataConfig)
@@ -224,6 +242,9 @@ class TrainConfig:
             raise ConfigError("batch size and accumulation steps must be positive")
         if self.optim.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.optim.lr}")
+        f = self.optim.warmup_max_fraction
+        if f is not None and not 0.0 < f <= 1.0:
+            raise ConfigError(f"optim.warmup_max_fraction must be in (0, 1] or null, got {f}")
         if self.ema_decay is not None and not 0.0 < self.ema_decay < 1.0:
             raise ConfigError(f"ema_decay must be in (0, 1), got {self.ema_decay}")
         if self.keep_last < 1:

@@ -100,6 +100,7 @@ def is_hf_source(source: str) -> bool:
 
 
 def is_hub_dataset_id(source: str) -> bool:
+    """Whether ``source`` names a Hugging Face Hub dataset (``org/name``) rather than a local path."""
     path = split_source(source)[0]
     return not os.path.exists(path) and HUB_DATASET_ID.match(path) is not None
 

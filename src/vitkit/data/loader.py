@@ -31,6 +31,9 @@ SampleTransform = Callable[[Image.Image, np.random.Generator], torch.Tensor]
 
 @dataclass
 class Batch:
+    """One batch from a loader: images, labels, their dataset indices and, when padded, which rows are
+    real."""
+
     images: torch.Tensor  # (B, C, H, W)
     labels: torch.Tensor  # (B,) int64
     indices: torch.Tensor  # (B,) dataset indices, for debugging and tests
@@ -161,7 +164,13 @@ class TrainLoader:
                 f"({accum_steps} x {world})"
             )
         if len(dataset) < global_batch:
-            raise ConfigError(f"batch size {global_batch} is larger than the training set ({len(dataset)} images)")
+            fits = len(dataset) // (accum_steps * world) * (accum_steps * world)
+            per_step = accum_steps * world
+            advice = f"choose --batch-size {fits} or less" if fits else f"a step needs {per_step} images at least"
+            raise ConfigError(
+                f"--batch-size: {global_batch} (a recipe's is sized for its own data set) is larger than the training "
+                f"set ({len(dataset)} images); {advice} (--set data.batch_size=N; the warm-up is scaled to the run)"
+            )
         self.dataset, self.seed, self.rank, self.world = dataset, seed, rank, world
         self.global_batch, self.accum_steps, self.workers = global_batch, accum_steps, workers
         self.micro_batch = global_batch // (accum_steps * world)

@@ -104,6 +104,7 @@ def pad_crop(
 
 
 def hflip(img: Image.Image, rng: Rng, p: float = 0.5) -> Image.Image:
+    """Mirror the image left-right with probability ``p``."""
     return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if rng.random() < p else img
 
 

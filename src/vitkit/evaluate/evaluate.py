@@ -62,6 +62,9 @@ def align_labels(
 
 @dataclass
 class EvalReport:
+    """What ``vitkit eval`` reports: the metrics, the class names they are indexed by, and notes (e.g. classes
+    missing from the split)."""
+
     metrics: Metrics
     class_names: list[str]
     notes: list[str] = field(default_factory=list)
@@ -123,13 +126,19 @@ def evaluate_dataset(
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion.csv", "confusion.png")
 
 
+def check_eval_report_dir(out_dir: str | os.PathLike[str]) -> None:
+    """Refuse a folder :func:`write_eval_report` would refuse (a file, a read-only place, a folder holding files
+    of something else): ``vitkit eval`` asks this before evaluating, not after."""
+    check_report_dir(Path(out_dir), REPORT_FILES.__contains__, ("metrics.json", "top1"), "vitkit eval report")
+
+
 def write_eval_report(report: EvalReport, out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     """metrics.json, per_class.csv, confusion.csv and confusion.png in ``out_dir`` (a new or empty folder, or
     one holding only an earlier eval report: other files are never overwritten)."""
     from vitkit.analysis.plots import plot_confusion
 
     out = Path(out_dir)
-    check_report_dir(out, REPORT_FILES.__contains__, ("metrics.json", "top1"), "vitkit eval report")
+    check_eval_report_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     m, names = report.metrics, report.class_names
     paths = {

@@ -39,8 +39,8 @@ from vitkit.checkpoints.preprocess import LazyImage, Preprocess
 from vitkit.data.transforms import TrainTransform, sample_rng, triple
 from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.features import extract
-from vitkit.fileio import write_file_atomic
-from vitkit.hub.cache import cache_dir
+from vitkit.fileio import check_output_location, write_file_atomic
+from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 from vitkit.models.vit import VisionTransformer
 
 KEY_VERSION = 1
@@ -53,6 +53,23 @@ TENSORS = ("features", "labels", "indices")
 def default_root() -> Path:
     """``features/`` in vitkit's cache directory (``vitkit.hub.cache.cache_dir``)."""
     return cache_dir() / "features"
+
+
+def check_root(root: str | os.PathLike[str] | None) -> Path:
+    """The cache folder (``root``, default :func:`default_root`), judged before any work: files must be writable
+    there, and only this user (or root) may be able to change it and the folders above it -- a head is fitted on
+    whatever features it holds (the rule of vitkit's download cache, :func:`vitkit.hub.cache.untrusted`).
+    ConfigError naming the folder otherwise."""
+    folder = Path(root).expanduser() if root is not None else default_root()
+    check_output_location(folder, inside=True)
+    existing = next((p for p in (folder, *folder.absolute().parents) if os.path.lexists(p)), None)
+    why = untrusted(existing, sticky_ok=existing != folder) if existing is not None else None
+    if why is not None:
+        raise ConfigError(
+            f"feature cache {folder}: {why}: other users could change the features a head is fitted on; make it "
+            "private (chmod go-w) or choose another --feature-cache"
+        )
+    return folder
 
 
 @dataclass(frozen=True)
@@ -192,9 +209,10 @@ def cached_features(
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise DataError("features for a linear head need a map-style dataset (random access by index)")
     key = feature_key(model, dataset, preprocess, augment=augment, precision=precision, device=device, weights=weights)
-    folder = Path(root) if root is not None else default_root()
-    folder = folder / key_digest(key)
-    folder.mkdir(parents=True, exist_ok=True)
+    base = check_root(root)
+    private_dirs(base)  # missing folders 0700, as vitkit's cache
+    folder = base / key_digest(key)
+    folder.mkdir(exist_ok=True)
     key_path = folder / KEY_FILE
     if _read_key(key_path) != key:  # absent, unreadable or another key under this digest: start the folder anew
         for stale in folder.glob("chunk-*.safetensors"):

@@ -39,7 +39,8 @@ class _Prepared(torch.utils.data.Dataset):
     def __getitem__(self, j: int) -> tuple[torch.Tensor, int, int]:
         i = self.indices[j]
         img, label = self.dataset[i]
-        return self.preprocess.to_tensor(img), int(label), i
+        name = self.dataset.describe(i) if hasattr(self.dataset, "describe") else f"example {i}"
+        return self.preprocess.to_tensor(img, name), int(label), i
 
 
 def iterate_batches(
@@ -66,7 +67,7 @@ def iterate_batches(
     xs: list[torch.Tensor] = []
     ys: list[int] = []
     for i, (img, label) in enumerate(dataset):
-        xs.append(preprocess.to_tensor(img))
+        xs.append(preprocess.to_tensor(img, f"example {i}"))
         ys.append(int(label))
         if len(xs) == batch_size:
             yield torch.stack(xs), torch.tensor(ys), torch.arange(i + 1 - len(xs), i + 1)

@@ -7,10 +7,30 @@
 - a connection cut mid-body is resumed with an HTTP ``Range`` request (within the call, and by the next
   call from the partial file it left);
 - the SHA-256 is checked against a published digest when one is given and recorded on first download
-  otherwise (``<cache>/downloads/.records/...json``); a cached file whose size or time stamp changed since
-  is re-hashed and refused if it no longer matches;
+  otherwise (``<cache>/downloads/.records/...json``, with the URL it was downloaded from); a cached file whose
+  size or time stamp changed since is re-hashed and refused if it no longer matches, and one whose record names
+  another URL is refused;
 - failures (offline, 404, timeout, disk full, wrong digest) are one-line :class:`DownloadError`\\ s that say
   what to do, e.g. download the file yourself and pass its path.
+
+**Where a URL is kept.** ``downloads/<host>[_<port>]/<folders of the URL path>/<name>@<digest>/<name>``: the
+host and path stay readable (``find ~/.cache/vitkit/downloads -name ViT-B_16.npz`` finds a file), characters
+other than letters, digits and ``.+=,-`` become ``_``, and ``<digest>`` (the first 32 hex digits of the SHA-256
+of the whole URL: scheme, host, port, percent-encoding, query) makes the name of every URL its own --
+``http://h/a%20b``, ``http://h/a_b`` and ``https://h/a_b`` are three entries. ``@`` appears in no readable part,
+so no URL's folders can run into another URL's entry. A host of ``.`` or ``..`` (or any starting with a dot) is
+refused. Entries of the layout before this one (``downloads/<host>/<path>``, without the digest) are moved to
+their new name the first time their URL is asked for, if their record names exactly that URL (the file was
+downloaded from it) and the move is possible; otherwise they are left alone and the URL is downloaded again
+(old entries no URL asks for any more, and old ``.partial`` files, may be deleted by hand).
+
+**Who can write there.** What is cached is loaded as weights, so the cache is used only where no other local
+user can change it (:func:`vitkit.hub.cache.untrusted`: every folder on the way owned by this user or root and
+writable by no one else); missing folders are created with mode 0700. Partial and temporary files are opened
+with ``O_NOFOLLOW`` (and ``O_EXCL`` when new), and a symbolic link where vitkit expects its own file is refused
+rather than written through. A cache that is read-only (a copied cache, a read-only mount) still serves what
+it holds: a record that cannot be written is a warning on the ``vitkit.hub`` logger, and only a download that
+cannot be stored is an error.
 """
 
 from __future__ import annotations
@@ -19,10 +39,13 @@ import errno
 import hashlib
 import http.client
 import json
+import logging
 import os
 import re
+import secrets
 import shutil
 import socket
+import stat
 import sys
 import time
 import urllib.error
@@ -30,16 +53,24 @@ import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from filelock import FileLock
 from tqdm import tqdm
 
 from vitkit.errors import VitkitError
 from vitkit.fileio import fsync
-from vitkit.hub.cache import ENV_VAR, cache_dir
+from vitkit.hub.cache import ENV_VAR, cache_dir, private_dirs, untrusted
 
 CHUNK = 1 << 20
 USER_AGENT = "vitkit"
+DIGEST_CHARS = 32  # of the URL's SHA-256 in its cache entry's name (128 bits: no two URLs meet by chance)
+MAX_SEGMENT = 100  # readable characters kept of one URL path segment (the digest keeps names unique)
+_UNSAFE = re.compile(r"[^\w.+=,-]")  # no "@": it marks the digest folders
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
+
+logger = logging.getLogger("vitkit.hub")
 
 
 class DownloadError(VitkitError):
@@ -69,30 +100,51 @@ def is_url(name: str) -> bool:
     return name.startswith(("http://", "https://", "gs://"))
 
 
-def _safe_parts(url: str) -> list[str]:
-    """Cache-relative path components for ``url``: host, then its path, with nothing that climbs out."""
+def _readable(segment: str) -> str:
+    """A URL path segment as a file name: unusual characters to ``_``, a long one cut in its middle."""
+    text = _UNSAFE.sub("_", segment)
+    return text if len(text) <= MAX_SEGMENT else text[: MAX_SEGMENT // 2] + "_" + text[-(MAX_SEGMENT // 2 - 1) :]
+
+
+def _host(url: str) -> str:
+    """The readable host folder of ``url``: ``host`` or ``host_port`` (never credentials); DownloadError for
+    a URL without a usable host."""
     u = urllib.parse.urlsplit(url)
-    parts = [u.netloc.replace(":", "_") or "local"]
-    for p in urllib.parse.unquote(u.path).split("/"):
-        if p in ("", ".", ".."):
-            continue
-        parts.append(re.sub(r"[^\w.+=@,-]", "_", p))
-    if len(parts) == 1:
-        parts.append("index")
-    if u.query:
-        parts[-1] += "-" + hashlib.sha256(u.query.encode()).hexdigest()[:12]
-    return parts
+    try:
+        host, port = u.hostname, u.port
+    except ValueError as e:  # a port that is not a number
+        raise DownloadError(f"{url}: not a valid URL ({e})") from None
+    if not host:
+        raise DownloadError(f"{url}: not a valid URL (no host)")
+    name = _UNSAFE.sub("_", host)
+    if name.startswith("."):  # "." and ".." would climb out of downloads/; ".partial" is vitkit's own
+        raise DownloadError(f"{url}: {host!r} is not a host name")
+    return name if port is None else f"{name}_{port}"
+
+
+def _entry_parts(url: str) -> list[str]:
+    """Cache-relative path of ``url``: host, the URL path's folders, ``<name>@<digest>``, ``<name>`` (see the
+    module's docstring). Injective: the digest covers the whole URL."""
+    segments = [_readable(p) for p in urllib.parse.unquote(urllib.parse.urlsplit(url).path).split("/")]
+    folders = [p for p in segments if p not in ("", ".", "..")]
+    name = folders.pop() if folders else "index"
+    digest = hashlib.sha256(url.encode()).hexdigest()[:DIGEST_CHARS]
+    return [_host(url), *folders, f"{name}@{digest}", name]
+
+
+def _downloads(cache: str | os.PathLike[str] | None) -> Path:
+    return cache_dir(cache) / "downloads"
 
 
 def cache_path(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
     """Where the verified copy of ``url`` lives in the cache (whether or not it is there)."""
-    return cache_dir(cache).joinpath("downloads", *_safe_parts(gs_to_https(url)))
+    return _downloads(cache).joinpath(*_entry_parts(gs_to_https(url)))
 
 
 def _side_path(url: str, cache: str | os.PathLike[str] | None, kind: str, suffix: str) -> Path:
-    parts = _safe_parts(gs_to_https(url))
+    parts = _entry_parts(gs_to_https(url))
     parts[-1] += suffix
-    return cache_dir(cache).joinpath("downloads", kind, *parts)
+    return _downloads(cache).joinpath(kind, *parts)
 
 
 def partial_path(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
@@ -103,18 +155,29 @@ def record_path(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
     return _side_path(url, cache, ".records", ".json")
 
 
-def read_record(url: str, cache: str | os.PathLike[str] | None = None) -> Record | None:
+def _read_json(path: Path) -> Record | None:
+    """The record at ``path`` (not through a symbolic link), None if missing or unreadable."""
     try:
-        return Record(**json.loads(record_path(url, cache).read_text()))
+        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            return Record(**json.loads(f.read(1 << 20)))
     except (OSError, ValueError, TypeError):
         return None
 
 
+def read_record(url: str, cache: str | os.PathLike[str] | None = None) -> Record | None:
+    """The download record (size, SHA-256, source) kept beside a cached file, or None if there is none or it
+    is unreadable."""
+    return _read_json(record_path(gs_to_https(url), cache))
+
+
 def is_cached(url: str, cache: str | os.PathLike[str] | None = None) -> bool:
+    """Whether the file of ``url`` is complete in the cache (a ``.partial`` download does not count)."""
     return cache_path(url, cache).is_file()
 
 
 def sha256_file(path: Path) -> str:
+    """The SHA-256 of a file as lowercase hex, read in chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(CHUNK):
@@ -123,18 +186,79 @@ def sha256_file(path: Path) -> str:
 
 
 def _write_record(path: Path, url: str, digest: str, published: bool, cache: str | os.PathLike[str] | None) -> None:
+    """Record ``path`` as the copy of ``url``. A record that cannot be written (a read-only cache) is a warning:
+    the file is still good, it is only hashed again the next time."""
     st = path.stat()
     rec = Record(url=url, sha256=digest, size=st.st_size, mtime_ns=st.st_mtime_ns, published_sha256=published)
     target = record_path(url, cache)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps(asdict(rec), indent=1) + "\n")
-    os.replace(tmp, target)
+    try:
+        _private_folder(target.parent, cache)
+        _put_json(target, asdict(rec))
+    except (OSError, DownloadError) as e:
+        logger.warning(
+            "vitkit.hub: %s: cannot record the download (%s); using it anyway (it is hashed again next time)",
+            target,
+            e.strerror if isinstance(e, OSError) and e.strerror else e,
+        )
+
+
+def _put_json(target: Path, doc: dict[str, object]) -> None:
+    """Write ``doc`` to a new hidden file beside ``target`` (never through a link) and rename it onto it."""
+    tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
+    fd = os.open(tmp, _NEW_FILE, 0o666)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_private(folder: Path, cache: str | os.PathLike[str] | None, sticky_ok: bool = False) -> None:
+    """DownloadError unless only this user (or root) can change ``folder`` and the folders above it."""
+    why = untrusted(folder, sticky_ok=sticky_ok)
+    if why is not None:
+        raise DownloadError(
+            f"{why}: other users could swap the files in {_downloads(cache)} or redirect what vitkit writes there; "
+            f"make it private (chmod go-w) or choose another cache with --cache-dir or {ENV_VAR}"
+        )
+
+
+def _private_folder(folder: Path, cache: str | os.PathLike[str] | None) -> None:
+    """Create ``folder`` (missing parts with mode 0700) where no other user can change it: the deepest existing
+    folder is checked before anything is created in it, and ``folder`` itself after. DownloadError otherwise."""
+    existing = next(p for p in (folder, *folder.parents) if os.path.lexists(p))
+    _check_private(existing, cache, sticky_ok=existing != folder)
+    try:
+        private_dirs(folder)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(folder) from None
+        raise _cannot_store(cache, e) from None
+    _check_private(folder, cache)
+
+
+def _regular_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file (False if missing); DownloadError for anything else there (a
+    symbolic link, a folder), which vitkit did not put there and neither follows nor removes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
+        raise DownloadError(f"{path}: {kind} where vitkit keeps its own file; remove it and try again")
+    return True
 
 
 def _check_cached(path: Path, url: str, sha256: str | None, cache: str | os.PathLike[str] | None) -> None:
-    """Refuse a cached file that no longer matches what was recorded (or the published digest)."""
+    """Refuse a cached file that no longer matches what was recorded (or the published digest), or that was
+    recorded for another URL."""
+    _check_private(path.parent, cache)
+    _regular_file(path)
     rec = read_record(url, cache)
+    if rec is not None and rec.url != url:
+        raise DownloadError(f"{path}: cached for another URL ({rec.url}), not {url}; delete it and download again")
     st = path.stat()
     if rec is not None and rec.size == st.st_size and rec.mtime_ns == st.st_mtime_ns:
         digest = rec.sha256
@@ -151,6 +275,45 @@ def _check_cached(path: Path, url: str, sha256: str | None, cache: str | os.Path
         )
     if rec is None or rec.size != st.st_size or rec.mtime_ns != st.st_mtime_ns:
         _write_record(path, url, digest, bool(sha256), cache)
+
+
+def _legacy_parts(url: str) -> list[str]:
+    """Cache-relative path of ``url`` in the layout before the digest (kept to move such entries)."""
+    u = urllib.parse.urlsplit(url)
+    parts = [u.netloc.replace(":", "_") or "local"]
+    for p in urllib.parse.unquote(u.path).split("/"):
+        if p in ("", ".", ".."):
+            continue
+        parts.append(re.sub(r"[^\w.+=@,-]", "_", p))
+    if len(parts) == 1:
+        parts.append("index")
+    if u.query:
+        parts[-1] += "-" + hashlib.sha256(u.query.encode()).hexdigest()[:12]
+    return parts
+
+
+def _adopt_legacy(url: str, final: Path, cache: str | os.PathLike[str] | None) -> None:
+    """Move ``url``'s entry of the earlier layout (and its record) to ``final``, if there is one, it is a
+    regular file and its record names exactly ``url``; otherwise leave everything as it is."""
+    parts = _legacy_parts(url)
+    downloads = _downloads(cache)  # no part climbs out: "."/".." path segments are dropped, such hosts refused
+    old, old_record = downloads.joinpath(*parts), downloads.joinpath(".records", *parts[:-1], parts[-1] + ".json")
+    try:
+        old_is_file = stat.S_ISREG(os.lstat(old).st_mode)
+    except OSError:
+        return
+    rec = _read_json(old_record)
+    if not old_is_file or rec is None or rec.url != url or untrusted(old.parent) or untrusted(old_record.parent):
+        return
+    target = record_path(url, cache)
+    try:
+        _private_folder(final.parent, cache)
+        _private_folder(target.parent, cache)
+        os.replace(old, final)  # the time stamp moves with it: the record still matches
+        _put_json(target, asdict(rec))
+        old_record.unlink()
+    except (OSError, DownloadError):
+        return  # a read-only cache: the old entry stays where it is; the URL is downloaded anew
 
 
 def _what_to_do(url: str) -> str:
@@ -210,7 +373,7 @@ def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, l
     bar: tqdm | None = None
     try:
         while True:
-            start = part.stat().st_size if part.exists() else 0
+            start = part.stat().st_size if _regular_file(part) else 0
             try:
                 resp = _request(url, start, timeout)
             except _RangeRefused:
@@ -241,7 +404,7 @@ def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, l
                     bar.update(start)
                 got = start
                 try:
-                    with open(part, "ab" if start else "wb") as f:
+                    with _open_partial(part, append=bool(start)) as f:
                         while block := resp.read(CHUNK):
                             f.write(block)
                             got += len(block)
@@ -276,6 +439,16 @@ def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, l
             bar.close()
 
 
+def _open_partial(part: Path, append: bool) -> BinaryIO:
+    """The partial file opened for writing without following a link: to go on at its end (``append``), or
+    new (O_EXCL: a partial file left from before, vitkit's own regular file, is removed first)."""
+    if append:
+        return os.fdopen(os.open(part, os.O_WRONLY | os.O_APPEND | _NOFOLLOW), "ab")
+    if _regular_file(part):
+        part.unlink()
+    return os.fdopen(os.open(part, _NEW_FILE, 0o666), "wb")
+
+
 def download(
     url: str,
     *,
@@ -288,23 +461,22 @@ def download(
     """A verified local copy of ``url`` (``http(s)://`` or ``gs://``), downloaded once into the cache."""
     url = gs_to_https(url)
     final = cache_path(url, cache)
-    if final.is_file():
+    if not _regular_file(final):
+        _adopt_legacy(url, final, cache)
+    if _regular_file(final):
         _check_cached(final, url, sha256, cache)
         return final
     part = partial_path(url, cache)
+    lock_path = _downloads(cache) / ".locks" / (hashlib.sha256(url.encode()).hexdigest()[:24] + ".lock")
+    for folder in (part.parent, final.parent, lock_path.parent):
+        _private_folder(folder, cache)
+    lock = FileLock(str(lock_path))
     try:
-        part.parent.mkdir(parents=True, exist_ok=True)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        lock_name = hashlib.sha256(url.encode()).hexdigest()[:24] + ".lock"
-        lock_path = cache_dir(cache) / "downloads" / ".locks" / lock_name
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
     except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise _disk_full(part.parent) from None
-        raise DownloadError(f"{cache_dir(cache)}: cannot create the cache ({e.strerror or e}); "
-                            f"choose another with --cache-dir or {ENV_VAR}") from None  # fmt: skip
-    with FileLock(str(lock_path)):
-        if final.is_file():  # another process finished it while we waited
+        raise _cannot_store(cache, e) from None
+    try:
+        if _regular_file(final):  # another process finished it while we waited
             _check_cached(final, url, sha256, cache)
             return final
         _fetch(url, part, timeout, retries, progress, final.name)
@@ -318,4 +490,13 @@ def download(
         os.replace(part, final)
         fsync(final.parent)
         _write_record(final, url, digest, bool(sha256), cache)
+    finally:
+        lock.release()
     return final
+
+
+def _cannot_store(cache: str | os.PathLike[str] | None, e: OSError) -> DownloadError:
+    return DownloadError(
+        f"{cache_dir(cache)}: cannot store downloads there ({e.strerror or e}); "
+        f"choose another cache with --cache-dir or {ENV_VAR}"
+    )

@@ -98,7 +98,7 @@ def close_names(name: str, n: int = 3) -> list[str]:
 
 
 def markdown_table() -> str:
-    """The registry as a Markdown table with numbered sources for the accuracies (README's "Pretrained models")."""
+    """The registry as a Markdown table with numbered sources for the accuracies (docs/pretrained-models.md)."""
     sources: list[str] = []
     lines = [
         "| name | arch | params (no head) | res | pre-training | fine-tuned | ImageNet top-1 |",

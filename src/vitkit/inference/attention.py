@@ -61,8 +61,11 @@ class FusedAttention:
         ]
         self.fn = fn
 
-    def supports(self, qkv: torch.Tensor, head_dim: int) -> bool:
-        """Whether ``qkv`` (B*T, 3D) can go through the kernel: bf16 on CPU, rows contiguous, d even (bf16)."""
+    def supports(self, qkv: torch.Tensor, head_dim: int, batch: int = 1) -> bool:
+        """Whether ``qkv`` (B*T, 3D) of ``batch`` images can go through the kernel: bf16 on CPU, rows contiguous,
+        d even (bf16), and within the kernel's 32-bit integers (int8: below 2^31 / max(255, 4 ceil(d / 4))
+        tokens: 8,421,504 up to d = 252; ViTConfig allows 2^20)."""
+        T = qkv.shape[0] // batch if batch > 0 else 0
         return (
             qkv.device.type == "cpu"
             and qkv.dtype == torch.bfloat16
@@ -70,12 +73,18 @@ class FusedAttention:
             and qkv.stride(1) == 1
             and (self.int8 or (qkv.stride(0) % 2 == 0 and head_dim % 2 == 0))  # bf16: pairs of bf16 as dwords
             and qkv.shape[0] * qkv.stride(0) < 2**32  # the kernel's k gather indexes in 32 bits (T * stride / 2)
+            # int8: packed keys gathered by 32-bit byte offsets (t * 4 ceil(d / 4)), softmax sums 255 T in int32;
+            # the probabilities x values products are summed in int32 runs of 65,536 keys and in fp32 beyond
+            and (not self.int8 or max(255, 4 * -(-head_dim // 4)) * T < 2**31)
         )
 
     def __call__(self, qkv: torch.Tensor, batch: int, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
         """qkv: (B*T, 3 h d) bf16 with q, k, v side by side, head-major within each -> (B*T, h d) bf16."""
-        if not self.supports(qkv, head_dim):
-            raise ValueError("the fused attention kernel needs a bf16 CPU (B*T, 3D) tensor and an even head_dim (bf16)")
+        if not self.supports(qkv, head_dim, batch):
+            raise ValueError(
+                "the fused attention kernel needs a bf16 CPU (B*T, 3D) tensor, an even head_dim (bf16) and at most "
+                "2^31 bytes of packed keys per head (int8)"
+            )
         BT, width = qkv.shape
         D = heads * head_dim
         if scale <= 0:  # the kernel takes the row maximum before scaling

@@ -8,6 +8,7 @@
 //   P: the softmax numerators exp(s - max) in [0, 1] as u8 round(255 p) (the row maximum is 255 exactly),
 //      normalised by the sum of the rounded values;
 //   v: s8 per channel c (scale sv_c = max_t |v_tc| / 127), applied to the output column.
+// Both products sum in int32; probabilities x values in runs of 65,536 keys, added up in fp32 (PV_QUADS).
 // Compiled with vitkit/simd.h in front (vitkit.native.kernel_source): AI, widen, lanes, load16, exp_neg.
 #include <immintrin.h>
 #include <stdint.h>
@@ -63,30 +64,47 @@ QK_TILE(2)
 QK_TILE(3)
 QK_TILE(4)
 
-// out_r[c0 + 16 v + lane] = inv_r sv[c] sum_tq p_r[quad tq] (4 u8) . vp[tq][c] (4 s8), rows r < nrows, c < d
+// Keys per int32 run of the probabilities x values products: a quad of keys adds at most 4 * 255 * 127 to a
+// lane, so 16384 quads (65,536 keys) stay below 2^31 (2,122,383,360); longer rows (from 66,312 keys, which
+// wrapped around) carry each run's sums in fp32 and start the next run from zero
+#define PV_QUADS 16384
+
+// out_r[c0 + 16 v + lane] = inv_r sv[c] sum_tq p_r[quad tq] (4 u8) . vp[tq][c] (4 s8), rows r < nrows, c < d;
+// int32 sums over runs of PV_QUADS quads, added up in fp32 (``part``, MR x NV x 16 floats) when there are several
 #define PV_TILE(NV)                                                                                            \
     NI static void pv_tile_##NV(const uint32_t *vp, int dpad, const uint32_t *p, int ldp, int tqn,             \
                              uint16_t *const *out, const float *inv, const float *sv, int nrows, int d,      \
-                             int c0) {                                                                        \
+                             int c0, float *part) {                                                           \
         __m512i acc[MR][NV];                                                                                  \
-        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                                   \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_si512();          \
-        for (int tq = 0; tq < tqn; tq++) {                                                                    \
-            const uint32_t *vr = vp + (size_t)tq * dpad + c0;                                                 \
-            __m512i vv[NV];                                                                                   \
-            _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) vv[v] = _mm512_loadu_si512(vr + 16 * v);     \
-            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                            \
-                __m512i pb = _mm512_set1_epi32((int)p[(size_t)r * ldp + tq]);                                 \
-                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] =                              \
-                    dpbusd(acc[r][v], pb, vv[v]);                                                \
+        for (int tq0 = 0;; tq0 += PV_QUADS) {                                                                 \
+            int tq1 = tqn - tq0 > PV_QUADS ? tq0 + PV_QUADS : tqn;                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++)                                               \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_si512();      \
+            for (int tq = tq0; tq < tq1; tq++) {                                                              \
+                const uint32_t *vr = vp + (size_t)tq * dpad + c0;                                             \
+                __m512i vv[NV];                                                                               \
+                _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) vv[v] = _mm512_loadu_si512(vr + 16 * v); \
+                _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                        \
+                    __m512i pb = _mm512_set1_epi32((int)p[(size_t)r * ldp + tq]);                             \
+                    _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) acc[r][v] =                          \
+                        dpbusd(acc[r][v], pb, vv[v]);                                                        \
+                }                                                                                             \
             }                                                                                                 \
+            if (tq1 == tqn) break;                                                                            \
+            for (int r = 0; r < nrows; r++)                                                                   \
+                for (int v = 0; v < NV; v++) {                                                                \
+                    float *f = part + (size_t)(r * NV + v) * 16;                                              \
+                    __m512 x = _mm512_cvtepi32_ps(acc[r][v]);                                                 \
+                    _mm512_storeu_ps(f, tq0 ? _mm512_add_ps(_mm512_loadu_ps(f), x) : x);                      \
+                }                                                                                             \
         }                                                                                                     \
         for (int r = 0; r < nrows; r++) {                                                                     \
             __m512 sc = _mm512_set1_ps(inv[r]);                                                               \
             _Pragma("GCC unroll 4") for (int v = 0; v < NV; v++) {                                            \
                 int c = c0 + 16 * v;                                                                          \
-                __m512 y = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][v]),                                       \
-                                         _mm512_mul_ps(sc, _mm512_loadu_ps(sv + c)));                         \
+                __m512 sum = _mm512_cvtepi32_ps(acc[r][v]);                                                   \
+                if (tqn > PV_QUADS) sum = _mm512_add_ps(sum, _mm512_loadu_ps(part + (size_t)(r * NV + v) * 16)); \
+                __m512 y = _mm512_mul_ps(sum, _mm512_mul_ps(sc, _mm512_loadu_ps(sv + c)));                   \
                 __m256i o = narrow(y);                                                                        \
                 if (c + 16 <= d)                                                                              \
                     _mm256_storeu_si256((__m256i *)(out[r] + c), o);                                          \
@@ -270,12 +288,13 @@ NI static void qk_block(const uint32_t *kp, int tpad, const uint32_t *q, int ldq
 
 NI static void pv_block(const uint32_t *vp, int dpad, const uint32_t *p, int ldp, int tqn, uint16_t *const *out,
                      const float *inv, const float *sv, int nrows, int d) {
+    float part[MR * 4 * 16] __attribute__((aligned(64)));  // fp32 sums of the int32 runs (rows over PV_QUADS quads)
     int nv = dpad / 16, c0 = 0;
-    for (; nv - c0 / 16 >= 4; c0 += 64) pv_tile_4(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0);
+    for (; nv - c0 / 16 >= 4; c0 += 64) pv_tile_4(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0, part);
     switch (nv - c0 / 16) {
-        case 3: pv_tile_3(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0); break;
-        case 2: pv_tile_2(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0); break;
-        case 1: pv_tile_1(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0); break;
+        case 3: pv_tile_3(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0, part); break;
+        case 2: pv_tile_2(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0, part); break;
+        case 1: pv_tile_1(vp, dpad, p, ldp, tqn, out, inv, sv, nrows, d, c0, part); break;
         default: break;
     }
 }

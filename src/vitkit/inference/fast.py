@@ -169,7 +169,9 @@ class FastBlock(nn.Module):
             self.fuse_norm = kernel is not None
             # the inputs of proj and fc2 (attention output, fc1's output) quantised per row, one pass from memory per
             # row, where the VNNI GEMM takes per-row scales
-            vnni = gemm is not None and dtype == torch.bfloat16  # (Int8Linear takes the kernel for bf16 outputs)
+            # (Int8Linear takes the kernel for bf16 outputs and K <= 65536: an fc2 wider than that runs oneDNN's
+            # GEMM, which takes one scale per tensor; see mlp())
+            vnni = self.proj.gemm is not None
             self.rows_quantize = kernel.per_row if kernel is not None and vnni else None
             self.norm1_q = LayerNormQuantize(norm1, quantize, kernel)
             self.norm2_q = LayerNormQuantize(norm2, quantize, kernel)
@@ -187,7 +189,7 @@ class FastBlock(nn.Module):
             qkv = cast(Int8Linear, self.qkv).forward_quantized(*self.norm1_q(x))  # (B*T, 3D)
         else:
             qkv = self.qkv(self.norm1(x))  # (B*T, 3D)
-        if self.fused is not None and self.fused.supports(qkv, d):
+        if self.fused is not None and self.fused.supports(qkv, d, batch):
             o = self.fused(qkv, batch, h, d)  # (B*T, D), read from and written in the token layout
         else:
             heads = qkv.view(batch, T, 3, h, d).permute(2, 0, 3, 1, 4)  # (3, B, h, T, d)
@@ -231,7 +233,7 @@ class FastBlock(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuse_norm:
             h = cast(Int8Linear, self.fc1).forward_quantized(*self.norm2_q(x))  # (rows, hidden)
-            if self.rows_quantize is not None:
+            if self.rows_quantize is not None and cast(Int8Linear, self.fc2).gemm is not None:
                 return cast(Int8Linear, self.fc2).forward_quantized(*self.rows_quantize(h), x)
             return self.fc2(h, x)
         return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
@@ -277,6 +279,8 @@ class InferenceViT(nn.Module):
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
+        if x.shape[0] == 0:  # an empty batch: the model's empty (0, T, D), from its own embedding (shape checks)
+            return self.base.embed(x.to(self.dtype))
         if self.stem is not None and self.use_stem and self.stem.supports(x):
             B = x.shape[0]
             z = self.stem(x)  # (B*T, D)

@@ -28,6 +28,9 @@ NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "fma")
 SOURCE = Path(__file__).with_name("gemm_int8.c")
 EPILOGUES = {"none": 0, "gelu": 1, "gelu_tanh": 2, "add": 3}
 ROWS_PER_CHUNK = 512  # activation rows a thread keeps in L2 while it walks the weight panels (measured)
+# the kernel's longest reduction: K <= 65536 keeps its int32 sums and zp * colsum below 2^31 (255 * 128 * K); a
+# longer one (an MLP wider than 65536 feeding fc2; ViTConfig allows 262144) goes to oneDNN's GEMM instead
+MAX_K = 1 << 16
 
 
 class Int8Gemm:
@@ -64,11 +67,16 @@ class Int8Gemm:
         """The (N, K) int8 weights back from :meth:`pack_weights`' layout."""
         return packed.permute(0, 2, 1, 3).reshape(-1, packed.shape[1] * 4)[:N, :K].contiguous()
 
+    @staticmethod
+    def takes(K: int) -> bool:
+        """Whether the kernel takes a reduction of length ``K`` (1..``MAX_K``)."""
+        return 1 <= K <= MAX_K
+
     def supports(self, q: torch.Tensor, other: torch.Tensor | None, dtype: torch.dtype) -> bool:
-        """Whether these operands can go through the kernel: uint8 activations with contiguous rows on CPU,
-        a bf16 output, a bf16 residual with contiguous rows (if any)."""
+        """Whether these operands can go through the kernel: uint8 activations with contiguous rows on CPU and
+        at most ``MAX_K`` columns, a bf16 output, a bf16 residual with contiguous rows (if any)."""
         ok = dtype == torch.bfloat16 and q.device.type == "cpu" and q.dtype == torch.uint8 and q.dim() == 2
-        ok = ok and q.stride(1) == 1
+        ok = ok and q.stride(1) == 1 and self.takes(q.shape[1])
         if other is not None:
             ok = ok and other.dtype == torch.bfloat16 and other.dim() == 2 and other.stride(1) == 1
             ok = ok and other.shape == (q.shape[0], other.shape[1]) and other.device.type == "cpu"

@@ -202,7 +202,8 @@ class Int8Linear(nn.Module):
         self.w_scale: torch.Tensor
         self.w_zero: torch.Tensor
         self.bias: torch.Tensor | None
-        self.gemm = gemm if dtype == torch.bfloat16 else None
+        # the VNNI kernel for bf16 outputs and the reductions it takes (K <= 65536), else oneDNN's
+        self.gemm = gemm if dtype == torch.bfloat16 and gemm is not None and gemm.takes(qw.shape[1]) else None
         self._onednn: torch.Tensor | None = None  # oneDNN's pre-packed weights, made when first needed
         self.weight_shape = tuple(qw.shape)  # (N, K)
         self.packed: torch.Tensor | None

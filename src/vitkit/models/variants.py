@@ -13,7 +13,7 @@ from typing import Any
 from vitkit.errors import ConfigError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
-# size -> (hidden_size D, depth L, heads, mlp_dim); paper Table 1 plus DeiT's Ti and S.
+#: size -> (hidden_size D, depth L, heads, mlp_dim); paper Table 1 plus DeiT's Ti and S.
 VARIANTS: dict[str, dict[str, int]] = {
     "Ti": {"hidden_size": 192, "depth": 12, "num_heads": 3, "mlp_dim": 768},
     "S": {"hidden_size": 384, "depth": 12, "num_heads": 6, "mlp_dim": 1536},

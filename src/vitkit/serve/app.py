@@ -7,14 +7,21 @@ the attention rollout as a base64 PNG), ``GET /health``, ``GET /metrics`` (Prome
 
 Every client mistake is answered with a 4xx status and ``{"detail": "<one clear sentence>"}``: oversized
 uploads (413, refused from Content-Length before reading, or while streaming), too many pixels (413, from
-the image header before decoding), empty bodies, undecodable or truncated images and multipart uploads
-without a file (400), other content types (415), bad query parameters (422). A full queue answers 503
-with Retry-After, a request that outlives ``timeout_s`` 504.
+the image header before decoding), images the checkpoint's preprocessing refuses (413: a centre crop of a
+line of pixels), empty bodies, undecodable or truncated images and multipart uploads without a file (400),
+other content types (415), bad query parameters (422). The OpenAPI schema declares each of these (models,
+content types), so generated clients and schemathesis see what the server sends.
+
+Load is bounded before any work: a request is admitted only while fewer than ``max_queue`` requests wait
+for the model or are being read or decoded (else 503 with Retry-After, before the upload is read), at most
+``decoders`` images are decoded at once (each may take hundreds of MB: 40 MP RGBA is 160 MB), and uvicorn
+answers 503 itself past ``max_connections`` open connections. A request that outlives ``timeout_s`` is 504.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from contextlib import asynccontextmanager
@@ -24,18 +31,22 @@ from typing import Any
 import torch
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vitkit.checkpoints.preprocess import ImageTooLarge
+from vitkit.errors import DataError
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
 from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_image, png_base64
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUTES = ("/predict", "/health", "/metrics", "/model", "/docs", "/openapi.json")
+CONNECTION_HEADROOM = 16  # connections beyond the admitted requests and the running batch
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,22 @@ class ServeOptions:
     max_upload_bytes: int = 16 << 20
     max_pixels: int = 40_000_000
     top_k: int = 5
+    max_decoding: int = 0  # images decoded at once; 0: one per CPU core, at most max_queue
+
+    @property
+    def decoders(self) -> int:
+        """Images decoded and preprocessed at once (the rest of the admitted requests wait, holding only
+        their upload): ``max_decoding``, or one per CPU core available to this process, at most ``max_queue``."""
+        if self.max_decoding > 0:
+            return self.max_decoding
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(self.max_queue, cores))
+
+    @property
+    def max_connections(self) -> int:
+        """uvicorn's ``limit_concurrency``: the admitted requests, the batch being computed, and room for
+        health checks, metrics and quick 503 answers; past it uvicorn answers 503 without running the app."""
+        return self.max_queue + self.max_batch + CONNECTION_HEADROOM
 
 
 class Metrics:
@@ -105,28 +132,29 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"detail": message}, status_code=status, headers=headers)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than ``limit`` bytes (from Content-Length, or while streaming)."""
+async def _read_body(request: Request, limit: int) -> bytearray:
+    """The request body, refusing more than ``limit`` bytes (from Content-Length, or while streaming). Gathered in
+    one growing buffer: a list of chunks joined at the end would hold the upload twice while it waits to be
+    decoded (measured: benchmarks/serve_memory.py)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise RequestError(400, f"invalid Content-Length {declared!r}")
         if int(declared) > limit:
             raise RequestError(413, f"upload of {int(declared)} bytes exceeds the limit of {limit} bytes")
-    chunks, size = [], 0
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
+        if len(body) + len(chunk) > limit:
             raise RequestError(413, f"upload exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+    return body
 
 
-async def _multipart_file(request: Request, body: bytes) -> bytes:
+async def _multipart_file(request: Request, body: bytearray) -> bytes:
     """The first file of a multipart/form-data body (already read, so within the size limit)."""
 
     async def replay() -> dict[str, Any]:
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": bytes(body), "more_body": False}
 
     try:
         form = await Request(request.scope, replay).form(max_files=1, max_fields=16)
@@ -140,7 +168,7 @@ async def _multipart_file(request: Request, body: bytes) -> bytes:
     return data
 
 
-async def _image_bytes(request: Request, limit: int) -> bytes:
+async def _image_bytes(request: Request, limit: int) -> bytes | bytearray:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype and ctype != "multipart/form-data" and not ctype.startswith("image/") and ctype not in RAW_TYPES:
         raise RequestError(
@@ -149,38 +177,84 @@ async def _image_bytes(request: Request, limit: int) -> bytes:
             "(curl --data-binary @cat.jpg -H 'Content-Type: image/jpeg'), or a multipart/form-data upload "
             "(curl -F file=@cat.jpg)",
         )
-    body = await _read_body(request, limit)
-    if ctype == "multipart/form-data":
-        body = await _multipart_file(request, body)
+    raw = await _read_body(request, limit)
+    body: bytes | bytearray = await _multipart_file(request, raw) if ctype == "multipart/form-data" else raw
     if not body:
         raise RequestError(400, "empty body: send the image file's bytes")
     return body
 
 
+class ErrorBody(BaseModel):
+    """Every error the app answers: one sentence."""
+
+    detail: str = Field(description="what is wrong, in one sentence")
+
+
+class TopClass(BaseModel):
+    label: str
+    index: int = Field(ge=0, description="class index in the model's output")
+    prob: float = Field(ge=0, le=1, description="softmax probability")
+
+
+class AttentionMap(BaseModel):
+    rollout_png: str = Field(description="base64 PNG, 8-bit greyscale")
+    size: list[int] = Field(description="(height, width) of the map: the model input's size")
+    query: str
+    encoding: str
+
+
+class PredictAnswer(BaseModel):
+    model: str = Field(description="the served model's name")
+    top: list[TopClass] = Field(description="most probable first")
+    attention: AttentionMap | None = Field(None, description="the attention rollout, with ?attention=1")
+
+
+class HealthAnswer(BaseModel):
+    status: str = Field(description='"ok"')
+    queue_depth: int = Field(ge=0, description="requests waiting for the model")
+
+
+BINARY = {"type": "string", "format": "binary", "minLength": 1}  # an empty body or file is refused (400)
 PREDICT_BODY = {
     "requestBody": {
         "required": True,
-        "description": "the image: raw bytes (image/*, application/octet-stream) or a multipart upload",
+        "description": "the image (any format Pillow decodes): raw bytes (image/*, application/octet-stream) or a "
+        "multipart upload whose first file is the image",
         "content": {
-            "image/*": {"schema": {"type": "string", "format": "binary"}},
-            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+            "image/*": {"schema": BINARY},
+            "application/octet-stream": {"schema": BINARY},
             "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "properties": {"file": {"type": "string", "format": "binary"}},
-                    "required": ["file"],
-                }
+                "schema": {"type": "object", "properties": {"file": BINARY}, "required": ["file"]},
+                "encoding": {"file": {"contentType": "image/*"}},
             },
         },
     }
 }
-ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"description": "empty body, undecodable image, multipart without a file"},
-    413: {"description": "upload or image (pixels) over the limit"},
-    415: {"description": "content type other than image/*, application/octet-stream, multipart/form-data"},
-    503: {"description": "queue full or shutting down (retry later)"},
-    504: {"description": "not answered within the request timeout"},
+OVERLOADED = "text/plain answer: uvicorn's own, past the connection limit"
+
+
+def _error_doc(description: str, plain: bool = False) -> dict[str, Any]:
+    """An error response in the OpenAPI schema: the app's ``{"detail": ...}``, and for 503 also uvicorn's
+    plain-text answer when the connection limit is reached (it never reaches the app)."""
+    doc: dict[str, Any] = {"model": ErrorBody, "description": description}
+    if plain:
+        doc["description"] += f"; {OVERLOADED}"
+        doc["content"] = {"text/plain": {"schema": {"type": "string"}}}
+        doc["headers"] = {
+            "Retry-After": {"description": "seconds to wait (the app's answer)", "schema": {"type": "integer"}}
+        }
+    return doc
+
+
+PREDICT_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: _error_doc("empty body, undecodable or truncated image, multipart without a file"),
+    413: _error_doc("upload or image (pixels) over the limit, or an image the preprocessing refuses"),
+    415: _error_doc("content type other than image/*, application/octet-stream, multipart/form-data"),
+    422: _error_doc("a query parameter out of range or of the wrong type"),
+    503: _error_doc("queue full or shutting down (retry later)", plain=True),
+    504: _error_doc("not answered within the request timeout"),
 }
+BUSY: dict[int | str, dict[str, Any]] = {503: _error_doc("overloaded", plain=True)}
 
 
 def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> FastAPI:
@@ -199,6 +273,7 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.decoding = asyncio.Semaphore(opts.decoders)  # of this event loop
         batcher.start()
         try:
             yield
@@ -230,6 +305,7 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
             )
 
     app.state.batcher, app.state.metrics, app.state.served = batcher, metrics, served
+    admitted = _Admitted()
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, exc: RequestError) -> JSONResponse:
@@ -248,19 +324,55 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         return _error(500, f"internal error ({type(exc).__name__}: {exc})")
 
-    async def answer(request: Request, top_k: int, attention: bool) -> dict[str, Any]:
-        data = await _image_bytes(request, opts.max_upload_bytes)
-
-        def prepare() -> torch.Tensor:
-            return served.to_tensor(decode_image(data, opts.max_pixels))
-
-        x = await run_in_threadpool(prepare)
+    def prepare(data: bytes | bytearray) -> torch.Tensor:
+        """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large)."""
+        img = decode_image(data, opts.max_pixels)
         try:
-            future = batcher.submit((x, attention))
-        except QueueFull as e:
-            raise _Unavailable(f"server busy: {e}; retry shortly") from None
-        except Closed as e:
-            raise _Unavailable(str(e)) from None
+            return served.to_tensor(img)
+        except ImageTooLarge as e:  # e.g. a centre crop of a line of pixels
+            raise RequestError(413, str(e)) from None
+        except DataError as e:
+            raise RequestError(400, str(e)) from None
+
+    async def decode(data: bytes | bytearray) -> torch.Tensor:
+        """``prepare`` in a worker thread, at most ``opts.decoders`` at once (each image may take hundreds of MB
+        decoded). A request that gives up while waiting for a slot never decodes; one that gives up while its
+        image is decoded leaves the slot taken until the thread is done (threads cannot be stopped), so the
+        slots bound the threads really decoding."""
+        slots: asyncio.Semaphore = app.state.decoding
+        await slots.acquire()
+        task = asyncio.ensure_future(run_in_threadpool(prepare, data))
+
+        def release(done: asyncio.Future[torch.Tensor]) -> None:
+            slots.release()
+            if not done.cancelled():
+                done.exception()  # retrieved: an abandoned request's error is not logged as never retrieved
+
+        task.add_done_callback(release)
+        return await asyncio.shield(task)
+
+    async def answer(request: Request, top_k: int, attention: bool) -> dict[str, Any]:
+        if not batcher.alive:
+            raise _Unavailable("not serving (starting up or shutting down)")
+        busy = batcher.depth + admitted.count
+        if busy >= opts.max_queue:  # before the upload is read or anything decoded
+            raise _Unavailable(
+                f"server busy: {busy} requests are waiting or being decoded already (limit {opts.max_queue}); "
+                "retry shortly"
+            )
+        admitted.count += 1
+        try:
+            data = await _image_bytes(request, opts.max_upload_bytes)
+            x = await decode(data)
+            del data
+            try:
+                future = batcher.submit((x, attention))
+            except QueueFull as e:
+                raise _Unavailable(f"server busy: {e}; retry shortly") from None
+            except Closed as e:
+                raise _Unavailable(str(e)) from None
+        finally:
+            admitted.count -= 1
         pred: Prediction = await asyncio.wrap_future(future)  # cancelled with the request on timeout
         out: dict[str, Any] = {"model": card["name"], "top": served.top_k(pred.probs, top_k)}
         if attention and pred.rollout is not None:
@@ -279,7 +391,9 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         "multipart/form-data file. Answers the top-k labels with probabilities; attention=1 adds the attention "
         "rollout (Abnar & Zuidema) as a base64 PNG. Requests are batched with concurrent ones.",
         openapi_extra=PREDICT_BODY,
-        responses=ERRORS,
+        response_model=PredictAnswer,
+        response_model_exclude_none=True,
+        responses=PREDICT_ERRORS,
     )
     async def predict(
         request: Request,
@@ -293,17 +407,27 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         except _Unavailable as e:
             return _error(503, str(e), {"Retry-After": "1"})
 
-    @app.get("/health", summary="liveness: 200 while the model worker runs")
+    @app.get(
+        "/health",
+        summary="liveness: 200 while the model worker runs",
+        response_model=HealthAnswer,
+        responses={503: _error_doc("not serving (starting up or shutting down)", plain=True)},
+    )
     async def health() -> Any:
         if not batcher.alive:
             return _error(503, "not serving (starting up or shutting down)")
         return {"status": "ok", "queue_depth": batcher.depth}
 
-    @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching")
+    @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching", responses=BUSY)
     async def model_card() -> Any:
-        return {**card, "serving": asdict(opts)}
+        return {**card, "serving": {**asdict(opts), "decoders": opts.decoders, "max_connections": opts.max_connections}}
 
-    @app.get("/metrics", summary="Prometheus metrics (text format)")
+    @app.get(
+        "/metrics",
+        summary="Prometheus metrics (text exposition format)",
+        response_class=PlainTextResponse,
+        responses={503: {"description": OVERLOADED, "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -313,6 +437,14 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
 
 class _Unavailable(Exception):
     pass
+
+
+class _Admitted:
+    """Requests past the queue check and not yet in the batcher's queue (reading their upload, waiting for a
+    decoding slot, decoding). Only the event loop touches it."""
+
+    def __init__(self) -> None:
+        self.count = 0
 
 
 def _swagger_assets() -> str | None:

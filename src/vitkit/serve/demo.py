@@ -3,12 +3,14 @@
 Upload, paste or pick a sample image; the page shows the top-5 classes as bars, the attention rollout
 overlaid on the image as the model sees it, one layer's raw attention (a head, or the mean of the heads),
 and the model's own figures: position-embedding similarity and the principal components of the
-patch-embedding filters (paper fig. 7). Predictions and attention come from the checkpoint's fp32 model
+patch-embedding filters (paper fig. 7). Uploads are decoded by vitkit's decoder (a file that is not an image
+is one line on the page and in the log), and predictions and attention come from the checkpoint's fp32 model
 (``forward_intermediates``), so the labels are those of ``vitkit predict``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +25,12 @@ from vitkit.analysis import plots
 from vitkit.analysis.analyze import display_image
 from vitkit.analysis.attention import rollout_maps, upsample_maps
 from vitkit.analysis.embeddings import NotApplicable, patch_embedding_pca, position_embeddings, position_similarity
+from vitkit.checkpoints import preprocess
+from vitkit.errors import ConfigError, DataError
 from vitkit.serve.engine import ServedModel
+from vitkit.serve.net import check_free
+
+logger = logging.getLogger(__name__)
 
 DISPLAY_PX = 336  # overlays are shown at least this large (nearest-neighbour upscaling of the model input)
 MEAN_OF_HEADS = "mean of heads"
@@ -85,6 +92,23 @@ class DemoModel:
             "shown": shown,
         }
 
+    def upload_view(self, upload: dict[str, Any] | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:
+        """The page's answer to an upload (Gradio's file record: ``path``, ``orig_name``): the top-5, the rollout
+        overlay, the chosen layer's map, the state for later layer/head changes, and the verdict line. A file
+        that does not decode (not an image, truncated, too large) is answered by one verdict line naming it and
+        one warning on the ``vitkit.serve.demo`` logger."""
+        if not upload or not upload.get("path"):
+            return None, None, None, None, ""
+        name = upload.get("orig_name") or Path(upload["path"]).name
+        try:
+            state = self.analyse(preprocess.decode_image(upload["path"], name))
+        except DataError as e:
+            logger.warning("vitkit demo: upload refused: %s", e)
+            return None, None, None, None, f"**Cannot classify this upload:** {e}"
+        best = state["top"][0]
+        line = f"**Prediction: {best['label']}** ({best['prob']:.1%})"
+        return state["labels"], state["rollout"], self.layer_view(state, layer, head), state, line
+
     def layer_view(self, state: dict[str, Any] | None, layer: int, head: str) -> Image.Image | None:
         """Layer ``layer`` (1-based) attention of the class token (GAP: mean query) for one head or their mean."""
         if not state:
@@ -131,13 +155,8 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
     query = "class token" if demo_model.prefix else "mean over tokens (GAP model)"
     H, W = card["image_size"]
 
-    def on_image(img: Image.Image | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:
-        if img is None:
-            return None, None, None, None, ""
-        state = demo_model.analyse(img)
-        best = state["top"][0]
-        line = f"**Prediction: {best['label']}** ({best['prob']:.1%})"
-        return state["labels"], state["rollout"], demo_model.layer_view(state, layer, head), state, line
+    def on_image(upload: dict[str, Any] | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:
+        return demo_model.upload_view(upload, layer, head)
 
     with gr.Blocks(title=f"vitkit demo: {card['name']}", analytics_enabled=False) as demo:
         gr.Markdown(
@@ -150,7 +169,7 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
         with gr.Row():
             with gr.Column():
                 image = gr.Image(
-                    type="pil", sources=["upload", "clipboard"], label="Image: upload, paste, or pick a sample",
+                    sources=["upload", "clipboard"], label="Image: upload, paste, or pick a sample",
                     elem_id="input-image",
                 )  # fmt: skip
                 gr.Examples(examples=examples, inputs=image, label="Samples")
@@ -176,7 +195,9 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
                 gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False)
             else:
                 gr.Markdown(f"Patch-embedding filters: not shown ({figs['filters']}).")
-        image.change(on_image, [image, layer, head], [top5, rollout, raw, state, verdict])
+        # preprocess=False: the upload arrives as Gradio's file record and is decoded by vitkit's decoder, so a
+        # file that is not an image is one line on the page and in the log rather than Gradio's traceback
+        image.change(on_image, [image, layer, head], [top5, rollout, raw, state, verdict], preprocess=False)
         layer.change(demo_model.layer_view, [state, layer, head], raw)
         head.change(demo_model.layer_view, [state, layer, head], raw)
     return demo
@@ -188,12 +209,20 @@ def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[
 
     theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace"])
     torch.set_grad_enabled(False)
-    demo.launch(
-        server_name=host,
-        server_port=port,
-        share=False,
-        ssr_mode=False,
-        allowed_paths=[str(p) for p in allowed],
-        theme=theme,
-        show_error=True,
-    )
+    check_free(host, port)  # taken since the command checked it: one line naming --port, not Gradio's advice
+    try:
+        demo.launch(
+            server_name=host,
+            server_port=port,
+            share=False,
+            ssr_mode=False,
+            allowed_paths=[str(p) for p in allowed],
+            theme=theme,
+            show_error=True,
+        )
+    except OSError as e:
+        if "port" not in str(e).lower():
+            raise
+        raise ConfigError(
+            f"--port {port}: {host}:{port} is already in use by another program; choose another --port"
+        ) from None

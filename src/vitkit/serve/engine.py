@@ -85,9 +85,10 @@ def calibration_batch(
     return torch.stack(images)
 
 
-def decode_image(data: bytes, max_pixels: int) -> Image.Image:
+def decode_image(data: bytes | bytearray, max_pixels: int) -> Image.Image:
     """Decode untrusted image bytes with the decoder every command uses, refusing oversized images from their
-    header before any pixel is read.
+    header before any pixel is read. A bytearray (the server's upload buffer) is copied here, in the decoding
+    thread, so only images being decoded are ever held twice.
 
     Raises RequestError: 400 for empty, unrecognised, corrupt or truncated data; 413 for an image with more
     than ``max_pixels`` pixels (decompression bombs: a few KB of PNG can claim 10^10 pixels).
@@ -95,7 +96,7 @@ def decode_image(data: bytes, max_pixels: int) -> Image.Image:
     if not data:
         raise RequestError(400, "empty body: send the image file's bytes")
     try:
-        return preprocess.decode_image(data, "image", max_pixels=max_pixels)
+        return preprocess.decode_image(bytes(data), "image", max_pixels=max_pixels)
     except preprocess.ImageTooLarge as e:
         raise RequestError(413, str(e)) from None
     except DataError as e:

@@ -8,6 +8,6 @@ The configuration it consumes (schema and recipes) lives one layer down, in :mod
     result = train(get_recipe("digits"), "runs/digits")
 """
 
-from vitkit.train.trainer import NonFiniteLossError, Trainer, TrainResult, train
+from vitkit.train.trainer import NonFiniteLossError, Trainer, TrainResult, check_run_dir, train
 
-__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "train"]
+__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "check_run_dir", "train"]

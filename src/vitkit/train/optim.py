@@ -113,6 +113,17 @@ def lr_at(
     raise ConfigError(f"unknown schedule {schedule!r} (cosine, linear, constant)")
 
 
+def fitted_warmup(warmup_steps: int, total_steps: int, max_fraction: float | None) -> int:
+    """The warm-up a run of ``total_steps`` actually gets: a recipe's (``warmup_steps``, epochs converted with
+    this run's epoch length) when it is at most ``max_fraction`` of the run, else that fraction of the run
+    (rounded, at least 1 step): a recipe sized for ImageNet (10k steps of batch 1024) run on 32 images for 60
+    steps warms up for 12, so its learning rate reaches its value and then decays as the recipe intends.
+    ``max_fraction`` None: ``warmup_steps`` as given."""
+    if max_fraction is None or warmup_steps <= max_fraction * total_steps:
+        return warmup_steps
+    return max(1, round(max_fraction * total_steps))
+
+
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
     for g in opt.param_groups:
         g["lr"] = lr

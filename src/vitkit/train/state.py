@@ -182,8 +182,18 @@ def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path | None]:
             raise
         return cfg, Path(path), None
     meta = read_state_meta(state)
-    check_config_unchanged(state.parent.parent / "config.json", meta["config"])
-    return TrainConfig.from_dict(meta["config"]), state.parent.parent, state
+    saved = _older_defaults(meta["config"])
+    check_config_unchanged(state.parent.parent / "config.json", saved)
+    return TrainConfig.from_dict(saved), state.parent.parent, state
+
+
+def _older_defaults(config: Any) -> Any:
+    """A run's config as the version that wrote it ran it: a run from before ``optim.warmup_max_fraction``
+    existed had its warm-up exactly as given (null), and resumes so."""
+    optim = config.get("optim") if isinstance(config, dict) else None
+    if isinstance(optim, dict) and "warmup_max_fraction" not in optim:
+        return {**config, "optim": {**optim, "warmup_max_fraction": None}}
+    return config
 
 
 def _head_first_config(run: Path) -> TrainConfig | None:
@@ -210,7 +220,7 @@ def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
-    diffs = _differences(saved, doc, "")
+    diffs = _differences(saved, _older_defaults(doc), "")
     if diffs:
         shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
         raise ConfigError(

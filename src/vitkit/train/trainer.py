@@ -45,7 +45,7 @@ from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
-from vitkit.fileio import clean_stale
+from vitkit.fileio import check_output_location, clean_stale
 from vitkit.hardware import use_tf32
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
 from vitkit.train import build, kernels, logs
@@ -53,7 +53,7 @@ from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
-from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, lr_at, set_lr
+from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
 from vitkit.train.state import resume_config
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
@@ -65,6 +65,9 @@ class NonFiniteLossError(VitkitError):
 
 @dataclass
 class TrainResult:
+    """What :func:`train` returns: the run folder, the last optimiser step, the per-step log (step, loss,
+    learning rate) and the per-epoch metrics (the rows of ``metrics.csv``)."""
+
     run_dir: Path
     step: int
     steps: list[dict[str, float]] = field(default_factory=list)  # per optimiser step: step, loss, lr
@@ -144,18 +147,17 @@ class Run:
     def _claim(self, base: Path, mode: bool | str) -> Path:
         """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
         n = 0
-        for p in (base, *base.parents):  # a file where the run folder (or a folder above it) should be
-            if p.exists() and not p.is_dir():
-                raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
+        check_run_dir(base, numbered=True)  # what cannot be a run folder, whatever its number
         if self.dist.is_main:
             if mode == "numbered":
-                while _holds_run(base if n == 0 else base.with_name(f"{base.name}-{n}")):
+                while _taken(base if n == 0 else base.with_name(f"{base.name}-{n}")):
                     n = max(n + 1, 2)
-            elif _holds_run(base):
+            elif _taken(base):
                 n = -1
         n = distr.broadcast_int(n, self.dist)
         if n < 0:
-            raise ConfigError(f"{base} already holds a run; resume it with --resume {base}, or choose another --out")
+            check_run_dir(base, numbered=False)  # says why
+            raise ConfigError(f"{base}: taken by a run or a run's files; choose another --out")
         return base if n == 0 else base.with_name(f"{base.name}-{n}")
 
     def _open_data(self) -> tuple[ImageDataset, ImageDataset | None]:
@@ -305,8 +307,17 @@ class Trainer(Run):
         )
         spe = self.loader.steps_per_epoch
         self.total_steps = cfg.steps if cfg.steps is not None else max(1, round((cfg.epochs or 0) * spe))
-        self.warmup_steps = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
-        if self.warmup_steps >= self.total_steps > 1 and cfg.optim.schedule != "constant" and self.dist.is_main:
+        given = cfg.optim.warmup_steps + round(cfg.optim.warmup_epochs * spe)
+        self.warmup_steps = fitted_warmup(given, self.total_steps, cfg.optim.warmup_max_fraction)
+        if self.warmup_steps != given and self.dist.is_main:
+            share = cfg.optim.warmup_max_fraction
+            print(
+                f"note: the recipe's warm-up ({given} steps, sized for its own data set) is longer than {share:.0%} "
+                f"of this run ({self.total_steps} steps of batch {cfg.data.batch_size}); warming up for "
+                f"{self.warmup_steps} steps instead (--set optim.warmup_max_fraction=null keeps it as given)",
+                file=sys.stderr,
+            )
+        elif self.warmup_steps >= self.total_steps > 1 and cfg.optim.schedule != "constant" and self.dist.is_main:
             print(
                 f"note: the warm-up ({self.warmup_steps} steps) fills the whole run ({self.total_steps} steps), so "
                 "the learning rate never decays; shorten it with --set optim.warmup_steps=N (and "
@@ -654,8 +665,48 @@ class Trainer(Run):
         return line
 
 
+# what a run writes in its folder: a folder holding any of these is taken (a run, or a user's files of those names,
+# which a run would overwrite or, steps.csv and metrics.csv, delete at its start)
+RUN_ENTRIES = (
+    "checkpoints",
+    "model",
+    "best",
+    "metrics.csv",
+    "steps.csv",
+    "config.json",
+    "curves.png",
+    "tb",
+    "probe.json",  # finetune --method linear / lp-ft
+)
+
+
 def _holds_run(path: Path) -> bool:
     return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
+
+
+def _taken(path: Path) -> bool:
+    return any((path / name).exists() or (path / name).is_symlink() for name in RUN_ENTRIES)
+
+
+def check_run_dir(path: Path, numbered: bool = False) -> None:
+    """Refuse a run folder training cannot use, before any work (``vitkit train``/``finetune`` ask before loading
+    data or a checkpoint): a file where it (or a folder above it) should be, a place that cannot be written, and
+    -- unless ``numbered`` (the default runs/<name>, which moves on to runs/<name>-2 ...) -- a folder holding a run
+    or files a run writes (RUN_ENTRIES), which a run would overwrite."""
+    for p in (path, *path.parents):  # a file where the run folder (or a folder above it) should be
+        if p.exists() and not p.is_dir():
+            raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
+    check_output_location(path, inside=True)
+    if numbered:
+        return
+    if _holds_run(path):
+        raise ConfigError(f"{path} already holds a run; resume it with --resume {path}, or choose another --out")
+    found = [name for name in RUN_ENTRIES if (path / name).exists() or (path / name).is_symlink()]
+    if found:
+        raise ConfigError(
+            f"{path}: holds {found[0]!r}, which a run would overwrite; choose an empty or new --out folder "
+            "(vitkit never overwrites what it did not write)"
+        )
 
 
 def train(
@@ -688,4 +739,13 @@ def train(
         return trainer.fit(state)
 
 
-__all__ = ["NonFiniteLossError", "TrainResult", "Trainer", "resume_config", "soft_cross_entropy", "step_seed", "train"]
+__all__ = [
+    "NonFiniteLossError",
+    "TrainResult",
+    "Trainer",
+    "check_run_dir",
+    "resume_config",
+    "soft_cross_entropy",
+    "step_seed",
+    "train",
+]
