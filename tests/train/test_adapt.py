@@ -19,9 +19,8 @@ from vitkit import load_checkpoint
 from vitkit.configs import TrainConfig, finetune_config
 from vitkit.data.datasets import open_dataset
 from vitkit.errors import CheckpointError
-from vitkit.evaluate import feature_cache
-from vitkit.evaluate.features import extract
-from vitkit.train import Trainer, train
+from vitkit.inference.features import extract
+from vitkit.train import Trainer, feature_cache, train
 from vitkit.train.probe import STD_EPS
 from vitkit.train.state import list_states
 

@@ -79,6 +79,11 @@ def _save_vitkit(
     )
 
 
+def _load_lora(path: Path) -> Checkpoint:
+    """An adapter folder merged onto its base checkpoint, which this package's loader reads (any format)."""
+    return lora_format.load(path, load_base=load_checkpoint)
+
+
 def _is_run(path: Path) -> bool:
     if not path.is_dir() or vitkit_format.looks_like(path) or lora_format.looks_like(path):
         return False
@@ -92,7 +97,7 @@ def _load_run(path: Path) -> Checkpoint:
     while True:
         folder = complete_dir(path / "model")
         try:
-            return lora_format.load(folder) if lora_format.looks_like(folder) else vitkit_format.load(folder)
+            return _load_lora(folder) if lora_format.looks_like(folder) else vitkit_format.load(folder)
         except CheckpointError:
             if folder == tried:
                 raise
@@ -117,7 +122,7 @@ FORMATS: dict[str, Format] = {
         "lora",
         "LoRA adapters + head beside their base checkpoint (vitkit finetune --method lora --save-adapters)",
         lora_format.looks_like,
-        lora_format.load,
+        _load_lora,
     ),
     "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vitkit import fileio
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, state_digest
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, VitkitError
 from vitkit.models.lora import LoraSpec, adapter_state, add_lora, load_adapter_state, merge_lora
@@ -172,16 +173,15 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
-def load(path: Path, base: str | os.PathLike[str] | None = None) -> Checkpoint:
-    """The merged model of an adapter folder and its base checkpoint (``base``: another place to find it)."""
-    from vitkit.checkpoints import load_checkpoint  # the package's loader, which dispatches here too
-
+def load(path: Path, base: str | os.PathLike[str] | None = None, *, load_base: Callable[[str], Loaded]) -> Checkpoint:
+    """The merged model of an adapter folder and its base checkpoint (``base``: another place to find it), read
+    by ``load_base`` (the package's ``load_checkpoint``, which passes itself: any format can be a base)."""
     doc = read_config(path)
     cfg: ViTConfig = doc["_cfg"]
     spec: LoraSpec = doc["_spec"]
     base_name = os.fspath(base) if base is not None else doc["base"]["checkpoint"]
     try:
-        loaded = load_checkpoint(base_name)
+        loaded = load_base(base_name)
     except VitkitError as e:
         raise CheckpointError(f"{path}: its base checkpoint {base_name} cannot be loaded ({e})") from None
     model = loaded.model

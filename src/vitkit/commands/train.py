@@ -240,7 +240,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         name = get_recipe(args.recipe).name + ("" if args.method == "full" else f"-{args.method}")
         check_run_dir(Path("runs") / name, numbered=True)
     if args.method in ("linear", "lp-ft"):  # and where their features are kept
-        from vitkit.evaluate.feature_cache import check_root
+        from vitkit.train.feature_cache import check_root
 
         check_root(adapt.get("adapt.feature_cache"))
     notes: list[str] = []

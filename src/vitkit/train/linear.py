@@ -2,7 +2,7 @@
 
 The checkpoint's pre-logits features (a pre-logits layer, when it has one, is kept: the head sits on what
 the paper's linear probes read) are computed once per weights, data and preprocessing through
-:func:`vitkit.evaluate.feature_cache.cached_features` -- ``extract``, the batched forward path of every
+:func:`vitkit.train.feature_cache.cached_features` -- ``extract``, the batched forward path of every
 evaluation -- plus ``adapt.feature_epochs`` passes through the run's training augmentation; a multinomial
 logistic-regression head is fitted on them (:mod:`vitkit.train.probe`) and written into the model. A
 ``linear`` run folder then holds what a training run holds for every command: ``model/`` (a normal vitkit
@@ -27,12 +27,12 @@ import torch.nn.functional as F
 from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset
 from vitkit.errors import ConfigError
-from vitkit.evaluate.feature_cache import AugmentedPass, Features, backbone_digest, cached_features
 from vitkit.fileio import write_file_atomic
 from vitkit.train import build
 from vitkit.train import distributed as distr
+from vitkit.train.feature_cache import AugmentedPass, Features, backbone_digest, cached_features
 from vitkit.train.probe import ProbeFit, fit_probe, write_head
-from vitkit.train.trainer import Run, TrainResult
+from vitkit.train.run import Run, TrainResult
 
 PROBE_FILE = "probe.json"
 

@@ -16,10 +16,10 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
 from vitkit.data.transforms import TrainTransform
 from vitkit.errors import ConfigError
-from vitkit.evaluate import feature_cache as fc
-from vitkit.evaluate.features import extract
+from vitkit.inference.features import extract
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer, ViTConfig
+from vitkit.train import feature_cache as fc
 
 PRE = Preprocess((8, 8), (0.5,) * 3, (0.5,) * 3, grayscale=True)
 

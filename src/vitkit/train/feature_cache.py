@@ -2,7 +2,7 @@
 and reused by every later run that asks for the same ones (``vitkit finetune --method linear`` with another
 regularisation costs seconds).
 
-Features come from :func:`vitkit.evaluate.features.extract` -- the one batched forward path of evaluation --
+Features come from :func:`vitkit.inference.features.extract` -- the one batched forward path of evaluation --
 in chunks of ``CHUNK`` examples, each written as soon as it is computed, so an interrupted run keeps what it
 finished and a resumed one computes only the rest. Layout::
 
@@ -38,9 +38,9 @@ from vitkit.checkpoints.base import state_digest
 from vitkit.checkpoints.preprocess import LazyImage, Preprocess
 from vitkit.data.transforms import TrainTransform, sample_rng, triple
 from vitkit.errors import ConfigError, DataError
-from vitkit.evaluate.features import extract
 from vitkit.fileio import check_output_location, write_file_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
+from vitkit.inference.features import extract
 from vitkit.models.vit import VisionTransformer
 
 KEY_VERSION = 1
