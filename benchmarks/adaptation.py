@@ -159,8 +159,8 @@ def ridge(backbone: Path, data: Path) -> dict[str, Any]:
     """``vitkit fewshot``'s probe (fixed l2 = 2^10) on every training example of ``data``."""
     from vitkit import load_checkpoint
     from vitkit.data.datasets import open_dataset
-    from vitkit.evaluate.features import extract
     from vitkit.evaluate.fewshot import DEFAULT_L2, RidgeProbe
+    from vitkit.inference.features import extract
 
     t0 = time.perf_counter()
     loaded = load_checkpoint(backbone)
