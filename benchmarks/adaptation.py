@@ -1,7 +1,8 @@
-"""Feeds the tables "Adaptation: accuracy and wall time per method" (``python benchmarks/run_all.py adaptation``)
-and "Adaptation: LoRA's memory and step time" (``python benchmarks/run_all.py adaptation_memory``) of
-BENCHMARKS.md: ``vitkit finetune --method linear|lp-ft|lora|full`` against ``vitkit fewshot``'s ridge probe,
-and LoRA's training memory and step time against full fine-tuning.
+"""Feeds the tables "Adaptation: accuracy and wall time per method" (``python benchmarks/run_all.py adaptation``),
+"Adaptation: LoRA memory and step time" (``python benchmarks/run_all.py adaptation_memory``) and "Adaptation:
+features through the fast path" (``python benchmarks/run_all.py adaptation_features``) of BENCHMARKS.md:
+``vitkit finetune --method linear|lp-ft|lora|full`` against ``vitkit fewshot``'s ridge probe, LoRA's training
+memory and step time against full fine-tuning, and the linear method's feature pass in fp32, bf16 and int8.
 
 Everything is built on the machine (no downloads). The backbone is ``vitkit train``'s default recipe (the
 digits ViT) trained on digits 0-4 only; the targets are
@@ -33,10 +34,15 @@ Pieces, each a few minutes on 2 cores (results in benchmarks/results/adaptation/
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory B/16
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory B/16 --batch 8 \
         --json benchmarks/results/adaptation/memory-B16-batch8.json
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py features B/16
     python benchmarks/adaptation.py table
 
 Each piece writes benchmarks/results/adaptation/<piece>.json, or with ``--json FILE`` (as ``run_all.py`` runs
 it) that file instead, so a ``--quick`` smoke run never replaces the measured pieces.
+
+``features VARIANT``: the linear method's feature pass (cold cache) of a randomly initialised VARIANT at 224 px
+over ``--images`` random images, fp32 against ``--feature-precision bf16`` and ``int8`` (the fast inference
+path), alternating ``--rounds`` times: images per second of each, and their features' relative error.
 
 ``memory VARIANT``: a randomly initialised VARIANT checkpoint fine-tuned to 10 classes of random 224 px
 images, batch 32, bf16 autocast (the training kernels on), ``--steps`` steps per method, each method in a
@@ -275,6 +281,51 @@ def cmd_memory(work: Path, variant: str, steps: int, batch: int, out: Path | Non
     save(f"memory-{tag}", {"variant": variant, "batch": batch, "image_size": 224, "methods": rows}, out)
 
 
+def cmd_features(work: Path, variant: str, images: int, rounds: int, out: Path | None = None) -> None:
+    """The linear method's feature pass for a VARIANT backbone at 224 px: fp32 (the model as it is) against bf16
+    and int8 (``--feature-precision``, the fast inference path), each with a cold cache, alternating, ``rounds``
+    times; and how far their features are from the fp32 ones."""
+    from vitkit.checkpoints import vitkit_format
+    from vitkit.checkpoints.preprocess import Preprocess
+    from vitkit.data.datasets import open_dataset
+    from vitkit.models import create_model
+    from vitkit.train.feature_cache import cached_features
+
+    tag = variant.replace("/", "")
+    ckpt, data = work / f"random-{tag}", work / f"random224-{images}.npz"
+    if not ckpt.exists():
+        torch.manual_seed(0)
+        vitkit_format.save(create_model(variant), ckpt)
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        np.savez(data, train_images=rng.integers(0, 256, (images, 224, 224, 3), dtype=np.uint8),
+                 train_labels=np.arange(images) % 10)  # fmt: skip
+    from vitkit import load_checkpoint
+
+    model = load_checkpoint(ckpt).model
+    ds = open_dataset(data, "train")
+    pre = Preprocess((224, 224), (0.5,) * 3, (0.5,) * 3)
+    precisions = ("fp32", "bf16", "int8")
+    times: dict[str, list[float]] = {p: [] for p in precisions}
+    feats: dict[str, np.ndarray] = {}
+    for r in range(rounds):
+        for precision in precisions:
+            cache = work / f"features-{tag}-{precision}"
+            shutil.rmtree(cache, ignore_errors=True)  # cold: computed, not read
+            t0 = time.perf_counter()
+            got = cached_features(model, ds, pre, root=cache, precision=precision, batch_size=32, progress=False)
+            times[precision].append(time.perf_counter() - t0)
+            feats[precision] = got.features
+            print(variant, precision, f"round {r}", f"{times[precision][-1]:.2f} s", flush=True)
+    median = {p: statistics.median(times[p]) for p in precisions}
+    doc: dict[str, Any] = {"variant": variant, "images": images, "image_size": 224, "batch": 32, "seconds": times}
+    for p in precisions:
+        err = np.linalg.norm(feats[p] - feats["fp32"]) / np.linalg.norm(feats["fp32"])
+        doc[p] = {"img_s": images / median[p], "x_fp32": median["fp32"] / median[p], "rel_err": float(err)}
+    print(doc)
+    save(f"features-{tag}", doc, out)
+
+
 class _Stop(Exception):
     pass
 
@@ -365,12 +416,14 @@ def cmd_table() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("piece", choices=["backbone", "digits", "photos", "memory", "memory-one", "table"])
+    p.add_argument("piece", choices=["backbone", "digits", "photos", "memory", "memory-one", "features", "table"])
     p.add_argument("args", nargs="*")
     p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
     p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
     p.add_argument("--steps", type=int, default=5, help="memory: training steps per method")
     p.add_argument("--batch", type=int, default=32, help="memory: batch size")
+    p.add_argument("--images", type=int, default=128, help="features: images to compute features of")
+    p.add_argument("--rounds", type=int, default=2, help="features: alternating rounds of fp32 and bf16")
     p.add_argument("--json", type=Path, help="write the piece's results here (not to benchmarks/results/adaptation/)")
     a = p.parse_args()
     if a.piece == "backbone":
@@ -382,6 +435,9 @@ def main() -> None:
     elif a.piece == "memory":
         a.work.mkdir(parents=True, exist_ok=True)
         cmd_memory(a.work, a.args[0], a.steps, a.batch, a.json)
+    elif a.piece == "features":
+        a.work.mkdir(parents=True, exist_ok=True)
+        cmd_features(a.work, a.args[0], a.images, a.rounds, a.json)
     elif a.piece == "memory-one":
         ckpt, data, method, steps, batch, work = a.args
         cmd_memory_one(ckpt, data, method, int(steps), int(batch), Path(work))

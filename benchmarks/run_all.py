@@ -243,6 +243,12 @@ TABLES = [
         [[PY, "benchmarks/adaptation.py", "memory", "Ti/16", "--steps", "2", "--batch", "4"]],
     ),
     Table(
+        "adaptation_features",
+        "Adaptation: the linear method's feature pass in fp32 against the fast path's bf16 and int8 (B/16, 224 px)",
+        [[PY, "benchmarks/adaptation.py", "features", "B/16"]],
+        [[PY, "benchmarks/adaptation.py", "features", "Ti/16", "--images", "16", "--rounds", "1"]],
+    ),
+    Table(
         "no_avx512",
         "CPUs without AVX-512: the default bench command against transformers in fp32 and int8",
         [[*BENCH, "--compare", "transformers", "--precision", "fp32", "int8"]],

@@ -280,6 +280,8 @@ def _last_state(run: Path) -> dict[str, torch.Tensor]:
         (["--method", "linear", "--lora-rank", "4"], "--lora-rank applies to --method lora, not --method linear"),
         (["--method", "lora", "--l2", "0.1"], "--l2 applies to --method linear or lp-ft, not --method lora"),
         (["--save-adapters"], "--save-adapters applies to --method lora, not --method full"),
+        (["--method", "lora", "--feature-precision", "bf16"], "--feature-precision applies to --method linear or"),
+        (["--method", "linear", "--precision", "bf16"], "--feature-precision the precision of its features"),
         (["--method", "linear", "--lr", "0.1"], "--lr does not apply to --method linear"),
         (["--method", "linear", "--steps", "5"], "--steps does not apply to --method linear"),
         (["--method", "lora", "--lora-targets", "qkv,head"], "argument --lora-targets: head: choose from qkv"),
@@ -335,3 +337,21 @@ def test_a_feature_cache_others_can_write_is_refused_before_any_work(
     assert code == 0, err
     assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
     assert (tmp_path / "new" / "cache").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_linear_on_features_of_the_fast_path(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    """--feature-precision bf16 / int8: the head is fitted on the fast path's features (cached under their own
+    key) and classifies about as well as on the fp32 ones."""
+    common = [str(base), "--data", str(upper), "--method", "linear", "--feature-cache", str(tmp_path / "c"), "--quiet"]
+    code, _, err = run_cli(capsys, "finetune", *common, "--out", str(tmp_path / "fp32"))
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "finetune", *common, "--feature-precision", precision, "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    keys = [json.loads(p.read_text())["precision"] for p in (tmp_path / "c").glob("*/key.json")]
+    assert sorted(keys) == sorted([precision, precision, "fp32", "fp32"])  # train and test splits, each precision
+    acc32, acc16 = (json.loads((tmp_path / r / "probe.json").read_text())["val_top1"] for r in ("fp32", "b"))
+    assert acc16 == pytest.approx(acc32, abs=0.03) and acc16 > 0.5
+    assert load_checkpoint(tmp_path / "b").meta.class_names == NAMES

@@ -81,11 +81,13 @@ def test_every_part_of_the_key_separates_features(tmp_path: Path) -> None:
         fc.feature_key(model, ds, PRE, augment=_pass(1)),
         fc.feature_key(model, ds, PRE, augment=_pass(2)),
         fc.feature_key(model, ds, PRE, device="meta"),
+        fc.feature_key(model, ds, PRE, precision="bf16"),
+        fc.feature_key(model, ds, PRE, precision="int8"),
     ]
     digests = {fc.key_digest(k) for k in [key, *variants]}
     assert len(digests) == len(variants) + 1
-    with pytest.raises(ConfigError, match="feature precision 'bf16'"):
-        fc.feature_key(model, ds, PRE, precision="bf16")  # not what extract computes: never filed as fp32
+    with pytest.raises(ConfigError, match="feature precision 'fp16'"):
+        fc.feature_key(model, ds, PRE, precision="fp16")  # not a precision features are computed in
 
 
 def _pass(epoch: int) -> fc.AugmentedPass:
@@ -180,3 +182,32 @@ def test_an_interrupted_pass_keeps_its_finished_chunks(tmp_path: Path, counted: 
     assert counted == [100, 59] and rest.cached_chunks == 2
     ref = extract(model, ds, PRE, logits=False, features=True, progress=False)
     np.testing.assert_array_equal(rest.features, ref.features)
+
+
+def _rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize(("precision", "same_path", "to_fp32"), [("bf16", 0.01, 0.03), ("int8", 0.05, 0.1)])
+def test_fast_path_features_under_their_own_key(
+    tmp_path: Path, precision: str, same_path: float, to_fp32: float
+) -> None:
+    """``precision="bf16"`` / ``"int8"``: the features of ``optimize_for_inference``'s model (its pre-logits layer
+    included), close to the fp32 model's (rounding; int8's activation scales are per batch), cached apart."""
+    from vitkit.inference.fast import optimize_for_inference
+
+    ds = open_dataset("digits", "test")
+    model = tiny()
+    fp32 = fc.cached_features(model, ds, PRE, root=tmp_path, progress=False)
+    fast_feats = fc.cached_features(model, ds, PRE, root=tmp_path, precision=precision, progress=False)
+    assert fast_feats.folder != fp32.folder and fast_feats.computed_chunks == 1
+    assert json.loads((fast_feats.folder / "key.json").read_text())["precision"] == precision
+    fast = optimize_for_inference(model, torch.bfloat16, int8=precision == "int8")
+    x = torch.stack([PRE(ds[i][0]) for i in range(len(ds))])  # (N, 1, 8, 8)
+    with torch.no_grad():
+        want = fast.base.forward_head(fast.forward_features(x), pre_logits=True).float().numpy()  # type: ignore[operator]
+    assert _rel(fast_feats.features, want) < same_path  # the same path (batching apart)
+    assert 0 < _rel(fast_feats.features, fp32.features) < to_fp32  # rounded: near the fp32 features, not them
+    again = fc.cached_features(model, ds, PRE, root=tmp_path, precision=precision, progress=False)
+    assert again.cached_chunks == 1 and again.computed_chunks == 0
+    np.testing.assert_array_equal(again.features, fast_feats.features)

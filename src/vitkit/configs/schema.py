@@ -147,6 +147,7 @@ class AdaptConfig:
     heldout_fraction: float = 0.2  # of every class's training examples, to choose l2 on (then refitted on all)
     feature_epochs: int = 0  # linear / lp-ft: extra feature passes through the training augmentation
     feature_cache: str | None = None  # folder of the feature cache; None: vitkit's cache dir (features/)
+    feature_precision: Literal["fp32", "bf16", "int8"] = "fp32"  # linear / lp-ft: bf16, int8: the fast path
     lora_rank: int = 8
     lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
     lora_dropout: float = 0.0
@@ -162,6 +163,8 @@ class AdaptConfig:
             raise ConfigError(f"adapt.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
         if isinstance(self.feature_epochs, bool) or not isinstance(self.feature_epochs, int) or self.feature_epochs < 0:
             raise ConfigError(f"adapt.feature_epochs must be a non-negative integer, got {self.feature_epochs!r}")
+        if self.feature_precision not in ("fp32", "bf16", "int8"):
+            raise ConfigError(f"adapt.feature_precision must be fp32, bf16 or int8, got {self.feature_precision!r}")
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
             raise ConfigError(f"adapt.lora_rank must be a positive integer, got {self.lora_rank!r}")
         if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):

@@ -40,12 +40,13 @@ from vitkit.data.transforms import TrainTransform, sample_rng, triple
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import check_output_location, write_file_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
+from vitkit.inference.fast import optimize_for_inference
 from vitkit.inference.features import extract
 from vitkit.models.vit import VisionTransformer
 
 KEY_VERSION = 1
 CHUNK = 2048  # examples per file: what an interrupted run can lose, at most
-FEATURE_PRECISIONS = ("fp32",)  # what ``extract`` computes in; the setting is part of every key
+FEATURE_PRECISIONS = ("fp32", "bf16", "int8")  # fp32: the model as it is; bf16, int8: the fast inference path
 KEY_FILE = "key.json"
 TENSORS = ("features", "labels", "indices")
 
@@ -139,6 +140,28 @@ def backbone_digest(model: VisionTransformer) -> str:
     return state_digest({k: v for k, v in model.state_dict().items() if not k.startswith("head.")})
 
 
+class _FastFeatures:
+    """The fast inference path (:func:`vitkit.inference.fast.optimize_for_inference`, bf16, or its int8 GEMMs
+    with ``int8``) seen as ``extract`` sees a model: pre-logits features from its tokens, through the model's own
+    (bf16) pre-logits layer. Not a module: ``extract``'s ``.to(device)`` must not move the packed weights."""
+
+    def __init__(self, model: VisionTransformer, batch_size: int, int8: bool) -> None:
+        self.cfg = model.cfg
+        self.fast: Any = optimize_for_inference(model, torch.bfloat16, int8=int8, batch_size=batch_size)
+
+    def eval(self) -> _FastFeatures:
+        return self
+
+    def to(self, device: torch.device) -> _FastFeatures:
+        return self
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fast.forward_features(x)  # (B, T, D) bf16
+
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.fast.base.forward_head(tokens, pre_logits=pre_logits)  # (B, R)
+
+
 def feature_key(
     model: VisionTransformer,
     dataset: Any,
@@ -225,13 +248,16 @@ def cached_features(
     feats = np.empty((n, width), dtype=np.float32)
     starts = list(range(0, n, CHUNK))
     cached = computed = 0
+    forward: Any = None  # what computes missing chunks: built on the first one (nothing to pack when all are cached)
     for c, start in enumerate(starts):
         idx = np.arange(start, min(start + CHUNK, n), dtype=np.int64)
         path = folder / f"chunk-{c:06d}.safetensors"
         got = _read_chunk(path, idx, labels[idx], width)
         if got is None:
             what = f"{desc} {c + 1}/{len(starts)}" if len(starts) > 1 else desc
-            out = extract(model, source, pre, logits=False, features=True, batch_size=batch_size, device=device,
+            if forward is None:
+                forward = model if precision == "fp32" else _FastFeatures(model, batch_size, precision == "int8")
+            out = extract(forward, source, pre, logits=False, features=True, batch_size=batch_size, device=device,
                           indices=idx.tolist(), workers=workers, desc=what, progress=progress)  # fmt: skip
             assert out.features is not None
             got = out.features.astype(np.float32, copy=False)

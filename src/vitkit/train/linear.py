@@ -45,6 +45,7 @@ def _features(run: Run, dataset: ImageDataset, augment: AugmentedPass | None, de
         run.preprocess,
         root=c.adapt.feature_cache,
         augment=augment,
+        precision=c.adapt.feature_precision,
         batch_size=c.data.eval_batch_size,
         device=run.device,
         workers=run.workers,
