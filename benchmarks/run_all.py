@@ -290,6 +290,13 @@ TABLES = [
         [[*BENCH, "Ti/16", "--device", "cuda", "--batch-size", "8", "--repeats", "2", "--compare", "transformers"]],
         has_gpu,
     ),
+    Table(
+        "gpu_report",
+        "GPU: vitkit against timm and transformers (B/16, S/16; inference and training; eager and compiled)",
+        [[PY, "benchmarks/gpu_report.py"]],
+        [[PY, "benchmarks/gpu_report.py", "--quick"]],
+        has_gpu,
+    ),
 ]
 
 

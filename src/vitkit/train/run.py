@@ -24,7 +24,7 @@ from vitkit.data.base import ImageDataset, note_skipped
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.errors import ConfigError
 from vitkit.fileio import check_output_location, clean_stale
-from vitkit.hardware import use_tf32
+from vitkit.hardware import has_native_bf16, restore_tf32, use_tf32
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
 from vitkit.train import build
 from vitkit.train import distributed as distr
@@ -67,6 +67,14 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def train_precision(choice: str, device: torch.device) -> str:
+    """The precision a run computes in: ``choice`` "fp32" or "bf16" as given; "auto" bf16 autocast on a CUDA GPU
+    that computes bf16 natively (Ampere and later), fp32 elsewhere (on CPUs fp32 is vitkit's measured default)."""
+    if choice != "auto":
+        return choice
+    return "bf16" if device.type == "cuda" and has_native_bf16(device) else "fp32"
+
+
 class Run:
     """What every run has, whatever trains it: the config, the process group and device, the run folder, the
     data, the model built for it (with its preprocessing), saving the model, and clean-up. :class:`Trainer`
@@ -84,7 +92,8 @@ class Run:
         self.progress = progress
         self.dist = distr.setup(cfg.device)
         self.device = self.dist.device
-        self._matmul_precision = use_tf32(self.device)  # TF32 for fp32 matmuls where the GPU has it; undone on close
+        self.precision = train_precision(cfg.precision, self.device)  # "auto" resolved: "fp32" or "bf16"
+        self._tf32 = use_tf32(self.device, cfg.tf32)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
         self._tb: Any = None
@@ -218,7 +227,7 @@ class Run:
         distr.teardown(self.dist, clean)
         if self._sigterm is not None:
             self._sigterm.release()
-        torch.set_float32_matmul_precision(self._matmul_precision)
+        restore_tf32(self._tf32)
 
     def __enter__(self) -> Self:
         return self

@@ -40,13 +40,14 @@ from vitkit.data.base import ImageDataset
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
+from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
-from vitkit.train.run import Run, TrainResult, check_run_dir, step_seed
+from vitkit.train.run import Run, TrainResult, check_run_dir, step_seed, train_precision
 from vitkit.train.state import resume_config
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
@@ -54,6 +55,20 @@ EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilitie
 
 class NonFiniteLossError(VitkitError):
     """The loss or the gradient norm became NaN/inf (and skipping was not requested)."""
+
+
+def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
+    """Whether training steps run the explicit softmax attention (else the fused SDPA kernel; evaluation always
+    runs the fused one). ``choice`` "auto": the explicit softmax on CPU, whose backward is faster than PyTorch's
+    fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
+    keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
+    sequences."""
+    if choice != "auto":
+        return choice == "explicit"
+    if device.type != "cpu":
+        return False
+    kept = micro_batch * model.num_heads * model.num_tokens() ** 2 * 4 * model.depth  # fp32 probabilities, all layers
+    return kept <= EXPLICIT_ATTENTION_BYTES
 
 
 class Trainer(Run):
@@ -73,7 +88,7 @@ class Trainer(Run):
         if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
             self.net.set_training_kernels(kernels.load())  # else PyTorch's ops); inductor fuses on its own
         self.model = distr.wrap(
-            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=cfg.precision
+            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=self.precision
         )
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
@@ -115,24 +130,13 @@ class Trainer(Run):
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
 
     def _explicit_attention(self) -> bool:
-        """The attention kernel for training steps (evaluation always runs the fused one). "auto": the
-        explicit softmax on CPU, whose backward is faster than PyTorch's fused CPU kernel at every ViT length
-        measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it keeps for the backward pass
-        stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long sequences."""
-        if self.cfg.attention != "auto":
-            return self.cfg.attention == "explicit"
-        if self.device.type != "cpu":
-            return False
-        m = self.net.cfg
-        tokens = m.num_tokens()
         micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
-        kept = micro_batch * m.num_heads * tokens**2 * 4 * m.depth  # fp32 probabilities of every layer
-        return kept <= EXPLICIT_ATTENTION_BYTES
+        return explicit_attention(self.cfg.attention, self.device, self.net.cfg, micro_batch)
 
     # ---- one optimiser step -------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.precision == "bf16":
+        if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -492,4 +496,5 @@ __all__ = [
     "soft_cross_entropy",
     "step_seed",
     "train",
+    "train_precision",
 ]
