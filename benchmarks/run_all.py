@@ -260,6 +260,35 @@ TABLES = [
         [[PY, "benchmarks/serve_memory.py", "--clients", "4", "--seconds", "5"]],
     ),
     Table(
+        "adaptation",
+        "Adaptation: accuracy and wall time of finetune --method linear, lp-ft, lora and full on new classes",
+        [
+            [PY, "benchmarks/adaptation.py", "backbone"],
+            [PY, "benchmarks/adaptation.py", "digits", "--shots", "1,5,10,25,full"],
+            [PY, "benchmarks/adaptation.py", "photos"],
+        ],
+        [
+            [PY, "benchmarks/adaptation.py", "backbone"],
+            [PY, "benchmarks/adaptation.py", "digits", "--shots", "5"],
+        ],
+    ),
+    Table(
+        "adaptation_memory",
+        "Adaptation: LoRA's peak training memory and step time against full fine-tuning (S/16, B/16, 224 px)",
+        [
+            [PY, "benchmarks/adaptation.py", "memory", "S/16"],
+            [PY, "benchmarks/adaptation.py", "memory", "B/16"],
+            [PY, "benchmarks/adaptation.py", "memory", "B/16", "--batch", "8"],
+        ],
+        [[PY, "benchmarks/adaptation.py", "memory", "Ti/16", "--steps", "2", "--batch", "4"]],
+    ),
+    Table(
+        "adaptation_features",
+        "Adaptation: the linear method's feature pass in fp32 against the fast path's bf16 and int8 (B/16, 224 px)",
+        [[PY, "benchmarks/adaptation.py", "features", "B/16"]],
+        [[PY, "benchmarks/adaptation.py", "features", "Ti/16", "--images", "16", "--rounds", "1"]],
+    ),
+    Table(
         "no_avx512",
         "CPUs without AVX-512: the default bench command against transformers in fp32 and int8",
         [[*BENCH, "--compare", "transformers", "--precision", "fp32", "int8"]],

@@ -27,6 +27,7 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
     """Each command with an output under ``tmp/blocker``, a regular file."""
     b = tmp / "blocker"
     ckpt, data = MISSING_CKPT, MISSING_DATA
+    linear = ["finetune", ckpt, "--data", data, "--method", "linear"]
     return {
         "eval": ["eval", ckpt, "--data", data, "--out", str(b / "report")],
         "fewshot": ["fewshot", ckpt, "--data", data, "--out", str(b / "fewshot.json")],
@@ -37,6 +38,10 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
         "train": ["train", "--recipe", "cifar-small", "--data", data, "--out", str(b / "run")],
         "finetune": ["finetune", ckpt, "--data", data, "--out", str(b / "run")],
         "finetune-default": ["finetune", ckpt, "--data", data],  # runs/finetune, with runs a file (cwd = tmp)
+        "finetune-linear": ["finetune", ckpt, "--data", data, "--method", "linear", "--out", str(b / "run")],
+        "finetune-lp-ft-default": ["finetune", ckpt, "--data", data, "--method", "lp-ft"],
+        "finetune-lora": ["finetune", ckpt, "--data", data, "--method", "lora", "--save-adapters", "--out", str(b)],
+        "finetune-cache": [*linear, "--feature-cache", str(b / "features"), "--out", str(tmp / "run")],
         "bench-json": ["bench", ckpt, "--json", str(b / "bench.json")],
         "bench-plot": ["bench", ckpt, "--image-size", "32", "64", "--plot", str(b / "curve.png")],
         "download": ["download", "http://127.0.0.1:9/vit.npz", "--cache-dir", str(b / "cache")],
@@ -106,6 +111,17 @@ def test_training_never_overwrites_a_users_files_in_its_run_folder(
     assert code == 2 and "steps.csv" in err and len(err.strip().splitlines()) == 1, err
     assert (out / "steps.csv").read_text() == "my measurements\n"
     assert sorted(p.name for p in out.iterdir()) == ["steps.csv"]
+
+
+def test_a_linear_head_never_overwrites_a_users_probe_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """--method linear and lp-ft write probe.json beside the model: a folder holding one is refused up front."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "probe.json").write_text("{}")
+    code, _, err = run_cli(capsys, "finetune", MISSING_CKPT, "--data", MISSING_DATA, "--method", "linear",
+                           "--out", str(out))  # fmt: skip
+    assert code == 2 and "probe.json" in err and "missing" not in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in out.iterdir()) == ["probe.json"]
 
 
 def test_a_place_that_cannot_be_written_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,8 +14,8 @@ from PIL import Image
 from eval_helpers import PRE, ListDataset, StreamDataset, make_dataset, make_model
 from vitkit.errors import DataError
 from vitkit.evaluate.evaluate import align_labels, evaluate_dataset, fewshot_dataset, write_eval_report
-from vitkit.evaluate.features import extract
 from vitkit.evaluate.metrics import compute_metrics
+from vitkit.inference.features import extract
 from vitkit.models.vit import VisionTransformer
 
 

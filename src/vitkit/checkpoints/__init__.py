@@ -13,6 +13,7 @@ official    Google ViT/AugReg/hybrid .npz, vit_jax names
 big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
 hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
 timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
+lora        LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name
 ==========  ==========================================================================================
 """
 
@@ -27,7 +28,16 @@ from typing import Any, Protocol
 
 import torch
 
-from vitkit.checkpoints import big_vision, hf, npz_files, official, timm_format, torch_files, vitkit_format
+from vitkit.checkpoints import (
+    big_vision,
+    hf,
+    lora_format,
+    npz_files,
+    official,
+    timm_format,
+    torch_files,
+    vitkit_format,
+)
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
@@ -69,10 +79,16 @@ def _save_vitkit(
     )
 
 
+def _load_lora(path: Path) -> Checkpoint:
+    """An adapter folder merged onto its base checkpoint, which this package's loader reads (any format)."""
+    return lora_format.load(path, load_base=load_checkpoint)
+
+
 def _is_run(path: Path) -> bool:
-    return (
-        path.is_dir() and not vitkit_format.looks_like(path) and vitkit_format.looks_like(complete_dir(path / "model"))
-    )
+    if not path.is_dir() or vitkit_format.looks_like(path) or lora_format.looks_like(path):
+        return False
+    model = complete_dir(path / "model")
+    return vitkit_format.looks_like(model) or lora_format.looks_like(model)  # LoRA runs with --save-adapters
 
 
 def _load_run(path: Path) -> Checkpoint:
@@ -81,7 +97,7 @@ def _load_run(path: Path) -> Checkpoint:
     while True:
         folder = complete_dir(path / "model")
         try:
-            return vitkit_format.load(folder)
+            return _load_lora(folder) if lora_format.looks_like(folder) else vitkit_format.load(folder)
         except CheckpointError:
             if folder == tried:
                 raise
@@ -101,6 +117,12 @@ FORMATS: dict[str, Format] = {
         vitkit_format.load,
         _save_vitkit,
         vitkit_format.check_output,
+    ),
+    "lora": Format(
+        "lora",
+        "LoRA adapters + head beside their base checkpoint (vitkit finetune --method lora --save-adapters)",
+        lora_format.looks_like,
+        _load_lora,
     ),
     "run": Format("run", "vitkit training run folder (its model/ subfolder)", _is_run, _load_run),
     "official": Format(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,6 +101,18 @@ def with_learned_posemb(cfg: ViTConfig, state: dict[str, torch.Tensor]) -> tuple
     if cfg.classifier == "token":
         table = torch.cat([torch.zeros(1, 1, cfg.hidden_size), table], dim=1)
     return dataclasses.replace(cfg, pos_embed="learned"), {**state, "pos_embed": table}
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of a state dict's names, dtypes, shapes and values: the identity of a model's weights, whatever
+    file or format they came from (two loads of one checkpoint agree; any changed value, resolution or head
+    does not)."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous().reshape(-1)
+        h.update(f"{name}|{t.dtype}|{tuple(state[name].shape)}\n".encode())
+        h.update(t.view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
 
 
 def require(condition: bool, target: str, why: str) -> None:

@@ -37,6 +37,62 @@ OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
 )  # fmt: skip
 
 
+# finetune's adaptation options: flag, config field, argparse keywords, the methods it applies to
+ADAPT_OPTIONS: tuple[tuple[str, str, dict[str, Any], tuple[str, ...]], ...] = (
+    ("--l2", "adapt.l2", {"type": lambda t: _l2(t), "metavar": "auto|L2",
+     "help": "L2 strength of the linear head (mean cross-entropy + L2/2 ||W||^2; default auto: chosen on held-out "
+     "training examples)"}, ("linear", "lp-ft")),
+    ("--feature-epochs", "adapt.feature_epochs", {"type": nonnegative_int,
+     "help": "extra feature passes through the training augmentation (light augmentation; default 0)"},
+     ("linear", "lp-ft")),
+    ("--feature-cache", "adapt.feature_cache", {"metavar": "DIR",
+     "help": "feature cache folder (default: features/ in vitkit's cache directory)"}, ("linear", "lp-ft")),
+    ("--feature-precision", "adapt.feature_precision", {"choices": ["fp32", "bf16", "int8"],
+     "help": "fp32 (default): the features of the model as it is; bf16 or int8: through the fast inference path "
+     "(vitkit bench says which is fastest on this CPU; features within about 1%% (bf16) or a few %% (int8) of "
+     "fp32's)"}, ("linear", "lp-ft")),
+    ("--lora-rank", "adapt.lora_rank", {"type": positive_int, "help": "adapter rank r (default 8)"}, ("lora",)),
+    ("--lora-alpha", "adapt.lora_alpha", {"type": positive_float,
+     "help": "adapter scale alpha: updates are scaled by alpha / r (default 16)"}, ("lora",)),
+    ("--lora-dropout", "adapt.lora_dropout", {"type": lambda t: _fraction(t),
+     "help": "dropout on the adapters' input (default 0)"}, ("lora",)),
+    ("--lora-targets", "adapt.lora_targets", {"type": lambda t: _targets(t), "metavar": "qkv,proj,fc1,fc2",
+     "help": "which projections of every block get adapters (default: all four)"}, ("lora",)),
+    ("--save-adapters", "adapt.save_adapters", {"action": "store_true", "default": None,
+     "help": "save the adapters and head apart from the base weights (loadable with the base checkpoint) "
+     "instead of merged into a plain checkpoint"}, ("lora",)),
+)  # fmt: skip
+# train's options that mean nothing to a linear head fitted in closed form
+GRADIENT_OPTIONS = ("epochs", "steps", "data.batch_size", "optim.lr", "precision", "compile", "grad_checkpointing",
+                    "skip_nonfinite")  # fmt: skip
+
+
+def _l2(text: str) -> float | str:
+    if text == "auto":
+        return text
+    value = positive_float(text)
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = positive_float(text, allow_zero=True)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return value
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    from vitkit.models.lora import TARGET_MODULES
+
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in TARGET_MODULES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{bad[0] if bad else 'no target'}: choose from {', '.join(TARGET_MODULES)} (comma-separated)"
+        )
+    return names
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_train(sub)
     _add_finetune(sub)
@@ -124,14 +180,21 @@ def _note_emulated_bf16(cfg: TrainConfig) -> None:
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
     from vitkit.configs import RECIPES
+    from vitkit.configs.schema import ADAPT_METHODS
 
     p = sub.add_parser(
         "finetune",
-        help="fine-tune a checkpoint on your images (new zero head, higher resolution)",
-        description="Fine-tune any supported checkpoint: the head (and pre-logits) is replaced by a zero-initialised "
-        "one for the dataset's classes, the position embeddings are interpolated to the new resolution (default "
-        "384 px), and the paper's SGD recipe runs (momentum 0.9, cosine, no weight decay, clip 1). "
-        "Resume with: vitkit train --resume RUN.",
+        help="adapt a checkpoint to your images: full fine-tuning, a linear head, LP-FT or LoRA",
+        description="Adapt any supported checkpoint to the dataset's classes; the run folder's model/ is a normal "
+        "checkpoint with the class names for predict, eval, serve and export. --method full (default): every weight "
+        "trained from a zero-initialised head (the pre-logits layer dropped), the position embeddings interpolated "
+        "to the new resolution (default 384 px for a 224 px checkpoint), the paper's SGD recipe (momentum 0.9, "
+        "cosine, no weight decay, clip 1). --method linear: the backbone frozen, a multinomial logistic-regression "
+        "head fitted on its pre-logits features (cached on disk, so another --l2 costs seconds), at the "
+        "checkpoint's own resolution, no gradient steps. --method lp-ft: that head, then full fine-tuning from it "
+        "(Kumar et al., ICLR 2022). --method lora: low-rank adapters (peft) on the blocks' projections and the head "
+        "trained, the rest frozen; merged into the weights on save unless --save-adapters. "
+        "Resume any of them with: vitkit train --resume RUN.",
     )
     p.add_argument("checkpoint", help="checkpoint to start from (any supported format, or a run folder)")
     p.add_argument(
@@ -139,8 +202,34 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
     )
     fine = sorted(k for k in RECIPES if "finetune" in k)
     p.add_argument("--recipe", default="paper-finetune", choices=fine, help="recipe (default: paper-finetune)")
+    p.add_argument("--method", choices=ADAPT_METHODS, default="full", help="how to adapt (default: full)")
     _add_options(p)
+    for flag, field, kwargs, methods in ADAPT_OPTIONS:
+        kwargs = {**kwargs, "help": f"[{', '.join(methods)}] {kwargs['help']}"}
+        p.add_argument(flag, dest=field, **kwargs)
     p.set_defaults(func=cmd_finetune)
+
+
+def _adapt_changes(args: argparse.Namespace) -> dict[str, Any]:
+    """The adaptation options given, by config field; a one-line error for one the method does not use."""
+    method = args.method
+    out: dict[str, Any] = {}
+    for flag, field, _, methods in ADAPT_OPTIONS:
+        value = getattr(args, field, None)
+        if value is None:
+            continue
+        if method not in methods:
+            raise VitkitError(f"{flag} applies to --method {' or '.join(methods)}, not --method {method}")
+        out[field] = None if value == "auto" else value
+    if method == "linear":
+        flags = {field: flag for flag, field, _ in OPTIONS}
+        given = [flags[f] for f in GRADIENT_OPTIONS if getattr(args, f, None) is not None]
+        if given:
+            raise VitkitError(
+                f"{given[0]} does not apply to --method linear: its head is fitted in closed form, with no gradient "
+                "steps (--l2 sets its regularisation, --feature-precision the precision of its features)"
+            )
+    return out
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -149,18 +238,30 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     from vitkit.configs import apply_overrides, finetune_config, get_recipe
     from vitkit.train import check_run_dir, train
 
+    adapt = _adapt_changes(args)  # refused before any file is touched
     # the run folder before the checkpoint is read (train() checks it again when it claims it)
     if args.out is not None:
         check_run_dir(Path(args.out))
-    else:  # runs/<name>, numbered when taken
-        check_run_dir(Path("runs") / get_recipe(args.recipe).name, numbered=True)
+    else:  # runs/<name>, numbered when taken (finetune_config names a method's run <recipe>-<method>)
+        name = get_recipe(args.recipe).name + ("" if args.method == "full" else f"-{args.method}")
+        check_run_dir(Path("runs") / name, numbered=True)
+    if args.method in ("linear", "lp-ft"):  # and where their features are kept
+        from vitkit.train.feature_cache import check_root
+
+        check_root(adapt.get("adapt.feature_cache"))
     notes: list[str] = []
     base = finetune_config(
-        args.checkpoint, getattr(args, "data.source"), args.recipe, getattr(args, "data.image_size"), notes=notes
+        args.checkpoint,
+        getattr(args, "data.source"),
+        args.recipe,
+        getattr(args, "data.image_size"),
+        method=args.method,
+        notes=notes,
     )
+    cfg = apply_overrides(base, {**_changes(args), **adapt}, args.sets)
+    cfg.validate()  # a bad value is the one line, before any note
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    cfg = apply_overrides(base, _changes(args), args.sets)
     _note_emulated_bf16(cfg)
     result = train(cfg, args.out, progress=not args.quiet)
     if result.rank == 0:

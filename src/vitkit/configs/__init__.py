@@ -6,11 +6,12 @@ Both sit below ``vitkit.train``: a config is data, the trainer consumes it.
 
 from vitkit.configs.overrides import apply_overrides, finetune_config, parse_sets
 from vitkit.configs.recipes import FINETUNE_STEPS, RECIPES, get_recipe
-from vitkit.configs.schema import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from vitkit.configs.schema import AdaptConfig, AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 
 __all__ = [
     "FINETUNE_STEPS",
     "RECIPES",
+    "AdaptConfig",
     "AugConfig",
     "DataConfig",
     "ModelConfig",

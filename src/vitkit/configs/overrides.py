@@ -162,6 +162,7 @@ def finetune_config(
     recipe: str = "paper-finetune",
     image_size: tuple[int, int] | None = None,
     *,
+    method: str = "full",
     notes: list[str] | None = None,
 ) -> TrainConfig:
     """A fine-tuning recipe starting from ``checkpoint`` on ``data`` (``vitkit finetune``).
@@ -169,15 +170,23 @@ def finetune_config(
     Without an image size: the recipe's resolution relative to the paper's 224 px pre-training (384 px for
     ``paper-finetune``: x 384/224), applied to the checkpoint's own resolution and rounded to its stride --
     224 -> 384 px for a paper checkpoint, 16 -> 28 px for the digits model (384 px would be 9,216 tokens
-    there) -- never above the larger of the checkpoint's and the recipe's resolution. The choice is appended
-    to ``notes`` (the CLI prints it).
+    there) -- never above the larger of the checkpoint's and the recipe's resolution. ``method`` linear (a head
+    on frozen features, nothing to adapt to a new resolution): the checkpoint's own resolution. The choice is
+    appended to ``notes`` (the CLI prints it).
     """
     from vitkit.checkpoints import read_checkpoint
 
     cfg = get_recipe(recipe)
     if not cfg.model.init_from and cfg.model.name is not None:
         raise ConfigError(f"recipe {recipe!r} trains from scratch; use a fine-tuning recipe (paper-finetune, ...)")
-    if image_size is None:
+    if image_size is None and method == "linear":
+        image_size = read_checkpoint(checkpoint).cfg.image_size
+        if notes is not None:
+            notes.append(
+                f"linear head on the checkpoint's own {image_size[0]}x{image_size[1]} px features; --image-size to "
+                "choose"
+            )
+    elif image_size is None:
         ckpt_cfg = read_checkpoint(checkpoint).cfg
         image_size = finetune_image_size(ckpt_cfg.image_size, ckpt_cfg.stride, cfg.data.image_size)
         if notes is not None:
@@ -186,7 +195,10 @@ def finetune_config(
                 f"fine-tuning at {image_size[0]}x{image_size[1]} px: the checkpoint's {h}x{w} px scaled as recipe "
                 f"{recipe} scales the paper's {PRETRAIN_RESOLUTION} px ({rh}x{rw}); --image-size to choose"
             )
-    return cfg.override(**{"model.init_from": checkpoint, "data.source": data, "data.image_size": image_size})
+    changes: dict[str, Any] = {"model.init_from": checkpoint, "data.source": data, "data.image_size": image_size}
+    if method != "full":
+        changes.update({"adapt.method": method, "name": f"{cfg.name}-{method}"})
+    return cfg.override(**changes)
 
 
 def finetune_image_size(native: tuple[int, int], stride: int, recipe_size: tuple[int, int]) -> tuple[int, int]:

@@ -7,6 +7,7 @@ overrides (data, epochs, batch size, lr ...) with :meth:`TrainConfig.override`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -126,6 +127,57 @@ class OptimConfig:
     clip_norm: float | None = 1.0  # global gradient-norm clipping
 
 
+ADAPT_METHODS = ("full", "linear", "lp-ft", "lora")
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")  # the attention and MLP projections of every block
+
+
+@dataclass
+class AdaptConfig:
+    """How a checkpoint is adapted to new classes (``vitkit finetune --method``).
+
+    - ``full``: every weight trained, from a zero head (the paper's fine-tuning);
+    - ``linear``: the backbone frozen, a multinomial logistic-regression head fitted on its pre-logits features
+      (L2 strength ``l2``, or chosen on held-out training examples when None), no gradient steps;
+    - ``lp-ft``: that head, then every weight trained from it (Kumar et al., ICLR 2022);
+    - ``lora``: low-rank adapters (peft) on the blocks' ``lora_targets`` and the head trained, the rest frozen.
+    """
+
+    method: Literal["full", "linear", "lp-ft", "lora"] = "full"
+    l2: float | None = None  # linear / lp-ft: mean cross-entropy + l2/2 ||W||^2; None: chosen on held-out data
+    heldout_fraction: float = 0.2  # of every class's training examples, to choose l2 on (then refitted on all)
+    feature_epochs: int = 0  # linear / lp-ft: extra feature passes through the training augmentation
+    feature_cache: str | None = None  # folder of the feature cache; None: vitkit's cache dir (features/)
+    feature_precision: Literal["fp32", "bf16", "int8"] = "fp32"  # linear / lp-ft: bf16, int8: the fast path
+    lora_rank: int = 8
+    lora_alpha: float = 16.0  # the adapters' update is scaled by alpha / rank
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = LORA_TARGETS
+    save_adapters: bool = False  # save the adapters and head apart from the base weights instead of merged
+
+    def validate(self) -> None:
+        if self.method not in ADAPT_METHODS:
+            raise ConfigError(f"adapt.method: {self.method!r} is not one of {', '.join(ADAPT_METHODS)}")
+        if self.l2 is not None and not (self.l2 > 0 and math.isfinite(self.l2)):
+            raise ConfigError(f"adapt.l2 must be a positive number (or null: chosen on held-out data), got {self.l2}")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ConfigError(f"adapt.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+        if isinstance(self.feature_epochs, bool) or not isinstance(self.feature_epochs, int) or self.feature_epochs < 0:
+            raise ConfigError(f"adapt.feature_epochs must be a non-negative integer, got {self.feature_epochs!r}")
+        if self.feature_precision not in ("fp32", "bf16", "int8"):
+            raise ConfigError(f"adapt.feature_precision must be fp32, bf16 or int8, got {self.feature_precision!r}")
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
+            raise ConfigError(f"adapt.lora_rank must be a positive integer, got {self.lora_rank!r}")
+        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise ConfigError(f"adapt.lora_alpha must be a positive number, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"adapt.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            raise ConfigError(
+                f"adapt.lora_targets: {unknown[0] if unknown else 'none given'}; choose from {', '.join(LORA_TARGETS)}"
+            )
+
+
 @dataclass
 class TrainConfig:
     """A whole training run (``vitkit train``): data, augmentation, model, optimiser and the loop's settings.
@@ -137,6 +189,7 @@ class TrainConfig:
     aug: AugConfig = field(default_factory=AugConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    adapt: AdaptConfig = field(default_factory=AdaptConfig)  # fine-tuning method (full by default)
     epochs: float | None = 10  # training length: epochs, or ``steps`` when set (steps win)
     steps: int | None = None
     accum_steps: int = 1
@@ -208,6 +261,9 @@ class TrainConfig:
         if isinstance(self.data.workers, bool) or not isinstance(self.data.workers, int) or self.data.workers < 0:
             raise ConfigError(f"data.workers must be a non-negative integer, got {self.data.workers!r}")
         self.aug.resolved()
+        self.adapt.validate()
+        if self.adapt.method != "full" and not self.model.init_from:
+            raise ConfigError(f"adapt.method {self.adapt.method}: adapts a checkpoint; set model.init_from")
 
 
 def _to_jsonable(x: Any) -> Any:

@@ -1,9 +1,9 @@
 """Evaluation: accuracy metrics, batched feature extraction, the paper's few-shot linear probe."""
 
 from vitkit.evaluate.evaluate import EvalReport, evaluate_dataset, fewshot_dataset, write_eval_report
-from vitkit.evaluate.features import Extracted, extract
 from vitkit.evaluate.fewshot import FewShotResult, RidgeProbe, fewshot_evaluate, sample_episodes
 from vitkit.evaluate.metrics import Metrics, compute_metrics, confusion_matrix, read_label_sets, topk_correct
+from vitkit.inference.features import Extracted, extract
 
 __all__ = [
     "EvalReport",

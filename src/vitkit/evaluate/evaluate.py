@@ -20,7 +20,6 @@ import torch
 
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
-from vitkit.evaluate.features import extract, is_map_style
 from vitkit.evaluate.fewshot import (
     DEFAULT_L2,
     DEFAULT_SHOTS,
@@ -32,6 +31,7 @@ from vitkit.evaluate.fewshot import (
 from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
 from vitkit.fileio import check_report_dir
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.features import extract, is_map_style
 from vitkit.models.vit import VisionTransformer
 
 

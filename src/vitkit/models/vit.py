@@ -234,9 +234,13 @@ class PatchEmbed(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-def _dense(layer: nn.Linear, x: torch.Tensor, kernels: TrainingKernels | None) -> torch.Tensor:
-    """``layer(x)``, its GEMMs through the training kernels' when there are any (``fused.linear``)."""
-    return layer(x) if kernels is None else linear(x, layer.weight, layer.bias, kernels)
+def _dense(layer: nn.Module, x: torch.Tensor, kernels: TrainingKernels | None) -> torch.Tensor:
+    """``layer(x)``, its GEMMs through the training kernels' when there are any (``fused.linear``). Only a plain
+    ``nn.Linear`` is routed: any other layer in its place (a LoRA-adapted one, ``vitkit.models.lora``) computes
+    its own forward, which the kernels' GEMM on ``layer.weight`` alone would silently skip."""
+    if kernels is None or type(layer) is not nn.Linear:
+        return layer(x)
+    return linear(x, layer.weight, layer.bias, kernels)
 
 
 class Attention(nn.Module):
@@ -287,7 +291,8 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     """Dense(mlp_dim) -> GELU -> dropout -> Dense(D) -> dropout."""
 
-    kernels: TrainingKernels | None = None  # with these, Dense -> exact GELU is one fused op (linear_gelu)
+    kernels: TrainingKernels | None = None  # with these, Dense -> exact GELU is one fused op (linear_gelu) when fc1
+    # is a plain Linear (an adapted one runs its own forward, then GELU)
 
     def __init__(self, dim: int, hidden: int, gelu: Gelu = "exact", dropout: float = 0.0) -> None:
         super().__init__()
@@ -298,7 +303,7 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and self.act.approximate == "none":
+        if self.kernels is not None and self.act.approximate == "none" and type(self.fc1) is nn.Linear:
             h = linear_gelu(x, self.fc1.weight, self.fc1.bias, self.kernels)  # (B, T, mlp_dim)
         else:
             h = self.act(self.fc1(x))

@@ -17,14 +17,17 @@ from vitkit.models.vit import VisionTransformer, ViTConfig
 
 
 def build_model(cfg: TrainConfig, classes: list[str]) -> tuple[VisionTransformer, Preprocess]:
-    """A fresh model (seeded), or a checkpoint with a new zero head at the data's resolution."""
+    """A fresh model (seeded), or a checkpoint with a new zero head at the data's resolution (for the linear
+    and lp-ft methods, a head on the checkpoint's own features: its pre-logits layer kept)."""
     d = cfg.data
     m = cfg.model
     gray = bool(d.grayscale)
     if m.init_from:
         loaded = load_checkpoint(m.init_from, image_size=d.image_size, pos_interpolation=m.pos_interpolation)
         net = loaded.model
-        if loaded.meta.class_names != classes:  # new labels: a zero head, no pre-logits (paper)
+        if cfg.adapt.method in ("linear", "lp-ft"):  # a head for the frozen features: pre-logits kept
+            net.reset_head(len(classes), keep_pre_logits=True)
+        elif loaded.meta.class_names != classes:  # new labels: a zero head, no pre-logits (paper)
             net.reset_head(len(classes))
         if m.overrides:  # regularisation changes (dropout, drop_path) on the loaded weights
             net = _with_overrides(net, m.overrides, m.init_from)

@@ -15,14 +15,14 @@ from torch import nn
 
 
 class EMA:
-    """Shadow copies of ``model``'s parameters, by name (ViT has no persistent buffers to average)."""
+    """Shadow copies of ``model``'s trained parameters, by name (ViT has no persistent buffers to average)."""
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = False) -> None:
         self.decay, self.warmup = decay, warmup
         self.updates = 0
         self.shadow: dict[str, torch.Tensor] = {
-            name: t.detach().clone() for name, t in _tensors(model) if t.is_floating_point()
-        }
+            name: t.detach().clone() for name, t in _tensors(model) if t.is_floating_point() and t.requires_grad
+        }  # frozen weights (LoRA's base layers) never change: no averages, no copies
 
     def current_decay(self) -> float:
         if not self.warmup:

@@ -168,9 +168,19 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -
     return {"state": state, "param_groups": groups}
 
 
-def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path]:
-    """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder)."""
-    state = resolve_resume(path)
+def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path | None]:
+    """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder).
+
+    A run whose method fits a linear head first (``adapt.method`` linear, or lp-ft stopped before its first
+    training state) resumes from its ``config.json`` with no state: the head is fitted again, its features
+    read from the feature cache where the interrupted run stored them."""
+    try:
+        state = resolve_resume(path)
+    except CheckpointError:
+        cfg = _head_first_config(Path(path))
+        if cfg is None:
+            raise
+        return cfg, Path(path), None
     meta = read_state_meta(state)
     saved = _older_defaults(meta["config"])
     check_config_unchanged(state.parent.parent / "config.json", saved)
@@ -184,6 +194,21 @@ def _older_defaults(config: Any) -> Any:
     if isinstance(optim, dict) and "warmup_max_fraction" not in optim:
         return {**config, "optim": {**optim, "warmup_max_fraction": None}}
     return config
+
+
+def _head_first_config(run: Path) -> TrainConfig | None:
+    """The config of a run folder whose method starts with a linear head (linear, lp-ft), else None."""
+    path = run / "config.json"
+    if list_states(run / "checkpoints") or not path.is_file():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
+    method = (
+        doc.get("adapt", {}).get("method") if isinstance(doc, dict) and isinstance(doc.get("adapt"), dict) else None
+    )
+    return TrainConfig.from_dict(doc) if method in ("linear", "lp-ft") else None
 
 
 def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:

@@ -24,11 +24,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.checkpoints import vitkit_format
-from vitkit.checkpoints.base import empty_model
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset, note_skipped
-from vitkit.data.datasets import open_dataset, open_split_or_none
+from vitkit.data.base import ImageDataset
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
-from vitkit.fileio import check_output_location, clean_stale
-from vitkit.hardware import has_native_bf16, restore_tf32, use_tf32
 from vitkit.inference.engine import InferenceEngine, resolve_precision
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
@@ -55,6 +48,7 @@ from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
+from vitkit.train.run import Run, TrainResult, check_run_dir, step_seed, train_precision
 from vitkit.train.state import resume_config
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
@@ -65,48 +59,6 @@ VALIDATION_FAST_TOKENS = 20_000
 
 class NonFiniteLossError(VitkitError):
     """The loss or the gradient norm became NaN/inf (and skipping was not requested)."""
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train` returns: the run folder, the last optimiser step, the per-step log (step, loss,
-    learning rate) and the per-epoch metrics (the rows of ``metrics.csv``)."""
-
-    run_dir: Path
-    step: int
-    steps: list[dict[str, float]] = field(default_factory=list)  # per optimiser step: step, loss, lr
-    epochs: list[dict[str, Any]] = field(default_factory=list)  # the metrics.csv rows
-    final_top1: float | None = None  # validation top-1 of the saved model (final / EMA weights)
-    best_top1: float | None = None
-    skipped_steps: int = 0
-    seconds: float = 0.0
-    val_split: str | None = None  # which split final_top1 was measured on
-    final_metrics: dict[str, float] = field(default_factory=dict)
-    rank: int = 0  # the process that produced this result (only process 0 writes and prints)
-
-    def summary(self) -> str:
-        """The lines ``vitkit train`` prints at the end."""
-        lines = []
-        if self.final_top1 is not None:
-            n = int(self.final_metrics.get("val_count", 0))
-            lines.append(f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n})")
-        if self.skipped_steps:
-            lines.append(f"skipped {self.skipped_steps} steps with a non-finite loss or gradient")
-        lines.append(f"run folder: {self.run_dir} ({self.step} steps, {self.seconds:.1f} s)")
-        return "\n".join(lines)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A 63-bit seed for the global torch RNG at ``step`` (dropout, stochastic depth)."""
-    return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def train_precision(choice: str, device: torch.device) -> str:
-    """The precision a run computes in: ``choice`` "fp32" or "bf16" as given; "auto" bf16 autocast on a CUDA GPU
-    that computes bf16 natively (Ampere and later), fp32 elsewhere (on CPUs fp32 is vitkit's measured default)."""
-    if choice != "auto":
-        return choice
-    return "bf16" if device.type == "cuda" and has_native_bf16(device) else "fp32"
 
 
 def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
@@ -123,40 +75,18 @@ def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micr
     return kept <= EXPLICIT_ATTENTION_BYTES
 
 
-class Trainer:
+class Trainer(Run):
     """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
 
     def __init__(
         self, cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, claim: bool | str = "exclusive"
     ) -> None:
-        """``claim``: "exclusive" -- ``run_dir`` must not hold a run yet; "numbered" -- use ``run_dir-2``,
-        ``-3``... when taken; False -- use it as is (resuming)."""
-        cfg.validate()
-        self.cfg = cfg
-        self.progress = progress
-        self.dist = distr.setup(cfg.device)
-        self.device = self.dist.device
-        self.precision = train_precision(cfg.precision, self.device)  # "auto" resolved: "fp32" or "bf16"
-        self._tf32 = use_tf32(self.device, cfg.tf32)  # TF32 for fp32 matmuls where the GPU has it; undone on close
-        self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
-        self.step = 0
+        super().__init__(cfg, run_dir, progress=progress, claim=claim)
         self.skipped = 0
         self.best_top1: float | None = None
         self.epoch_loss = [0.0, 0]  # running sum and count of the current epoch's step losses
         self.history: list[dict[str, float]] = []
         self.epoch_rows: list[dict[str, Any]] = []
-        self._tb: Any = None
-
-        # loader workers per process: a recipe's 8 on a 2-core machine are 2; N processes share the cores
-        self.workers = min(cfg.data.workers, max(1, (os.cpu_count() or 1) // self.dist.local_world))
-        self.train_set, self.val_set = self._open_data()
-        for ds in (self.train_set, self.val_set):
-            if ds is not None and self.dist.is_main:
-                note_skipped(ds)
-        self.classes = self.train_set.classes
-        net, pre = build.build_model(cfg, self.classes)
-        self.preprocess = pre
-        self.net = net.to(self.device)  # the bare model (FSDP shards it in place)
         self.explicit_attention = self._explicit_attention()
         self.net.set_fused_attention(not self.explicit_attention)
         if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
@@ -203,37 +133,6 @@ class Trainer:
             )
         self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
-
-    # ---- setup -----------------------------------------------------------------------------------------
-
-    def _claim(self, base: Path, mode: bool | str) -> Path:
-        """Pick the run folder on process 0 and share the choice (a number, no pickle) with the others."""
-        n = 0
-        check_run_dir(base, numbered=True)  # what cannot be a run folder, whatever its number
-        if self.dist.is_main:
-            if mode == "numbered":
-                while _taken(base if n == 0 else base.with_name(f"{base.name}-{n}")):
-                    n = max(n + 1, 2)
-            elif _taken(base):
-                n = -1
-        n = distr.broadcast_int(n, self.dist)
-        if n < 0:
-            check_run_dir(base, numbered=False)  # says why
-            raise ConfigError(f"{base}: taken by a run or a run's files; choose another --out")
-        return base if n == 0 else base.with_name(f"{base.name}-{n}")
-
-    def _open_data(self) -> tuple[ImageDataset, ImageDataset | None]:
-        d = self.cfg.data
-        train = open_dataset(d.source, d.train_split, skip_bad=d.skip_bad)
-        if d.val_split is None:
-            return train, None
-        if d.val_split == "auto":
-            for split in ("val", "test"):
-                val = open_split_or_none(d.source, split, skip_bad=d.skip_bad, classes=train.classes)
-                if val is not None:
-                    return train, val
-            return train, None
-        return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
 
     def _explicit_attention(self) -> bool:
         micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
@@ -368,13 +267,6 @@ class Trainer:
 
     # ---- saving ---------------------------------------------------------------------------------------
 
-    def _full_model_state(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        # copies: on one process these would alias the parameters (and change when EMA weights swap out)
-        return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
-
     def save_state(self) -> None:
         """Write the resumable state (every process takes part; process 0 writes)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -433,38 +325,6 @@ class Trainer:
         self.best_top1 = meta.get("best_top1")
         self.epoch_loss = [float(meta["epoch_loss"][0]), int(meta["epoch_loss"][1])]
 
-    def save_model(self, folder: str, **provenance: Any) -> None:
-        """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
-        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-        with ctx:
-            state = self._full_model_state()
-        if self.dist.is_main:
-            cfg = self.net.cfg
-            model = empty_model(cfg)
-            model.load_state_dict(state, strict=True)
-            prov = {"recipe": self.cfg.recipe, "run": str(self.run_dir), "step": self.step, **provenance}
-            if self.cfg.model.init_from:
-                prov["fine_tuned_from"] = self.cfg.model.init_from
-            vitkit_format.save(
-                model,
-                self.run_dir / folder,
-                preprocess=self.preprocess,
-                class_names=self.classes,
-                provenance=prov,
-                overwrite=True,  # the run's own model/ or best/, replaced as training goes on
-            )
-        distr.barrier(self.dist)
-
-    def _clean_after_kill(self) -> None:
-        """Restore or remove what a killed run left in its folder (only vitkit's own hidden temporaries and
-        incomplete ``step-N/`` folders), before anything reads it."""
-        if self.dist.is_main:
-            done = clean_stale(self.run_dir, ("model", "best"))
-            done += train_state.clean_states(self.run_dir / "checkpoints")
-            for note in done:
-                print(f"note: {self.run_dir}: {note} (left by an interrupted run)", file=sys.stderr)
-        distr.barrier(self.dist)
-
     # ---- logs -------------------------------------------------------------------------------------------
 
     def _log_step(self, rec: dict[str, float], images_per_s: float) -> None:
@@ -513,9 +373,12 @@ class Trainer:
         """Train to ``total_steps``; ``on_step(trainer, record)`` is called after every step (tests, hooks)."""
         t0 = time.perf_counter()
         self._clean_after_kill()
+        notes: list[str] = []
         if resume is not None:
             self.load_state(train_state.resolve_resume(resume))
-        self._open_logs(resumed=resume is not None)
+        self._open_logs(resumed=resume is not None)  # config.json first: a stage-1 crash leaves a resumable run
+        if resume is None and self.cfg.adapt.method == "lp-ft":
+            notes.append(self._linear_probe_head())
         cfg, spe = self.cfg, self.loader.steps_per_epoch
         from tqdm import tqdm
 
@@ -593,64 +456,31 @@ class Trainer:
             self.val_set.split if self.val_set is not None else None,
             last_eval,
             self.dist.rank,
+            notes,
         )
 
-    def close(self, clean: bool = True) -> None:
-        """Release the TensorBoard writer and the process group (``clean=False`` after an error)."""
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
-        distr.teardown(self.dist, clean)
-        self._sigterm.release()
-        restore_tf32(self._tf32)
+    def _linear_probe_head(self) -> str:
+        """LP-FT's first stage (Kumar et al., ICLR 2022): the head fitted on the frozen features
+        (``vitkit.train.linear``) on process 0 and shared; every weight is then trained from it. Returns the
+        line that says how its L2 strength was chosen."""
+        from vitkit.train.linear import fit_linear_head, probe_summary, write_probe_report
 
-    def __enter__(self) -> Trainer:
-        return self
-
-    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
-        if exc is None:
-            self.close()
-            return
-        self._sigterm.stop()  # no SIGTERM while the other processes are told (distributed.py)
-        peer = distr.FailureNotice(self.dist, exc).peer  # set when another process failed first
-        self._sigterm.release(keep_holding=peer is not None)  # torchrun's SIGTERM must not cut its report short
-        self.close(clean=False)
-        if peer is not None:
-            raise peer from None
-
-
-# what a run writes in its folder: a folder holding any of these is taken (a run, or a user's files of those names,
-# which a run would overwrite or, steps.csv and metrics.csv, delete at its start)
-RUN_ENTRIES = ("checkpoints", "model", "best", "metrics.csv", "steps.csv", "config.json", "curves.png", "tb")
-
-
-def _holds_run(path: Path) -> bool:
-    return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
-
-
-def _taken(path: Path) -> bool:
-    return any((path / name).exists() or (path / name).is_symlink() for name in RUN_ENTRIES)
-
-
-def check_run_dir(path: Path, numbered: bool = False) -> None:
-    """Refuse a run folder training cannot use, before any work (``vitkit train``/``finetune`` ask before loading
-    data or a checkpoint): a file where it (or a folder above it) should be, a place that cannot be written, and
-    -- unless ``numbered`` (the default runs/<name>, which moves on to runs/<name>-2 ...) -- a folder holding a run
-    or files a run writes (RUN_ENTRIES), which a run would overwrite."""
-    for p in (path, *path.parents):  # a file where the run folder (or a folder above it) should be
-        if p.exists() and not p.is_dir():
-            raise ConfigError(f"{p}: exists and is not a folder; choose another run folder (--out)")
-    check_output_location(path, inside=True)
-    if numbered:
-        return
-    if _holds_run(path):
-        raise ConfigError(f"{path} already holds a run; resume it with --resume {path}, or choose another --out")
-    found = [name for name in RUN_ENTRIES if (path / name).exists() or (path / name).is_symlink()]
-    if found:
-        raise ConfigError(
-            f"{path}: holds {found[0]!r}, which a run would overwrite; choose an empty or new --out folder "
-            "(vitkit never overwrites what it did not write)"
-        )
+        line = ""
+        if self.dist.is_main:
+            self.net.set_fused_attention(True)  # features as every evaluation computes them (and caches them)
+            fit = fit_linear_head(self)
+            self.net.set_fused_attention(not self.explicit_attention)
+            write_probe_report(self, fit, {})
+            line = probe_summary(fit)
+        with torch.no_grad():
+            for p in self.net.head.parameters():
+                if not self.dist.is_main:
+                    p.zero_()
+                distr.all_reduce_sum(p.data, self.dist)  # process 0's head, on every process
+        if self.ema is not None:  # the averages start from the fitted head too
+            self.ema = EMA(self.net, self.cfg.ema_decay or 0.0, self.cfg.ema_warmup)
+        self.net.train()
+        return line
 
 
 def train(
@@ -663,17 +493,23 @@ def train(
     """Train ``cfg`` into ``run_dir`` (default ``runs/<name>``, numbered when taken; a given folder must not
     hold a run yet), or continue the run at ``resume`` exactly (its saved config; 1..N processes alike)."""
     state: Path | None = None
+    claim: bool | str
     if resume is not None:
         if cfg is not None or run_dir is not None:
             raise ConfigError("resume continues a run with its saved config and folder; give only resume=")
         cfg, folder, state = resume_config(resume)
-        trainer = Trainer(cfg, folder, progress=progress, claim=False)
+        claim = False
     elif cfg is None:
         raise ConfigError("nothing to run: give a config or a run to resume")
     else:
         folder = Path(run_dir) if run_dir is not None else Path("runs") / cfg.name
-        trainer = Trainer(cfg, folder, progress=progress, claim="numbered" if run_dir is None else "exclusive")
-    with trainer:
+        claim = "numbered" if run_dir is None else "exclusive"
+    if cfg.adapt.method == "linear":  # no gradient steps: a head fitted on frozen features
+        from vitkit.train.linear import LinearRun
+
+        with LinearRun(cfg, folder, progress=progress, claim=claim) as run:
+            return run.fit()
+    with Trainer(cfg, folder, progress=progress, claim=claim) as trainer:
         return trainer.fit(state)
 
 
@@ -686,4 +522,5 @@ __all__ = [
     "soft_cross_entropy",
     "step_seed",
     "train",
+    "train_precision",
 ]

@@ -1,0 +1,449 @@
+"""Feeds the tables "Adaptation: accuracy and wall time per method" (``python benchmarks/run_all.py adaptation``),
+"Adaptation: LoRA memory and step time" (``python benchmarks/run_all.py adaptation_memory``) and "Adaptation:
+features through the fast path" (``python benchmarks/run_all.py adaptation_features``) of BENCHMARKS.md:
+``vitkit finetune --method linear|lp-ft|lora|full`` against ``vitkit fewshot``'s ridge probe, LoRA's training
+memory and step time against full fine-tuning, and the linear method's feature pass in fp32, bf16 and int8.
+
+Everything is built on the machine (no downloads). The backbone is ``vitkit train``'s default recipe (the
+digits ViT) trained on digits 0-4 only; the targets are
+
+- ``digits``: digits 5-9, with 1, 5, 10 and 25 training images per class (the shot sets of ``vitkit
+  fewshot``'s sampler, seed 0: nested) and the full training split; accuracy on the whole 5-9 test split;
+- ``photos``: scikit-learn's two sample photos cut into 4 labelled regions (each photo's left and right
+  half), 48x48 patches from the even horizontal bands of the photo to train on (60 per class) and from the
+  odd bands to test on (30 per class; no pixel in both), 10 shots per class and the full split.
+
+Every method fine-tunes with the ``finetune-small`` recipe (SGD, batch 64 or the whole set when smaller,
+300 steps) at the backbone's 16 px, with the digits recipe's light augmentation (crop scale 0.7-1, no flip);
+``ridge`` is ``vitkit fewshot``'s probe (closed-form least squares, l2 = 2^10) on the same features and
+shots. Wall time is the in-process time of the whole job (model load, features with a cold cache, fit or
+training, saving) after one warm-up of the process's imports, one run each, seed 0; fine-tuning runs
+evaluate once, at the end (but save their resumable state at every epoch end, which on a few-shot set is
+every step). ``linear (warm)``: a second linear run with another L2 strength (1e-2), its features from the
+cache; ``linear +4 aug``: with ``--feature-epochs 4`` (four augmented feature passes; the clean features
+from the cache).
+
+Pieces, each a few minutes on 2 cores (results in benchmarks/results/adaptation/<piece>.json)::
+
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py backbone
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 1,5
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 10,25
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots full
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py photos
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory S/16
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory B/16
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory B/16 --batch 8 \
+        --json benchmarks/results/adaptation/memory-B16-batch8.json
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py features B/16
+    python benchmarks/adaptation.py table
+
+Each piece writes benchmarks/results/adaptation/<piece>.json, or with ``--json FILE`` (as ``run_all.py`` runs
+it) that file instead, so a ``--quick`` smoke run never replaces the measured pieces.
+
+``features VARIANT``: the linear method's feature pass (cold cache) of a randomly initialised VARIANT at 224 px
+over ``--images`` random images, fp32 against ``--feature-precision bf16`` and ``int8`` (the fast inference
+path), alternating ``--rounds`` times: images per second of each, and their features' relative error.
+
+``memory VARIANT``: a randomly initialised VARIANT checkpoint fine-tuned to 10 classes of random 224 px
+images, batch 32, bf16 autocast (the training kernels on), ``--steps`` steps per method, each method in a
+process of its own: peak resident memory (``getrusage`` maximum RSS, taken after the last step and before any
+saving) and the median step time after the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "adaptation"
+METHODS = ("linear", "lp-ft", "lora", "full")
+PHOTO_BANDS = 8  # horizontal bands per photo: even ones to train on, odd ones to test on
+PATCH = 48
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def cpu_id() -> dict[str, str]:
+    """lscpu's family and model (the model name of a cloud Xeon says little)."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        key, _, value = line.partition(":")
+        if key.strip() in ("cpu family", "model") and key.strip() not in info:
+            info[key.strip()] = value.strip()
+    return {"cpu_family": info.get("cpu family", ""), "cpu_model": info.get("model", "")}
+
+
+def save(piece: str, doc: dict[str, Any], out: Path | None = None) -> None:
+    """The piece's results: ``out`` (``--json``) when given, else benchmarks/results/adaptation/<piece>.json."""
+    doc = {"cpu": cpu_name(), **cpu_id(), "torch": torch.__version__, "threads": torch.get_num_threads(), **doc}
+    if out is None:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        out = RESULTS / f"{piece}.json"
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+# ---- data -------------------------------------------------------------------------------------------------
+
+
+def digits_npz(path: Path, low: bool) -> Path:
+    """vitkit's digits splits restricted to 0-4 (``low``) or 5-9, labels 0..4, named by their digit."""
+    from vitkit.data.datasets import open_dataset
+
+    first = 0 if low else 5
+    arrays: dict[str, Any] = {"classes": np.asarray([str(first + i) for i in range(5)])}
+    for split in ("train", "test"):
+        ds = open_dataset("digits", split)
+        keep = (ds.labels < 5) if low else (ds.labels >= 5)
+        arrays[f"{split}_images"], arrays[f"{split}_labels"] = ds.images[keep], ds.labels[keep] - first
+    np.savez(path, **arrays)
+    return path
+
+
+def shot_npz(full: Path, out: Path, shots: int) -> Path:
+    """The ``shots`` per class of ``vitkit fewshot``'s sampler (seed 0) as the training split; test unchanged."""
+    from vitkit.evaluate.fewshot import sample_episodes
+
+    z = dict(np.load(full))
+    episode = sample_episodes(z["train_labels"], len(z["classes"]), [shots], seeds=(0,))[0]
+    z["train_images"], z["train_labels"] = z["train_images"][episode.train], z["train_labels"][episode.train]
+    np.savez(out, **z)
+    return out
+
+
+def photos_npz(path: Path, train_per_class: int = 60, test_per_class: int = 30) -> Path:
+    """scikit-learn's two sample photos cut into labelled patches: 4 classes (photo x left/right half),
+    48x48 patches inside horizontal bands of the photo, the even bands to train on and the odd ones to test
+    on (no pixel in both)."""
+    from sklearn.datasets import load_sample_images
+
+    photos = load_sample_images()
+    rng = np.random.default_rng(0)
+    names: list[str] = []
+    arrays: dict[str, list[Any]] = {k: [] for k in ("train_images", "train_labels", "test_images", "test_labels")}
+    for photo, img in zip(("china", "flower"), photos.images, strict=True):
+        H, W = img.shape[:2]
+        band = H // PHOTO_BANDS
+        for side, (x0, x1) in (("left", (0, W // 2)), ("right", (W // 2, W))):
+            label = len(names)
+            names.append(f"{photo} {side}")
+            for split, first, n in (("train", 0, train_per_class), ("test", 1, test_per_class)):
+                bands = range(first, PHOTO_BANDS, 2)
+                for i in range(n):
+                    b = bands[i % len(bands)]
+                    y = int(rng.integers(b * band, (b + 1) * band - PATCH + 1))
+                    x = int(rng.integers(x0, x1 - PATCH + 1))
+                    arrays[f"{split}_images"].append(img[y : y + PATCH, x : x + PATCH])
+                    arrays[f"{split}_labels"].append(label)
+    np.savez(path, classes=np.asarray(names), **{k: np.asarray(v) for k, v in arrays.items()})
+    return path
+
+
+# ---- methods ----------------------------------------------------------------------------------------------
+
+
+def ridge(backbone: Path, data: Path) -> dict[str, Any]:
+    """``vitkit fewshot``'s probe (fixed l2 = 2^10) on every training example of ``data``."""
+    from vitkit import load_checkpoint
+    from vitkit.data.datasets import open_dataset
+    from vitkit.evaluate.fewshot import DEFAULT_L2, RidgeProbe
+    from vitkit.inference.features import extract
+
+    t0 = time.perf_counter()
+    loaded = load_checkpoint(backbone)
+    train, test = open_dataset(data, "train"), open_dataset(data, "test")
+    kw: dict[str, Any] = {"logits": False, "features": True, "batch_size": 512, "progress": False}
+    tr = extract(loaded.model, train, loaded.meta.preprocess, **kw)
+    te = extract(loaded.model, test, loaded.meta.preprocess, **kw)
+    assert tr.features is not None and te.features is not None
+    acc = RidgeProbe(tr.features, tr.labels, len(train.classes)).accuracy(te.features, te.labels, DEFAULT_L2)
+    return {"top1": acc, "seconds": time.perf_counter() - t0}
+
+
+def adapt(backbone: Path, data: Path, method: str, out: Path, cache: Path, **changes: Any) -> dict[str, Any]:
+    from vitkit.configs import finetune_config
+    from vitkit.data.datasets import open_dataset
+    from vitkit.train import train
+
+    n = len(open_dataset(data, "train"))
+    cfg = finetune_config(str(backbone), str(data), "finetune-small", (16, 16), method=method)
+    common = {"data.workers": 0, "data.eval_batch_size": 512, "adapt.feature_cache": str(cache)}
+    common |= {"aug.crop_scale": [0.7, 1.0], "aug.flip": False}  # (linear: its --feature-epochs passes)
+    if method != "linear":
+        common |= {
+            "data.batch_size": min(64, n),
+            "checkpoint_every_steps": None,
+            "eval_every_epochs": 10**6,
+        }  # evaluated once, at the end
+    cfg = cfg.override(**(common | changes))
+    shutil.rmtree(out, ignore_errors=True)  # this script's own run folders
+    t0 = time.perf_counter()
+    result = train(cfg, out, progress=False)
+    return {"top1": result.final_top1, "seconds": time.perf_counter() - t0, "steps": result.step}
+
+
+def compare(backbone: Path, data: Path, work: Path, label: str) -> dict[str, Any]:
+    # warm-up: the first model load, forward pass and optimiser of a process pay for imports (torch._dynamo...)
+    ridge(backbone, data)
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    rows: dict[str, Any] = {"ridge": ridge(backbone, data)}
+    for method in METHODS:
+        shutil.rmtree(work / f"cache-{label}-{method}", ignore_errors=True)  # a cold feature cache
+        rows[method] = adapt(backbone, data, method, work / f"{label}-{method}", work / f"cache-{label}-{method}")
+        print(label, method, rows[method], flush=True)
+    warm = adapt(backbone, data, "linear", work / f"{label}-linear-warm", work / f"cache-{label}-linear",
+                 **{"adapt.l2": 1e-2})  # fmt: skip
+    rows["linear (warm)"] = warm
+    aug = {"adapt.feature_epochs": 4}
+    rows["linear +4 aug"] = adapt(
+        backbone, data, "linear", work / f"{label}-lin-aug", work / f"cache-{label}-linear", **aug
+    )
+    return rows
+
+
+# ---- pieces -----------------------------------------------------------------------------------------------
+
+
+def cmd_backbone(work: Path, out: Path | None = None) -> None:
+    from vitkit.configs import apply_overrides, get_recipe
+    from vitkit.train import train
+
+    work.mkdir(parents=True, exist_ok=True)
+    lower = digits_npz(work / "lower.npz", low=True)
+    digits_npz(work / "upper.npz", low=False)
+    shutil.rmtree(work / "backbone", ignore_errors=True)
+    t0 = time.perf_counter()
+    cfg = apply_overrides(get_recipe("digits"), {"data.source": str(lower)})
+    result = train(cfg, work / "backbone", progress=False)
+    doc = {"top1": result.final_top1, "seconds": time.perf_counter() - t0, "steps": result.step}
+    print(doc)
+    save("backbone", doc, out)
+
+
+def cmd_digits(work: Path, shots: list[str], out: Path | None = None) -> None:
+    backbone = work / "backbone"
+    upper = work / "upper.npz"
+    results = {}
+    for k in shots:
+        data = upper if k == "full" else shot_npz(upper, work / f"upper-{k}.npz", int(k))
+        results[k] = compare(backbone, data, work, f"digits-{k}")
+    save(f"digits-{'-'.join(shots)}", {"target": "digits 5-9", "shots": results}, out)
+
+
+def cmd_photos(work: Path, out: Path | None = None) -> None:
+    backbone = work / "backbone"
+    full = photos_npz(work / "photos.npz")
+    results = {}
+    for k in ("10", "full"):
+        data = full if k == "full" else shot_npz(full, work / f"photos-{k}.npz", int(k))
+        results[k] = compare(backbone, data, work, f"photos-{k}")
+    save("photos", {"target": "sample photos, 4 regions", "shots": results}, out)
+
+
+def cmd_memory(work: Path, variant: str, steps: int, batch: int, out: Path | None = None) -> None:
+    from vitkit.checkpoints import vitkit_format
+    from vitkit.models import create_model
+
+    tag = variant.replace("/", "")
+    ckpt, data = work / f"random-{tag}", work / f"random224-{2 * batch}.npz"
+    if not ckpt.exists():
+        torch.manual_seed(0)
+        vitkit_format.save(create_model(variant), ckpt)
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        np.savez(data, train_images=rng.integers(0, 256, (2 * batch, 224, 224, 3), dtype=np.uint8),
+                 train_labels=np.arange(2 * batch) % 10)  # fmt: skip
+    rows = {}
+    for method in ("full", "lora"):
+        cmd = [sys.executable, __file__, "memory-one", str(ckpt), str(data), method, str(steps), str(batch), str(work)]
+        printed = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        rows[method] = json.loads(printed.strip().splitlines()[-1])
+        print(variant, method, rows[method], flush=True)
+    save(f"memory-{tag}", {"variant": variant, "batch": batch, "image_size": 224, "methods": rows}, out)
+
+
+def cmd_features(work: Path, variant: str, images: int, rounds: int, out: Path | None = None) -> None:
+    """The linear method's feature pass for a VARIANT backbone at 224 px: fp32 (the model as it is) against bf16
+    and int8 (``--feature-precision``, the fast inference path), each with a cold cache, alternating, ``rounds``
+    times; and how far their features are from the fp32 ones."""
+    from vitkit.checkpoints import vitkit_format
+    from vitkit.checkpoints.preprocess import Preprocess
+    from vitkit.data.datasets import open_dataset
+    from vitkit.models import create_model
+    from vitkit.train.feature_cache import cached_features
+
+    tag = variant.replace("/", "")
+    ckpt, data = work / f"random-{tag}", work / f"random224-{images}.npz"
+    if not ckpt.exists():
+        torch.manual_seed(0)
+        vitkit_format.save(create_model(variant), ckpt)
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        np.savez(data, train_images=rng.integers(0, 256, (images, 224, 224, 3), dtype=np.uint8),
+                 train_labels=np.arange(images) % 10)  # fmt: skip
+    from vitkit import load_checkpoint
+
+    model = load_checkpoint(ckpt).model
+    ds = open_dataset(data, "train")
+    pre = Preprocess((224, 224), (0.5,) * 3, (0.5,) * 3)
+    precisions = ("fp32", "bf16", "int8")
+    times: dict[str, list[float]] = {p: [] for p in precisions}
+    feats: dict[str, np.ndarray] = {}
+    for r in range(rounds):
+        for precision in precisions:
+            cache = work / f"features-{tag}-{precision}"
+            shutil.rmtree(cache, ignore_errors=True)  # cold: computed, not read
+            t0 = time.perf_counter()
+            got = cached_features(model, ds, pre, root=cache, precision=precision, batch_size=32, progress=False)
+            times[precision].append(time.perf_counter() - t0)
+            feats[precision] = got.features
+            print(variant, precision, f"round {r}", f"{times[precision][-1]:.2f} s", flush=True)
+    median = {p: statistics.median(times[p]) for p in precisions}
+    doc: dict[str, Any] = {"variant": variant, "images": images, "image_size": 224, "batch": 32, "seconds": times}
+    for p in precisions:
+        err = np.linalg.norm(feats[p] - feats["fp32"]) / np.linalg.norm(feats["fp32"])
+        doc[p] = {"img_s": images / median[p], "x_fp32": median["fp32"] / median[p], "rel_err": float(err)}
+    print(doc)
+    save(f"features-{tag}", doc, out)
+
+
+class _Stop(Exception):
+    pass
+
+
+def cmd_memory_one(ckpt: str, data: str, method: str, steps: int, batch: int, work: Path) -> None:
+    """One method in this (fresh) process: peak RSS after the last step (before saving) and step times."""
+    from vitkit.configs import finetune_config
+    from vitkit.train import Trainer
+
+    cfg = finetune_config(ckpt, data, "finetune-small", (224, 224), method=method).override(
+        **{"data.batch_size": batch, "data.workers": 0, "data.val_split": None, "steps": steps, "precision": "bf16"},
+        **{"checkpoint_every_steps": None, "optim.warmup_steps": 0},
+    )
+    times: list[float] = []
+    t_last = [0.0]
+    peak = [0]
+
+    def on_step(trainer: Trainer, rec: dict[str, float]) -> None:
+        now = time.perf_counter()
+        times.append(now - t_last[0])
+        t_last[0] = now
+        if trainer.step == steps:
+            peak[0] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+            raise _Stop
+
+    out = work / f"mem-{Path(ckpt).name}-{method}"
+    shutil.rmtree(out, ignore_errors=True)
+    trainer = Trainer(cfg, out, progress=False)
+    trainable = sum(p.numel() for p in trainer.net.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in trainer.net.parameters())
+    setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t_last[0] = time.perf_counter()
+    with contextlib.suppress(_Stop):
+        trainer.fit(on_step=on_step)
+    trainer.close(clean=False)
+    shutil.rmtree(out, ignore_errors=True)
+    print(json.dumps({
+        "peak_rss_mb": peak[0] / 1024, "setup_rss_mb": setup_rss / 1024, "step_s": statistics.median(times[1:]),
+        "step_times": times, "trainable": trainable, "parameters": total,
+    }))  # fmt: skip
+
+
+# ---- table ------------------------------------------------------------------------------------------------
+
+
+def cmd_table() -> None:
+    def load(name: str) -> dict[str, Any]:
+        return json.loads((RESULTS / f"{name}.json").read_text())
+
+    pieces = sorted(p.stem for p in RESULTS.glob("*.json"))
+    back = load("backbone")
+    print(f"Backbone (digits 0-4, default recipe): {100 * back['top1']:.2f}% test top-1, {back['seconds']:.0f} s")
+    for target in ("digits", "photos"):
+        shots: dict[str, Any] = {}
+        for name in pieces:
+            if name.startswith(target):
+                shots.update(load(name)["shots"])
+        if not shots:
+            continue
+        order = sorted(shots, key=lambda k: (k == "full", int(k) if k.isdigit() else 0))
+        methods = ["ridge", *METHODS, "linear (warm)", "linear +4 aug"]
+        print(f"\n{target}: top-1 % (wall s)\n")
+        print("| shots per class | " + " | ".join(methods) + " |")
+        print("|---|" + "---|" * len(methods))
+        for k in order:
+            cells = [
+                f"{100 * shots[k][m]['top1']:.1f} ({shots[k][m]['seconds']:.1f})" if m in shots[k] else "-"
+                for m in methods
+            ]
+            print(f"| {k} | " + " | ".join(cells) + " |")
+        if "full" in shots:
+            f = shots["full"]
+            gap = 100 * (f["full"]["top1"] - f["linear"]["top1"])
+            speed = f["full"]["seconds"] / f["linear"]["seconds"]
+            print(f"\nfull split: linear {gap:+.1f} points below full fine-tuning, {speed:.1f}x less wall time")
+    mem = [load(n) for n in pieces if n.startswith("memory-")]
+    if mem:
+        print("\n| model, batch | method | trained params | peak RSS MB | step s (median) |\n|---|---|---|---|---|")
+        for doc in mem:
+            model = f"{doc['variant']}, {doc['batch']}"
+            for method, r in doc["methods"].items():
+                print(f"| {model} | {method} | {r['trainable']:,} of {r['parameters']:,} | "
+                      f"{r['peak_rss_mb']:.0f} | {r['step_s']:.2f} |")  # fmt: skip
+            full, lora = doc["methods"]["full"], doc["methods"]["lora"]
+            print(f"| {model} | lora / full | | {lora['peak_rss_mb'] / full['peak_rss_mb']:.2f}x | "
+                  f"{lora['step_s'] / full['step_s']:.2f}x |")  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("piece", choices=["backbone", "digits", "photos", "memory", "memory-one", "features", "table"])
+    p.add_argument("args", nargs="*")
+    p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
+    p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
+    p.add_argument("--steps", type=int, default=5, help="memory: training steps per method")
+    p.add_argument("--batch", type=int, default=32, help="memory: batch size")
+    p.add_argument("--images", type=int, default=128, help="features: images to compute features of")
+    p.add_argument("--rounds", type=int, default=2, help="features: alternating rounds of fp32 and bf16")
+    p.add_argument("--json", type=Path, help="write the piece's results here (not to benchmarks/results/adaptation/)")
+    a = p.parse_args()
+    if a.piece == "backbone":
+        cmd_backbone(a.work, a.json)
+    elif a.piece == "digits":
+        cmd_digits(a.work, a.shots.split(","), a.json)
+    elif a.piece == "photos":
+        cmd_photos(a.work, a.json)
+    elif a.piece == "memory":
+        a.work.mkdir(parents=True, exist_ok=True)
+        cmd_memory(a.work, a.args[0], a.steps, a.batch, a.json)
+    elif a.piece == "features":
+        a.work.mkdir(parents=True, exist_ok=True)
+        cmd_features(a.work, a.args[0], a.images, a.rounds, a.json)
+    elif a.piece == "memory-one":
+        ckpt, data, method, steps, batch, work = a.args
+        cmd_memory_one(ckpt, data, method, int(steps), int(batch), Path(work))
+    else:
+        cmd_table()
+
+
+if __name__ == "__main__":
+    main()

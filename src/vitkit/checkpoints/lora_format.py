@@ -1,0 +1,216 @@
+"""LoRA adapters kept apart from their base checkpoint (``vitkit finetune --method lora --save-adapters``).
+
+A folder of four files::
+
+    config.json                 {"format": "vitkit-lora", "version": 1, "base": {"checkpoint", "digest",
+                                 "pos_interpolation"}, "lora": {rank, alpha, dropout, targets},
+                                 "model": {...}, "preprocess": {...}, "class_names": [...], "provenance": {...}}
+    adapter_config.json         the adapters' ``peft.LoraConfig`` (peft's own file)
+    adapter_model.safetensors   the adapters, in peft's names (``blocks.0.attn.qkv.lora_A.weight``, ...)
+    head.safetensors            what was trained besides them: the head (and pre-logits layer, if any)
+
+Loading (every command: it is a checkpoint format, ``lora``) reads the base checkpoint named in config.json
+(or ``base=``), checks that its weights are the ones the adapters were trained on (``state_digest``),
+brings it to the fine-tuned resolution and head, injects the adapters, loads them and the head, and merges
+them into the weights: the model every tool gets is a plain ViT. By hand, with peft::
+
+    base = vitkit.load_checkpoint(BASE, image_size=...).model; base.reset_head(len(class_names))
+    peft.inject_adapter_in_model(peft.LoraConfig.from_pretrained(FOLDER), base)
+    peft.set_peft_model_state_dict(base, safetensors.torch.load_file(FOLDER/"adapter_model.safetensors"))
+    base.load_state_dict(safetensors.torch.load_file(FOLDER/"head.safetensors"), strict=False)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from vitkit import fileio
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, state_digest
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.errors import CheckpointError, VitkitError
+from vitkit.models.lora import LoraSpec, adapter_state, add_lora, load_adapter_state, merge_lora
+from vitkit.models.vit import VisionTransformer, ViTConfig
+
+FORMAT = "vitkit-lora"
+VERSION = 1
+CONFIG = "config.json"
+PEFT_CONFIG = "adapter_config.json"
+ADAPTERS = "adapter_model.safetensors"
+HEAD = "head.safetensors"
+FILES = (CONFIG, PEFT_CONFIG, ADAPTERS, HEAD)
+MAX_TENSOR_VALUES = 1 << 31  # far above any adapter set or head; checked from the header before reading
+
+
+def looks_like(path: Path) -> bool:
+    cfg = path / CONFIG
+    if not (path.is_dir() and cfg.is_file()):
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def trained_rest(model: VisionTransformer) -> dict[str, torch.Tensor]:
+    """The head and pre-logits tensors: what a LoRA run trains besides the adapters."""
+    return {
+        k: v.detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+        if k.startswith(("head.", "pre_logits."))
+    }
+
+
+def save(
+    model: VisionTransformer,
+    path: str | os.PathLike[str],
+    *,
+    base: str,
+    base_digest: str,
+    spec: LoraSpec,
+    pos_interpolation: str = "bilinear",
+    preprocess: Preprocess | None = None,
+    class_names: list[str] | None = None,
+    provenance: dict[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write an adapted model (``add_lora``) as an adapter folder, atomically. ``base``: the checkpoint the
+    adapters were trained on, as ``load_checkpoint`` takes it (a local path is stored absolute);
+    ``base_digest``: its ``state_digest`` as loaded at its own resolution and head."""
+    out = Path(path)
+    fileio.check_output_dir(out, allowed=FILES, owned=looks_like, overwrite=overwrite, what="LoRA adapter folder")
+    local = Path(base)
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "base": {
+            "checkpoint": str(local.resolve()) if local.exists() else base,
+            "digest": base_digest,
+            "pos_interpolation": pos_interpolation,
+        },
+        "lora": spec.to_dict(),
+        "model": model.cfg.to_dict(),
+        "preprocess": (preprocess or Preprocess(image_size=model.cfg.image_size)).to_dict(),
+        "class_names": class_names,
+        "provenance": provenance or {},
+    }
+    adapters, rest = adapter_state(model), trained_rest(model)
+    marker = {"format": "pt", fileio.WRITER_KEY: fileio.WRITER}
+
+    def write(tmp: Path) -> None:
+        save_file(adapters, str(tmp / ADAPTERS), metadata=marker)
+        save_file(rest, str(tmp / HEAD), metadata=marker)
+        peft_doc = spec.peft_config().to_dict()
+        (tmp / PEFT_CONFIG).write_text(json.dumps(_jsonable(peft_doc), indent=2, sort_keys=True) + "\n")
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
+
+    return fileio.write_dir_atomic(out, write)
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set)):
+        return [_jsonable(v) for v in (sorted(x) if isinstance(x, set) else x)]
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    return str(x)  # enums and the like
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json of an adapter folder, its fields checked."""
+    cfg_path = path / CONFIG
+    try:
+        doc = json.loads(cfg_path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{cfg_path}: no such file") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: unreadable ({e})") from None
+    try:
+        if doc.get("format") != FORMAT:
+            raise CheckpointError(f"{cfg_path}: not a vitkit LoRA adapter folder")
+        base = doc["base"]
+        if not (isinstance(base.get("checkpoint"), str) and isinstance(base.get("digest"), str)):
+            raise CheckpointError(f'{cfg_path}: "base" must name the base checkpoint and its digest')
+        doc["_spec"] = LoraSpec.from_dict(doc["lora"])
+        doc["_cfg"] = ViTConfig.from_dict(doc["model"])
+        doc["_preprocess"] = Preprocess.from_dict(doc.get("preprocess") or {"image_size": doc["_cfg"].image_size})
+        names = doc.get("class_names")
+        if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+            raise CheckpointError(f'{cfg_path}: "class_names" must be a list of strings')
+        if not isinstance(doc.get("provenance") or {}, dict):
+            raise CheckpointError(f'{cfg_path}: "provenance" must be an object')
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, VitkitError) as e:
+        raise CheckpointError(f"{cfg_path}: invalid LoRA adapter config ({type(e).__name__}: {e})") from None
+    return doc
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, their sizes checked from the header before anything is read."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            names, total = list(f.keys()), 0
+            for k in names:
+                n = 1
+                for s in f.get_slice(k).get_shape():
+                    n *= s
+                total += n
+            if total > MAX_TENSOR_VALUES:
+                raise CheckpointError(f"{path}: {total:,} values, more than any adapter set holds")
+            return {k: f.get_tensor(k) for k in names}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
+
+
+def load(path: Path, base: str | os.PathLike[str] | None = None, *, load_base: Callable[[str], Loaded]) -> Checkpoint:
+    """The merged model of an adapter folder and its base checkpoint (``base``: another place to find it), read
+    by ``load_base`` (the package's ``load_checkpoint``, which passes itself: any format can be a base)."""
+    doc = read_config(path)
+    cfg: ViTConfig = doc["_cfg"]
+    spec: LoraSpec = doc["_spec"]
+    base_name = os.fspath(base) if base is not None else doc["base"]["checkpoint"]
+    try:
+        loaded = load_base(base_name)
+    except VitkitError as e:
+        raise CheckpointError(f"{path}: its base checkpoint {base_name} cannot be loaded ({e})") from None
+    model = loaded.model
+    if state_digest(model.state_dict()) != doc["base"]["digest"]:
+        raise CheckpointError(
+            f"{path}: the base checkpoint {base_name} is not the one these adapters were trained on (its weights "
+            "differ); name the original with base="
+        )
+    if model.cfg.image_size != cfg.image_size:
+        model.resize_image(cfg.image_size, method=doc["base"].get("pos_interpolation", "bilinear"))
+    model.reset_head(cfg.num_classes, keep_pre_logits=cfg.representation_size is not None)
+    regularisation = ("dropout", "attention_dropout", "drop_path", "name", "extra")  # training-only differences
+    got, want = ({k: v for k, v in c.to_dict().items() if k not in regularisation} for c in (model.cfg, cfg))
+    if got != want:
+        bad = next(k for k in want if got.get(k) != want[k])
+        raise CheckpointError(f"{path}: the adapted model's {bad} does not follow from its base checkpoint")
+    add_lora(model, spec)
+    load_adapter_state(model, _read_tensors(path / ADAPTERS), str(path / ADAPTERS))
+    rest, expected = _read_tensors(path / HEAD), trained_rest(model)
+    if set(rest) != set(expected) or any(rest[k].shape != v.shape for k, v in expected.items()):
+        raise CheckpointError(f"{path / HEAD}: does not hold the head of a {cfg.num_classes}-class model")
+    model.load_state_dict(rest, strict=False)
+    merge_lora(model)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    meta = CheckpointMeta(
+        format="lora",
+        source=str(path),
+        preprocess=doc["_preprocess"],
+        class_names=doc.get("class_names"),
+        provenance={**(doc.get("provenance") or {}), "base": doc["base"]["checkpoint"], "lora": spec.to_dict()},
+    )
+    return Checkpoint(cfg, state, meta)

@@ -1,0 +1,122 @@
+"""Batched forward passes over a dataset: logits and frozen pre-logits features, with a progress bar.
+
+Works with any dataset that follows vitkit's data interface: map-style (``__len__`` and ``__getitem__ ->
+(PIL image, label)``) or iterable-only (streaming shards), preprocessed with the checkpoint's
+:class:`~vitkit.checkpoints.preprocess.Preprocess` (:class:`~vitkit.data.eval_transform.EvalTransform`),
+decoded as needed (:mod:`vitkit.data.stream`) and run on the :class:`~vitkit.inference.engine.InferenceEngine`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.data.eval_transform import EvalTransform
+from vitkit.data.stream import DatasetSource, StreamBatch, stream_batches, stream_iterable
+from vitkit.errors import ConfigError, DataError
+from vitkit.hardware import resolve_device
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.jobs import calibration_sample
+from vitkit.models.vit import VisionTransformer
+
+
+def is_map_style(dataset: Any) -> bool:
+    """Whether the dataset supports ``len`` and random access (else it is streamed in order)."""
+    return hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+
+
+@dataclass
+class Extracted:
+    """Per-example outputs of :func:`extract`, in the order the examples were visited."""
+
+    labels: np.ndarray  # (N,) int64
+    indices: np.ndarray  # (N,) int64 dataset indices
+    logits: np.ndarray | None = None  # (N, K) float32
+    features: np.ndarray | None = None  # (N, R) float32, pre-logits representation
+
+
+def extract(
+    model: VisionTransformer | InferenceEngine,
+    dataset: Any,
+    preprocess: Preprocess,
+    *,
+    logits: bool = True,
+    features: bool = False,
+    batch_size: int = 64,
+    device: torch.device | str | None = "cpu",
+    indices: Sequence[int] | None = None,
+    workers: int = 0,
+    desc: str = "extract",
+    progress: bool = True,
+    precision: str = "fp32",
+    backend: str = "torch",
+    on_engine: Callable[[InferenceEngine], None] | None = None,
+) -> Extracted:
+    """Run the model over a dataset in batches, collecting logits and/or pre-logits features.
+
+    Features are the frozen representation the paper's linear probes use: the pooled token after the
+    optional pre-logits layer (``forward_head(tokens, pre_logits=True)``).
+
+    ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` built here in
+    ``precision`` (default ``fp32``: the model itself, exactly) on ``backend`` and ``device`` (``on_engine`` is
+    called with it once built), or an engine already built (``precision``, ``backend`` and ``device`` are then
+    its own). A map-style dataset is decoded by ``workers`` processes (0: this one), which start before the
+    engine is built; ``indices`` restricts it to those examples. An iterable-only dataset is streamed in order.
+    """
+    if not (logits or features):
+        raise ValueError("nothing to extract: ask for logits, features or both")
+    if not isinstance(model, InferenceEngine) and logits and model.cfg.num_classes <= 0:
+        raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
+    reference = not model.reduced_decode if isinstance(model, InferenceEngine) else precision == "fp32"
+    transform = EvalTransform(preprocess, reference=reference and backend == "torch")
+    total = None
+    batches: Iterator[StreamBatch]
+    if is_map_style(dataset):
+        total = len(dataset) if indices is None else len(indices)
+        batches = stream_batches(DatasetSource(dataset), transform, batch_size, positions=indices, workers=workers)
+    elif indices is not None:
+        raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
+    else:
+        items = ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
+        batches = stream_iterable(items, transform, batch_size)
+    engine = model
+    if not isinstance(engine, InferenceEngine):
+        dev = device if isinstance(device, torch.device) else resolve_device(device)
+        calibrate = (lambda: calibration_sample(DatasetSource(dataset), transform)) if total is not None else None
+        engine = InferenceEngine(
+            engine, preprocess, precision=precision, backend=backend, device=dev, batch_size=batch_size,
+            calibration=calibrate,
+        )  # fmt: skip
+        if on_engine is not None:
+            on_engine(engine)
+    out_logits: list[np.ndarray] = []
+    out_feats: list[np.ndarray] = []
+    out_labels: list[np.ndarray] = []
+    out_idx: list[np.ndarray] = []
+    with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not progress) as bar:
+        for b in batches:
+            out = engine.forward(b.images, logits=logits, features=features)
+            if features:
+                assert out.features is not None
+                out_feats.append(out.features.numpy())  # (B, R)
+            if logits:
+                assert out.logits is not None
+                out_logits.append(out.logits.numpy())  # (B, K)
+            out_labels.append(b.labels)
+            out_idx.append(b.positions)
+            bar.update(len(b))
+    if not out_labels:
+        raise DataError("the dataset has no examples")
+    return Extracted(
+        labels=np.concatenate(out_labels),
+        indices=np.concatenate(out_idx),
+        logits=np.concatenate(out_logits) if logits else None,
+        features=np.concatenate(out_feats) if features else None,
+    )

@@ -1,0 +1,357 @@
+"""``vitkit finetune --method linear|lp-ft|lora|full``: each a checkpoint every command loads, the linear head
+against scikit-learn, LoRA's saved forms, exact resume, and one-line errors for options that do not apply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from sklearn.linear_model import LogisticRegression
+from train_helpers import Crash, assert_same_weights, tiny_config, weights
+
+from helpers import run_cli
+from vitkit import load_checkpoint
+from vitkit.configs import TrainConfig, finetune_config
+from vitkit.data.datasets import open_dataset
+from vitkit.errors import CheckpointError
+from vitkit.inference.features import extract
+from vitkit.train import Trainer, feature_cache, train
+from vitkit.train.probe import STD_EPS
+from vitkit.train.state import list_states
+
+NAMES = ["five", "six", "seven", "eight", "nine"]  # the target task: new classes for the base's digits model
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A digits model with a pre-logits layer (which linear and lp-ft keep, and full and lora drop)."""
+    arch = {**tiny_config().model.overrides, "representation_size": 12}
+    run = tmp_path_factory.mktemp("base") / "run"
+    train(tiny_config(**{"steps": 30, "epochs": None, "model.overrides": arch}), run, progress=False)
+    return run
+
+
+@pytest.fixture(scope="module")
+def upper(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Digits 5-9 under names of their own (so every method needs a new head), as an .npz."""
+    path = tmp_path_factory.mktemp("data") / "upper.npz"
+    arrays: dict[str, Any] = {"classes": np.asarray(NAMES)}
+    for split in ("train", "test"):
+        ds = open_dataset("digits", split)
+        keep = ds.labels >= 5
+        arrays[f"{split}_images"], arrays[f"{split}_labels"] = ds.images[keep], ds.labels[keep] - 5
+    np.savez(path, **arrays)
+    return path
+
+
+def adapt_config(base: Path, data: Path, method: str, cache: Path, **changes: Any) -> TrainConfig:
+    cfg = finetune_config(str(base), str(data), "finetune-small", (8, 8), method=method)
+    small = {"data.batch_size": 64, "data.workers": 0, "data.eval_batch_size": 512, "steps": 6}
+    small |= {"optim.warmup_steps": 1, "checkpoint_every_steps": 2, "log_every_steps": 1}
+    return cfg.override(**(small | {"adapt.feature_cache": str(cache)} | changes))
+
+
+METHODS = {
+    "linear": ("linear", {}),
+    "lp-ft": ("lp-ft", {}),
+    "lora": ("lora", {"adapt.lora_rank": 4}),
+    "lora-adapters": ("lora", {"adapt.lora_rank": 4, "adapt.save_adapters": True}),
+    "full": ("full", {}),
+}
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_every_method_gives_a_checkpoint_every_command_loads(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    method, extra = METHODS[name]
+    run = tmp_path / "run"
+    result = train(adapt_config(base, upper, method, tmp_path / "cache", **extra), run, progress=False)
+    assert result.step == (0 if method == "linear" else 6)
+    loaded = load_checkpoint(run)
+    assert loaded.meta.class_names == NAMES and loaded.meta.preprocess.grayscale
+    assert loaded.meta.format == ("lora" if name == "lora-adapters" else "vitkit")
+    assert loaded.meta.provenance["method"] == method
+    # the head conventions: linear and lp-ft keep the pre-logits layer their head was fitted on
+    assert loaded.model.cfg.representation_size == (12 if method in ("linear", "lp-ft") else None)
+    assert set(loaded.model.state_dict()) == set(load_checkpoint(base).model.state_dict()) - (
+        set() if method in ("linear", "lp-ft") else {"pre_logits.0.weight", "pre_logits.0.bias"}
+    )  # a plain ViT: no adapter names left
+    # eval: the accuracy the run reported
+    code, out, err = run_cli(capsys, "eval", str(run), "--data", str(upper), "--out", str(tmp_path / "e"), "--json")
+    assert code == 0, err
+    assert json.loads(out)["top1"] == pytest.approx(result.final_top1, abs=1e-9)
+    # predict: class names as labels
+    img = tmp_path / "x.png"
+    Image.fromarray(open_dataset("digits", "test").images[0]).save(img)
+    code, out, err = run_cli(capsys, "predict", "-c", str(run), str(img), "--json", "--top-k", "3")
+    assert code == 0, err
+    assert {t["label"] for t in json.loads(out)["top"]} <= set(NAMES)
+    # serve's engine
+    from vitkit.serve.engine import ServedModel
+
+    served = ServedModel.from_checkpoint(run, precision="fp32", fast=False)
+    assert served.class_names == NAMES
+    x = torch.randn(2, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(served.probabilities(x), loaded.model(x).softmax(-1))
+    # export
+    code, out, err = run_cli(capsys, "export", str(run), str(tmp_path / "m.onnx"))
+    assert code == 0 and "max abs err" in out, err
+
+
+def _features(model: Path, data: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
+    loaded = load_checkpoint(model)
+    out = extract(
+        loaded.model, open_dataset(data, split), loaded.meta.preprocess, logits=False, features=True, progress=False
+    )
+    assert out.features is not None
+    return out.features.astype(np.float64), out.labels
+
+
+@pytest.mark.parametrize("l2", [1e-2, None])
+def test_linear_head_equals_sklearn_logistic_regression(
+    base: Path, upper: Path, tmp_path: Path, l2: float | None
+) -> None:
+    """The fitted head against scikit-learn's LogisticRegression on the same pre-logits features (computed here
+    by ``extract`` on the base checkpoint, apart from the run's cache), standardised as the run does, with the
+    same regularisation: l2 = 1 / (C N)."""
+    result = train(
+        adapt_config(base, upper, "linear", tmp_path / "cache", **{"adapt.l2": l2}), tmp_path / "r", progress=False
+    )
+    probe = json.loads((tmp_path / "r" / "probe.json").read_text())
+    assert probe["l2_mode"] == ("fixed" if l2 else "auto")
+    chosen = probe["l2"]
+    x, y = _features(base, upper, "train")
+    mean, std = x.mean(0), x.std(0) + STD_EPS
+    ref = LogisticRegression(C=1.0 / (chosen * len(y)), tol=1e-12, max_iter=20_000).fit((x - mean) / std, y)
+    head = load_checkpoint(tmp_path / "r").model.head
+    coef = head.weight.detach().double().numpy() * std  # the model's head, unfolded
+    np.testing.assert_allclose(coef, ref.coef_, atol=2e-4 * np.abs(ref.coef_).max())
+    xt, yt = _features(tmp_path / "r", upper, "test")  # the run's model: its pre-logits features are the base's
+    logits = torch.from_numpy(xt).float() @ head.weight.detach().T + head.bias.detach()
+    proba = logits.double().softmax(-1).numpy()
+    np.testing.assert_allclose(proba, ref.predict_proba((xt - mean) / std), atol=2e-4)
+    assert result.final_top1 == pytest.approx(np.mean(proba.argmax(1) == yt))
+    assert result.final_top1 > 0.5  # chance is 0.1
+
+
+def test_linear_resumes_from_the_chunks_an_interrupted_run_stored(
+    base: Path, upper: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(feature_cache, "CHUNK", 200)
+    n_train, n_test = (len(open_dataset(upper, split)) for split in ("train", "test"))
+    assert 600 < n_train < 800 and n_test <= 200  # 4 training chunks, 1 test chunk
+    calls: list[int] = []
+    real = feature_cache.extract
+
+    def extract_then_crash(*args: Any, **kwargs: Any) -> Any:
+        calls.append(len(kwargs["indices"]))
+        if len(calls) == 3:
+            raise Crash
+        return real(*args, **kwargs)
+
+    ref = train(adapt_config(base, upper, "linear", tmp_path / "ref-cache"), tmp_path / "ref", progress=False)
+    monkeypatch.setattr(feature_cache, "extract", extract_then_crash)
+    cfg = adapt_config(base, upper, "linear", tmp_path / "cache", **{"adapt.feature_epochs": 1})
+    with pytest.raises(Crash):
+        train(cfg, tmp_path / "cut", progress=False)
+    calls.clear()
+    monkeypatch.setattr(feature_cache, "extract", real)
+    monkeypatch.setattr(feature_cache, "extract", lambda *a, **k: calls.append(len(k["indices"])) or real(*a, **k))
+    resumed = train(resume=tmp_path / "cut", progress=False)
+    last = n_train - 600
+    assert calls == [200, last, 200, 200, 200, last, n_test]  # the clean pass's chunks 3-4 (1-2 came from the
+    # cache), the augmented pass, the test split
+    again = train(cfg, tmp_path / "whole", progress=False)  # from scratch, every chunk from the cache
+    assert_same_weights(weights(tmp_path / "cut" / "model"), weights(tmp_path / "whole" / "model"))
+    assert resumed.final_top1 == again.final_top1
+    assert ref.final_top1 is not None  # (without the augmented pass: another fit, another key)
+
+
+def _crash_at(step: int) -> Any:
+    def hook(trainer: Trainer, rec: dict[str, float]) -> None:
+        if trainer.step == step:
+            raise Crash
+
+    return hook
+
+
+@pytest.mark.parametrize("method", ["lp-ft", "lora"])
+def test_resume_after_a_crash_equals_the_uninterrupted_run(
+    base: Path, upper: Path, tmp_path: Path, method: str
+) -> None:
+    extra = {"adapt.lora_rank": 4, "adapt.lora_dropout": 0.1} if method == "lora" else {}
+    cfg = adapt_config(base, upper, method, tmp_path / "cache", **extra)
+    ref = train(cfg, tmp_path / "ref", progress=False)
+    trainer = Trainer(cfg, tmp_path / "cut", progress=False)
+    with pytest.raises(Crash):
+        trainer.fit(on_step=_crash_at(5))
+    trainer.close()
+    assert [s for s, _ in list_states(tmp_path / "cut" / "checkpoints")] == [2, 4]
+    resumed = train(resume=tmp_path / "cut", progress=False)
+    assert resumed.steps[0]["step"] == 5
+    assert [r["loss"] for r in resumed.steps] == [r["loss"] for r in ref.steps[4:]]
+    assert_same_weights(weights(tmp_path / "ref" / "model"), weights(tmp_path / "cut" / "model"))
+
+
+def test_lp_ft_starts_from_the_linear_head_and_resumes_before_its_first_state(
+    base: Path, upper: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lin = train(adapt_config(base, upper, "linear", tmp_path / "cache"), tmp_path / "lin", progress=False)
+    cfg = adapt_config(base, upper, "lp-ft", tmp_path / "cache")
+    with Trainer(cfg, tmp_path / "probe", progress=False) as t:
+        t._linear_probe_head()
+        head = {k: v.clone() for k, v in t.net.head.state_dict().items()}
+    linear_head = load_checkpoint(tmp_path / "lin").model.head.state_dict()
+    assert_same_weights(head, linear_head)  # stage 1 is the linear method's head, from the same features
+    first_loss = train(cfg, tmp_path / "ref", progress=False).steps[0]["loss"]
+    assert abs(first_loss - np.log(5)) > 0.01  # a zero head's uniform guess would cost log(5) exactly
+    assert json.loads((tmp_path / "ref" / "probe.json").read_text())["method"] == "lp-ft"
+    assert lin.final_top1 is not None
+
+    def crash(*args: Any, **kwargs: Any) -> Any:
+        raise Crash
+
+    monkeypatch.setattr(feature_cache, "extract", crash)
+    cfg2 = cfg.override(**{"adapt.feature_cache": str(tmp_path / "cold")})
+    with pytest.raises(Crash):
+        train(cfg2, tmp_path / "cut", progress=False)
+    monkeypatch.undo()
+    train(resume=tmp_path / "cut", progress=False)  # no training state yet: starts over from config.json
+    assert_same_weights(weights(tmp_path / "ref" / "model"), weights(tmp_path / "cut" / "model"))
+
+
+def test_lora_trains_only_adapters_and_head_and_saves_them_apart(base: Path, upper: Path, tmp_path: Path) -> None:
+    """bf16: on an AVX-512 BF16 CPU the training kernels' GEMMs are on, and the adapters still train."""
+    extra = {"adapt.lora_rank": 4, "precision": "bf16", "optim.lr": 0.1}
+    train(adapt_config(base, upper, "lora", tmp_path / "c", **extra), tmp_path / "merged", progress=False)
+    cfg = adapt_config(base, upper, "lora", tmp_path / "c", **extra, **{"adapt.save_adapters": True})
+    train(cfg, tmp_path / "apart", progress=False)
+    state = {k[len("model/") :]: v for k, v in _last_state(tmp_path / "apart").items() if k.startswith("model/")}
+    start = load_checkpoint(base).model.state_dict()
+    for name, value in state.items():
+        if ".base_layer." in name:  # frozen: exactly the pretrained weights
+            assert torch.equal(value, start[name.replace(".base_layer", "")]), name
+    assert any(".lora_B." in n and v.abs().max() > 0 for n, v in state.items())  # B started at zero
+    folder = tmp_path / "apart" / "model"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        ["config.json", "adapter_config.json", "adapter_model.safetensors", "head.safetensors"]
+    )
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == 4  # peft's own config file
+    apart, merged = load_checkpoint(folder), load_checkpoint(tmp_path / "merged")
+    for k, v in merged.model.state_dict().items():  # the same training, saved two ways
+        torch.testing.assert_close(apart.model.state_dict()[k], v, rtol=1e-6, atol=1e-6)
+
+
+def test_adapters_refuse_a_base_that_changed(base: Path, upper: Path, tmp_path: Path) -> None:
+    import shutil
+
+    copy = tmp_path / "base"
+    shutil.copytree(base, copy)
+    cfg = adapt_config(copy, upper, "lora", tmp_path / "c", **{"adapt.save_adapters": True, "steps": 2})
+    train(cfg, tmp_path / "r", progress=False)
+    load_checkpoint(tmp_path / "r")  # fine while the base is as it was
+    loaded = load_checkpoint(copy)
+    with torch.no_grad():
+        loaded.model.blocks[0].mlp.fc1.weight.add_(0.01)
+    from vitkit.checkpoints import vitkit_format
+
+    vitkit_format.save(loaded.model, copy / "model", preprocess=loaded.meta.preprocess,
+                       class_names=loaded.meta.class_names, overwrite=True)  # fmt: skip
+    with pytest.raises(CheckpointError, match="not the one these adapters were trained on"):
+        load_checkpoint(tmp_path / "r")
+
+
+def _last_state(run: Path) -> dict[str, torch.Tensor]:
+    from vitkit.train.state import read_state
+
+    return read_state(list_states(run / "checkpoints")[-1][1])[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--method", "linear", "--lora-rank", "4"], "--lora-rank applies to --method lora, not --method linear"),
+        (["--method", "lora", "--l2", "0.1"], "--l2 applies to --method linear or lp-ft, not --method lora"),
+        (["--save-adapters"], "--save-adapters applies to --method lora, not --method full"),
+        (["--method", "lora", "--feature-precision", "bf16"], "--feature-precision applies to --method linear or"),
+        (["--method", "linear", "--precision", "bf16"], "--feature-precision the precision of its features"),
+        (["--method", "linear", "--lr", "0.1"], "--lr does not apply to --method linear"),
+        (["--method", "linear", "--steps", "5"], "--steps does not apply to --method linear"),
+        (["--method", "lora", "--lora-targets", "qkv,head"], "argument --lora-targets: head: choose from qkv"),
+        (["--method", "lora", "--lora-dropout", "1"], "argument --lora-dropout: must be in [0, 1)"),
+        (["--method", "lora", "--lora-rank", "0"], "argument --lora-rank: must be positive"),
+        (["--method", "linear", "--l2", "-1"], "argument --l2: must be positive"),
+        (["--method", "probe"], "argument --method: invalid choice"),
+        (["--method", "lora", "--set", "adapt.lora_alpha=0"], "adapt.lora_alpha must be a positive number"),
+    ],
+)
+def test_bad_options_are_one_line(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    code, _, err = run_cli(capsys, "finetune", str(base), "--data", str(upper), "--out", str(tmp_path / "r"), *argv)
+    assert code == 2 and needle in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_finetune_command_linear_then_another_l2_reuses_the_features(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = [str(base), "--data", str(upper), "--method", "linear", "--feature-cache", str(tmp_path / "cache")]
+    code, out, err = run_cli(capsys, "finetune", *common, "--out", str(tmp_path / "a"), "--quiet")
+    assert code == 0, err
+    assert "linear head: l2" in out and "test accuracy:" in out and "own 8x8 px features" in err
+    code, out, err = run_cli(capsys, "finetune", *common, "--l2", "0.5", "--out", str(tmp_path / "b"), "--quiet")
+    assert code == 0 and "l2 0.5 (fixed)" in out, err
+    chunks = sorted((tmp_path / "cache").glob("*/chunk-*.safetensors"))
+    assert len(chunks) == 2  # train and test, computed once and read back by the second run
+    a, b = load_checkpoint(tmp_path / "a").model, load_checkpoint(tmp_path / "b").model
+    assert not torch.equal(a.head.weight, b.head.weight)
+    assert_same_weights(
+        {k: v for k, v in a.state_dict().items() if not k.startswith("head.")},
+        {k: v for k, v in b.state_dict().items() if not k.startswith("head.")},
+    )  # the backbone is the checkpoint's, untouched
+
+
+def test_a_feature_cache_others_can_write_is_refused_before_any_work(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A head is fitted on whatever the cache holds: like vitkit's download cache, a folder another user could
+    change is refused (one line naming it), and a new one is created private (0700)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by everyone, no sticky bit
+    argv = [str(base), "--data", str(upper), "--method", "linear", "--quiet"]
+    code, _, err = run_cli(capsys, "finetune", *argv, "--feature-cache", str(shared), "--out", str(tmp_path / "r"))
+    assert code == 2 and "feature cache" in err and str(shared) in err and "others" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "r").exists() and not any(shared.iterdir())
+    code, _, err = run_cli(capsys, "finetune", *argv, "--feature-cache", str(tmp_path / "new" / "cache"),
+                           "--out", str(tmp_path / "r2"))  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "new" / "cache").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_linear_on_features_of_the_fast_path(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], precision: str
+) -> None:
+    """--feature-precision bf16 / int8: the head is fitted on the fast path's features (cached under their own
+    key) and classifies about as well as on the fp32 ones."""
+    common = [str(base), "--data", str(upper), "--method", "linear", "--feature-cache", str(tmp_path / "c"), "--quiet"]
+    code, _, err = run_cli(capsys, "finetune", *common, "--out", str(tmp_path / "fp32"))
+    assert code == 0, err
+    code, _, err = run_cli(capsys, "finetune", *common, "--feature-precision", precision, "--out", str(tmp_path / "b"))
+    assert code == 0, err
+    keys = [json.loads(p.read_text())["precision"] for p in (tmp_path / "c").glob("*/key.json")]
+    assert sorted(keys) == sorted([precision, precision, "fp32", "fp32"])  # train and test splits, each precision
+    acc32, acc16 = (json.loads((tmp_path / r / "probe.json").read_text())["val_top1"] for r in ("fp32", "b"))
+    assert acc16 == pytest.approx(acc32, abs=0.03) and acc16 > 0.5
+    assert load_checkpoint(tmp_path / "b").meta.class_names == NAMES
