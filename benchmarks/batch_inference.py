@@ -1,5 +1,5 @@
-"""End-to-end batch inference against the engine's offline speed: feeds BENCHMARKS.md, "Batch inference:
-`vitkit eval` and `vitkit predict` end to end".
+"""Feeds the table "Batch inference: `vitkit eval` and `vitkit predict` end to end" of BENCHMARKS.md
+(``python benchmarks/run_all.py batch_inference``).
 
 An ImageFolder of photo-sized JPEGs (``--images``, default 2,000: crops of about 500 x 375 of scikit-learn's two
 sample photos, shifted, scaled and mirrored at random, 10 class folders) and random-weight checkpoints in
@@ -16,12 +16,16 @@ step runs as its own process, timed from process start to exit:
   sampled every second (only in this step: reading /proc/PID/smaps_rollup takes the process's memory-map lock),
   against the checkpoint's size.
 
-Results accumulate in ``--json`` (one entry per model and step, replaced when run again), so the steps can run
-in pieces of a few minutes each on a shared machine, e.g.::
+The memory step runs for ``--memory-model`` only (default S/16 in int8, the fastest: the bound is about the
+number of images, not the model). Results accumulate in ``WORK/results.json`` (one entry per model and step,
+replaced when run again), so the steps can run in pieces of a few minutes each on a shared machine, e.g.::
 
     flock /tmp/vitkit-cpu.lock python benchmarks/batch_inference.py --work /tmp/bi --models S/16 \
         --steps bench eval predict
     python benchmarks/batch_inference.py --work /tmp/bi --report
+
+``--json FILE`` also writes them, with the table, to FILE (what ``run_all.py`` keeps); without ``--work`` the
+photos, checkpoints and outputs go to a temporary folder removed at the end.
 """
 
 from __future__ import annotations
@@ -156,7 +160,6 @@ def cpu_name() -> str:
 
 def auto_precision() -> str:
     """What ``--precision auto`` picks on this machine (the engine's own rule, a GEMM timed now)."""
-    sys.path.insert(0, str(ROOT / "src"))
     from vitkit.inference.engine import resolve_precision
 
     return resolve_precision("auto")
@@ -254,10 +257,15 @@ def report(doc: dict[str, Any]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--work", type=Path, required=True, help="folder for the photos, checkpoints and outputs")
+    p.add_argument(
+        "--work",
+        type=Path,
+        help="folder for the photos, checkpoints and outputs, kept (default: a temporary folder, removed at the end)",
+    )
     p.add_argument("--images", type=int, default=2000, help="photos in the ImageFolder (default 2000)")
     p.add_argument("--memory-images", type=int, default=20000, help="images of the memory step (default 20000)")
     p.add_argument("--memory-precision", default="int8", help="precision of the memory step (default int8: fastest)")
+    p.add_argument("--memory-model", default="S/16", help="the model of the memory step (default S/16)")
     p.add_argument("--models", nargs="+", default=["S/16", "B/16"])
     p.add_argument("--steps", nargs="+", choices=STEPS, default=[])
     p.add_argument("--batch-size", type=int, default=32)
@@ -268,13 +276,26 @@ def main() -> None:
     )
     p.add_argument("--repeats", type=int, default=5, help="vitkit bench's timed calls")
     p.add_argument("--report", action="store_true", help="print the BENCHMARKS.md table of what --work holds")
+    p.add_argument("--json", type=Path, help="also write the results and the table to this file")
     args = p.parse_args()
-    args.work.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(ROOT / "src"))  # this checkout's vitkit, as the commands it runs (env())
+    if args.work is None:
+        with tempfile.TemporaryDirectory(prefix="vitkit-batch-") as tmp:
+            args.work = Path(tmp)
+            run(args)
+    else:
+        args.work.mkdir(parents=True, exist_ok=True)
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     results = args.work / "results.json"
     if not (args.work / "photos" / "test").is_dir():
         make_photos(args.work / "photos", args.images)
     for model in args.models:
         for step in args.steps:
+            if step == "memory" and model != args.memory_model:
+                continue
             res = run_step(step, model, args.work, args)
             doc = load(results)
             key = f"{model} --precision {args.precision}" if args.precision else model
@@ -288,6 +309,9 @@ def main() -> None:
                   flush=True)  # fmt: skip
     if args.report:
         print(report(load(results)))
+    if args.json:
+        doc = load(results)
+        args.json.write_text(json.dumps({**doc, "table": report(doc)}, indent=1))
 
 
 if __name__ == "__main__":

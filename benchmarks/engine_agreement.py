@@ -1,17 +1,19 @@
-"""Top-1 agreement of the engine's precisions with fp32 on trained models: feeds BENCHMARKS.md, "Batch
-inference ... agreement with fp32".
+"""Feeds the table "Batch inference: agreement with fp32 on trained models" of BENCHMARKS.md
+(``python benchmarks/run_all.py engine_agreement``): top-1 agreement of the engine's precisions with fp32
+through ``vitkit predict``.
 
 Random weights give no meaningful top-1 (nearly every image is a tie), so this runs trained checkpoints: each
 ``--run`` (a ``vitkit train`` run folder) goes through ``vitkit predict --data DATA --split SPLIT --precision P``
 for fp32 (the checkpoint's own model, the reference), bf16 and int8 (the fast path) and auto, and the rows are
-compared: accuracy against the dataset's labels, its change from fp32, and top-1 agreement with fp32. The two
-runs of BENCHMARKS.md were trained here with::
+compared: accuracy against the dataset's labels, its change from fp32, and top-1 agreement with fp32. Without
+``--run`` the two runs are trained first (into ``--work/runs``, kept and reused there) by::
 
     vitkit train --out /tmp/agree/digits                                     # the default job
     vitkit train --out /tmp/agree/b16 --image-size 64 --epochs 8 --batch-size 64 --lr 5e-4 \\
         --set model.name=B/16 --set 'model.overrides={}' --set ema_decay=null
 
-then::
+(``--digits-epochs`` / ``--b16-epochs`` shorten them for a smoke run); the runs of BENCHMARKS.md were compared
+by::
 
     python benchmarks/engine_agreement.py --run /tmp/agree/digits /tmp/agree/b16 --data digits --split test
 """
@@ -43,15 +45,38 @@ def predictions(run: Path, data: str, split: str, precision: str, work: Path) ->
     return [r["classes"][0] for r in rows], note.removeprefix("note: engine: ")
 
 
+def train_runs(work: Path, digits_epochs: int | None, b16_epochs: int) -> list[Path]:
+    """The default digits job and a briefly trained B/16 (the commands of the docstring), trained into
+    ``work`` unless already there."""
+    jobs = {
+        "digits": [] if digits_epochs is None else ["--epochs", str(digits_epochs)],
+        "b16": ["--image-size", "64", "--epochs", str(b16_epochs), "--batch-size", "64", "--lr", "5e-4",
+                "--set", "model.name=B/16", "--set", "model.overrides={}", "--set", "ema_decay=null"],
+    }  # fmt: skip
+    runs = []
+    for name, argv in jobs.items():
+        run = work / name
+        if not (run / "model").is_dir():
+            cmd = [sys.executable, "-m", "vitkit", "train", "--out", str(run), "--quiet", *argv]
+            env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+            subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
+        runs.append(run)
+    return runs
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run", type=Path, nargs="+", required=True, help="trained run folders (or checkpoints)")
+    p.add_argument("--run", type=Path, nargs="+", help="trained run folders or checkpoints (default: train two)")
+    p.add_argument("--digits-epochs", type=int, help="without --run: epochs of the digits job (default: recipe's)")
+    p.add_argument("--b16-epochs", type=int, default=8, help="without --run: epochs of the B/16 run (default 8)")
     p.add_argument("--data", default="digits")
     p.add_argument("--split", default="test")
     p.add_argument("--work", type=Path, default=Path("/tmp/engine-agreement"))
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.run is None:
+        args.run = train_runs(args.work / "runs", args.digits_epochs, args.b16_epochs)
     sys.path.insert(0, str(ROOT / "src"))
     from vitkit.data.datasets import open_dataset
 

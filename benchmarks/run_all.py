@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PY = sys.executable
 BENCH = [PY, "-m", "vitkit", "bench"]
+BATCH_STEPS = ["bench", "eval", "predict", "eval-old", "predict-old", "memory"]
 
 
 def cpu_flags() -> set[str]:
@@ -208,6 +209,45 @@ TABLES = [
         [[PY, "benchmarks/input_pipeline.py", "--images", "40", "--sizes", "224", "--rounds", "2", "--steps", "2"]],
     ),
     Table(
+        "batch_inference",
+        "Batch inference: vitkit eval and predict end to end against vitkit bench, the old defaults, and memory",
+        [
+            [PY, "benchmarks/batch_inference.py", "--models", "S/16", "B/16", "--steps", *BATCH_STEPS],
+        ],
+        [
+            [
+                PY,
+                "benchmarks/batch_inference.py",
+                "--images",
+                "64",
+                "--memory-images",
+                "300",
+                "--models",
+                "Ti/16",
+                "--memory-model",
+                "Ti/16",
+                "--batch-size",
+                "8",
+                "--repeats",
+                "2",
+                "--steps",
+                *BATCH_STEPS,
+            ],
+        ],
+    ),
+    Table(
+        "engine_agreement",
+        "Batch inference: top-1 agreement of bf16, int8 and auto with fp32 through vitkit predict on trained runs",
+        [[PY, "benchmarks/engine_agreement.py"]],
+        [[PY, "benchmarks/engine_agreement.py", "--digits-epochs", "2", "--b16-epochs", "1"]],
+    ),
+    Table(
+        "validation_pass",
+        "Batch inference: a training run's validation pass on the inference engine against the model itself",
+        [[PY, "benchmarks/validation_pass.py"]],
+        [[PY, "benchmarks/validation_pass.py", "--images", "32", "--repeats", "1", "--models", "Ti/16"]],
+    ),
+    Table(
         "serving",
         "Serving under load: throughput and latency of vitkit serve against offline batches",
         [[PY, "benchmarks/serve_load.py"]],
@@ -259,6 +299,13 @@ TABLES = [
             ],
         ],
         [[*BENCH, "Ti/16", "--device", "cuda", "--batch-size", "8", "--repeats", "2", "--compare", "transformers"]],
+        has_gpu,
+    ),
+    Table(
+        "gpu_report",
+        "GPU: vitkit against timm and transformers (B/16, S/16; inference and training; eager and compiled)",
+        [[PY, "benchmarks/gpu_report.py"]],
+        [[PY, "benchmarks/gpu_report.py", "--quick"]],
         has_gpu,
     ),
 ]

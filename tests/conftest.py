@@ -7,6 +7,19 @@ from pathlib import Path
 import pytest
 import torch
 
+GPU_SKIP = "gpu: needs a CUDA device (torch.cuda.is_available() is False here)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` (and the CUDA cases of ``helpers.DEVICES``) run where CUDA is available and are
+    skipped, with the reason in pytest's summary, everywhere else."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=GPU_SKIP)
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
 
 @pytest.fixture(autouse=True)
 def _seed() -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -10,11 +11,27 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vitkit import hardware
 from vitkit.inference import gemm_int8, int8
 from vitkit.models import VisionTransformer, create_model
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SRC = Path(__file__).parents[1] / "src"
+
+# ``@pytest.mark.parametrize("device", DEVICES)``: a behaviour test on every device there can be; the CUDA case is
+# marked ``gpu`` and skipped (saying why) without CUDA (conftest.py)
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+@contextmanager
+def full_fp32() -> Iterator[None]:
+    """fp32 matmuls and convolutions in full precision on CUDA (no TF32) while inside, as on the CPU: for tests
+    that compare the GPU with the CPU to fp32 rounding (PyTorch computes cuDNN convolutions in TF32 by default)."""
+    previous = hardware.use_tf32(torch.device("cpu"), enabled=False)
+    try:
+        yield
+    finally:
+        hardware.restore_tf32(previous)
 
 
 def file_modes(root: Path) -> dict[str, str]:

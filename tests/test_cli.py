@@ -204,10 +204,41 @@ def test_train_notes_emulated_bf16(
     from vitkit import hardware
 
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": native)
-    argv = ["train", "--precision", "bf16", "--steps", "1", "--quiet", "--out", str(tmp_path / "r")]
+    # the note is about CPUs: the run is pinned to one, whatever else this machine has
+    argv = [
+        "train",
+        "--precision",
+        "bf16",
+        "--set",
+        "device=cpu",
+        "--steps",
+        "1",
+        "--quiet",
+        "--out",
+        str(tmp_path / "r"),
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert ("no bf16 instructions" in err) is not native
+
+
+def test_no_emulated_bf16_note_when_auto_means_a_gpu(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With CUDA present "auto" trains on the GPU, and a CPU without bf16 instructions is no reason for a note
+    (CUDA faked: only the decision is under test, nothing runs on it)."""
+    import torch
+
+    from vitkit import hardware
+    from vitkit.commands.args import note_emulated_bf16
+
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": torch.device(device).type == "cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    note_emulated_bf16("auto", "advice")
+    note_emulated_bf16("cuda", "advice")
+    assert capsys.readouterr().err == ""
+    note_emulated_bf16("cpu", "advice")
+    assert "no bf16 instructions" in capsys.readouterr().err
 
 
 def test_a_bad_set_value_is_one_line_naming_the_key(capsys: pytest.CaptureFixture[str]) -> None:

@@ -35,7 +35,7 @@ class DistInfo:
     world: int = 1
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    backend: str | None = None  # None: a single process, no process group
+    backend: str | None = None  # None: no process group (a single process not started by torchrun)
     local_world: int = 1  # processes on this machine (they share its cores)
 
     @property
@@ -49,13 +49,22 @@ class DistInfo:
         return self.rank == 0
 
 
+def launched_by_torchrun() -> bool:
+    """Whether torchrun (or a launcher setting its variables) started this process: WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT all set."""
+    return all(k in os.environ for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def setup(device: str = "auto") -> DistInfo:
-    """Join the process group torchrun set up (if any) and pick this process's device."""
+    """Join the process group torchrun set up (if any) and pick this process's device.
+
+    Under torchrun the group is formed and the model wrapped (``wrap``) even for one process
+    (``--nproc_per_node 1``): DDP or FSDP2 over NCCL then runs on a single GPU, as the strategy was asked for."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = resolve_device(device, local_rank)
-    if world <= 1:
+    if world < 1 or (world == 1 and not launched_by_torchrun()):
         return DistInfo(device=dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     if dev.type == "cuda":
@@ -69,7 +78,7 @@ def setup(device: str = "auto") -> DistInfo:
 def teardown(info: DistInfo, clean: bool = True) -> None:
     """Leave the process group: together after a clean finish (no process exits while another still talks
     to it); at once after an error, so that the peers' pending collectives fail instead of hanging."""
-    if info.enabled and dist.is_initialized():
+    if info.backend is not None and dist.is_initialized():
         if clean:
             dist.barrier()
         dist.destroy_process_group()

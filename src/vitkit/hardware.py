@@ -116,10 +116,20 @@ def has_tf32(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
-def use_tf32(device: torch.device) -> str:
-    """fp32 matmuls on TF32 tensor cores where ``device`` has them (PyTorch's default is full fp32); returns the
-    previous ``torch.get_float32_matmul_precision()``, to put back when done."""
-    previous = torch.get_float32_matmul_precision()
-    if has_tf32(device):
+def use_tf32(device: torch.device, enabled: bool = True) -> tuple[str, bool]:
+    """fp32 matmuls on TF32 tensor cores where ``device`` has them (PyTorch's default is full fp32); with
+    ``enabled`` False, full fp32 for matmuls and cuDNN convolutions too (PyTorch lets cuDNN use TF32 by default).
+    Returns the previous settings, for :func:`restore_tf32` when done."""
+    previous = torch.get_float32_matmul_precision(), bool(torch.backends.cudnn.allow_tf32)
+    if not enabled:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+    elif has_tf32(device):
         torch.set_float32_matmul_precision("high")
     return previous
+
+
+def restore_tf32(previous: tuple[str, bool]) -> None:
+    """Put back the settings :func:`use_tf32` returned."""
+    torch.set_float32_matmul_precision(previous[0])
+    torch.backends.cudnn.allow_tf32 = previous[1]

@@ -37,6 +37,18 @@ def test_bench_default_precision_is_bf16_only_with_bf16_hardware(
     assert ("vitkit [bf16]" if native else "vitkit [fp32]") in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bench_train_default_precision_is_autocast_with_bf16_hardware(
+    native: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A training step has no pure-bf16 runner: without --precision it was refused wherever bf16 is native (every
+    CUDA GPU, CPUs with AVX512_BF16)."""
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": native)
+    argv = ["bench", "Ti/16", "--image-size", "32", "--batch-size", "2", "--repeats", "1", "--no-latency"]
+    assert main([*argv, "--task", "train"]) == 0
+    assert ("[bf16-autocast]" if native else "[fp32]") in capsys.readouterr().out
+
+
 def test_bench_sweep_plots_the_cost_curve(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png = tmp_path / "curve.png"
     argv = ["bench", "Ti/16", "--image-size", "32", "48", "--batch-size", "2", "--repeats", "1", "--no-latency"]

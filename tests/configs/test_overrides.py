@@ -65,7 +65,7 @@ def test_the_python_api_checks_types_too() -> None:
         ({"epochs": "3"}, "epochs: expected a number, got '3'"),
         ({"data.image_size": "224"}, "data.image_size: expected a list, got '224'"),
         ({"model.overrides": "depth=2"}, "model.overrides: expected an object, got 'depth=2'"),
-        ({"precision": "fp16"}, "precision: 'fp16' is not one of 'fp32', 'bf16'"),
+        ({"precision": "fp16"}, "precision: 'fp16' is not one of 'fp32', 'bf16', 'auto'"),
         ({"model.overrides.depth": "two"}, "model.overrides.depth: expected an integer, got 'two'"),
     ],
 )

@@ -238,10 +238,10 @@ def test_images_decoded_at_once_stay_within_batch_and_prefetch(
     decoded = multiprocessing.get_context("fork").Value("i", 0)
     original = eval_transform.EvalTransform.__call__
 
-    def counting(self: Any, img: Any) -> torch.Tensor:
+    def counting(self: Any, img: Any, name: str = "image") -> torch.Tensor:
         with decoded.get_lock():
             decoded.value += 1
-        return original(self, img)
+        return original(self, img, name)
 
     monkeypatch.setattr(eval_transform.EvalTransform, "__call__", counting)
     written, held = [0], []
@@ -424,3 +424,62 @@ def test_python_api_generator_in_generator_out_and_list_in_list_out(tmp_path: Pa
         vitkit.predict(ckpt, [files[0], str(bad)])
     marked = vitkit.predict(ckpt, [files[0], str(bad)], skip_bad=True)
     assert marked[1].top == [] and "bad.png" in (marked[1].error or "") and marked[0].error is None
+
+
+# ---- size bounds on the streaming path ----------------------------------------------------------------
+
+
+def _jpeg_bytes(size: tuple[int, int]) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 2, 3)).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # the reference full decode; the reduced JPEG decode
+def test_a_line_of_pixels_is_one_line_naming_the_file_on_every_path(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, precision: str
+) -> None:
+    """A centre-crop checkpoint refuses a 30000x1 JPEG in predict, eval and fewshot with one line naming the
+    file (exit 2), streamed through decoding workers; on the fast path from the JPEG's header alone (a copy cut
+    after its header, which no decoder can read, gets the same line, not a decode error). With --skip-bad it is
+    a failed row."""
+    model = randomize_(create_model("Ti/16", patch_size=8, image_size=16, hidden_size=32, depth=1, num_heads=2,
+                                    mlp_dim=32, num_classes=3))  # fmt: skip
+    pre = Preprocess(image_size=16, resize="crop", crop_pct=0.875)
+    crop = vitkit.save_pretrained(model.eval(), tmp_path / "crop", preprocess=pre, class_names=["a", "b", "c"])
+    data = _jpeg_bytes((30000, 1))
+    line, ok = tmp_path / "in" / "line.jpg", png(tmp_path / "in" / "ok.png", 0)
+    line.write_bytes(data)
+    engine = ["--precision", precision, "--workers", "1"]
+
+    def one_error(err: str) -> str:
+        lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        return lines[0]
+
+    words = "image of 30000x1 has an aspect ratio of 30000:1, over the limit of 1000:1 for a centre crop"
+    code, out, err = run_cli(capsys, "predict", "-c", str(crop), *engine, str(ok), str(line))
+    assert code == 2 and out == "" and one_error(err) == f"vitkit predict: error: {line}: {words}"
+    if precision != "fp32":
+        cut = tmp_path / "cut.jpg"
+        sos = data.index(b"\xff\xda")  # the start-of-scan segment ends the header
+        cut.write_bytes(data[: sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big") + 16])
+        code, out, err = run_cli(capsys, "predict", "-c", str(crop), *engine, str(cut))
+        assert code == 2 and one_error(err) == f"vitkit predict: error: {cut}: {words}"
+    out_csv = tmp_path / "o.csv"
+    code, _, err = run_cli(capsys, "predict", "-c", str(crop), *engine, str(ok), str(line), "--skip-bad",
+                           "--out", str(out_csv))  # fmt: skip
+    rows = read_rows(out_csv)
+    assert code == 0 and [bool(r["error"]) for r in rows] == [False, True] and words in rows[1]["error"], err
+    for split in ("train", "test"):
+        for i, cls in enumerate("abc"):
+            png(tmp_path / "data" / split / cls / "ok.png", i)
+    bad = tmp_path / "data" / "train" / "b" / "line.jpg"
+    bad.write_bytes(data)
+    code, _, err = run_cli(capsys, "fewshot", str(crop), "--data", str(tmp_path / "data"), *engine, "--shots", "1",
+                           "--seeds", "1", "--l2", "1")  # fmt: skip
+    assert code == 2 and f"{bad}: {words}" in one_error(err)
+    bad.rename(tmp_path / "data" / "test" / "b" / "line.jpg")
+    code, _, err = run_cli(capsys, "eval", str(crop), "--data", str(tmp_path / "data"), *engine,
+                           "--out", str(tmp_path / "ev"))  # fmt: skip
+    assert code == 2 and f"{tmp_path / 'data' / 'test' / 'b' / 'line.jpg'}: {words}" in one_error(err)

@@ -42,7 +42,8 @@ def test_demo_model_predicts_like_vitkit_predict(
 
     served = ServedModel.from_checkpoint(ckpt, fast=False)
     state = DemoModel(served).analyse(Image.open(sample_jpeg))
-    assert main(["predict", "-c", str(ckpt), "--json", str(sample_jpeg)]) == 0
+    # the demo's exact model against predict's reference (its default decodes JPEGs at reduced scale)
+    assert main(["predict", "-c", str(ckpt), "--precision", "fp32", "--json", str(sample_jpeg)]) == 0
     want = json.loads(capsys.readouterr().out)["top"]
     assert list(state["labels"]) == [t["label"] for t in want]
     np.testing.assert_allclose(list(state["labels"].values()), [t["prob"] for t in want], atol=1e-6)
@@ -127,7 +128,7 @@ def test_demo_in_headless_chromium(
             pytest.fail("chromium is not installed on CI (.ci/run installs it with apt-get)")
         pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
     sync_api = pytest.importorskip("playwright.sync_api")
-    assert main(["predict", "-c", str(ckpt), "--json", "--top-k", "1", str(sample_jpeg)]) == 0
+    assert main(["predict", "-c", str(ckpt), "--precision", "fp32", "--json", "--top-k", "1", str(sample_jpeg)]) == 0
     label = json.loads(capsys.readouterr().out)["top"][0]["label"]
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
              "--disable-component-update", "--no-first-run"]  # fmt: skip

@@ -43,7 +43,8 @@ def client(ckpt: Path) -> Iterator[TestClient]:
 
 def predict_cli(capsys: pytest.CaptureFixture[str], ckpt: Path, paths: list[Path], k: int) -> list[dict]:
     capsys.readouterr()
-    assert main(["predict", "-c", str(ckpt), "--json", "--top-k", str(k), *map(str, paths)]) == 0
+    # the reference, as served at fp32 (predict's default decodes JPEGs at reduced scale)
+    assert main(["predict", "-c", str(ckpt), "--precision", "fp32", "--json", "--top-k", str(k), *map(str, paths)]) == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 

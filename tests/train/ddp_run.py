@@ -19,7 +19,7 @@ def main() -> None:
     eval_batch = int(sys.argv[3]) if len(sys.argv) > 3 else 512
     cfg = tiny_config(
         **{"distributed": strategy, "ema_decay": 0.9, "aug.randaug_layers": 1, "aug.randaug_magnitude": 5,
-           "data.eval_batch_size": eval_batch}
+           "data.eval_batch_size": eval_batch, "device": "cpu"}  # gloo processes, whatever GPUs are here
     )  # fmt: skip
     result = train(cfg, out, progress=False)
     if result.rank == 0:

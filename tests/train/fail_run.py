@@ -27,7 +27,7 @@ from vitkit.train.trainer import Trainer
 def main() -> None:
     out, strategy, fail_rank, fail_step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     sigterm = sys.argv[5] if len(sys.argv) > 5 else "none"
-    cfg = tiny_config(distributed=strategy, epochs=4)
+    cfg = tiny_config(distributed=strategy, epochs=4, device="cpu")  # gloo processes, whatever GPUs are here
 
     def hook(trainer: Trainer, rec: dict[str, float]) -> None:
         if trainer.dist.rank == fail_rank and trainer.step == fail_step:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from train_helpers import assert_close_weights, tiny_config, weights
 
-from helpers import SRC
+from helpers import DEVICES, SRC
 from vitkit.train import train
 from vitkit.train.distributed import DistInfo, StopSignal, Terminated
 
@@ -35,7 +35,8 @@ def _torchrun(out: Path, strategy: str, nproc: int = 2, eval_batch: int = 512) -
 
 def _single(out: Path, eval_batch: int = 512) -> dict:
     cfg = tiny_config(
-        **{"ema_decay": 0.9, "aug.randaug_layers": 1, "aug.randaug_magnitude": 5, "data.eval_batch_size": eval_batch}
+        **{"ema_decay": 0.9, "aug.randaug_layers": 1, "aug.randaug_magnitude": 5, "data.eval_batch_size": eval_batch},
+        device="cpu",  # what the gloo processes compute on
     )
     torch.set_num_threads(1)  # the same per-process arithmetic as the workers
     try:
@@ -123,3 +124,41 @@ def test_sigterm_in_a_multi_process_run_raises_then_is_held_until_released() -> 
     held.release(keep_holding=True)  # stopped by a peer's failure: SIGTERM stays ignored
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     signal.signal(signal.SIGTERM, before)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_process_under_torchrun_trains_with_the_strategy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, device: str, strategy: str
+) -> None:
+    """``torchrun --nproc_per_node 1``: the process group is formed (gloo on the CPU, NCCL on a GPU) and the model
+    really is wrapped in DDP / sharded by FSDP2 over it -- the way to run the multi-GPU path on one GPU -- and the
+    run equals the plain single-process one (the variables are torchrun's, set here in-process)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from vitkit.train import Trainer
+
+    cfg = tiny_config(**{"steps": 4, "epochs": None, "device": device, "tf32": False, "data.val_split": None})
+    plain = train(cfg, tmp_path / "plain", progress=False)
+    env = {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+    for k, v in {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with Trainer(cfg.override(distributed=strategy), tmp_path / "one", progress=False) as t:
+        assert t.dist.backend == ("nccl" if device == "cuda" else "gloo") and dist.is_initialized()
+        if strategy == "ddp":
+            assert isinstance(t.model, torch.nn.parallel.DistributedDataParallel)
+        else:
+            assert all(isinstance(p, DTensor) for p in t.net.parameters())
+        one = t.fit()
+    assert not dist.is_initialized()  # left on close
+    np.testing.assert_allclose([r["loss"] for r in one.steps], [r["loss"] for r in plain.steps], rtol=1e-5)
+    assert_close_weights(weights(tmp_path / "plain" / "model"), weights(tmp_path / "one" / "model"))

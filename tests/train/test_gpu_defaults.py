@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
@@ -39,9 +41,55 @@ def test_tf32_on_gpus_that_have_it(
     assert hardware.has_tf32("cpu") is False
 
 
+def test_tf32_false_is_full_fp32_and_both_are_undone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TrainConfig.tf32: True selects TF32 matmuls on an Ampere GPU (CUDA faked), False full fp32 for matmuls and
+    cuDNN convolutions on any device; restore_tf32 puts back what was there."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    start = torch.get_float32_matmul_precision()
+    before = hardware.use_tf32(torch.device("cuda", 0))
+    assert torch.get_float32_matmul_precision() == "high" and torch.backends.cudnn.allow_tf32
+    hardware.restore_tf32(before)
+    assert torch.get_float32_matmul_precision() == start == "highest"
+    before = hardware.use_tf32(torch.device("cuda", 0), enabled=False)
+    assert torch.get_float32_matmul_precision() == "highest" and not torch.backends.cudnn.allow_tf32
+    hardware.restore_tf32(before)
+    assert torch.backends.cudnn.allow_tf32 and torch.get_float32_matmul_precision() == start
+
+
 def test_fsdp_bf16_policy_computes_in_bf16_and_reduces_in_fp32() -> None:
     policy = fsdp_mixed_precision("bf16", torch.device("cuda", 0))
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     for precision, device in (("fp32", torch.device("cuda", 0)), ("bf16", torch.device("cpu"))):
         policy = fsdp_mixed_precision(precision, device)
         assert policy.param_dtype is None and policy.reduce_dtype is None  # full precision
+
+
+def test_precision_auto_is_bf16_autocast_on_a_gpu_with_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--precision auto: bf16 autocast on a CUDA GPU computing bf16 (CUDA faked: the choice alone), fp32 on a GPU
+    without it and on the CPU whatever its instructions; an explicit choice is kept."""
+    from vitkit.train.trainer import train_precision
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512_bf16"})
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert train_precision("auto", cuda) == "bf16" and train_precision("auto", cpu) == "fp32"
+    assert train_precision("fp32", cuda) == "fp32" and train_precision("bf16", cpu) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert train_precision("auto", cuda) == "fp32"
+
+
+def test_precision_auto_trains_in_fp32_on_the_cpu(tmp_path: Path) -> None:
+    """The resolved precision is what the run computes in: "auto" on the CPU equals an fp32 run, step for step."""
+    from train_helpers import tiny_config
+
+    from vitkit.train import Trainer, train
+
+    cfg = tiny_config(**{"steps": 2, "epochs": None, "device": "cpu", "data.val_split": None})
+    with Trainer(cfg.override(precision="auto"), tmp_path / "probe", progress=False) as t:
+        assert t.precision == "fp32"
+    auto = train(cfg.override(precision="auto"), tmp_path / "auto", progress=False)
+    fp32 = train(cfg, tmp_path / "fp32", progress=False)
+    assert [r["loss"] for r in auto.steps] == [r["loss"] for r in fp32.steps]

@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 from train_helpers import Crash, assert_close_weights, assert_same_weights, tiny_config, weights
 
+from helpers import DEVICES
 from vitkit import load_checkpoint
 from vitkit.errors import ConfigError, DataError
 from vitkit.train import Trainer, train
@@ -63,10 +64,13 @@ def _losses(steps: list[dict[str, float]]) -> list[tuple[int, float, float]]:
     return [(int(r["step"]), r["loss"], r["lr"]) for r in steps]
 
 
-def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path, device: str) -> None:
     """Every random path on (dropout, stochastic depth, RandAugment, Mixup/CutMix, EMA): kill at step 15
-    (mid-epoch 2, last checkpoint at 12), resume, and compare everything exactly."""
+    (mid-epoch 2, last checkpoint at 12), resume, and compare everything exactly (on a GPU too: the same kernels
+    on the same inputs in one process)."""
     cfg = tiny_config(
+        device=device,
         **{"model.overrides": {**tiny_config().model.overrides, "dropout": 0.1, "drop_path": 0.2}},
         **{"aug.randaug_layers": 2, "aug.randaug_magnitude": 5, "aug.mixup": 0.4, "aug.cutmix": 1.0},
         **{"aug.label_smoothing": 0.1, "ema_decay": 0.9, "checkpoint_every_steps": 4},
@@ -108,9 +112,11 @@ def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path) -
         assert a == b, name
 
 
-def test_gradient_accumulation_equals_the_big_batch(tmp_path: Path) -> None:
-    """Two micro-batches of 64 give the same steps as one batch of 128 (same samples, mean-reduced)."""
-    cfg = tiny_config(**{"steps": 6, "epochs": None, "aug.mixup": 0.0})
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_equals_the_big_batch(tmp_path: Path, device: str) -> None:
+    """Two micro-batches of 64 give the same steps as one batch of 128 (same samples, mean-reduced). In full fp32
+    (tf32=False): with TF32 on a GPU the two runs differ by TF32's rounding (4e-5 in a weight), not float's."""
+    cfg = tiny_config(**{"steps": 6, "epochs": None, "aug.mixup": 0.0, "device": device, "tf32": False})
     one = train(cfg, tmp_path / "one", progress=False)
     two = train(cfg.override(accum_steps=2), tmp_path / "two", progress=False)
     np.testing.assert_allclose([r["loss"] for r in two.steps], [r["loss"] for r in one.steps], rtol=1e-5)
@@ -134,11 +140,11 @@ def test_activation_checkpointing_recomputes_the_blocks_and_trains_the_same(tmp_
     assert_close_weights(weights(tmp_path / "plain" / "model"), weights(tmp_path / "ckpt" / "model"))
 
 
-def test_attention_kernels_train_the_same_function(tmp_path: Path) -> None:
-    """On CPU "auto" picks the explicit softmax (faster backward); the fused kernel gives the same steps."""
+def test_attention_kernel_choice_on_cpu(tmp_path: Path) -> None:
+    """On CPU "auto" picks the explicit softmax (faster backward) unless its probabilities pass 1 GiB."""
     from vitkit.models.vit import Attention
 
-    cfg = tiny_config(**{"steps": 6, "epochs": None})
+    cfg = tiny_config(**{"steps": 6, "epochs": None, "device": "cpu"})  # the CPU's choice, whatever else is here
     with Trainer(cfg, tmp_path / "probe", progress=False) as auto:
         assert all(not m.fused for m in auto.net.modules() if isinstance(m, Attention))
         auto.evaluate()  # evaluation runs the fused kernel, then training steps go back to the explicit one
@@ -146,6 +152,26 @@ def test_attention_kernels_train_the_same_function(tmp_path: Path) -> None:
     # 1025 tokens x batch 128 x 2 heads x 2 layers: the probabilities (2.2 GB) would pass the 1 GiB budget
     with Trainer(cfg.override(**{"data.image_size": [128, 128]}), tmp_path / "long", progress=False) as long:
         assert all(m.fused for m in long.net.modules() if isinstance(m, Attention))
+
+
+def test_attention_kernel_choice_on_a_gpu() -> None:
+    """The fused (flash) kernel on a GPU at every length; an explicit choice is kept on every device (the
+    decision alone: no GPU is needed to make it)."""
+    from vitkit.models.vit import ViTConfig
+    from vitkit.train.trainer import explicit_attention
+
+    short = ViTConfig(image_size=(8, 8), patch_size=4, hidden_size=16, depth=2, num_heads=2, mlp_dim=32)
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert explicit_attention("auto", cpu, short, 128) and not explicit_attention("auto", cuda, short, 128)
+    for device in (cpu, cuda):
+        assert explicit_attention("explicit", device, short, 128)
+        assert not explicit_attention("fused", device, short, 128)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_kernels_train_the_same_function(tmp_path: Path, device: str) -> None:
+    """The explicit softmax and the fused kernel give the same steps (in full fp32: tf32=False)."""
+    cfg = tiny_config(**{"steps": 6, "epochs": None, "device": device, "tf32": False})
     explicit = train(cfg.override(attention="explicit"), tmp_path / "explicit", progress=False)
     fused = train(cfg.override(attention="fused"), tmp_path / "fused", progress=False)
     np.testing.assert_allclose([r["loss"] for r in fused.steps], [r["loss"] for r in explicit.steps], rtol=1e-5)
@@ -197,9 +223,10 @@ def test_run_folder_is_never_overwritten(tmp_path: Path) -> None:
         train(cfg, tmp_path / "r", progress=False)
 
 
-def test_finetune_from_a_run_at_a_higher_resolution(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_finetune_from_a_run_at_a_higher_resolution(tmp_path: Path, device: str) -> None:
     arch = {**tiny_config().model.overrides, "representation_size": 8}
-    base = tiny_config(**{"steps": 3, "epochs": None, "model.overrides": arch})
+    base = tiny_config(**{"steps": 3, "epochs": None, "model.overrides": arch, "device": device})
     train(base, tmp_path / "pre", progress=False)
     pre = load_checkpoint(tmp_path / "pre").model
     rng = np.random.default_rng(0)
@@ -218,9 +245,10 @@ def test_finetune_from_a_run_at_a_higher_resolution(tmp_path: Path) -> None:
     assert isinstance(t.net.pre_logits, torch.nn.Identity)
     assert t.net.cfg.image_size == (16, 16) and t.net.pos_embed is not None
     assert t.net.pos_embed.shape == (1, 1 + 16, 16)  # class token + 4x4 grid (was 2x2)
-    assert pre.pos_embed is not None
-    torch.testing.assert_close(t.net.pos_embed[:, :1], pre.pos_embed[:, :1])
-    torch.testing.assert_close(t.net.patch_embed.proj.weight, pre.patch_embed.proj.weight)  # type: ignore[union-attr]
+    assert pre.pos_embed is not None and t.net.pos_embed.device.type == device
+    # compared on one device: the checkpoint loads on the CPU, the run holds its model on its own device
+    torch.testing.assert_close(t.net.pos_embed[:, :1].cpu(), pre.pos_embed[:, :1])
+    torch.testing.assert_close(t.net.patch_embed.proj.weight.cpu(), pre.patch_embed.proj.weight)  # type: ignore[union-attr]
     t.fit()
     t.close()
     loaded = load_checkpoint(tmp_path / "ft")

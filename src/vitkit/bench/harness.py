@@ -85,6 +85,15 @@ class BenchSpec:
             raise ConfigError("--repeats and --batch-size must be positive, --warmup non-negative")
 
 
+def default_precisions(task: str, device: torch.device | str) -> tuple[str, ...]:
+    """What ``vitkit bench`` measures without ``--precision``: bf16 where ``device`` computes it natively (pure
+    bf16 weights for inference; autocast over fp32 master weights for a training step, as ``vitkit train
+    --precision bf16`` runs), else fp32."""
+    if not hardware.has_native_bf16(device):
+        return ("fp32",)
+    return ("bf16",) if task == "inference" else ("bf16-autocast",)
+
+
 @dataclass
 class Runner:
     """A named way of running the model: ``step()`` does one timed unit of work on the batch."""

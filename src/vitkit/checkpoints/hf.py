@@ -166,7 +166,7 @@ def class_names_from(doc: Mapping[str, Any], num_classes: int) -> list[str] | No
     id2label = doc.get("id2label") or {}
     try:
         names = [str(id2label[str(i)] if str(i) in id2label else id2label[i]) for i in range(num_classes)]
-    except KeyError:
+    except (KeyError, IndexError, TypeError):  # missing names, or not the mapping HF writes (a list, a number)
         return None
     if not names or names == [f"LABEL_{i}" for i in range(num_classes)]:
         return None

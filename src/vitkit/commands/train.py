@@ -24,7 +24,9 @@ OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--image-size", "data.image_size", {"type": image_size, "help": "training resolution, e.g. 384 or 224x320"}),
     ("--seed", "seed", {"type": nonnegative_int, "help": "seed for initialisation, data order, augmentation, dropout"}),
     ("--workers", "data.workers", {"type": nonnegative_int, "help": "data-loading worker processes per process"}),
-    ("--precision", "precision", {"choices": ["fp32", "bf16"], "help": "bf16: autocast with fp32 master weights"}),
+    ("--precision", "precision", {"choices": ["fp32", "bf16", "auto"],
+                                  "help": "bf16: autocast with fp32 master weights; auto: bf16 on a GPU with bf16, "
+                                  "else fp32"}),
     ("--compile", "compile", {"action": "store_true", "default": None, "help": "torch.compile the model"}),
     ("--grad-checkpointing", "grad_checkpointing", {"action": "store_true", "default": None,
      "help": "activation checkpointing: recompute block activations in the backward pass (less memory)"}),

@@ -141,8 +141,12 @@ class TrainConfig:
     steps: int | None = None
     accum_steps: int = 1
     loss: Literal["softmax", "sigmoid"] = "softmax"
-    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast for forward/backward, fp32 master weights
+    # bf16: autocast for forward/backward, fp32 master weights; auto: bf16 on a GPU that computes it, else fp32
+    precision: Literal["fp32", "bf16", "auto"] = "fp32"
     compile: bool = False
+    # fp32 matmuls on TF32 tensor cores where the GPU has them (Ampere and later); false: full fp32 everywhere
+    # (cuDNN's TF32 convolutions off too), for runs that must match another device's fp32 to rounding
+    tf32: bool = True
     grad_checkpointing: bool = False  # recompute block activations in the backward pass (less memory)
     # attention kernel of training steps: "auto" = the explicit softmax on CPU (its backward is faster than
     # PyTorch's fused CPU kernel) unless its stored probabilities would pass 1 GiB, else fused SDPA (flash,

@@ -36,7 +36,7 @@ from vitkit.checkpoints.preprocess import LazyImage, load_image, open_lazy
 from vitkit.data.folder import IMAGE_EXTENSIONS
 from vitkit.errors import DataError
 
-Transform = Callable[[LazyImage], torch.Tensor]
+Transform = Callable[[LazyImage, str], torch.Tensor]  # (image, its id for errors) -> (C, H, W)
 GLOB_CHARS = frozenset("*?[")
 
 

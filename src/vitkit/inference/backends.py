@@ -5,7 +5,8 @@ exported once with :func:`vitkit.checkpoints.onnx_export.export_onnx` (batch axi
 engine:
 
 - ONNX Runtime: fp32, or int8 by ``onnxruntime.quantization.quantize_dynamic`` (int8 weights per output
-  channel, uint8 activations quantised per call). ONNX Runtime's CPU provider has no bf16 kernels.
+  channel, uint8 activations quantised per call; the MatMuls, the patch convolution stays fp32). ONNX Runtime's
+  CPU provider has no bf16 kernels.
 - OpenVINO: fp32 or bf16 (the ``INFERENCE_PRECISION_HINT``), or int8 by NNCF post-training quantisation
   (``nncf.quantize`` with ``ModelType.TRANSFORMER``, calibrated on the images given), the ops it leaves in
   floating point in bf16 where the CPU has bf16 instructions.
@@ -112,8 +113,32 @@ def _threads(threads: int | None) -> int:
     return threads or torch.get_num_threads()
 
 
+def without_initializer_shapes(onnx_path: Path, out: Path) -> Path:
+    """A copy of the ONNX file at ``out`` without the ``value_info`` entries that repeat an initializer's shape
+    (torch's exporter writes one for every weight); the initializers themselves still carry their shapes.
+
+    ``quantize_dynamic`` of onnxruntime 1.19 to 1.28 (at least; not 1.32) turns ``Gemm(transB=1)`` (the
+    classifier head) into a MatMul by transposing its weight in place, leaving the weight's value_info at the old
+    shape; the shape inference it runs next (onnx's) then stops at the mismatch, "(192) vs (10)" for a Ti head of
+    10 classes. Without the redundant entries there is nothing stale to disagree with, whatever the version.
+    Weights stored as external data stay where they are (they are neither read nor rewritten)."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    weights = {t.name for t in model.graph.initializer}
+    kept = [v for v in model.graph.value_info if v.name not in weights]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+    onnx.save(model, str(out))
+    return out
+
+
 def onnxruntime_model(onnx_path: Path, *, int8: bool = False, threads: int | None = None) -> EngineModel:
-    """ONNX Runtime on the CPU: fp32, or dynamic int8 (``quantize_dynamic``, per-channel int8 weights)."""
+    """ONNX Runtime on the CPU: fp32, or dynamic int8 (``quantize_dynamic``, per-channel int8 weights).
+
+    int8 quantises the MatMuls (every linear layer and the head, which onnxruntime turns from a Gemm into one)
+    and leaves the patch embedding's convolution in fp32 (0.7% of B/16's multiply-adds): onnxruntime before 1.24
+    has no ConvInteger kernel for int8 weights and refused the quantised file."""
     require_engine("onnxruntime")
     import onnxruntime as ort
 
@@ -121,9 +146,12 @@ def onnxruntime_model(onnx_path: Path, *, int8: bool = False, threads: int | Non
     if int8:
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
+        source = without_initializer_shapes(onnx_path, onnx_path.with_name(onnx_path.stem + ".q-in.onnx"))
         path = onnx_path.with_name(onnx_path.stem + ".int8.onnx")
         with _quiet():  # its advice to pre-process first: measured, no faster and the same outputs here
-            quantize_dynamic(onnx_path, path, weight_type=QuantType.QInt8, per_channel=True)
+            quantize_dynamic(
+                source, path, weight_type=QuantType.QInt8, per_channel=True, op_types_to_quantize=["MatMul"]
+            )
     options = ort.SessionOptions()
     options.intra_op_num_threads = _threads(threads)
     options.inter_op_num_threads = 1

@@ -333,6 +333,7 @@ def optimize_for_inference(
     batch_size: int | None = None,
     backend: str = "torch",
     calibration: torch.Tensor | None = None,
+    compile_mode: str | None = None,
 ) -> nn.Module:
     """A copy of ``model`` for fast inference that computes the same function (up to ``dtype`` rounding).
 
@@ -348,6 +349,8 @@ def optimize_for_inference(
     ``backend``: "torch" (the above), "onnxruntime" or "openvino" (exported to ONNX and run by that engine,
     ``calibration`` images for OpenVINO's int8; see ``vitkit.inference.backends``: callable like the model,
     no ``forward_features``), or "auto": whichever of these is fastest here in a short measurement.
+    ``compile_mode``: torch.compile's ``mode`` with ``compile`` ("reduce-overhead": CUDA graphs). To let vitkit
+    choose all of this for the model's device, see ``vitkit.inference.plan.optimize_for_device``.
     """
     if backend != "torch":
         from vitkit.inference.backends import optimize_with_backend
@@ -366,5 +369,7 @@ def optimize_for_inference(
         fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
     if compile:
         options: dict[str, Any] = {"freezing": True} if device.type == "cpu" else {}
+        if compile_mode is not None:  # torch.compile takes a mode or options, not both
+            return torch.compile(fast, dynamic=False, mode=compile_mode)  # type: ignore[return-value]
         return torch.compile(fast, dynamic=False, options=options or None)  # type: ignore[return-value]
     return fast

@@ -23,13 +23,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vitkit.distributed import DistInfo, all_reduce_sum, barrier, broadcast_int, setup, teardown
+from vitkit.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    broadcast_int,
+    launched_by_torchrun,
+    setup,
+    teardown,
+)
 from vitkit.errors import ConfigError, VitkitError
 
 __all__ = [  # the process-group helpers live in vitkit.distributed (the batch jobs use them too)
     "DistInfo", "FailureNotice", "PeerFailure", "StopSignal", "Terminated", "all_reduce_sum", "barrier",
-    "broadcast_int", "checkpoint_activations", "fsdp_mixed_precision", "full_tensor", "load_full_into", "setup",
-    "teardown", "wrap",
+    "broadcast_int", "checkpoint_activations", "fsdp_mixed_precision", "full_tensor", "launched_by_torchrun",
+    "load_full_into", "setup", "teardown", "wrap",
 ]  # fmt: skip
 
 
@@ -142,7 +150,7 @@ def wrap(
     in fp32 (``fsdp_mixed_precision``); the sharded fp32 parameters stay the optimiser's master copy."""
     if grad_checkpointing:
         checkpoint_activations(model)
-    if not info.enabled:
+    if info.backend is None:  # no process group: a plain single-process run
         return model
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

@@ -46,8 +46,9 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.fileio import check_output_location, clean_stale
-from vitkit.hardware import use_tf32
+from vitkit.hardware import has_native_bf16, restore_tf32, use_tf32
 from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
 from vitkit.train import state as train_state
@@ -100,6 +101,28 @@ def step_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
+def train_precision(choice: str, device: torch.device) -> str:
+    """The precision a run computes in: ``choice`` "fp32" or "bf16" as given; "auto" bf16 autocast on a CUDA GPU
+    that computes bf16 natively (Ampere and later), fp32 elsewhere (on CPUs fp32 is vitkit's measured default)."""
+    if choice != "auto":
+        return choice
+    return "bf16" if device.type == "cuda" and has_native_bf16(device) else "fp32"
+
+
+def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
+    """Whether training steps run the explicit softmax attention (else the fused SDPA kernel; evaluation always
+    runs the fused one). ``choice`` "auto": the explicit softmax on CPU, whose backward is faster than PyTorch's
+    fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
+    keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
+    sequences."""
+    if choice != "auto":
+        return choice == "explicit"
+    if device.type != "cpu":
+        return False
+    kept = micro_batch * model.num_heads * model.num_tokens() ** 2 * 4 * model.depth  # fp32 probabilities, all layers
+    return kept <= EXPLICIT_ATTENTION_BYTES
+
+
 class Trainer:
     """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
 
@@ -113,7 +136,8 @@ class Trainer:
         self.progress = progress
         self.dist = distr.setup(cfg.device)
         self.device = self.dist.device
-        self._matmul_precision = use_tf32(self.device)  # TF32 for fp32 matmuls where the GPU has it; undone on close
+        self.precision = train_precision(cfg.precision, self.device)  # "auto" resolved: "fp32" or "bf16"
+        self._tf32 = use_tf32(self.device, cfg.tf32)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
         self.step = 0
         self.skipped = 0
@@ -138,7 +162,7 @@ class Trainer:
         if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
             self.net.set_training_kernels(kernels.load())  # else PyTorch's ops); inductor fuses on its own
         self.model = distr.wrap(
-            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=cfg.precision
+            self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=self.precision
         )
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
@@ -212,24 +236,13 @@ class Trainer:
         return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
 
     def _explicit_attention(self) -> bool:
-        """The attention kernel for training steps (evaluation always runs the fused one). "auto": the
-        explicit softmax on CPU, whose backward is faster than PyTorch's fused CPU kernel at every ViT length
-        measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it keeps for the backward pass
-        stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long sequences."""
-        if self.cfg.attention != "auto":
-            return self.cfg.attention == "explicit"
-        if self.device.type != "cpu":
-            return False
-        m = self.net.cfg
-        tokens = m.num_tokens()
         micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
-        kept = micro_batch * m.num_heads * tokens**2 * 4 * m.depth  # fp32 probabilities of every layer
-        return kept <= EXPLICIT_ATTENTION_BYTES
+        return explicit_attention(self.cfg.attention, self.device, self.net.cfg, micro_batch)
 
     # ---- one optimiser step -------------------------------------------------------------------------
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.cfg.precision == "bf16":
+        if self.precision == "bf16":
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -340,13 +353,13 @@ class Trainer:
         to fp32 rounding), for a bf16 run in bf16 where that is native and faster than fp32 (else fp32).
         Otherwise (smaller passes, GPUs, several processes, torch.compile): the training model under the run's
         autocast. Packing the weights costs about what the fast path saves on ~12,000 tokens (B/16 and S/16 at
-        224 px, 64 images: 1.00-1.02x the model's own pass; the default digits job's 5,700: 1.55x; measured by
+        224 px, 64 images: 0.98-0.99x the model's own pass; the default digits job's 5,700: 1.51x; BENCHMARKS.md,
         benchmarks/validation_pass.py), so smaller passes keep the model."""
         small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
         if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
             return self.forward, self._autocast()
         if self._val_precision is None:
-            self._val_precision = "fp32" if self.cfg.precision == "fp32" else resolve_precision("auto", self.device)
+            self._val_precision = "fp32" if self.precision == "fp32" else resolve_precision("auto", self.device)
         engine = InferenceEngine(
             self.net, self.preprocess, precision=self._val_precision, device=self.device,
             batch_size=self.cfg.data.eval_batch_size, fp32_reference=False,
@@ -589,7 +602,7 @@ class Trainer:
             self._tb = None
         distr.teardown(self.dist, clean)
         self._sigterm.release()
-        torch.set_float32_matmul_precision(self._matmul_precision)
+        restore_tf32(self._tf32)
 
     def __enter__(self) -> Trainer:
         return self
