@@ -64,7 +64,10 @@ def direct(ckpt: Path, root: Path, what: str = "pre-logits", layer: int | None =
             if what == "pre-logits":
                 out.append(m.forward_head(m.forward_features(x), pre_logits=True))
                 continue
-            tokens = m.forward_features(x) if layer is None else m.forward_intermediates(x, attention=False).hidden_states[layer]
+            if layer is None:
+                tokens = m.forward_features(x)
+            else:
+                tokens = m.forward_intermediates(x, attention=False).hidden_states[layer]
             out.append({"cls": tokens[:, 0], "gap": tokens[:, 1:].mean(1), "tokens": tokens}[what])
     return torch.cat(out).numpy(), labels
 

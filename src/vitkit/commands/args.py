@@ -194,7 +194,10 @@ def join_processes(device: str | None) -> Any:
 
 
 def leave_processes(info: Any) -> None:
-    """Leave the process group :func:`join_processes` joined (together, after a clean finish)."""
-    from vitkit.distributed import teardown
+    """The end of a job under ``torchrun``: every process waits for the others (process 0 has written the output).
+    The process group itself stays until the process exits, so that a process running several jobs (a script
+    calling the commands in turn) joins it once: destroying and forming it again in one process reuses the
+    rendezvous store's keys."""
+    from vitkit.distributed import barrier
 
-    teardown(info)
+    barrier(info)

@@ -144,11 +144,11 @@ def _interleave(shares: list[Any], logits: bool, features: bool) -> Extracted:
         raise DataError("the dataset has no examples")
 
     def merged(j: int) -> np.ndarray:
-        first = next(p[j] for p in parts if p[j] is not None)
+        got = [(r, p[j]) for r, p in enumerate(parts) if p[j] is not None]
+        first = got[0][1]
         out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
-        for r, p in enumerate(parts):
-            if p[j] is not None:
-                out[r::world] = p[j]
+        for r, a in got:
+            out[r::world] = a
         return out
 
     return Extracted(

@@ -86,11 +86,11 @@ def embedding_vectors(engine: InferenceEngine, x: torch.Tensor, opts: EmbedOptio
         out = engine.features(x)  # (B, R) pre-logits
     else:
         x = x.to(engine.device)
+        runner: Any = engine.runner
         if opts.layer is None:
-            tokens = engine.runner.forward_features(x)  # (B, T, D), final norm
+            tokens = runner.forward_features(x)  # (B, T, D), final norm
         else:
             depth = opts.layer if opts.layer > 0 else model.cfg.depth + 1 + opts.layer
-            runner: Any = engine.runner
             if hasattr(runner, "forward_blocks"):  # the fast path: only the first ``depth`` blocks
                 tokens = runner.forward_blocks(x, depth)
             else:  # the reference: the model's intermediates API

@@ -170,8 +170,7 @@ def _in_order(
     if not parts:
         return None
     if len(parts) == 1:
-        _, ids, errors, columns = parts[0]
-        return list(ids), list(errors), dict(columns)
+        return list(parts[0][1]), list(parts[0][2]), dict(parts[0][3])
     order = np.argsort(np.concatenate([p[0] for p in parts]), kind="stable")
     ids = [i for p in parts for i in p[1]]
     errors = [e for p in parts for e in p[2]]
