@@ -144,11 +144,15 @@ def _interleave(shares: list[Any], logits: bool, features: bool) -> Extracted:
         raise DataError("the dataset has no examples")
 
     def merged(j: int) -> np.ndarray:
-        got = [(r, p[j]) for r, p in enumerate(parts) if p[j] is not None]
+        got: list[tuple[int, np.ndarray]] = []
+        for r, p in enumerate(parts):
+            a = p[j]
+            if a is not None:
+                got.append((r, a))
         first = got[0][1]
         out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
-        for r, a in got:
-            out[r::world] = a
+        for r, share in got:
+            out[r::world] = share
         return out
 
     return Extracted(
