@@ -5,11 +5,11 @@ Launch with ``torchrun --nproc_per_node N -m vitkit ...``: torchrun's standard v
 LOCAL_RANK, MASTER_ADDR/PORT) say which process this is; that is the only reason this module reads the
 environment. The backend is NCCL on GPUs and gloo on CPUs.
 
-A batch job's sharding (:func:`shard_steps`): the positions still to do are dealt out in turn, position ``j`` to
-process ``j % world``, and every process runs the same number of steps of ``batch_size`` positions; step ``s`` of
-all processes together covers the consecutive positions ``s*batch_size*world ..`` of the input, so process 0
-gathers each step's results (:func:`gather_to_main`) and writes them in input order as it goes: one output, the
-same file one process writes, resumable the same way.
+A batch job's sharding (:func:`shard_steps`): the positions still to do are cut into batches of ``batch_size``,
+dealt out in turn (batch ``c`` to process ``c % world``), and every process runs the same number of steps; step
+``s`` of all processes together covers consecutive batches of the input, so process 0 gathers each step's
+results (:func:`gather_to_main`) and writes them in input order as it goes: one output, the file one process
+writes (the same batches, so the same numbers), resumable the same way.
 """
 
 from __future__ import annotations
@@ -106,12 +106,19 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
+def shard_of(n: int, batch_size: int, info: DistInfo) -> list[int]:
+    """Which of ``n`` items this process takes: batch ``c`` (items ``c*batch_size ..``) goes to process
+    ``c % world``, so every batch is the one a single process forms (the same images together: the same
+    floating-point rounding) and one step of all processes covers consecutive batches."""
+    return [j for j in range(n) if (j // batch_size) % info.world == info.rank]
+
+
 def shard_steps(positions: Sequence[int], batch_size: int, info: DistInfo) -> tuple[list[int], int]:
-    """This process's share of ``positions`` (every ``world``-th, from its rank on) and the number of steps of
-    ``batch_size`` that every process runs (the last steps of some processes may be empty)."""
-    mine = list(positions[info.rank :: info.world])
-    per_step = batch_size * info.world
-    return mine, -(-len(positions) // per_step)
+    """This process's share of ``positions`` (:func:`shard_of`) and the number of steps of ``batch_size`` that
+    every process runs (the last steps of some processes may be empty)."""
+    mine = [positions[j] for j in shard_of(len(positions), batch_size, info)]
+    batches = -(-len(positions) // batch_size)
+    return mine, -(-batches // info.world)
 
 
 def gather_to_main(value: Any, info: DistInfo) -> list[Any] | None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import DatasetSource, StreamBatch, stream_batches, stream_iterable
-from vitkit.distributed import DistInfo, all_gather
+from vitkit.distributed import DistInfo, all_gather, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
@@ -72,7 +72,7 @@ def extract(
     its own). A map-style dataset is decoded by ``workers`` processes (0: this one), which start before the
     engine is built; ``indices`` restricts it to those examples. An iterable-only dataset is streamed in order.
 
-    ``dist``: the processes of a ``torchrun`` job. Each extracts every ``world``-th example of a map-style
+    ``dist``: the processes of a ``torchrun`` job. Each extracts every ``world``-th batch of a map-style
     dataset (from its rank on) and every process gets the whole result, in the order one process gives (an
     iterable-only dataset is extracted whole by every process).
     """
@@ -88,7 +88,7 @@ def extract(
     if is_map_style(dataset):
         wanted: Sequence[int] = range(len(dataset)) if indices is None else indices
         total = len(wanted)
-        mine = wanted[info.rank :: info.world] if info.enabled else wanted
+        mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
         batches = stream_batches(DatasetSource(dataset), transform, batch_size, positions=mine, workers=workers)
     elif indices is not None:
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
@@ -123,7 +123,8 @@ def extract(
             out_idx.append(b.positions)
             bar.update(len(b) * (info.world if info.enabled and total is not None else 1))
     if info.enabled and total is not None:  # every process's share, interleaved back into the one order
-        return _interleave(all_gather((out_labels, out_idx, out_logits, out_feats), info), logits, features)
+        shares = all_gather((out_labels, out_idx, out_logits, out_feats), info)
+        return _interleave(shares, batch_size, logits, features)
     if not out_labels:
         raise DataError("the dataset has no examples")
     return Extracted(
@@ -134,9 +135,9 @@ def extract(
     )
 
 
-def _interleave(shares: list[Any], logits: bool, features: bool) -> Extracted:
-    """The per-process results of a sharded :func:`extract` (process ``r`` took every ``world``-th example from
-    the ``r``-th on), merged back into the order of the examples."""
+def _interleave(shares: list[Any], batch_size: int, logits: bool, features: bool) -> Extracted:
+    """The per-process results of a sharded :func:`extract` (process ``r`` took every ``world``-th batch from the
+    ``r``-th on, :func:`vitkit.distributed.shard_of`), merged back into the order of the examples."""
     world = len(shares)
     parts = [[np.concatenate(a) if a else None for a in share] for share in shares]
     n = sum(0 if p[0] is None else len(p[0]) for p in parts)
@@ -152,7 +153,7 @@ def _interleave(shares: list[Any], logits: bool, features: bool) -> Extracted:
         first = got[0][1]
         out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
         for r, share in got:
-            out[r::world] = share
+            out[shard_of(n, batch_size, DistInfo(rank=r, world=world))] = share
         return out
 
     return Extracted(

@@ -11,7 +11,7 @@ that takes the columns (a :class:`~vitkit.inference.writers.RowWriter`, or anyth
 holds are those its input starts with, and continues after them.
 
 Under ``torchrun`` (``dist``: :func:`vitkit.distributed.setup`), the positions still to do are dealt out over
-the processes (:func:`vitkit.distributed.shard_steps`: position ``j`` to process ``j % world``) and process 0,
+the processes in batches (:func:`vitkit.distributed.shard_steps`: batch ``c`` to process ``c % world``) and process 0,
 the only one with a sink, gathers every step's rows and writes them in input order: the output is the file one
 process writes, and it resumes the same way (with any number of processes).
 """
