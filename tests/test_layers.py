@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "fileio": 0,
     "hardware": 0,
     "timing": 0,
+    "distributed": 0,  # torchrun process groups (train and the batch jobs)
     "version": 0,
     "models": 1,
     "checkpoints": 2,

@@ -31,6 +31,9 @@ def _cases(tmp: Path) -> dict[str, list[str]]:
     return {
         "eval": ["eval", ckpt, "--data", data, "--out", str(b / "report")],
         "fewshot": ["fewshot", ckpt, "--data", data, "--out", str(b / "fewshot.json")],
+        "embed": ["embed", ckpt, "--data", data, "--out", str(b / "feats.parquet")],
+        "embed-npy": ["embed", ckpt, data, "--out", str(b / "feats.npy")],
+        "knn": ["knn", ckpt, "--data", data, "--out", str(b / "knn.json")],
         "analyze": ["analyze", ckpt, "--data", data, "--out", str(b / "analysis")],
         "convert": ["convert", ckpt, str(b / "converted"), "--to", "vitkit"],
         "convert-npz": ["convert", ckpt, str(b / "converted.npz"), "--to", "official"],

@@ -48,7 +48,7 @@ LAYER_ORDER = [
 ]
 NOT_API = {"commands"}
 # the top-level modules documented on one page ("the floor": errors, devices, timing, files, compiled kernels)
-CORE_MODULES = ["errors", "hardware", "timing", "fileio", "native"]
+CORE_MODULES = ["errors", "hardware", "timing", "fileio", "native", "distributed"]
 
 
 def packages() -> list[str]:

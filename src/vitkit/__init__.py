@@ -7,6 +7,7 @@ Public API::
     vitkit.load_checkpoint(path)                       # model + metadata (preprocessing, class names)
     vitkit.model_from("B/16" or path, **overrides)     # a variant name or any checkpoint, as a model
     vitkit.predict("ckpt/", ["a.jpg", "b.jpg"])        # top-5 labels per image with the checkpoint's preprocessing
+    vitkit.embed("ckpt/", ["a.jpg", "b.jpg"])          # pre-logits features (or pooled/intermediate tokens)
     vitkit.save_pretrained(model, "out/", ...)         # vitkit's own format
     vitkit.optimize_for_inference(model)               # a fast bf16 (or int8) inference copy
     vitkit.open_dataset("digits", "train")             # digits, ImageFolder, CIFAR, .npz, WebDataset shards
@@ -24,6 +25,7 @@ from vitkit.configs import TrainConfig, get_recipe
 from vitkit.data.datasets import open_dataset
 from vitkit.evaluate import evaluate_dataset, fewshot_dataset
 from vitkit.inference import optimize_for_inference, predict
+from vitkit.inference.embed import embed
 from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
 from vitkit.train import train
 from vitkit.version import __version__
@@ -35,6 +37,7 @@ __all__ = [
     "VisionTransformer",
     "__version__",
     "create_model",
+    "embed",
     "evaluate_dataset",
     "fewshot_dataset",
     "get_recipe",

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from vitkit.commands import bench, demo, evaluate, hub, model, predict, serve, train
+from vitkit.commands import bench, demo, embed, evaluate, hub, model, predict, serve, train
 from vitkit.commands.args import Parser
 from vitkit.errors import VitkitError
 from vitkit.version import __version__
@@ -22,6 +22,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     predict.add_parser,  # predict
     train.add_parser,  # train, finetune
     evaluate.add_parser,  # eval, fewshot, analyze
+    embed.add_parser,  # embed, knn
     bench.add_parser,  # bench
     hub.add_parser,  # download, models
     serve.add_parser,  # serve

@@ -103,8 +103,11 @@ def add_load_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint: a vitkit folder or run folder, a Google .npz, ... (any format)")
+def add_checkpoint_args(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument(
+        "checkpoint", nargs="?" if optional else None,
+        help="checkpoint: a vitkit folder or run folder, a Google .npz, ... (any format)",
+    )  # fmt: skip
     p.add_argument("--format", help="checkpoint format, if detection should be overridden")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default: auto)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default 64)")
@@ -180,3 +183,21 @@ def load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None =
     if note:
         print(f"note: {args.checkpoint}: {note}", file=sys.stderr)
     return loaded
+
+
+def join_processes(device: str | None) -> Any:
+    """This process's place in a ``torchrun`` job (:func:`vitkit.distributed.setup`; one process: world 1, on
+    ``device``). The batch jobs shard their input over the processes; process 0 writes and prints."""
+    from vitkit.distributed import setup
+
+    return setup(device or "auto")
+
+
+def leave_processes(info: Any) -> None:
+    """The end of a job under ``torchrun``: every process waits for the others (process 0 has written the output).
+    The process group itself stays until the process exits, so that a process running several jobs (a script
+    calling the commands in turn) joins it once: destroying and forming it again in one process reuses the
+    rendezvous store's keys."""
+    from vitkit.distributed import barrier
+
+    barrier(info)

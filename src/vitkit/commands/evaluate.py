@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from vitkit.commands.args import (
     IntermixedParser,
@@ -13,11 +14,14 @@ from vitkit.commands.args import (
     add_data_args,
     add_engine_args,
     image_size,
+    join_processes,
+    leave_processes,
     load_for_eval,
     positive_int,
     report_engine,
     resolve_workers,
 )
+from vitkit.commands.embed import check_embedding_inputs
 from vitkit.errors import VitkitError
 
 
@@ -56,7 +60,8 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
         "eval",
         help="accuracy of a checkpoint on a dataset: top-1/top-5, per class, confusion matrix, ReaL",
         description="Evaluate a checkpoint (any supported format) on a dataset split. Preprocessing comes from "
-        "the checkpoint. Writes metrics.json, per_class.csv, confusion.csv and confusion.png into --out.",
+        "the checkpoint. Writes metrics.json, per_class.csv, confusion.csv and confusion.png into --out. Under "
+        "torchrun the dataset is shared out over the processes; the report is the one a single process gives.",
         epilog=LABEL_FILE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -76,11 +81,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset
     from vitkit.evaluate.evaluate import check_eval_report_dir, evaluate_dataset, write_eval_report
-    from vitkit.hardware import resolve_device
 
     out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
-    check_eval_report_dir(out)  # refused before the evaluation, never after it
-    device = resolve_device(args.device)
+    info = join_processes(args.device)  # under torchrun: this process's share of the dataset
+    if info.is_main:
+        check_eval_report_dir(out)  # refused before the evaluation, never after it
     loaded = load_for_eval(args)
     dataset = note_skipped(
         open_dataset(
@@ -94,12 +99,16 @@ def cmd_eval(args: argparse.Namespace) -> int:
         class_names=loaded.meta.class_names,
         label_file=args.real_labels,
         batch_size=args.batch_size,
-        device=device,
+        device=info.device,
         workers=resolve_workers(args.workers),
         precision=args.precision,
         backend=args.backend,
         on_engine=report_engine,
+        dist=info,
     )
+    leave_processes(info)
+    if not info.is_main:
+        return 0  # process 0 writes the report of the whole dataset
     paths = write_eval_report(report, out)
     for note in report.notes:
         print(f"note: {note}", file=sys.stderr)
@@ -124,11 +133,14 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
         description="Few-shot linear evaluation (paper sec. 4.1; big_vision fewshot_lsr): frozen pre-logits "
         "features, k examples per class from the training split, features standardised on them, bias column, "
         "closed-form L2-regularised least squares onto {-1,1}^K targets, accuracy on the whole test split; "
-        "mean and standard deviation over seeds.",
+        "mean and standard deviation over seeds. With --train-embeddings/--test-embeddings the features are read "
+        "from two outputs of 'vitkit embed' (made from a labelled dataset) instead of computed: no checkpoint needed.",
     )
-    add_checkpoint_args(p)
+    add_checkpoint_args(p, optional=True)
     add_engine_args(p, backend=False, device=False)
-    add_data_args(p, required=True)
+    add_data_args(p, required=False)
+    p.add_argument("--train-embeddings", metavar="FILE", help="cached training features: an output of vitkit embed")
+    p.add_argument("--test-embeddings", metavar="FILE", help="cached test features: an output of vitkit embed")
     p.add_argument("--train-split", default="train", help="split the shots are drawn from (default: train)")
     p.add_argument("--test-split", default="test", help="split accuracy is measured on (default: test)")
     p.add_argument("--shots", type=_shots, default=[1, 5, 10, 25], help="comma-separated (default 1,5,10,25)")
@@ -153,11 +165,20 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     from vitkit.data.base import note_skipped
     from vitkit.data.datasets import open_dataset
     from vitkit.evaluate.evaluate import fewshot_dataset
-    from vitkit.fileio import check_output_file, write_file_atomic
+    from vitkit.fileio import check_output_file
     from vitkit.hardware import resolve_device
 
     if args.out:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
+    if check_embedding_inputs(args):
+        from vitkit.evaluate.evaluate import fewshot_embeddings
+
+        result = fewshot_embeddings(
+            args.train_embeddings, args.test_embeddings, shots=args.shots, seeds=range(args.seeds), l2=args.l2,
+            heldout_per_class=args.heldout,
+        )  # fmt: skip
+        source = {"train_embeddings": args.train_embeddings, "test_embeddings": args.test_embeddings}
+        return _print_fewshot(args, source, f"{args.train_embeddings} -> {args.test_embeddings}", result)
     device = resolve_device(args.device)
     loaded = load_for_eval(args)
     train = note_skipped(open_dataset(args.data, args.train_split, skip_bad=args.skip_bad))
@@ -177,13 +198,23 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
         precision=args.precision,
         on_engine=report_engine,
     )
-    doc = {"checkpoint": args.checkpoint, "data": args.data, **result.to_dict()}
+    source = {"checkpoint": args.checkpoint, "data": args.data}
+    return _print_fewshot(args, source, f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})",
+                          result)  # fmt: skip
+
+
+def _print_fewshot(args: argparse.Namespace, source: dict[str, Any], what: str, result: Any) -> int:
+    from pathlib import Path
+
+    from vitkit.fileio import write_file_atomic
+
+    doc = {**source, **result.to_dict()}
     if args.out:
         write_file_atomic(Path(args.out), lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
-        print(f"{args.checkpoint}: few-shot linear probe on {args.data} ({args.train_split} -> {args.test_split})")
+        print(f"{what}: few-shot linear probe")
         print(result.table())
     return 0
 

@@ -11,6 +11,8 @@ from vitkit.commands.args import (
     IntermixedParser,
     add_engine_args,
     add_workers_arg,
+    join_processes,
+    leave_processes,
     positive_int,
     report_engine,
     resolve_workers,
@@ -30,7 +32,8 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
         "worker processes, so any number of them runs in bounded memory; results are printed as they come, or "
         "written to --out (.jsonl, .csv or .parquet by its suffix, one row per image: index, image id, top-k "
         "labels, class indices and probabilities, optionally the logits), flushed per batch; --resume continues "
-        "an interrupted run from what --out holds.",
+        "an interrupted run from what --out holds. Under torchrun the images are shared out over the processes and "
+        "process 0 writes every row in input order.",
     )
     p.__class__ = IntermixedParser  # images may follow options
     p.add_argument(
@@ -70,7 +73,8 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")
     if args.out is None and (args.resume or args.logits or args.overwrite):
         raise ConfigError("--resume, --overwrite and --logits go with --out FILE")
-    if args.out is not None:  # refused before the model is loaded
+    info = join_processes(args.device)  # under torchrun: this process's share of the images
+    if args.out is not None and info.is_main:  # refused before the model is loaded
         from pathlib import Path
 
         check_rows_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
@@ -102,8 +106,11 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     summary = predict_job(
         loaded, source, opts, out=args.out, resume=args.resume, overwrite=args.overwrite, as_json=args.json,
-        echo=echo, on_engine=report_engine,
+        echo=echo, on_engine=report_engine, dist=info,
     )  # fmt: skip
+    leave_processes(info)
+    if not info.is_main:
+        return 0
     note = summary.failure_note()
     if note:
         print(f"note: {note}", file=sys.stderr)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.fewshot import (
     DEFAULT_L2,
@@ -100,13 +101,15 @@ def evaluate_dataset(
     precision: str = "fp32",
     backend: str = "torch",
     on_engine: Callable[[InferenceEngine], None] | None = None,
+    dist: DistInfo | None = None,
 ) -> EvalReport:
     """Top-1/top-5, per-class accuracy and confusion matrix (plus ReaL accuracy given a label-set file).
 
     ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` in ``precision`` (default
     ``fp32``: the model itself, the reference numbers) on ``backend`` (``on_engine`` is called with the engine
     once built, after the inputs are checked), or an engine already built. ``workers``: decoding processes
-    (0: this one)."""
+    (0: this one). ``dist``: the processes of a ``torchrun`` job, each running its share of the dataset; every
+    process gets the report of the whole dataset, the one a single process computes."""
     K = model.num_classes if isinstance(model, InferenceEngine) else model.cfg.num_classes
     if K <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); use 'vitkit fewshot' instead")
@@ -120,7 +123,7 @@ def evaluate_dataset(
             raise DataError(f"{label_file}: no such label file")
     out = extract(
         model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers, desc="eval",
-        progress=progress, precision=precision, backend=backend, on_engine=on_engine,
+        progress=progress, precision=precision, backend=backend, on_engine=on_engine, dist=dist,
     )  # fmt: skip
     assert out.logits is not None
     labels = out.labels if mapping is None else mapping[out.labels]
@@ -241,3 +244,29 @@ def fewshot_dataset(
     te = extract(engine(), test, preprocess, logits=False, features=True, desc="features (test)", **kw)
     assert tr.features is not None and te.features is not None
     return run_episodes(episodes, tr.features, tr.labels, te.features, te.labels, K, l2, l2_grid)
+
+
+def fewshot_embeddings(
+    train: str | os.PathLike[str],
+    test: str | os.PathLike[str],
+    *,
+    shots: Sequence[int] = DEFAULT_SHOTS,
+    seeds: Sequence[int] = (0, 1, 2),
+    l2: float | str = DEFAULT_L2,
+    heldout_per_class: int = 10,
+    l2_grid: Sequence[float] = L2_GRID,
+) -> FewShotResult:
+    """:func:`fewshot_dataset` on cached features: two outputs of ``vitkit embed`` (the training split's and the
+    test split's, of a labelled dataset) instead of a model's forward passes. The episodes are drawn from the
+    training file's labels exactly as from the dataset's, so the same features give the same result."""
+    from vitkit.evaluate.knn import labelled_embeddings
+
+    tr, te = labelled_embeddings(train, "--train-embeddings"), labelled_embeddings(test, "--test-embeddings")
+    if not (np.array_equal(tr.index, np.arange(len(tr))) and np.array_equal(te.index, np.arange(len(te)))):
+        raise DataError(f"{train} or {test}: not a whole split in order (the episodes address examples by position)")
+    K = int(max(tr.labels.max(), te.labels.max())) + 1
+    held = heldout_per_class if l2 == "auto" else 0
+    episodes = sample_episodes(tr.labels, K, shots, seeds, held)
+    x_tr = np.asarray(tr.vectors, dtype=np.float32).reshape(len(tr), -1)
+    x_te = np.asarray(te.vectors, dtype=np.float32).reshape(len(te), -1)
+    return run_episodes(episodes, x_tr, tr.labels, x_te, te.labels, K, l2, l2_grid)

@@ -283,6 +283,17 @@ class InferenceViT(nn.Module):
         """Images (B, C, H, W) -> final normed tokens (B, T, D), in the serving dtype."""
         if x.shape[0] == 0:  # an empty batch: the model's empty (0, T, D), from its own embedding (shape checks)
             return self.base.embed(x.to(self.dtype))
+        z = self.forward_blocks(x)  # (B, T, D)
+        B, T, D = z.shape
+        return self.norm(z.reshape(B * T, D)).view(B, T, D)
+
+    @torch.no_grad()
+    def forward_blocks(self, x: torch.Tensor, depth: int | None = None) -> torch.Tensor:
+        """Images (B, C, H, W) -> the tokens (B, T, D) block ``depth`` (1..L, default L) outputs, before the final
+        norm (the model's ``forward_intermediates(x).hidden_states[depth]``), in the serving dtype."""
+        depth = len(self.blocks) if depth is None else depth
+        if not 1 <= depth <= len(self.blocks):
+            raise ValueError(f"depth must be in 1..{len(self.blocks)}, got {depth}")
         if self.stem is not None and self.use_stem and self.stem.supports(x):
             B = x.shape[0]
             z = self.stem(x)  # (B*T, D)
@@ -291,9 +302,9 @@ class InferenceViT(nn.Module):
             B = z.shape[0]
             z = z.reshape(-1, z.shape[-1])
         T, D = z.shape[0] // B, z.shape[1]
-        for blk in self.blocks:
+        for blk in self.blocks[:depth]:
             z = blk(z, B)
-        return self.norm(z).view(B, T, D)
+        return z.view(B, T, D)
 
     @torch.no_grad()
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

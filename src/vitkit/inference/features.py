@@ -20,6 +20,7 @@ from tqdm import tqdm
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import DatasetSource, StreamBatch, stream_batches, stream_iterable
+from vitkit.distributed import DistInfo, all_gather, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
@@ -58,6 +59,7 @@ def extract(
     precision: str = "fp32",
     backend: str = "torch",
     on_engine: Callable[[InferenceEngine], None] | None = None,
+    dist: DistInfo | None = None,
 ) -> Extracted:
     """Run the model over a dataset in batches, collecting logits and/or pre-logits features.
 
@@ -69,7 +71,12 @@ def extract(
     called with it once built), or an engine already built (``precision``, ``backend`` and ``device`` are then
     its own). A map-style dataset is decoded by ``workers`` processes (0: this one), which start before the
     engine is built; ``indices`` restricts it to those examples. An iterable-only dataset is streamed in order.
+
+    ``dist``: the processes of a ``torchrun`` job. Each extracts every ``world``-th batch of a map-style
+    dataset (from its rank on) and every process gets the whole result, in the order one process gives (an
+    iterable-only dataset is extracted whole by every process).
     """
+    info = dist or DistInfo()
     if not (logits or features):
         raise ValueError("nothing to extract: ask for logits, features or both")
     if not isinstance(model, InferenceEngine) and logits and model.cfg.num_classes <= 0:
@@ -79,8 +86,10 @@ def extract(
     total = None
     batches: Iterator[StreamBatch]
     if is_map_style(dataset):
-        total = len(dataset) if indices is None else len(indices)
-        batches = stream_batches(DatasetSource(dataset), transform, batch_size, positions=indices, workers=workers)
+        wanted: Sequence[int] = range(len(dataset)) if indices is None else indices
+        total = len(wanted)
+        mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
+        batches = stream_batches(DatasetSource(dataset), transform, batch_size, positions=mine, workers=workers)
     elif indices is not None:
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
     else:
@@ -91,16 +100,17 @@ def extract(
         dev = device if isinstance(device, torch.device) else resolve_device(device)
         calibrate = (lambda: calibration_sample(DatasetSource(dataset), transform)) if total is not None else None
         engine = InferenceEngine(
-            engine, preprocess, precision=precision, backend=backend, device=dev, batch_size=batch_size,
-            calibration=calibrate,
+            engine, preprocess, precision=precision, backend=backend, batch_size=batch_size, calibration=calibrate,
+            device=info.device if info.enabled else dev,
         )  # fmt: skip
-        if on_engine is not None:
+        if on_engine is not None and info.is_main:
             on_engine(engine)
     out_logits: list[np.ndarray] = []
     out_feats: list[np.ndarray] = []
     out_labels: list[np.ndarray] = []
     out_idx: list[np.ndarray] = []
-    with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not progress) as bar:
+    show = progress and info.is_main
+    with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not show) as bar:
         for b in batches:
             out = engine.forward(b.images, logits=logits, features=features)
             if features:
@@ -111,7 +121,10 @@ def extract(
                 out_logits.append(out.logits.numpy())  # (B, K)
             out_labels.append(b.labels)
             out_idx.append(b.positions)
-            bar.update(len(b))
+            bar.update(len(b) * (info.world if info.enabled and total is not None else 1))
+    if info.enabled and total is not None:  # every process's share, interleaved back into the one order
+        shares = all_gather((out_labels, out_idx, out_logits, out_feats), info)
+        return _interleave(shares, batch_size, logits, features)
     if not out_labels:
         raise DataError("the dataset has no examples")
     return Extracted(
@@ -119,4 +132,33 @@ def extract(
         indices=np.concatenate(out_idx),
         logits=np.concatenate(out_logits) if logits else None,
         features=np.concatenate(out_feats) if features else None,
+    )
+
+
+def _interleave(shares: list[Any], batch_size: int, logits: bool, features: bool) -> Extracted:
+    """The per-process results of a sharded :func:`extract` (process ``r`` took every ``world``-th batch from the
+    ``r``-th on, :func:`vitkit.distributed.shard_of`), merged back into the order of the examples."""
+    world = len(shares)
+    parts = [[np.concatenate(a) if a else None for a in share] for share in shares]
+    n = sum(0 if p[0] is None else len(p[0]) for p in parts)
+    if n == 0:
+        raise DataError("the dataset has no examples")
+
+    def merged(j: int) -> np.ndarray:
+        got: list[tuple[int, np.ndarray]] = []
+        for r, p in enumerate(parts):
+            a = p[j]
+            if a is not None:
+                got.append((r, a))
+        first = got[0][1]
+        out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
+        for r, share in got:
+            out[shard_of(n, batch_size, DistInfo(rank=r, world=world))] = share
+        return out
+
+    return Extracted(
+        labels=merged(0),
+        indices=merged(1),
+        logits=merged(2) if logits else None,
+        features=merged(3) if features else None,
     )

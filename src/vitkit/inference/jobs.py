@@ -9,21 +9,27 @@ packed), a function turning a :class:`~vitkit.data.stream.StreamBatch` and the e
 that takes the columns (a :class:`~vitkit.inference.writers.RowWriter`, or anything with ``write(columns)``,
 ``done`` and ``ids``: printing to the console is one). :func:`run_job` checks that the rows a resumed output
 holds are those its input starts with, and continues after them.
+
+Under ``torchrun`` (``dist``: :func:`vitkit.distributed.setup`), the positions still to do are dealt out over
+the processes in batches (:func:`vitkit.distributed.shard_steps`: batch ``c`` to process ``c % world``) and process 0,
+the only one with a sink, gathers every step's rows and writes them in input order: the output is the file one
+process writes, and it resumes the same way (with any number of processes).
 """
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
+from vitkit.distributed import DistInfo, broadcast_from_main, gather_to_main, shard_steps
 from vitkit.errors import DataError, VitkitError
 from vitkit.inference.engine import InferenceEngine
 
@@ -79,7 +85,7 @@ def run_job(
     transform: Transform,
     build: Callable[[], InferenceEngine],
     rows: Callable[[InferenceEngine, StreamBatch], Mapping[str, Any]],
-    sink: Sink,
+    sink: Sink | None,
     *,
     batch_size: int,
     positions: Sequence[int] | None = None,
@@ -90,45 +96,93 @@ def run_job(
     desc: str = "images",
     where: str = "output",
     on_engine: Callable[[InferenceEngine], None] | None = None,
+    dist: DistInfo | None = None,
 ) -> JobSummary:
     """Stream ``source`` (at ``positions``, default all) through the engine ``build`` returns into ``sink``.
 
     Rows already in ``sink`` (``sink.ids``) are checked against the input (:func:`check_resume`) and skipped.
     The decoding workers start before ``build`` is called; ``on_engine`` is called with the engine once built
     (the commands print its description there). ``rows(engine, batch)`` gives the batch's columns, one value
-    per item of the batch (failed items included, with ``skip_bad``). A bad image raises DataError naming it
-    unless ``skip_bad``. Returns the :class:`JobSummary`."""
+    per item of the batch (failed items included, with ``skip_bad``; a column is a list or an array). A bad
+    image raises DataError naming it unless ``skip_bad``. ``dist``: the processes of a ``torchrun`` job (see the
+    module docstring); only process 0 has a ``sink`` (None elsewhere), a progress bar and ``on_engine``. Returns
+    the :class:`JobSummary` (on process 0, of the whole job)."""
+    info = dist or DistInfo()
     order: Sequence[int] = range(len(source)) if positions is None else positions
-    check_resume(sink.ids, source, order, where)
-    summary = JobSummary(total=len(order), resumed=sink.done)
+    status: tuple[int, str | None] = (0, None)
+    if info.is_main:
+        assert sink is not None, "process 0 needs a sink"
+        try:
+            check_resume(sink.ids, source, order, where)
+            status = (sink.done, None)
+        except DataError as e:
+            status = (0, str(e))
+            if not info.enabled:
+                raise
+    done, error = broadcast_from_main(status, info)  # every process continues from the same row, or stops
+    if error is not None:
+        raise DataError(error)
+    summary = JobSummary(total=len(order), resumed=done)
     if summary.resumed == summary.total:
         return summary
     start = time.perf_counter()
+    mine, steps = shard_steps(order[done:], batch_size, info)
     batches = stream_batches(
-        source, transform, batch_size, positions=order, start=sink.done, workers=workers, prefetch=prefetch,
-        skip_bad=skip_bad,
+        source, transform, batch_size, positions=mine, workers=workers, prefetch=prefetch, skip_bad=skip_bad,
     )  # fmt: skip
     engine = build()
     first = next(batches, None)  # a bad image among the first is its error line alone, before any other output
     summary.engine = engine.describe()
-    if on_engine is not None:
+    if on_engine is not None and info.is_main:
         on_engine(engine)
     bar = tqdm(
-        total=summary.total, initial=summary.resumed, desc=desc, unit="img", file=sys.stderr, disable=not progress,
-        smoothing=0.1, dynamic_ncols=True,
+        total=summary.total, initial=summary.resumed, desc=desc, unit="img", file=sys.stderr,
+        disable=not (progress and info.is_main), smoothing=0.1, dynamic_ncols=True,
     )  # fmt: skip
     with bar:
-        for batch in itertools.chain([first] if first is not None else [], batches):
-            sink.write(rows(engine, batch))
-            summary.written += len(batch)
-            for item, err in zip(batch.ids, batch.errors, strict=True):
+        for step in range(steps):
+            batch = first if step == 0 else next(batches, None)
+            mine_rows = None if batch is None else (batch.positions, batch.ids, batch.errors, rows(engine, batch))
+            gathered = gather_to_main(mine_rows, info)
+            if gathered is None:  # not process 0: its rows went to process 0
+                continue
+            merged = _in_order([g for g in gathered if g is not None])
+            if merged is None:
+                continue
+            ids, errors, columns = merged
+            assert sink is not None
+            sink.write(columns)
+            summary.written += len(ids)
+            for item, err in zip(ids, errors, strict=True):
                 if err is not None:
                     summary.failed += 1
                     if summary.first_failure is None:
                         summary.first_failure = err if err.startswith(item) else f"{item}: {err}"
-            bar.update(len(batch))
+            bar.update(len(ids))
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def _in_order(
+    parts: list[tuple[np.ndarray, list[str], list[str | None], Mapping[str, Any]]],
+) -> tuple[list[str], list[str | None], dict[str, Any]] | None:
+    """The rows of one step of every process, merged into input order (by position): (ids, errors, columns)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return list(parts[0][1]), list(parts[0][2]), dict(parts[0][3])
+    order = np.argsort(np.concatenate([p[0] for p in parts]), kind="stable")
+    ids = [i for p in parts for i in p[1]]
+    errors = [e for p in parts for e in p[2]]
+    columns: dict[str, Any] = {}
+    for name in parts[0][3]:
+        values = [p[3][name] for p in parts]
+        if isinstance(values[0], np.ndarray):
+            columns[name] = np.concatenate(values)[order]
+        else:
+            flat = [v for vs in values for v in vs]
+            columns[name] = [flat[i] for i in order]
+    return [ids[i] for i in order], [errors[i] for i in order], columns
 
 
 def calibration_sample(source: ImageSource, transform: Transform, limit: int = 300) -> torch.Tensor:

@@ -21,6 +21,7 @@ from PIL import Image
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
+from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import JobSummary, calibration_sample, run_job
@@ -254,18 +255,23 @@ def predict_job(
     as_json: bool = False,
     echo: Callable[[str], None] = print,
     on_engine: Callable[[InferenceEngine], None] | None = None,
+    dist: DistInfo | None = None,
 ) -> JobSummary:
     """``vitkit predict``: every image of ``source`` through the engine, the rows (:func:`prediction_fields`)
     written to ``out`` (.jsonl, .csv or .parquet, per batch; ``resume`` continues it, ``overwrite`` starts it
     again) or printed (:class:`ConsoleRows`). OpenVINO's int8 is calibrated on up to 300 of the input's own
-    images."""
+    images. ``dist``: the processes of a ``torchrun`` job, each predicting its share of the images, process 0
+    writing every row in input order (:func:`~vitkit.inference.jobs.run_job`)."""
+    info = dist or DistInfo()
     if loaded.model.cfg.num_classes <= 0:
         raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
     K = loaded.model.cfg.num_classes
     reference = opts.backend == "torch" and opts.precision == "fp32"
     transform = EvalTransform(loaded.meta.preprocess, reference=reference)
-    sink: Any
-    if out is not None:
+    sink: Any = None
+    if not info.is_main:
+        pass  # its rows go to process 0
+    elif out is not None:
         fields = prediction_fields(opts.top_k, K, logits=opts.logits, errors=opts.skip_bad)
         meta = {"vitkit.job": "predict"}
         sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
@@ -274,7 +280,8 @@ def predict_job(
 
     def build() -> InferenceEngine:
         return InferenceEngine.from_loaded(
-            loaded, precision=opts.precision, backend=opts.backend, device=opts.device, batch_size=opts.batch_size,
+            loaded, precision=opts.precision, backend=opts.backend, batch_size=opts.batch_size,
+            device=info.device if info.enabled else opts.device,
             calibration=lambda: calibration_sample(source, transform),
         )  # fmt: skip
 
@@ -285,7 +292,7 @@ def predict_job(
         return run_job(
             source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
             prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
-            where=f"--out {out}", on_engine=on_engine,
+            where=f"--out {out}", on_engine=on_engine, dist=info,
         )  # fmt: skip
     finally:
         close = getattr(sink, "close", None)

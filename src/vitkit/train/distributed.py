@@ -15,7 +15,6 @@ import os
 import signal
 import threading
 import types
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -24,61 +23,22 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from vitkit.distributed import (
+    DistInfo,
+    all_reduce_sum,
+    barrier,
+    broadcast_int,
+    launched_by_torchrun,
+    setup,
+    teardown,
+)
 from vitkit.errors import ConfigError, VitkitError
-from vitkit.hardware import resolve_device
 
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    backend: str | None = None  # None: no process group (a single process not started by torchrun)
-    local_world: int = 1  # processes on this machine (they share its cores)
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def launched_by_torchrun() -> bool:
-    """Whether torchrun (or a launcher setting its variables) started this process: WORLD_SIZE, MASTER_ADDR and
-    MASTER_PORT all set."""
-    return all(k in os.environ for k in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def setup(device: str = "auto") -> DistInfo:
-    """Join the process group torchrun set up (if any) and pick this process's device.
-
-    Under torchrun the group is formed and the model wrapped (``wrap``) even for one process
-    (``--nproc_per_node 1``): DDP or FSDP2 over NCCL then runs on a single GPU, as the strategy was asked for."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = resolve_device(device, local_rank)
-    if world < 1 or (world == 1 and not launched_by_torchrun()):
-        return DistInfo(device=dev)
-    backend = "nccl" if dev.type == "cuda" else "gloo"
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    if not dist.is_initialized():
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return DistInfo(rank, world, local_rank, dev, backend, local_world)
-
-
-def teardown(info: DistInfo, clean: bool = True) -> None:
-    """Leave the process group: together after a clean finish (no process exits while another still talks
-    to it); at once after an error, so that the peers' pending collectives fail instead of hanging."""
-    if info.backend is not None and dist.is_initialized():
-        if clean:
-            dist.barrier()
-        dist.destroy_process_group()
+__all__ = [  # the process-group helpers live in vitkit.distributed (the batch jobs use them too)
+    "DistInfo", "FailureNotice", "PeerFailure", "StopSignal", "Terminated", "all_reduce_sum", "barrier",
+    "broadcast_int", "checkpoint_activations", "fsdp_mixed_precision", "full_tensor", "launched_by_torchrun",
+    "load_full_into", "setup", "teardown", "wrap",
+]  # fmt: skip
 
 
 FAILURE_KEY = "vitkit/failure"  # in the process group's store: the first failed process's one-line error
@@ -218,26 +178,6 @@ def fsdp_mixed_precision(precision: str, device: torch.device) -> Any:
     if precision == "bf16" and device.type == "cuda":
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     return MixedPrecisionPolicy()
-
-
-def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    if info.enabled:
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
-
-
-def broadcast_int(value: int, info: DistInfo) -> int:
-    """Process 0's ``value``, on every process."""
-    if not info.enabled:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=info.device)
-    dist.broadcast(t, src=0)
-    return int(t.item())
-
-
-def barrier(info: DistInfo) -> None:
-    if info.enabled:
-        dist.barrier()
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

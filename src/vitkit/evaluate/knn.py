@@ -1,0 +1,217 @@
+"""Weighted k-nearest-neighbour classification on frozen features: the DINO protocol (Caron et al., 2021,
+``eval_knn.py``), behind ``vitkit knn``.
+
+- train ("bank") and test features are L2-normalised; similarity is their dot product (cosine similarity);
+- each test feature's ``k`` most similar bank features (default 20) vote for their labels with weight
+  ``exp(similarity / T)`` (T = 0.07); the votes of a class are summed;
+- the prediction is the class with the most votes (ties: the lowest class index), top-5 the five with the most.
+
+The similarities are computed in blocks of ``query_chunk`` test features against ``bank_chunk`` bank features,
+keeping a running top-k per query, so the memory of a search is ``query_chunk x bank_chunk`` similarities plus
+``query_chunk x 2k`` candidates, whatever the size of the bank (a million-vector bank is searched in blocks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.distributed import DistInfo
+from vitkit.errors import ConfigError, DataError
+from vitkit.evaluate.features import extract
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.vectors import Embeddings, read_embeddings
+from vitkit.models.vit import VisionTransformer
+
+DEFAULT_K = 20
+DEFAULT_TEMPERATURE = 0.07
+
+
+@dataclass
+class KnnResult:
+    """Per test example the classes by votes (``ranked``, (M, min(5, K)), most votes first) and the summed
+    votes (M, K); ``largest_block``: the most similarities held at once (query rows x bank columns)."""
+
+    ranked: np.ndarray
+    votes: np.ndarray
+    largest_block: int
+
+    @property
+    def predictions(self) -> np.ndarray:
+        return self.ranked[:, 0]
+
+
+@dataclass
+class KnnReport:
+    """Top-1 and top-5 accuracy of a kNN classification, with its k, temperature and sizes."""
+
+    top1: float
+    top5: float
+    k: int
+    temperature: float
+    num_train: int
+    num_test: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return dict(self.__dict__)
+
+
+def normalize(x: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """(N, D) -> the rows divided by their L2 norms, float32 (rows of zeros stay zero)."""
+    t = x.float() if isinstance(x, torch.Tensor) else torch.from_numpy(np.array(x, dtype=np.float32))
+    return torch.nn.functional.normalize(t, dim=1)
+
+
+def knn_classify(
+    train_x: np.ndarray | torch.Tensor,
+    train_y: np.ndarray,
+    test_x: np.ndarray | torch.Tensor,
+    num_classes: int,
+    *,
+    k: int = DEFAULT_K,
+    temperature: float = DEFAULT_TEMPERATURE,
+    query_chunk: int = 256,
+    bank_chunk: int = 65536,
+) -> KnnResult:
+    """The DINO kNN classifier (module docstring) of ``test_x`` (M, D) against the bank ``train_x`` (N, D)
+    labelled ``train_y`` (N,) in 0..num_classes-1, in blocks of ``query_chunk`` x ``bank_chunk``."""
+    if k < 1 or temperature <= 0 or query_chunk < 1 or bank_chunk < 1:
+        raise ConfigError(f"k ({k}), the temperature ({temperature}) and the chunk sizes must be positive")
+    bank = normalize(train_x)  # (N, D)
+    queries = normalize(test_x)  # (M, D)
+    labels = torch.as_tensor(np.asarray(train_y, dtype=np.int64))  # (N,)
+    if bank.ndim != 2 or queries.ndim != 2 or bank.shape[1] != queries.shape[1] or len(labels) != len(bank):
+        raise DataError(
+            f"features do not match: train {tuple(bank.shape)} with {len(labels)} labels, test {tuple(queries.shape)}"
+        )
+    if len(bank) == 0:
+        raise DataError("the train bank has no features")
+    if labels.min() < 0 or labels.max() >= num_classes:
+        raise DataError(f"train labels outside 0..{num_classes - 1}")
+    kk = min(k, len(bank))
+    ranked, votes, largest = [], [], 0
+    for q0 in range(0, len(queries), query_chunk):
+        q = queries[q0 : q0 + query_chunk]  # (C, D)
+        best_s = torch.full((len(q), 0), -float("inf"))
+        best_i = torch.zeros((len(q), 0), dtype=torch.int64)
+        for b0 in range(0, len(bank), bank_chunk):
+            sim = q @ bank[b0 : b0 + bank_chunk].T  # (C, Cb): the only block of similarities held
+            largest = max(largest, sim.numel())
+            s, i = sim.topk(min(kk, sim.shape[1]), dim=1)  # (C, <=k)
+            cand_s, cand_i = torch.cat([best_s, s], dim=1), torch.cat([best_i, i + b0], dim=1)  # (C, <=2k)
+            # ties in similarity: the earlier bank entry first, as a stable sort of the whole bank would
+            order = _rank(cand_s, cand_i)[:, :kk]
+            best_s, best_i = cand_s.gather(1, order), cand_i.gather(1, order)
+        weights = (best_s / temperature).exp()  # (C, k)
+        v = torch.zeros(len(q), num_classes, dtype=torch.float64)
+        v.scatter_add_(1, labels[best_i], weights.double())  # (C, K): summed votes per class
+        top = _rank(v, torch.arange(num_classes).expand(len(q), -1))[:, : min(5, num_classes)]
+        ranked.append(top.numpy())
+        votes.append(v.numpy())
+    return KnnResult(np.concatenate(ranked), np.concatenate(votes), largest)
+
+
+def _rank(values: torch.Tensor, tiebreak: torch.Tensor) -> torch.Tensor:
+    """Per row, the column order by ``values`` descending, ties by ``tiebreak`` ascending."""
+    by_tie = tiebreak.argsort(dim=1, stable=True)
+    v = values.gather(1, by_tie)
+    return by_tie.gather(1, (-v).argsort(dim=1, stable=True))
+
+
+def knn_evaluate(
+    train_x: np.ndarray | torch.Tensor,
+    train_y: np.ndarray,
+    test_x: np.ndarray | torch.Tensor,
+    test_y: np.ndarray,
+    num_classes: int,
+    *,
+    k: int = DEFAULT_K,
+    temperature: float = DEFAULT_TEMPERATURE,
+    query_chunk: int = 256,
+    bank_chunk: int = 65536,
+) -> KnnReport:
+    """Top-1/top-5 accuracy of :func:`knn_classify` on labelled test features."""
+    test_y = np.asarray(test_y, dtype=np.int64)
+    if len(test_y) != len(test_x) or len(test_y) == 0:
+        raise DataError(f"{len(test_x)} test features but {len(test_y)} labels")
+    res = knn_classify(train_x, train_y, test_x, num_classes, k=k, temperature=temperature,
+                       query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
+    top1 = float((res.ranked[:, 0] == test_y).mean())
+    top5 = float((res.ranked == test_y[:, None]).any(axis=1).mean())
+    return KnnReport(top1, top5, min(k, len(train_y)), temperature, len(train_y), len(test_y))
+
+
+def knn_dataset(
+    model: VisionTransformer | InferenceEngine,
+    train: Any,
+    test: Any,
+    preprocess: Preprocess,
+    *,
+    k: int = DEFAULT_K,
+    temperature: float = DEFAULT_TEMPERATURE,
+    query_chunk: int = 256,
+    bank_chunk: int = 65536,
+    batch_size: int = 64,
+    device: torch.device | str | None = "cpu",
+    workers: int = 0,
+    progress: bool = True,
+    precision: str = "fp32",
+    on_engine: Callable[[InferenceEngine], None] | None = None,
+    dist: DistInfo | None = None,
+) -> KnnReport:
+    """kNN accuracy of a frozen model: pre-logits features of the whole training split (the bank) and of the
+    test split, then :func:`knn_evaluate`. ``model``: a model, run in ``precision`` (default ``fp32``: the model
+    itself), or an engine already built. ``dist``: the processes of a ``torchrun`` job, each extracting its
+    share of both splits (the report is the one process computes, on every process)."""
+    K = len(train.classes)
+    if len(test.classes) != K:
+        raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
+    engine = model
+    if not isinstance(engine, InferenceEngine):
+        info = dist or DistInfo()
+        dev = info.device if info.enabled else (device if device is not None else "auto")
+        engine = InferenceEngine(engine, preprocess, precision=precision, device=dev, batch_size=batch_size)
+        if on_engine is not None and info.is_main:
+            on_engine(engine)
+    kw: dict[str, Any] = {"batch_size": batch_size, "workers": workers, "progress": progress, "dist": dist}
+    tr = extract(engine, train, preprocess, logits=False, features=True, desc="features (train)", **kw)
+    te = extract(engine, test, preprocess, logits=False, features=True, desc="features (test)", **kw)
+    assert tr.features is not None and te.features is not None
+    return knn_evaluate(tr.features, tr.labels, te.features, te.labels, K, k=k, temperature=temperature,
+                        query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
+
+
+def knn_embeddings(
+    train: str | os.PathLike[str],
+    test: str | os.PathLike[str],
+    *,
+    k: int = DEFAULT_K,
+    temperature: float = DEFAULT_TEMPERATURE,
+    query_chunk: int = 256,
+    bank_chunk: int = 65536,
+) -> KnnReport:
+    """kNN accuracy from two outputs of ``vitkit embed`` (the training split's, the bank, and the test split's;
+    made from a labelled dataset): :func:`knn_evaluate` of their vectors (flattened) and labels."""
+    tr, te = labelled_embeddings(train, "--train-embeddings"), labelled_embeddings(test, "--test-embeddings")
+    K = int(max(tr.labels.max(), te.labels.max())) + 1
+    return knn_evaluate(tr.vectors.reshape(len(tr), -1), tr.labels, te.vectors.reshape(len(te), -1), te.labels, K,
+                        k=k, temperature=temperature, query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
+
+
+def labelled_embeddings(path: str | os.PathLike[str], option: str) -> Embeddings:
+    """An output of ``vitkit embed`` whose every row has a label and a vector (DataError naming ``option`` and
+    the file otherwise)."""
+    e = read_embeddings(path)
+    if len(e) == 0:
+        raise DataError(f"{option} {path}: holds no embeddings")
+    if (e.labels < 0).any():
+        raise DataError(f"{option} {path}: has rows without a label; embed a labelled dataset (--data)")
+    if e.errors:
+        raise DataError(f"{option} {path}: {len(e.errors)} row(s) of images that failed (embedded with --skip-bad)")
+    return e

@@ -1,0 +1,232 @@
+"""Features for search, clustering and probes: ``vitkit.embed(...)`` in Python, and :func:`embed_job` behind
+``vitkit embed`` (any number of images, streamed, written to Parquet, ``.npy`` or ``.safetensors`` batch by batch,
+resumable; :mod:`vitkit.inference.vectors`).
+
+What a vector is (:class:`EmbedOptions`):
+
+- by default the pre-logits features: the model's pooled token after its optional pre-logits layer, the
+  representation the paper's linear probes and few-shot evaluation use (``forward_head(tokens, pre_logits=True)``);
+- ``pool="cls"``: the class token, ``"gap"``: the mean of the patch tokens (prefix tokens left out),
+  ``"tokens"``: every token (T, D); of the final normed tokens, or with ``layer`` of that block's output;
+- ``layer=N``: the output of transformer block N (1..L; -1 the last), before the final norm, pooled by ``pool``
+  (default: the model's own pooling, the class token or the mean of all tokens). The reference path (``--precision
+  fp32``) takes it from the model's ``forward_intermediates``, the fast path runs only the first N blocks;
+- ``l2``: each vector divided by its L2 norm (computed in fp32); ``dtype``: fp32 or fp16 storage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from vitkit.checkpoints import Loaded, load_checkpoint
+from vitkit.data.eval_transform import EvalTransform
+from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
+from vitkit.distributed import DistInfo
+from vitkit.errors import ConfigError, VitkitError
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.jobs import JobSummary, run_job
+from vitkit.inference.vectors import DTYPES, Embeddings, EmbeddingWriter
+
+POOLS = ("cls", "gap", "tokens")
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What ``vitkit embed`` computes (``pool``: None for the pre-logits features, or cls/gap/tokens; ``layer``:
+    None for the final tokens, or a block 1..L, negative from the end; ``dtype`` fp32/fp16 storage; ``l2``
+    normalisation) and how (engine precision, device, batch, decoding workers and prefetch, ``skip_bad``)."""
+
+    pool: str | None = None
+    layer: int | None = None
+    dtype: str = "fp32"
+    l2: bool = False
+    batch_size: int = 32
+    precision: str = "auto"
+    device: str = "cpu"
+    workers: int = 0
+    prefetch: int = 2
+    skip_bad: bool = False
+    progress: bool = True
+
+    def check(self, depth: int, prefix_tokens: int) -> None:
+        """ConfigError naming the option that does not fit a model of ``depth`` blocks with ``prefix_tokens``."""
+        if self.pool is not None and self.pool not in POOLS:
+            raise ConfigError(f"--pool {self.pool!r}: choose one of {', '.join(POOLS)}")
+        if self.pool == "cls" and prefix_tokens < 1:
+            raise ConfigError("--pool cls: the model has no class token (a GAP model); use --pool gap")
+        if self.layer is not None and (self.layer == 0 or not -depth <= self.layer <= depth):
+            raise ConfigError(f"--layer {self.layer}: the model has {depth} blocks (1..{depth}, or -1 for the last)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype {self.dtype!r}: choose fp32 or fp16")
+
+    def meta(self) -> dict[str, str]:
+        """The options as stored in the output (a resumed output must match them)."""
+        return {
+            "vitkit.embed.pool": self.pool or "pre-logits",
+            "vitkit.embed.layer": "final" if self.layer is None else str(self.layer),
+            "vitkit.embed.dtype": self.dtype,
+            "vitkit.embed.l2": json.dumps(self.l2),
+        }
+
+
+@torch.inference_mode()
+def embedding_vectors(engine: InferenceEngine, x: torch.Tensor, opts: EmbedOptions) -> torch.Tensor:
+    """Images (B, C, H, W), preprocessed -> the vectors ``opts`` asks for, float32 on the CPU: (B, R), or
+    (B, T, D) for ``pool="tokens"`` (L2-normalised over the last dimension with ``opts.l2``)."""
+    model = engine.model
+    if opts.pool is None and opts.layer is None:
+        out = engine.features(x)  # (B, R) pre-logits
+    else:
+        x = x.to(engine.device)
+        runner: Any = engine.runner
+        if opts.layer is None:
+            tokens = runner.forward_features(x)  # (B, T, D), final norm
+        else:
+            depth = opts.layer if opts.layer > 0 else model.cfg.depth + 1 + opts.layer
+            if hasattr(runner, "forward_blocks"):  # the fast path: only the first ``depth`` blocks
+                tokens = runner.forward_blocks(x, depth)
+            else:  # the reference: the model's intermediates API
+                tokens = model.forward_intermediates(x, attention=False).hidden_states[depth]
+        prefix = model.cfg.num_prefix_tokens
+        if opts.pool == "tokens":
+            out = tokens
+        elif opts.pool == "cls":
+            out = tokens[:, 0]
+        elif opts.pool == "gap":
+            out = tokens[:, prefix:].mean(dim=1)
+        else:  # the model's own pooling of an intermediate block
+            out = model.pool(tokens.float())
+        out = out.float().cpu()
+    if opts.l2:
+        out = torch.nn.functional.normalize(out, dim=-1)
+    return out
+
+
+def embed_columns(
+    engine: InferenceEngine, batch: StreamBatch, opts: EmbedOptions, shape: tuple[int, ...]
+) -> dict[str, Any]:
+    """One batch through the engine as the columns :class:`~vitkit.inference.vectors.EmbeddingWriter` takes (a
+    failed image: NaN)."""
+    vectors = np.full((len(batch), *shape), np.nan, dtype=DTYPES[opts.dtype])
+    if batch.images.numel():
+        vectors[batch.ok] = embedding_vectors(engine, batch.images, opts).numpy().astype(vectors.dtype)
+    return {
+        "index": batch.positions,
+        "id": list(batch.ids),
+        "label": batch.labels,
+        "vector": vectors,
+        "error": [e or "" for e in batch.errors],
+    }
+
+
+def vector_shape(loaded: Loaded, opts: EmbedOptions) -> tuple[int, ...]:
+    """The shape of one vector: (R,), (D,), or (T, D) for tokens."""
+    cfg = loaded.model.cfg
+    if opts.pool == "tokens":
+        return (cfg.num_tokens(loaded.meta.preprocess.image_size), cfg.hidden_size)
+    if opts.pool is None and opts.layer is None:
+        return (loaded.model.num_features,)
+    return (cfg.hidden_size,)
+
+
+def embed_job(
+    loaded: Loaded,
+    source: ImageSource,
+    opts: EmbedOptions,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    overwrite: bool = False,
+    on_engine: Callable[[InferenceEngine], None] | None = None,
+    dist: DistInfo | None = None,
+) -> JobSummary:
+    """``vitkit embed``: every image of ``source`` through the engine, its vector (:func:`embedding_vectors`)
+    written to ``out`` batch by batch (:class:`~vitkit.inference.vectors.EmbeddingWriter`; ``resume`` continues
+    an interrupted run, ``overwrite`` starts it again). ``dist``: the processes of a ``torchrun`` job, each
+    embedding its share of the images, process 0 writing them in input order."""
+    info = dist or DistInfo()
+    cfg = loaded.model.cfg
+    opts.check(cfg.depth, cfg.num_prefix_tokens)
+    shape = vector_shape(loaded, opts)
+    transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32")
+    meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
+    sink = EmbeddingWriter(out, meta, resume=resume, overwrite=overwrite) if info.is_main else None
+
+    def build() -> InferenceEngine:
+        return InferenceEngine.from_loaded(
+            loaded, precision=opts.precision, batch_size=opts.batch_size,
+            device=info.device if info.enabled else opts.device,
+        )  # fmt: skip
+
+    summary = run_job(
+        source, transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
+        batch_size=opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
+        progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info,
+    )  # fmt: skip
+    if sink is not None:  # on an error the chunks written so far stay, for --resume
+        sink.close()
+    return summary
+
+
+ImageInput = str | os.PathLike[str] | Image.Image
+
+
+def embed(
+    checkpoint: str | os.PathLike[str] | Loaded,
+    images: Iterable[ImageInput] | Any,
+    *,
+    pool: str | None = None,
+    layer: int | None = None,
+    l2: bool = False,
+    dtype: str = "fp32",
+    batch_size: int = 32,
+    format: str | None = None,
+    precision: str = "fp32",
+    device: torch.device | str = "cpu",
+    workers: int = 0,
+    progress: bool = False,
+) -> Embeddings:
+    """Embeddings of images (file paths or PIL images) or of a dataset (``vitkit.open_dataset(...)``, labels
+    kept), in memory, in input order: :class:`~vitkit.inference.vectors.Embeddings` (``vectors`` (N, R) or
+    (N, T, D), ``ids``, ``labels``). ``pool``, ``layer``, ``l2``, ``dtype``: as :class:`EmbedOptions`;
+    ``precision``: ``fp32`` (default: the checkpoint's own model), ``auto``, ``bf16`` or ``int8``. For outputs
+    larger than memory, use ``vitkit embed`` (or :func:`embed_job`), which writes them to a file as it goes."""
+    loaded = checkpoint if isinstance(checkpoint, Loaded) else load_checkpoint(checkpoint, format=format)
+    opts = EmbedOptions(pool=pool, layer=layer, dtype=dtype, l2=l2, batch_size=batch_size, precision=precision)
+    opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
+    shape = vector_shape(loaded, opts)
+    engine = InferenceEngine.from_loaded(loaded, precision=precision, device=device, batch_size=batch_size)
+    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode)
+    if hasattr(images, "__getitem__") and hasattr(images, "classes"):  # a dataset
+        batches: Iterable[StreamBatch] = stream_batches(DatasetSource(images), transform, batch_size, workers=workers)
+    elif isinstance(images, list | tuple) and all(not isinstance(i, Image.Image) for i in images):
+        source = FileSource([os.fspath(i) for i in images])
+        batches = stream_batches(source, transform, batch_size, workers=workers)
+    else:
+        named = (
+            (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
+            for i, img in enumerate(images)
+        )
+        batches = stream_iterable(named, transform, batch_size)
+    from tqdm import tqdm
+
+    cols: list[dict[str, Any]] = []
+    for batch in tqdm(batches, desc="embed", unit="batch", disable=not progress):
+        cols.append(embed_columns(engine, batch, opts, shape))
+    if not cols:
+        raise VitkitError("no images to embed")
+    return Embeddings(
+        ids=[i for c in cols for i in c["id"]],
+        index=np.concatenate([c["index"] for c in cols]),
+        labels=np.concatenate([c["label"] for c in cols]),
+        vectors=np.concatenate([c["vector"] for c in cols]),
+        meta=opts.meta(),
+    )

@@ -1,0 +1,492 @@
+"""Embedding outputs of ``vitkit embed``: one vector (or token grid) per image with its id, label and position,
+in Parquet, ``.npy`` or ``.safetensors`` (by the file's suffix), written batch by batch and resumable after a kill.
+
+None of the three formats can be appended to in place (a Parquet footer, the ``.npy`` header's shape and the
+``.safetensors`` header all describe the whole file), so :class:`EmbeddingWriter` writes each batch as a chunk
+file ``NAME.parts/part-NNNNNNNN.npz`` (written under a temporary name and renamed: a kill never leaves a chunk
+half-written) and assembles the final file from the chunks on :meth:`~EmbeddingWriter.close`, in bounded memory
+(chunk by chunk), after which the chunk folder is removed. ``resume`` continues from the chunks there.
+
+The formats (``N`` rows; ``R`` the vector width, or ``T x D`` tokens with ``--pool tokens``):
+
+- ``.parquet``: columns ``index`` (the image's position in the input), ``id`` (path, shard member, dataset row),
+  ``label`` (-1 without labels), ``embedding`` (a fixed-size list of float32 or float16 of ``R`` or ``T*D``
+  values), and with ``--skip-bad`` ``error``; the shape of one embedding in the schema metadata
+  (``vitkit.shape``, JSON), with the options it was made with;
+- ``.npy``: the array (N, R) or (N, T, D) as ``numpy.load`` reads it, and beside it ``NAME.ids.json``: a JSON
+  object with ``ids``, ``labels``, ``index`` (lists in row order), ``errors`` (row -> reason) and ``meta``;
+- ``.safetensors``: tensors ``embeddings`` (N, R) or (N, T, D), ``index`` and ``labels`` (int64), and in the
+  header's ``__metadata__`` the ids (``vitkit.ids``, a JSON list), errors and options. The format caps its
+  header at 100 MB, which holds ids of a million or so images; use Parquet for more.
+
+A row whose image failed (``--skip-bad``) holds NaN in its vector.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vitkit.errors import ConfigError, DataError
+from vitkit.fileio import WRITER, WRITER_KEY, check_output_location, fsync, remove_tree, temp_path
+
+EMBED_FORMATS = (".parquet", ".npy", ".safetensors")
+DTYPES = {"fp32": np.float32, "fp16": np.float16}
+_PART = re.compile(r"^part-(\d{8})\.npz$")
+_PART_TMP = re.compile(r"^\.part-(\d{8})\.npz\.tmp$")
+_META = "meta.json"
+ROW_GROUP_BYTES = 64 << 20  # the assembled Parquet file's row groups: up to this much data each
+SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
+
+
+@dataclass
+class Embeddings:
+    """Embeddings read back: per row the image's ``id``, ``label`` (-1 without) and position (``index``), the
+    ``vectors`` (N, R) or (N, T, D), the ``errors`` of rows whose image failed, and the options they were made
+    with (``meta``)."""
+
+    ids: list[str]
+    index: np.ndarray  # (N,) int64
+    labels: np.ndarray  # (N,) int64
+    vectors: np.ndarray  # (N, R) or (N, T, D)
+    errors: dict[int, str] = field(default_factory=dict)
+    meta: dict[str, str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def embeddings_format(path: str | os.PathLike[str]) -> str:
+    """The format of an embedding output by its suffix (ConfigError for another)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in EMBED_FORMATS:
+        raise ConfigError(
+            f"--out {path}: unknown format {suffix or '(no suffix)'!r}; use .parquet, .npy or .safetensors"
+        )
+    return suffix
+
+
+def ids_path(path: Path) -> Path:
+    """The ids file beside a ``.npy`` output: ``feats.npy`` -> ``feats.ids.json``."""
+    return path.with_name(path.stem + ".ids.json")
+
+
+def _parts_dir(path: Path) -> Path:
+    return path.with_name(path.name + ".parts")
+
+
+def _entries(folder: Path, temporary: bool = False) -> list[str]:
+    pattern = _PART_TMP if temporary else _PART
+    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file())
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether an existing output file was written by vitkit (its writer mark)."""
+    try:
+        suffix = path.suffix.lower()
+        if suffix == ".npy":
+            side = ids_path(path)
+            return side.is_file() and json.loads(side.read_text()).get(WRITER_KEY) == WRITER
+        if suffix == ".safetensors":
+            return _safetensors_header(path)[0].get("__metadata__", {}).get(WRITER_KEY) == WRITER
+        import pyarrow.parquet as pq
+
+        return (pq.read_schema(path).metadata or {}).get(WRITER_KEY.encode()) == WRITER.encode()
+    except Exception:  # unreadable: not something vitkit finished writing
+        return False
+
+
+def check_embeddings_output(path: Path, *, resume: bool, overwrite: bool) -> None:
+    """May ``path`` be written as an embedding output? New: yes. Existing (with its ids file or chunk folder):
+    only with ``resume`` or ``overwrite``, and only what vitkit wrote; a folder never."""
+    fmt = embeddings_format(path)
+    if path.is_dir():
+        raise ConfigError(f"--out {path}: is a folder; name a .parquet, .npy or .safetensors file")
+    check_output_location(path)
+    parts = _parts_dir(path)
+    if parts.exists():
+        foreign = [
+            e.name for e in parts.iterdir() if not (_PART.match(e.name) or _PART_TMP.match(e.name) or e.name == _META)
+        ]
+        if foreign or not parts.is_dir():
+            raise ConfigError(
+                f"--out {path}: {parts} holds {foreign[0] if foreign else 'a file'!r}, which vitkit did not write; "
+                "vitkit never deletes what it did not write"
+            )
+    side = ids_path(path) if fmt == ".npy" else None
+    existing = [p for p in (path, side) if p is not None and p.exists()]
+    if (existing or parts.exists()) and not (resume or overwrite):
+        raise ConfigError(
+            f"--out {path}: already exists (or a run into it was interrupted); pass --resume to continue it, or "
+            "--overwrite to start again"
+        )
+    if existing and not parts.exists() and not _is_ours(path):
+        raise ConfigError(f"--out {existing[0]}: not written by vitkit embed; vitkit never overwrites what it did not")
+
+
+class EmbeddingWriter:
+    """An embedding output being written (see the module docstring). ``meta``: the options the vectors are made
+    with (strings), stored in the output; a resumed output must have been started with the same. ``done`` and
+    ``ids``: rows complete (as found when opened, then counting what was written)."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], meta: Mapping[str, str], *, resume: bool = False, overwrite: bool = False
+    ) -> None:
+        self.path = Path(path)
+        check_embeddings_output(self.path, resume=resume, overwrite=overwrite)
+        self.format = embeddings_format(self.path)
+        self.meta = dict(meta)
+        self.parts = _parts_dir(self.path)
+        self.ids: list[str] = []
+        self.next_part = 0
+        self.finished = False  # resumed from a finished output: nothing to assemble unless more is written
+        if not resume:
+            self._remove_earlier()
+        elif self.parts.is_dir():
+            self._reopen()
+        elif self.path.exists():
+            done = read_embeddings(self.path)
+            self._check_meta(done.meta, self.path)
+            self.ids, self.finished = done.ids, True
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.finished and not self.parts.is_dir():
+            self.parts.mkdir()
+            _write_atomic(self.parts / _META, json.dumps(self.meta).encode())
+
+    @property
+    def done(self) -> int:
+        return len(self.ids)
+
+    def _remove_earlier(self) -> None:
+        if self.parts.is_dir():
+            remove_tree(self.parts)
+        for p in (self.path, ids_path(self.path) if self.format == ".npy" else None):
+            if p is not None and p.exists():
+                p.unlink()
+
+    def _check_meta(self, found: Mapping[str, str], where: Path) -> None:
+        ours = {k: v for k, v in found.items() if k.startswith("vitkit.embed.")}
+        if ours != {k: v for k, v in self.meta.items() if k.startswith("vitkit.embed.")}:
+            raise DataError(
+                f"{where}: was started with other options ({json.dumps(ours)}); continue it with those, or write to "
+                "a new --out"
+            )
+
+    def _reopen(self) -> None:
+        for name in _entries(self.parts, temporary=True):
+            (self.parts / name).unlink()  # a chunk cut mid-write (never renamed into place)
+        meta = self.parts / _META
+        if meta.is_file():
+            self._check_meta(json.loads(meta.read_text()), self.parts)
+        else:
+            _write_atomic(meta, json.dumps(self.meta).encode())
+        for name in _entries(self.parts):
+            with np.load(self.parts / name, allow_pickle=False) as z:
+                self.ids += [str(v) for v in z["id"]]
+            self.next_part = int(_PART.match(name).group(1)) + 1  # type: ignore[union-attr]
+
+    def write(self, columns: Mapping[str, Any]) -> None:
+        """One batch: ``index``, ``id``, ``label``, ``vector`` (B, ...) and optionally ``error`` (""; a reason).
+        Complete on disk (a chunk file) when this returns."""
+        ids = [str(v) for v in columns["id"]]
+        if not ids:
+            return
+        if self.finished:
+            raise DataError(f"--out {self.path}: is finished; pass --overwrite to start it again")
+        vectors = np.asarray(columns["vector"])
+        errors = list(columns.get("error") or [""] * len(ids))
+        name = f"part-{self.next_part:08d}.npz"
+        tmp = self.parts / f".{name}.tmp"
+        with tmp.open("wb") as f:
+            np.savez(
+                f, index=np.asarray(columns["index"], dtype=np.int64), id=np.asarray(ids, dtype=str),
+                label=np.asarray(columns["label"], dtype=np.int64), vector=vectors, error=np.asarray(errors, dtype=str),
+            )  # fmt: skip
+        os.replace(tmp, self.parts / name)
+        self.next_part += 1
+        self.ids += ids
+
+    def close(self) -> None:
+        """Assemble the chunks into the output file (and its ids file), then remove the chunk folder."""
+        if self.finished or not self.parts.is_dir():
+            return
+        chunks = [self.parts / n for n in _entries(self.parts)]
+        if self.format == ".parquet":
+            _assemble_parquet(self.path, chunks, self.meta)
+        elif self.format == ".npy":
+            _assemble_npy(self.path, chunks, self.meta)
+        else:
+            _assemble_safetensors(self.path, chunks, self.meta)
+        remove_tree(self.parts)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = temp_path(path)
+    try:
+        tmp.write_bytes(data)
+        fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _chunks(chunks: list[Path]) -> Iterator[dict[str, np.ndarray]]:
+    for c in chunks:
+        with np.load(c, allow_pickle=False) as z:
+            yield {k: z[k] for k in ("index", "id", "label", "vector", "error")}
+
+
+def _layout(chunks: list[Path], meta: Mapping[str, str]) -> tuple[int, tuple[int, ...], np.dtype]:
+    """(rows, shape of one vector, dtype) of the chunks (without reading their vectors)."""
+    n, shape, dtype = 0, None, None
+    for c in chunks:
+        with np.load(c, allow_pickle=False, mmap_mode="r") as z:
+            v = z["vector"]
+            n += v.shape[0]
+            shape, dtype = v.shape[1:], v.dtype
+    if shape is None:  # no rows at all
+        return 0, tuple(json.loads(meta.get("vitkit.embed.shape", "[0]"))), np.dtype(np.float32)
+    assert dtype is not None
+    return n, tuple(shape), dtype
+
+
+def _side_doc(chunks: list[Path]) -> tuple[list[str], list[int], list[int], dict[str, str]]:
+    ids: list[str] = []
+    labels: list[int] = []
+    index: list[int] = []
+    errors: dict[str, str] = {}
+    for c in _chunks(chunks):
+        base = len(ids)
+        for j, e in enumerate(c["error"]):
+            if str(e):
+                errors[str(base + j)] = str(e)
+        ids += [str(v) for v in c["id"]]
+        labels += c["label"].tolist()
+        index += c["index"].tolist()
+    return ids, labels, index, errors
+
+
+def _assemble_npy(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
+    n, shape, dtype = _layout(chunks, meta)
+    tmp = temp_path(path)
+    try:
+        arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n, *shape))
+        row = 0
+        for c in _chunks(chunks):
+            arr[row : row + len(c["vector"])] = c["vector"]
+            row += len(c["vector"])
+        arr.flush()
+        del arr
+        fsync(tmp)
+        ids, labels, index, errors = _side_doc(chunks)
+        doc = {WRITER_KEY: WRITER, "ids": ids, "labels": labels, "index": index, "errors": errors, "meta": dict(meta)}
+        _write_atomic(ids_path(path), json.dumps(doc).encode())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _st_dtype(dtype: np.dtype) -> str:
+    return {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64"}[np.dtype(dtype)]
+
+
+def _assemble_safetensors(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
+    n, shape, dtype = _layout(chunks, meta)
+    ids, labels, index, errors = _side_doc(chunks)
+    vec_bytes = n * math.prod(shape) * np.dtype(dtype).itemsize
+    header: dict[str, Any] = {
+        "embeddings": {"dtype": _st_dtype(dtype), "shape": [n, *shape], "data_offsets": [0, vec_bytes]},
+        "index": {"dtype": "I64", "shape": [n], "data_offsets": [vec_bytes, vec_bytes + 8 * n]},
+        "labels": {"dtype": "I64", "shape": [n], "data_offsets": [vec_bytes + 8 * n, vec_bytes + 16 * n]},
+        "__metadata__": {
+            WRITER_KEY: WRITER, **meta, "vitkit.ids": json.dumps(ids), "vitkit.errors": json.dumps(errors)
+        },
+    }  # fmt: skip
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    if len(text) > SAFETENSORS_MAX_HEADER:
+        raise DataError(
+            f"--out {path}: the ids of {n} images do not fit a .safetensors header (100 MB at most); use .parquet"
+        )
+    tmp = temp_path(path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(struct.pack("<Q", len(text)))
+            f.write(text)
+            for c in _chunks(chunks):
+                f.write(np.ascontiguousarray(c["vector"], dtype=dtype).astype(dtype.newbyteorder("<")).tobytes())
+            f.write(np.asarray(index, dtype="<i8").tobytes())
+            f.write(np.asarray(labels, dtype="<i8").tobytes())
+        fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+    except ImportError:
+        raise ConfigError(
+            "--out *.parquet needs pyarrow: pip install 'vitkit[parquet]' (or pip install pyarrow)"
+        ) from None
+    return pyarrow
+
+
+def _parquet_schema(pa: Any, width: int, dtype: np.dtype, meta: Mapping[str, str], shape: tuple[int, ...]) -> Any:
+    value = pa.float16() if np.dtype(dtype) == np.float16 else pa.float32()
+    return pa.schema(
+        [
+            pa.field("index", pa.int64()),
+            pa.field("id", pa.string()),
+            pa.field("label", pa.int64()),
+            pa.field("embedding", pa.list_(value, width)),
+            pa.field("error", pa.string()),
+        ],
+        metadata={WRITER_KEY: WRITER, **meta, "vitkit.shape": json.dumps(list(shape))},
+    )
+
+
+def _assemble_parquet(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
+    pa = _pyarrow()
+    import pyarrow.parquet as pq
+
+    _, shape, dtype = _layout(chunks, meta)
+    width = max(1, math.prod(shape))
+    schema = _parquet_schema(pa, width, dtype, meta, shape)
+    tmp = temp_path(path)
+    try:
+        with pq.ParquetWriter(tmp, schema) as out:
+            pending: list[Any] = []
+            size = 0
+            for c in _chunks(chunks):
+                flat = np.ascontiguousarray(c["vector"]).reshape(-1)
+                emb = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=schema.field("embedding").type.value_type),
+                                                        width)  # fmt: skip
+                errs = [str(e) or None for e in c["error"]]
+                table = pa.Table.from_arrays(
+                    [pa.array(c["index"]), pa.array([str(v) for v in c["id"]]), pa.array(c["label"]), emb,
+                     pa.array(errs, type=pa.string())],
+                    schema=schema,
+                )  # fmt: skip
+                pending.append(table)
+                size += table.nbytes
+                if size >= ROW_GROUP_BYTES:
+                    out.write_table(pa.concat_tables(pending))
+                    pending, size = [], 0
+            if pending or not chunks:
+                out.write_table(pa.concat_tables(pending) if pending else schema.empty_table())
+        fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---- reading ----------------------------------------------------------------------------------------------
+
+
+def _safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """The JSON header of a .safetensors file and where its data starts, checked against the file's size
+    before anything is allocated for it."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise DataError(f"{path}: not a .safetensors file (shorter than its header)")
+        (length,) = struct.unpack("<Q", raw)
+        if length > min(SAFETENSORS_MAX_HEADER, size - 8):
+            raise DataError(f"{path}: not a .safetensors file (a header of {length} bytes in {size})")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise DataError(f"{path}: not a .safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise DataError(f"{path}: not a .safetensors file (its header is not a JSON object)")
+    return header, 8 + length
+
+
+def _st_tensor(path: Path, header: Mapping[str, Any], start: int, name: str) -> np.ndarray:
+    size = path.stat().st_size
+    t = header.get(name)
+    if not isinstance(t, dict) or t.get("dtype") not in _ST_DTYPES:
+        raise DataError(f"{path}: has no {name!r} tensor of a supported type (not written by vitkit embed?)")
+    shape, (lo, hi) = [int(s) for s in t["shape"]], [int(o) for o in t["data_offsets"]]
+    dtype = np.dtype(_ST_DTYPES[t["dtype"]]).newbyteorder("<")
+    if min(shape, default=0) < 0 or not 0 <= lo <= hi <= size - start or hi - lo != math.prod(shape) * dtype.itemsize:
+        raise DataError(f"{path}: tensor {name!r} does not fit the file (shape {shape}, bytes {lo}..{hi})")
+    if hi == lo:
+        return np.zeros(shape, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=start + lo, shape=tuple(shape))
+
+
+def read_embeddings(path: str | os.PathLike[str]) -> Embeddings:
+    """An output of ``vitkit embed`` (any of its formats) read back; DataError naming the file when it is not one.
+    ``.npy`` and ``.safetensors`` vectors are memory-mapped, not read into memory."""
+    p = Path(path)
+    fmt = embeddings_format(p)
+    if not p.is_file():
+        raise DataError(f"{p}: no such file")
+    if fmt == ".npy":
+        side = ids_path(p)
+        if not side.is_file():
+            raise DataError(f"{p}: its ids file {side.name} is missing (vitkit embed writes both)")
+        try:
+            doc = json.loads(side.read_text())
+            vectors = np.load(p, mmap_mode="r", allow_pickle=False)
+        except ValueError as e:
+            raise DataError(f"{p}: not readable as vitkit embed's output ({e})") from None
+        ids, labels, index = doc.get("ids"), doc.get("labels"), doc.get("index")
+        errors, meta = doc.get("errors", {}), doc.get("meta", {})
+    elif fmt == ".safetensors":
+        header, start = _safetensors_header(p)
+        meta = {str(k): str(v) for k, v in header.get("__metadata__", {}).items()}
+        vectors = _st_tensor(p, header, start, "embeddings")
+        index, labels = _st_tensor(p, header, start, "index").tolist(), _st_tensor(p, header, start, "labels").tolist()
+        try:
+            ids, errors = json.loads(meta.pop("vitkit.ids")), json.loads(meta.pop("vitkit.errors", "{}"))
+        except (KeyError, ValueError):
+            raise DataError(f"{p}: no ids in its metadata (vitkit.ids); not written by vitkit embed") from None
+    else:
+        _pyarrow()
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError...
+            raise DataError(f"{p}: not a readable Parquet file ({e})") from None
+        names = set(table.column_names)
+        if not {"id", "embedding"} <= names:
+            raise DataError(f"{p}: has no id and embedding columns (not written by vitkit embed)")
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        shape = tuple(json.loads(meta.get("vitkit.shape", "[-1]")))
+        emb = table.column("embedding").combine_chunks()
+        flat = emb.values.to_numpy(zero_copy_only=False) if len(emb) else np.zeros(0, dtype=np.float32)
+        vectors = flat.reshape(len(emb), *shape)
+        ids = table.column("id").to_pylist()
+        n = len(ids)
+        index = table.column("index").to_pylist() if "index" in names else list(range(n))
+        labels = table.column("label").to_pylist() if "label" in names else [-1] * n
+        errs = table.column("error").to_pylist() if "error" in names else [None] * n
+        errors = {str(i): e for i, e in enumerate(errs) if e}
+    if not (isinstance(ids, list) and isinstance(labels, list) and isinstance(index, list)):
+        raise DataError(f"{p}: its ids, labels or index are missing (not written by vitkit embed)")
+    if not len(ids) == len(labels) == len(index) == len(vectors):
+        raise DataError(f"{p}: {len(vectors)} vectors but {len(ids)} ids; the file is damaged")
+    return Embeddings(
+        ids=[str(i) for i in ids],
+        index=np.asarray(index, dtype=np.int64),
+        labels=np.asarray(labels, dtype=np.int64),
+        vectors=vectors,
+        errors={int(k): str(v) for k, v in dict(errors).items()},
+        meta=dict(meta),
+    )
