@@ -240,3 +240,15 @@ def test_python_api(ckpt: Path, folder: Path) -> None:
     by_file = vitkit.embed(ckpt, files, batch_size=4, l2=True)
     assert by_file.ids == files
     np.testing.assert_allclose(by_file.vectors, want / np.linalg.norm(want, axis=1, keepdims=True), rtol=1e-5)
+
+
+def test_parquet_without_pyarrow_is_refused_before_any_work(monkeypatch, tmp_path):
+    """Without the optional pyarrow, a .parquet output is one line before an image is read (it once failed only
+    when assembling, after every embedding was computed, leaving the parts folder behind)."""
+    from vitkit.errors import ConfigError
+    from vitkit.inference.vectors import embeddings_format
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow -> ImportError
+    with pytest.raises(ConfigError, match=r"needs pyarrow"):
+        embeddings_format(tmp_path / "feats.parquet")
+    assert embeddings_format(tmp_path / "feats.npy") == ".npy"

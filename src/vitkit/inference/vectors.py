@@ -67,12 +67,14 @@ class Embeddings:
 
 
 def embeddings_format(path: str | os.PathLike[str]) -> str:
-    """The format of an embedding output by its suffix (ConfigError for another)."""
+    """The format of an embedding output by its suffix (ConfigError for another, or for Parquet without pyarrow)."""
     suffix = Path(path).suffix.lower()
     if suffix not in EMBED_FORMATS:
         raise ConfigError(
             f"--out {path}: unknown format {suffix or '(no suffix)'!r}; use .parquet, .npy or .safetensors"
         )
+    if suffix == ".parquet":
+        _pyarrow()  # an optional dependency: missing, refused here, before any image is read
     return suffix
 
 
