@@ -97,7 +97,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.checkpoints import load_checkpoint
-    from vitkit.data.stream import DatasetSource, FileSource, ImageSource, list_inputs
+    from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
     from vitkit.inference.embed import EmbedOptions, embed_job
     from vitkit.inference.vectors import check_embeddings_output
@@ -107,14 +107,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         check_embeddings_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     if bool(args.images) == bool(args.data):
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")
-    source: ImageSource
-    if args.data:
-        from vitkit.data.base import note_skipped
-        from vitkit.data.datasets import open_dataset
-
-        source = DatasetSource(note_skipped(open_dataset(args.data, args.split, skip_bad=args.skip_bad)))
-    else:
-        source = FileSource(list_inputs(args.images, skip_bad=args.skip_bad))
+    source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)
     loaded = load_checkpoint(args.checkpoint, format=args.format)
     opts = EmbedOptions(
         pool=args.pool, layer=args.layer, dtype=args.dtype, l2=args.l2, batch_size=args.batch_size,

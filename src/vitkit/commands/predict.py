@@ -64,7 +64,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from vitkit.checkpoints import load_checkpoint
-    from vitkit.data.stream import DatasetSource, FileSource, ImageSource, list_inputs
+    from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
     from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
     from vitkit.inference.writers import check_rows_output
@@ -78,14 +78,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         check_rows_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-    source: ImageSource
-    if args.data:
-        from vitkit.data.base import note_skipped
-        from vitkit.data.datasets import open_dataset
-
-        source = DatasetSource(note_skipped(open_dataset(args.data, args.split, skip_bad=args.skip_bad)))
-    else:
-        source = FileSource(list_inputs(args.images, skip_bad=args.skip_bad))
+    source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)
     loaded = load_checkpoint(args.checkpoint, format=args.format)
     opts = PredictOptions(
         top_k=args.top_k,

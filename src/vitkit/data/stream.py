@@ -129,6 +129,19 @@ def list_inputs(args: Sequence[str | os.PathLike[str]], *, skip_bad: bool = Fals
     return out
 
 
+def open_source(
+    images: Sequence[str | os.PathLike[str]], data: str | None, split: str, *, skip_bad: bool = False
+) -> ImageSource:
+    """What a batch job (predict, embed) reads: the ``data`` dataset's ``split`` (skipped items noted), or else
+    the image files named by ``images`` (:func:`list_inputs`). Nothing is decoded here."""
+    if data:
+        from vitkit.data.base import note_skipped
+        from vitkit.data.datasets import open_dataset
+
+        return DatasetSource(note_skipped(open_dataset(data, split, skip_bad=skip_bad)))
+    return FileSource(list_inputs(images, skip_bad=skip_bad))
+
+
 def _images_under(folder: Path) -> list[str]:
     found: list[str] = []
     for root, dirs, files in os.walk(folder):  # symbolic links to folders are not followed
