@@ -95,6 +95,27 @@ def test_auto_precision_follows_the_measured_bf16_speed(monkeypatch: pytest.Monk
     assert not InferenceEngine(_model(), PRE, precision="fp32").reduced_decode  # the reference decodes fully
 
 
+AUTO_ON = {"avx2": ("fp32", False), "avx512": ("fp32", True), "amx": ("bf16", True)}  # (precision, fast path)
+
+
+def test_auto_on_every_cpu_kind_computes_the_models_function(cpu_kind: str) -> None:
+    """``--precision auto`` as each CPU kind decides it (conftest's ``cpu_kind``): the precision and path that
+    kind gets, named in ``describe``, images decoded at reduced scale, logits and features within that
+    precision's error of the fp32 model; an explicit fp32 stays the reference on every kind."""
+    model = _model(representation_size=24)
+    x = torch.randn(4, 3, 48, 48)
+    rep, logits = _reference(model, x)
+    precision, fast = AUTO_ON[cpu_kind]
+    eng = InferenceEngine(model, PRE, precision="auto", batch_size=4)
+    assert (eng.precision, eng.fast, eng.exact, eng.reduced_decode) == (precision, fast, False, True)
+    assert eng.describe().startswith(f"--precision auto -> {precision}; ")
+    out = eng.forward(x, logits=True, features=True)
+    tol = dict(PRECISION_TOL)[precision]
+    assert rel_err(out.logits, logits) < tol and rel_err(out.features, rep) < tol  # type: ignore[arg-type]
+    ref = InferenceEngine(model, PRE, precision="fp32")
+    assert ref.exact and torch.equal(ref.logits(x), logits)
+
+
 def test_bf16_is_never_faster_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": False)
     assert not hardware.bf16_is_faster("cpu")

@@ -82,8 +82,12 @@ def test_every_method_gives_a_checkpoint_every_command_loads(
     assert set(loaded.model.state_dict()) == set(load_checkpoint(base).model.state_dict()) - (
         set() if method in ("linear", "lp-ft") else {"pre_logits.0.weight", "pre_logits.0.bias"}
     )  # a plain ViT: no adapter names left
-    # eval: the accuracy the run reported
-    code, out, err = run_cli(capsys, "eval", str(run), "--data", str(upper), "--out", str(tmp_path / "e"), "--json")
+    # eval in the precision the run names: the accuracy the run reported (eval's default, auto, may compute in
+    # bf16 where bf16 is faster, and says so: test_the_run_and_eval_name_the_precision_of_their_top1)
+    assert result.val_precision == "fp32" and "computed in fp32" in result.summary()
+    code, out, err = run_cli(
+        capsys, "eval", str(run), "--data", str(upper), "--out", str(tmp_path / "e"), "--json", "--precision", "fp32"
+    )
     assert code == 0, err
     assert json.loads(out)["top1"] == pytest.approx(result.final_top1, abs=1e-9)
     # predict: class names as labels
@@ -103,6 +107,38 @@ def test_every_method_gives_a_checkpoint_every_command_loads(
     # export
     code, out, err = run_cli(capsys, "export", str(run), str(tmp_path / "m.onnx"))
     assert code == 0 and "max abs err" in out, err
+
+
+@pytest.fixture(scope="module")
+def linear_run(base: Path, upper: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    tmp = tmp_path_factory.mktemp("linear")
+    return tmp / "run", train(adapt_config(base, upper, "linear", tmp / "cache"), tmp / "run", progress=False)
+
+
+def test_the_run_and_eval_name_the_precision_of_their_top1(
+    linear_run: tuple[Path, Any], upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], cpu_kind: str
+) -> None:
+    """On every CPU kind (``--precision auto`` deciding as there): the run names the precision of its reported
+    top-1; eval's default names its own beside its top-1 (bf16 where bf16 wins), equal to the run's figure where
+    that is fp32; ``--precision fp32`` is the reference and gives the run's figure on every kind."""
+    run, result = linear_run
+    assert f"test accuracy: {100 * result.final_top1:.2f}%" in result.summary() and result.val_precision == "fp32"
+    code, out, err = run_cli(capsys, "eval", str(run), "--data", str(upper), "--out", str(tmp_path / "a"))
+    assert code == 0, err
+    auto = "bf16" if cpu_kind == "amx" else "fp32"
+    assert f"--precision auto -> {auto}" in err and f"in {auto} (--precision fp32 gives the reference)" in out
+    report = json.loads((tmp_path / "a" / "metrics.json").read_text())
+    assert report["precision"] == auto and not report["reference"] and report["engine"].startswith("--precision auto")
+    if auto == "fp32":
+        assert report["top1"] == pytest.approx(result.final_top1, abs=1e-9)
+    code, out, err = run_cli(
+        capsys, "eval", str(run), "--data", str(upper), "--out", str(tmp_path / "f"), "--precision", "fp32"
+    )
+    assert code == 0, err
+    assert out.splitlines()[1].endswith(" in fp32")  # the reference: no hint
+    report = json.loads((tmp_path / "f" / "metrics.json").read_text())
+    assert report["precision"] == "fp32" and report["reference"] and report["engine"].startswith("fp32 reference")
+    assert report["top1"] == pytest.approx(result.final_top1, abs=1e-9)
 
 
 def _features(model: Path, data: Path, split: str) -> tuple[np.ndarray, np.ndarray]:

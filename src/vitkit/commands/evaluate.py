@@ -117,7 +117,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     m = report.metrics
     print(f"{args.checkpoint} on {args.data} [{args.split}]: {m.num_examples} examples")
-    print(f"  top-1 {m.top1:.2%}   top-{m.k} {m.top5:.2%}")
+    print(f"  top-1 {m.top1:.2%}   top-{m.k} {m.top5:.2%}   {report.precision_note()}".rstrip())
     if m.real is not None:
         print(f"  ReaL top-1 {m.real:.2%} over {m.real_count} examples with a label set")
     worst = sorted((a, n) for n, a in zip(report.class_names, m.per_class, strict=True) if a == a)[:3]

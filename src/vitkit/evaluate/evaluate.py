@@ -70,9 +70,20 @@ class EvalReport:
     metrics: Metrics
     class_names: list[str]
     notes: list[str] = field(default_factory=list)
+    precision: str | None = None  # what the logits were computed in: "fp32", "bf16" or "int8"
+    engine: str | None = None  # the engine, in words (InferenceEngine.describe)
+    reference: bool = False  # computed by the fp32 reference (the model itself, full decode)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**self.metrics.to_dict(self.class_names), "notes": self.notes}
+        run = {"precision": self.precision, "engine": self.engine, "reference": self.reference}
+        return {**self.metrics.to_dict(self.class_names), **run, "notes": self.notes}
+
+    def precision_note(self) -> str:
+        """How the figures were computed, for the line beside them: e.g. ``in bf16 (--precision fp32: the
+        reference)``; empty when unknown."""
+        if self.precision is None:
+            return ""
+        return f"in {self.precision}" + ("" if self.reference else " (--precision fp32 gives the reference)")
 
 
 def dataset_file_names(dataset: Any) -> list[str] | None:
@@ -121,9 +132,16 @@ def evaluate_dataset(
             sets = read_label_sets(label_file, len(dataset), names, dataset_file_names(dataset))
         elif not Path(label_file).is_file():
             raise DataError(f"{label_file}: no such label file")
+    used: list[InferenceEngine] = [model] if isinstance(model, InferenceEngine) else []
+
+    def built(engine: InferenceEngine) -> None:
+        used.append(engine)
+        if on_engine is not None:
+            on_engine(engine)
+
     out = extract(
         model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers, desc="eval",
-        progress=progress, precision=precision, backend=backend, on_engine=on_engine, dist=dist,
+        progress=progress, precision=precision, backend=backend, on_engine=built, dist=dist,
     )  # fmt: skip
     assert out.logits is not None
     labels = out.labels if mapping is None else mapping[out.labels]
@@ -134,7 +152,15 @@ def evaluate_dataset(
         if sets is None:
             sets = read_label_sets(label_file, len(out.labels), names)
         label_sets = [sets[i] for i in out.indices]
-    return EvalReport(compute_metrics(out.logits, labels, K, label_sets), names, notes)
+    engine = used[0] if used else None
+    return EvalReport(
+        compute_metrics(out.logits, labels, K, label_sets),
+        names,
+        notes,
+        precision=engine.precision if engine else None,
+        engine=engine.describe() if engine else None,
+        reference=bool(engine and engine.exact),
+    )
 
 
 REPORT_FILES = ("metrics.json", "per_class.csv", "confusion.csv", "confusion.png")

@@ -136,6 +136,7 @@ class LinearRun(Run):
             seconds=time.perf_counter() - t0,
             val_split=self.val_set.split if self.val_set is not None else None,
             final_metrics=metrics,
+            val_precision=self.cfg.adapt.feature_precision if metrics else None,
         )
         result.notes.append(probe_summary(fit))
         return result

@@ -49,13 +49,17 @@ class TrainResult:
     final_metrics: dict[str, float] = field(default_factory=dict)
     rank: int = 0  # the process that produced this result (only process 0 writes and prints)
     notes: list[str] = field(default_factory=list)  # e.g. how a linear head's L2 strength was chosen
+    val_precision: str | None = None  # what final_top1 was computed in: "fp32", "bf16" or "int8"
 
     def summary(self) -> str:
         """The lines ``vitkit train`` prints at the end."""
         lines = list(self.notes)
         if self.final_top1 is not None:
             n = int(self.final_metrics.get("val_count", 0))
-            lines.append(f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n})")
+            how = f", computed in {self.val_precision}" if self.val_precision else ""
+            lines.append(
+                f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n}{how})"
+            )
         if self.skipped_steps:
             lines.append(f"skipped {self.skipped_steps} steps with a non-finite loss or gradient")
         lines.append(f"run folder: {self.run_dir} ({self.step} steps, {self.seconds:.1f} s)")

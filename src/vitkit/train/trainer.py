@@ -132,6 +132,7 @@ class Trainer(Run):
                 file=sys.stderr,
             )
         self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
+        self._val_used = self.precision  # what the last validation pass computed in
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
 
     def _explicit_attention(self) -> bool:
@@ -256,9 +257,11 @@ class Trainer(Run):
         benchmarks/validation_pass.py), so smaller passes keep the model."""
         small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
         if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
+            self._val_used = self.precision
             return self.forward, self._autocast()
         if self._val_precision is None:
             self._val_precision = "fp32" if self.precision == "fp32" else resolve_precision("auto", self.device)
+        self._val_used = self._val_precision
         engine = InferenceEngine(
             self.net, self.preprocess, precision=self._val_precision, device=self.device,
             batch_size=self.cfg.data.eval_batch_size, fp32_reference=False,
@@ -457,6 +460,7 @@ class Trainer(Run):
             last_eval,
             self.dist.rank,
             notes,
+            self._val_used if last_eval else None,
         )
 
     def _linear_probe_head(self) -> str:
