@@ -24,6 +24,13 @@ replaced when run again), so the steps can run in pieces of a few minutes each o
         --steps bench eval predict
     python benchmarks/batch_inference.py --work /tmp/bi --report
 
+On a GPU (``--device cuda``; bench, eval and predict run there) with ``--links N`` the eval/predict folder holds N
+files, hard links to the photos in turn (the issue's 8,192 over 2,048 photos); ``--workers W`` sets the decoding
+processes of eval and predict (default: theirs)::
+
+    python benchmarks/batch_inference.py --work /tmp/bi --device cuda --images 2048 --links 8192 \
+        --batch-size 256 --precision bf16 --models B/16 S/16 --steps bench eval predict --report
+
 ``--json FILE`` also writes them, with the table, to FILE (what ``run_all.py`` keeps); without ``--work`` the
 photos, checkpoints and outputs go to a temporary folder removed at the end.
 """
@@ -167,14 +174,15 @@ def auto_precision() -> str:
 
 def run_step(step: str, model: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     ckpt = make_checkpoint(model, work / f"ckpt-{model.replace('/', '')}")
-    data = work / "photos"
+    data = work / "photos" if not args.links else work / f"links-{args.links}"
     n = len(list((data / "test").rglob("*.jpg")))
-    b = str(args.batch_size)
+    b, dev = str(args.batch_size), ["--device", args.device]
+    workers = ["--workers", str(args.workers)] if args.workers is not None else []
     if step == "bench":
         precision = args.precision or auto_precision()
         out = work / f"bench-{model.replace('/', '')}.json"
         cmd = vitkit_cmd("bench", str(ckpt), "--batch-size", b, "--precision", precision, "--no-latency", "--repeats",
-                         str(args.repeats), "--json", str(out), "--overwrite")  # fmt: skip
+                         str(args.repeats), "--json", str(out), "--overwrite", *dev)  # fmt: skip
         res = timed(cmd)
         doc = json.loads(out.read_text())
         fast = next(r for r in doc["results"] if r["impl"] == "vitkit-fast")
@@ -186,12 +194,12 @@ def run_step(step: str, model: str, work: Path, args: argparse.Namespace) -> dic
     if args.precision and not old:
         old = ["--precision", args.precision]
     if step.startswith("eval"):
-        cmd = vitkit_cmd("eval", str(ckpt), "--data", str(data), "--batch-size", b, "--device", "cpu",
-                         "--out", str(work / f"eval-{step}"), *old)  # fmt: skip
+        cmd = vitkit_cmd("eval", str(ckpt), "--data", str(data), "--batch-size", b, *dev,
+                         "--out", str(work / f"eval-{step}"), *workers, *old)  # fmt: skip
         res = timed(cmd)
     elif step.startswith("predict"):
-        cmd = vitkit_cmd("predict", "-c", str(ckpt), str(data / "test"), "--batch-size", b, "--device", "cpu",
-                         "--out", str(work / f"{step}.jsonl"), "--overwrite", *old)  # fmt: skip
+        cmd = vitkit_cmd("predict", "-c", str(ckpt), str(data / "test"), "--batch-size", b, *dev,
+                         "--out", str(work / f"{step}.jsonl"), "--overwrite", *workers, *old)  # fmt: skip
         res = timed(cmd)  # no memory sampling here: reading /proc/PID/smaps_rollup takes the process's mm lock
     else:  # memory
         many = work / f"many-{args.memory_images}"
@@ -221,7 +229,8 @@ def _cell(steps: dict[str, Any], step: str, ref: float) -> str:
 def report(doc: dict[str, Any]) -> str:
     """The BENCHMARKS.md table: per model, end-to-end img/s of each step and its ratio to the offline fast path."""
     lines = [
-        f"CPU: {doc.get('cpu', '?')}; torch threads {doc.get('threads', '?')}; batch {doc.get('batch_size', '?')}",
+        f"CPU: {doc.get('cpu', '?')}; device {doc.get('device', 'cpu')}; torch threads {doc.get('threads', '?')}; "
+        f"batch {doc.get('batch_size', '?')}",
         "",
         "| model | offline fast path (`vitkit bench`) | `eval`, new defaults | `predict`, new defaults | `eval`, "
         "`--precision fp32 --workers 0` | `predict`, same | new / old |",
@@ -263,6 +272,9 @@ def main() -> None:
         help="folder for the photos, checkpoints and outputs, kept (default: a temporary folder, removed at the end)",
     )
     p.add_argument("--images", type=int, default=2000, help="photos in the ImageFolder (default 2000)")
+    p.add_argument("--links", type=int, default=0, help="eval/predict over this many files: hard links to the photos")
+    p.add_argument("--device", default="cpu", help="where bench, eval and predict run (default cpu)")
+    p.add_argument("--workers", type=int, default=None, help="eval/predict's decoding processes (default: theirs)")
     p.add_argument("--memory-images", type=int, default=20000, help="images of the memory step (default 20000)")
     p.add_argument("--memory-precision", default="int8", help="precision of the memory step (default int8: fastest)")
     p.add_argument("--memory-model", default="S/16", help="the model of the memory step (default S/16)")
@@ -292,6 +304,9 @@ def run(args: argparse.Namespace) -> None:
     results = args.work / "results.json"
     if not (args.work / "photos" / "test").is_dir():
         make_photos(args.work / "photos", args.images)
+    if args.links:
+        link_copies(sorted((args.work / "photos" / "test").rglob("*.jpg")), args.work / f"links-{args.links}" / "test",
+                    args.links)  # fmt: skip
     for model in args.models:
         for step in args.steps:
             if step == "memory" and model != args.memory_model:
@@ -302,8 +317,9 @@ def run(args: argparse.Namespace) -> None:
             doc.setdefault(key, {})[step] = res
             import torch
 
+            gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
             doc.update(cpu=cpu_name(), threads=torch.get_num_threads(), batch_size=args.batch_size,
-                       date=time.strftime("%Y-%m-%d"))  # fmt: skip
+                       date=time.strftime("%Y-%m-%d"), device=gpu or "cpu")  # fmt: skip
             results.write_text(json.dumps(doc, indent=1))
             print(f"{model} {step}: {res['img_per_s']:.2f} img/s ({res['seconds']:.1f} s) {res.get('engine') or ''}",
                   flush=True)  # fmt: skip

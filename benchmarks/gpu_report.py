@@ -5,13 +5,15 @@ alternating call by call in one process; img/s, the ratio to timm, the fraction 
 the same run; plus vitkit's pure-bf16 fast path (``optimize_for_device``) and the correctness checks (fp32 on the
 GPU against the fp32 CPU result, bf16 top-1 agreement, the official fixture).
 
-    PYTHONPATH=src python benchmarks/gpu_report.py [--json F] [--markdown F] [--quick] [--no-compile]
+    PYTHONPATH=src python benchmarks/gpu_report.py [--json F] [--markdown F] [--quick] [--no-compile] [--budget S]
     PYTHONPATH=src python benchmarks/gpu_report.py --device cpu --quick --no-compile   # a smoke run of the code
 
 Where CUDA is not available (and ``--device cpu`` was not asked for) it measures nothing and writes a JSON that
 says so ("skipped": "no CUDA device ..."), exit status 0. A peer that is not installed (timm, transformers) gets
 rows saying so instead of numbers. ``--device cpu`` runs the same code on the CPU at whatever size is given: a
-check of the script, not a figure for the table.
+check of the script, not a figure for the table. ``--budget S`` bounds the run: a measurement not started within
+S seconds of the start is left out, its row saying so. The process ends as soon as the report is written
+(``os._exit``: torch.compile's worker pool once kept a finished run from exiting for minutes).
 """
 
 from __future__ import annotations
@@ -295,11 +297,21 @@ def run(args: argparse.Namespace, status: dict[str, str | None] | None = None) -
     report["peak"] = {"precision": "bf16", "flops": peak.flops, "method": peak.method, "detail": peak.detail}
     rows: list[dict[str, Any]] = []
     modes = [False] if args.no_compile else [False, True]
+    start = time.perf_counter()
+
+    def over(what: dict[str, Any]) -> bool:
+        late = args.budget is not None and time.perf_counter() - start > args.budget
+        if late:
+            rows.append({**what, "peer": "all", "missing": f"not run: over --budget {args.budget:g} s"})
+        return late
+
     for m in models:
         for compiled in modes:
-            rows += measure_task(m, "inference", args.batch, size, device, compiled, args.repeats, status)
-            rows += measure_task(m, "train", args.train_batch, size, device, compiled, args.repeats, status)
-        rows.append(fast_path_row(m, args.batch, size, device, args.repeats))
+            for task, batch in (("inference", args.batch), ("train", args.train_batch)):
+                if not over({"model": m, "task": task, "batch": batch, "compiled": compiled}):
+                    rows += measure_task(m, task, batch, size, device, compiled, args.repeats, status)
+        if not over({"model": m, "task": "inference", "batch": args.batch, "compiled": True}):
+            rows.append(fast_path_row(m, args.batch, size, device, args.repeats))
     add_ratios(rows, peak.flops, flops)
     report["rows"] = rows
     report["correctness"] = correctness(device, models[0], size)
@@ -317,6 +329,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per runner (default 10; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not the table's numbers")
     ap.add_argument("--no-compile", action="store_true", help="eager runners only")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: measurements not started by then are skipped")
     ap.add_argument("--json", metavar="FILE", help="write the report as JSON")
     ap.add_argument("--markdown", metavar="FILE", help="write the BENCHMARKS.md table")
     args = ap.parse_args(argv)
@@ -343,5 +356,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    import os
+
+    code = 1
     with contextlib.suppress(BrokenPipeError):
-        sys.exit(main())
+        code = main()
+        sys.stdout.flush()
+    os._exit(code)  # not sys.exit: torch.compile's compile workers can hold a finished process for minutes

@@ -56,6 +56,20 @@ def rel_err(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> float
     return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
 
 
+def same_top1_where_decided(out: torch.Tensor, ref: torch.Tensor, rel: float) -> int:
+    """Assert that ``out`` (B, K) has ``ref``'s top-1 in every row whose ``ref`` margin (top-1 minus top-2 logit)
+    exceeds twice ``rel`` times the row's L2 norm: a row computed to within ``rel`` of its norm cannot change its
+    top-1 there, so a change means that row is wrong beyond the precision's error (a near-tie of random weights
+    may flip and is not compared). Returns how many rows were compared (asserted > 0)."""
+    ref = ref.detach().double()
+    top2 = ref.topk(2, dim=-1).values  # (B, 2)
+    decided = (top2[:, 0] - top2[:, 1]) > 2 * rel * ref.norm(dim=-1)
+    assert bool(decided.any()), "no row has a margin above the error bound: nothing to compare"
+    flipped = decided & (out.argmax(-1) != ref.argmax(-1))
+    assert not bool(flipped.any()), f"rows {flipped.nonzero().flatten().tolist()} changed a decided top-1"
+    return int(decided.sum())
+
+
 def official_io() -> tuple[torch.Tensor, np.ndarray]:
     """The official code's fixture batch (NCHW tensor) and the logits it produced for it."""
     io = np.load(FIXTURES / "official_vit_tiny.io.npz")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vitkit
-from helpers import FIXTURES, full_fp32, official_io, randomize_, rel_err
+from helpers import FIXTURES, full_fp32, official_io, randomize_, rel_err, same_top1_where_decided
 from vitkit import optimize_for_inference
 from vitkit.cli import main
 from vitkit.models import create_model, list_models
@@ -85,7 +85,8 @@ def test_fast_path_on_cuda(compile: bool) -> None:
 @pytest.mark.parametrize("batch", [4, 64])
 def test_optimize_for_device_on_cuda(batch: int) -> None:
     """The GPU plan (bf16, compiled, CUDA graphs for the small batch, the measured SDPA backend) computes the
-    model: bf16 rounding against the fp32 CPU result, the same top-1."""
+    model: bf16 rounding against the fp32 CPU result, the same top-1 wherever the fp32 margin exceeds bf16's
+    error (random weights give near-ties, which bf16 may flip)."""
     from vitkit.inference.plan import optimize_for_device
 
     model, x = _small("B/16"), _images(batch)
@@ -95,7 +96,8 @@ def test_optimize_for_device_on_cuda(batch: int) -> None:
     assert planned.plan.compile and planned.attention in planned.plan.sdpa_candidates
     for _ in range(3):  # CUDA graphs record on the first calls and replay after
         out = planned(x.to(CUDA)).float().cpu()
-    assert rel_err(out, ref) < BF16 and torch.equal(out.argmax(-1), ref.argmax(-1))
+    assert rel_err(out, ref) < BF16
+    same_top1_where_decided(out, ref, BF16)
 
 
 def test_official_fixture_on_cuda() -> None:

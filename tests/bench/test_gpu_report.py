@@ -84,3 +84,13 @@ def test_ratios_against_timm(report: ModuleType) -> None:
     report.add_ratios(rows, 1e15, {"B/16": 35e9})
     assert rows[0]["vs_timm"] == pytest.approx(1.2) and "vs_timm" not in rows[1] and "vs_timm" not in rows[2]
     assert rows[0]["peak_fraction"] == pytest.approx(300 * 3 * 35e9 / 1e15)
+
+
+def test_a_budget_leaves_out_what_it_cannot_start(report: ModuleType) -> None:
+    """--budget 0: nothing is measured after the first check of the clock, and every left-out row says why."""
+    args = report.parse_args(["--device", "cpu", "--quick", "--no-compile", "--repeats", "1", "--budget", "0"])
+    status = {"vitkit": None, "timm": "timm is not installed", "transformers": None}
+    rows = report.run(args, status)["rows"]
+    assert rows and all(r["missing"] == "not run: over --budget 0 s" for r in rows)
+    assert {(r["task"], r["compiled"]) for r in rows} == {("inference", False), ("train", False), ("inference", True)}
+    assert "not run: over --budget" in report.markdown({"rows": rows})
