@@ -113,3 +113,15 @@ def test_every_table_of_the_report_has_its_section_command_and_scripts() -> None
     for script in scripts:
         doc = ast.get_docstring(ast.parse((ROOT / "benchmarks" / script).read_text())) or ""
         assert doc.startswith("Feeds the table"), f"benchmarks/{script}: its docstring must say which table it feeds"
+
+
+def test_getting_started_names_every_command_of_the_cli() -> None:
+    """The command table of getting-started.md against the CLI's own subcommands: a new command is listed there."""
+    from vitkit.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    commands = set(sub.choices)  # type: ignore[attr-defined]
+    text = (ROOT / "docs" / "getting-started.md").read_text()
+    listed = set(re.findall(r"^\| `vitkit (\w+)", text, flags=re.M))
+    assert listed == commands, f"missing: {sorted(commands - listed)}, not commands: {sorted(listed - commands)}"
