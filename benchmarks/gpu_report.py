@@ -3,9 +3,11 @@ gpu_report``; issue 27's table): B/16 and S/16 at 224 px on a CUDA GPU, bf16 aut
 and an AdamW training step (batch 128), eager and ``torch.compile``, for vitkit, timm and transformers, runners
 alternating call by call in one process; img/s, the ratio to timm, the fraction of the matmul peak measured in
 the same run; plus vitkit's pure-bf16 fast path (``optimize_for_device``) and the correctness checks (fp32 on the
-GPU against the fp32 CPU result, bf16 top-1 agreement, the official fixture).
+GPU against the fp32 CPU result, bf16 top-1 agreement, the official fixture), and ``--precision fp8`` against the
+bf16 fast path (eager and compiled; top-1 agreement with fp32 on real images), or why fp8 cannot run.
 
     PYTHONPATH=src python benchmarks/gpu_report.py [--json F] [--markdown F] [--quick] [--no-compile] [--budget S]
+        [--no-fp8 | --only-fp8]
     PYTHONPATH=src python benchmarks/gpu_report.py --device cpu --quick --no-compile   # a smoke run of the code
 
 Where CUDA is not available (and ``--device cpu`` was not asked for) it measures nothing and writes a JSON that
@@ -187,6 +189,57 @@ def fast_path_row(name: str, batch: int, image_size: int, device: torch.device, 
     }
 
 
+def fp8_rows(name: str, batch: int, image_size: int, device: torch.device, repeats: int, compile: bool) -> list[dict]:
+    """``--precision fp8`` (``vitkit.inference.fp8``) against the engine's bf16 fast path on the same weights,
+    alternating call by call: eager, and compiled unless ``compile`` is False; plus top-1 agreement of each with
+    the fp32 model on the real images of ``vitkit bench --real-images`` (random weights, a random head)."""
+    from vitkit.bench.images import real_image_batch
+    from vitkit.checkpoints.preprocess import Preprocess
+    from vitkit.inference.fast import optimize_for_inference
+    from vitkit.inference.fp8 import fp8_unsupported, to_fp8
+    from vitkit.models import create_model
+    from vitkit.timing import time_alternating
+
+    base = {"model": name, "task": "inference", "batch": batch, "compiled": False}
+    reason = fp8_unsupported(device)
+    if reason:
+        return [{**base, "peer": "vitkit fp8", "missing": reason}]
+    torch.manual_seed(0)
+    model = create_model(name, num_classes=1000, image_size=image_size).eval()
+    with torch.no_grad():  # the head starts at zero (the paper's init): random logits to compare instead
+        model.head.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(2))  # type: ignore[union-attr]
+    real = real_image_batch(Preprocess(image_size=image_size), digits=8)  # (N, 3, H, W)
+    with torch.no_grad():
+        ref = model(real).argmax(-1)
+    model = model.to(device)
+    runners: dict[str, Any] = {"vitkit bf16 fast path": optimize_for_inference(model, torch.bfloat16)}
+    runners["vitkit fp8"] = to_fp8(model)
+    if compile:
+        runners["vitkit fp8 compiled"] = torch.compile(runners["vitkit fp8"])
+    x = torch.randn(batch, 3, image_size, image_size, device=device)
+    rows = []
+    fns = {}
+    for peer, run in runners.items():
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            run(x)
+            run(x)
+            agree = float((run(real.to(device)).float().argmax(-1).cpu() == ref).float().mean())
+        _sync(device)
+        rows.append({**base, "peer": peer, "compiled": "compiled" in peer, "top1_agreement_fp32": agree,
+                     "setup_and_first_calls_s": time.perf_counter() - t0})  # fmt: skip
+        fns[peer] = (lambda r: lambda: r(x))(run)
+    with torch.no_grad():
+        timings = time_alternating(fns, repeats, device, torch.get_num_threads())
+    for row in rows:
+        t = timings[row["peer"]]
+        row.update(img_per_s=batch / t.median, timing=t.to_dict())
+    bf16 = rows[0]["img_per_s"]
+    for row in rows[1:]:
+        row["vs_bf16_fast_path"] = row["img_per_s"] / bf16
+    return rows
+
+
 def correctness(device: torch.device, name: str = "B/16", image_size: int = 224) -> dict[str, Any]:
     """fp32 on the device against the fp32 CPU result (full fp32: no TF32), bf16 top-1 agreement (16 random
     images, random weights), and the official fixture (tests/fixtures: the official Flax model's logits)."""
@@ -261,6 +314,10 @@ def markdown(report: dict[str, Any]) -> str:
         rate = f"{r['img_per_s']:,.0f}" if "img_per_s" in r else f"- ({r.get('missing', 'not run')})"
         ratio = f"{r['vs_timm']:.2f}x" if "vs_timm" in r else "-"
         frac = f"{100 * r['peak_fraction']:.0f}%" if "peak_fraction" in r else "-"
+        if "vs_bf16_fast_path" in r:
+            ratio = f"{r['vs_bf16_fast_path']:.2f}x bf16 fast path"
+        if "top1_agreement_fp32" in r:
+            frac += f"; top-1 = fp32 on {100 * r['top1_agreement_fp32']:.1f}% of real images"
         lines.append(f"| {r['model']} | {r['task']} b{r['batch']} | {mode} | {r['peer']} | {rate} | {ratio} | {frac} |")
     c = report.get("correctness", {})
     if c:
@@ -306,12 +363,14 @@ def run(args: argparse.Namespace, status: dict[str, str | None] | None = None) -
         return late
 
     for m in models:
-        for compiled in modes:
+        for compiled in modes if not args.only_fp8 else []:
             for task, batch in (("inference", args.batch), ("train", args.train_batch)):
                 if not over({"model": m, "task": task, "batch": batch, "compiled": compiled}):
                     rows += measure_task(m, task, batch, size, device, compiled, args.repeats, status)
-        if not over({"model": m, "task": "inference", "batch": args.batch, "compiled": True}):
+        if not args.only_fp8 and not over({"model": m, "task": "inference", "batch": args.batch, "compiled": True}):
             rows.append(fast_path_row(m, args.batch, size, device, args.repeats))
+        if not args.no_fp8 and not over({"model": m, "task": "inference fp8", "batch": args.batch, "compiled": False}):
+            rows += fp8_rows(m, args.batch, size, device, args.repeats, compile=not args.no_compile)
     add_ratios(rows, peak.flops, flops)
     report["rows"] = rows
     report["correctness"] = correctness(device, models[0], size)
@@ -329,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per runner (default 10; --quick: 2)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run, not the table's numbers")
     ap.add_argument("--no-compile", action="store_true", help="eager runners only")
+    ap.add_argument("--no-fp8", action="store_true", help="leave out the fp8 rows")
+    ap.add_argument("--only-fp8", action="store_true", help="only the fp8 rows (and the correctness checks)")
     ap.add_argument("--budget", type=float, default=None, help="seconds: measurements not started by then are skipped")
     ap.add_argument("--json", metavar="FILE", help="write the report as JSON")
     ap.add_argument("--markdown", metavar="FILE", help="write the BENCHMARKS.md table")

@@ -52,7 +52,7 @@ def test_missing_peers_are_named(report: ModuleType) -> None:
 def test_the_report_runs_on_the_cpu_with_a_peer_missing(report: ModuleType) -> None:
     """--device cpu --quick --no-compile: every row of the table, the fast path's, the ratios and the
     correctness checks, with timm reported missing (whether or not it is installed here)."""
-    args = report.parse_args(["--device", "cpu", "--quick", "--no-compile", "--repeats", "1"])
+    args = report.parse_args(["--device", "cpu", "--quick", "--no-compile", "--repeats", "1", "--no-fp8"])
     status = {"vitkit": None, "timm": "timm is not installed", "transformers": None}
     result = report.run(args, status)
     rows = result["rows"]
@@ -92,5 +92,27 @@ def test_a_budget_leaves_out_what_it_cannot_start(report: ModuleType) -> None:
     status = {"vitkit": None, "timm": "timm is not installed", "transformers": None}
     rows = report.run(args, status)["rows"]
     assert rows and all(r["missing"] == "not run: over --budget 0 s" for r in rows)
-    assert {(r["task"], r["compiled"]) for r in rows} == {("inference", False), ("train", False), ("inference", True)}
+    assert {(r["task"], r["compiled"]) for r in rows} == {
+        ("inference", False),
+        ("train", False),
+        ("inference", True),
+        ("inference fp8", False),
+    }
     assert "not run: over --budget" in report.markdown({"rows": rows})
+
+
+def test_the_fp8_rows(report: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where fp8 cannot run, one row says why; where it can (faked here: PyTorch runs _scaled_mm on the CPU too),
+    fp8 against the bf16 fast path, with top-1 agreement with fp32 on the real images."""
+    from vitkit.inference import fp8
+
+    args = report.parse_args(["--device", "cpu", "--quick", "--no-compile", "--repeats", "1", "--only-fp8"])
+    status = {"vitkit": None, "timm": "timm is not installed", "transformers": None}
+    (row,) = report.run(args, status)["rows"]
+    assert row["peer"] == "vitkit fp8" and row["missing"].startswith("fp8 needs a CUDA GPU")
+    monkeypatch.setattr(fp8, "fp8_unsupported", lambda device: None)
+    rows = report.run(args, status)["rows"]
+    assert [r["peer"] for r in rows] == ["vitkit bf16 fast path", "vitkit fp8"]
+    assert all(r["img_per_s"] > 0 and 0 <= r["top1_agreement_fp32"] <= 1 for r in rows)
+    assert rows[1]["vs_bf16_fast_path"] == pytest.approx(rows[1]["img_per_s"] / rows[0]["img_per_s"])
+    assert "x bf16 fast path | " in report.markdown({"rows": rows})

@@ -152,11 +152,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, backend: bool = True, device:
     """``--precision`` (and ``--backend``, ``--device``) of the inference engine a job runs on."""
     p.add_argument(
         "--precision",
-        choices=["auto", "fp32", "bf16", "int8"],
+        choices=["auto", "fp32", "bf16", "int8", "fp8"],
         default="auto",
         help="auto (default): the fastest path that computes the model's function up to rounding -- bf16 where "
         "bf16 matmuls are native and measured faster than fp32, else the fp32 fast path; fp32: the checkpoint's own "
-        "model, exactly as earlier versions computed; bf16; int8: dynamically quantised linear layers (CPU)",
+        "model, exactly as earlier versions computed; bf16; int8: dynamically quantised linear layers (CPU); fp8: "
+        "the blocks' linear layers as fp8 GEMMs (GPUs of compute capability 8.9+: Ada, Hopper)",
     )
     if backend:
         p.add_argument(

@@ -44,10 +44,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument(
         "--precision",
-        choices=["auto", "fp32", "bf16", "int8"],
+        choices=["auto", "fp32", "bf16", "int8", "fp8"],
         default="auto",
         help="fast-path precision: auto = bf16 where the CPU has bf16 instructions (AVX512_BF16/AMX) or on CUDA, "
-        "else fp32; int8 = dynamically quantised linear layers (CPU)",
+        "else fp32; int8 = dynamically quantised linear layers (CPU); fp8 = fp8 GEMMs (GPUs of compute capability "
+        "8.9+)",
     )
     p.add_argument(
         "--backend",

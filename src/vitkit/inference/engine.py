@@ -12,6 +12,8 @@ Precisions (``resolve_precision``):
 - ``bf16``: the bf16 fast path (pre-packed weights, fused kernels; ``vitkit.inference.fast``);
 - ``int8``: dynamically quantised linear layers on the fast path (the rest in bf16 where the CPU computes
   bf16 natively, else fp32);
+- ``fp8``: the transformer blocks' Linears as fp8 GEMMs, the rest bf16, on GPUs with fp8 tensor cores
+  (``vitkit.inference.fp8``; refused elsewhere);
 - ``auto``: the fastest path that computes the model's function up to floating-point rounding: the bf16
   fast path where bf16 matmuls are native *and* faster than fp32 ones (CUDA; a CPU with bf16 instructions
   where a measured GEMM says so, see :func:`vitkit.hardware.bf16_is_faster`), else the fp32 fast path where
@@ -38,9 +40,10 @@ from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16, resolve_device
 from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fast import optimize_for_inference
+from vitkit.inference.fp8 import fp8_unsupported, to_fp8
 from vitkit.models.vit import VisionTransformer
 
-PRECISIONS = ("auto", "fp32", "bf16", "int8")
+PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp8")
 CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
 
 Calibration = torch.Tensor | Callable[[], torch.Tensor]
@@ -52,6 +55,10 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu", backen
     Other precisions are returned as they are (ConfigError for an unknown one)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp8":
+        reason = "fp8 runs on vitkit's own path (--backend torch)" if backend != "torch" else fp8_unsupported(device)
+        if reason:
+            raise ConfigError(f"--precision fp8: {reason}")
     if precision != "auto":
         return precision
     if backend == "onnxruntime":
@@ -169,6 +176,8 @@ class InferenceEngine:
         return cls.from_loaded(load_checkpoint(path, format=format), **kwargs)
 
     def _build(self, batch_size: int, calibration: Calibration | None) -> torch.nn.Module:
+        if self.precision == "fp8":
+            return to_fp8(self.model)
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
         if self.precision == "int8":  # the floating-point parts: bf16 where native (the VNNI GEMM writes bf16)
             dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
