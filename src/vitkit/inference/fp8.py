@@ -61,6 +61,10 @@ class Fp8Linear(nn.Module):
     """A frozen ``nn.Linear`` as an fp8 GEMM: weights e4m3 with per-output-channel scales, activations quantised
     per row at each call, output bf16 (see the module docstring)."""
 
+    weight_fp8: torch.Tensor  # (N, K) e4m3
+    weight_scale: torch.Tensor  # (1, N) float32
+    bias: torch.Tensor | None  # (N,) bf16
+
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         if not fp8_shape_ok(linear):
