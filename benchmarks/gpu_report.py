@@ -191,7 +191,8 @@ def fast_path_row(name: str, batch: int, image_size: int, device: torch.device, 
 
 def fp8_rows(name: str, batch: int, image_size: int, device: torch.device, repeats: int, compile: bool) -> list[dict]:
     """``--precision fp8`` (``vitkit.inference.fp8``) against the engine's bf16 fast path on the same weights,
-    alternating call by call: eager, and compiled unless ``compile`` is False; plus top-1 agreement of each with
+    alternating call by call: eager, and compiled unless ``compile`` is False (rowwise scales, and per-tensor
+    ones); plus top-1 agreement of each with
     the fp32 model on the real images of ``vitkit bench --real-images`` (random weights, a random head)."""
     from vitkit.bench.images import real_image_batch
     from vitkit.checkpoints.preprocess import Preprocess
@@ -216,6 +217,7 @@ def fp8_rows(name: str, batch: int, image_size: int, device: torch.device, repea
     runners["vitkit fp8"] = to_fp8(model)
     if compile:
         runners["vitkit fp8 compiled"] = torch.compile(runners["vitkit fp8"])
+        runners["vitkit fp8 per-tensor scales, compiled"] = torch.compile(to_fp8(model, "tensor"))
     x = torch.randn(batch, 3, image_size, image_size, device=device)
     rows = []
     fns = {}

@@ -45,11 +45,12 @@ def test_rowwise_quantisation_keeps_each_rows_scale() -> None:
 
 
 @needs_scaled_mm
-def test_fp8_linear_is_the_linear_within_e4m3_rounding() -> None:
+@pytest.mark.parametrize("granularity", fp8.GRANULARITIES)
+def test_fp8_linear_is_the_linear_within_e4m3_rounding(granularity: str) -> None:
     torch.manual_seed(0)
     layer = nn.Linear(64, 48)
     x = torch.randn(2, 5, 64)
-    out = fp8.Fp8Linear(layer)(x.to(torch.bfloat16))
+    out = fp8.Fp8Linear(layer, granularity)(x.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (2, 5, 48)
     assert rel_err(out.float(), layer(x).detach()) < 5e-2
     with pytest.raises(ValueError, match="multiples of 16"):

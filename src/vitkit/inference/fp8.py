@@ -43,10 +43,17 @@ def fp8_unsupported(device: torch.device | str) -> str | None:
     return None
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+GRANULARITIES = ("row", "tensor")
+
+
+def quantize_rows(x: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (e4m3 (M, K), float32 scales (M, 1)) with ``x ~ q * scale``, each row's max |x| mapped to 448
-    (an all-zero row keeps a tiny scale and quantises to zeros)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)  # (M, 1)
+    (an all-zero row keeps a tiny scale and quantises to zeros). ``granularity="tensor"``: one scale for the
+    whole tensor, a 0-d tensor (cuBLAS's fp8 GEMM instead of CUTLASS's rowwise one)."""
+    if granularity == "row":
+        amax = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)  # (M, 1)
+    else:
+        amax = x.abs().amax().float().clamp(min=1e-12)  # ()
     scale = amax / E4M3_MAX
     q = (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)  # (M, K)
     return q, scale
@@ -65,20 +72,23 @@ class Fp8Linear(nn.Module):
     weight_scale: torch.Tensor  # (1, N) float32
     bias: torch.Tensor | None  # (N,) bf16
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, granularity: str = "row") -> None:
         super().__init__()
         if not fp8_shape_ok(linear):
             raise ValueError(f"fp8 GEMMs need dimensions that are multiples of 16, got {linear.weight.shape}")
+        if granularity not in GRANULARITIES:
+            raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        w_q, w_scale = quantize_rows(linear.weight.detach())  # (N, K), (N, 1)
+        self.granularity = granularity
+        w_q, w_scale = quantize_rows(linear.weight.detach(), granularity)  # (N, K), (N, 1) or ()
         self.register_buffer("weight_fp8", w_q)
-        self.register_buffer("weight_scale", w_scale.t().contiguous())  # (1, N): scale_b of _scaled_mm
+        self.register_buffer("weight_scale", w_scale.t().contiguous())  # (1, N) or (): scale_b of _scaled_mm
         bias = linear.bias.detach().to(torch.bfloat16) if linear.bias is not None else None
         self.register_buffer("bias", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        q, s = quantize_rows(x.reshape(-1, self.in_features))  # (M, K), (M, 1)
+        q, s = quantize_rows(x.reshape(-1, self.in_features), self.granularity)  # (M, K), (M, 1) or ()
         # weight_fp8.t(): (K, N), column-major, as _scaled_mm wants its second operand
         out = torch._scaled_mm(q, self.weight_fp8.t(), scale_a=s, scale_b=self.weight_scale, out_dtype=torch.bfloat16)
         if self.bias is not None:
@@ -86,7 +96,7 @@ class Fp8Linear(nn.Module):
         return out.reshape(*lead, self.out_features)  # (..., N)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3 rowwise"
+        return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, scales per {self.granularity}"
 
 
 class Fp8Model(nn.Module):
@@ -112,14 +122,15 @@ class Fp8Model(nn.Module):
         return self.model.head  # type: ignore[return-value]
 
 
-def to_fp8(model: nn.Module) -> Fp8Model:
+def to_fp8(model: nn.Module, granularity: str = "row") -> Fp8Model:
     """A copy of ``model`` (left untouched) in bf16 with every Linear inside its transformer blocks
     (``model.blocks``) as an :class:`Fp8Linear` where its shape allows (multiples of 16; others stay bf16).
-    Runs wherever ``torch._scaled_mm`` does; the engine allows it only where :func:`fp8_unsupported` is None."""
+    Runs wherever ``torch._scaled_mm`` does; the engine allows it only where :func:`fp8_unsupported` is None.
+    ``granularity``: "row" (default; see :class:`Fp8Linear`) or "tensor" (one scale per weight and per input)."""
     fp8 = copy.deepcopy(model).eval().to(torch.bfloat16)
     for block in fp8.blocks:  # type: ignore[union-attr]
         for parent in block.modules():
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and fp8_shape_ok(child):
-                    setattr(parent, name, Fp8Linear(child))
+                    setattr(parent, name, Fp8Linear(child, granularity))
     return Fp8Model(fp8)
