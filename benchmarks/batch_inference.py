@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+SRC = [ROOT / "src"]  # the vitkit measured: this checkout's, or --src (an older tree, measured in the same run)
 STEPS = ("bench", "eval", "predict", "eval-old", "predict-old", "memory")
 CLASSES = [f"c{i}" for i in range(10)]
 
@@ -104,7 +105,8 @@ def vitkit_cmd(*argv: str) -> list[str]:
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    """The commands' environment: the measured vitkit first on the path (then whatever PYTHONPATH held)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC[0]), os.environ.get("PYTHONPATH", "")])}
 
 
 def timed(cmd: list[str], sample_memory: bool = False) -> dict[str, Any]:
@@ -274,6 +276,8 @@ def main() -> None:
     p.add_argument("--images", type=int, default=2000, help="photos in the ImageFolder (default 2000)")
     p.add_argument("--links", type=int, default=0, help="eval/predict over this many files: hard links to the photos")
     p.add_argument("--device", default="cpu", help="where bench, eval and predict run (default cpu)")
+    p.add_argument("--src", type=Path, help="the vitkit source tree to measure (default: this checkout's src/)")
+    p.add_argument("--label", default="", help="appended to the results' keys (e.g. 'before': two trees, one file)")
     p.add_argument("--workers", type=int, default=None, help="eval/predict's decoding processes (default: theirs)")
     p.add_argument("--memory-images", type=int, default=20000, help="images of the memory step (default 20000)")
     p.add_argument("--memory-precision", default="int8", help="precision of the memory step (default int8: fastest)")
@@ -290,7 +294,9 @@ def main() -> None:
     p.add_argument("--report", action="store_true", help="print the BENCHMARKS.md table of what --work holds")
     p.add_argument("--json", type=Path, help="also write the results and the table to this file")
     args = p.parse_args()
-    sys.path.insert(0, str(ROOT / "src"))  # this checkout's vitkit, as the commands it runs (env())
+    if args.src is not None:
+        SRC[0] = args.src.resolve()
+    sys.path.insert(0, str(SRC[0]))  # the measured vitkit, as the commands it runs (env())
     if args.work is None:
         with tempfile.TemporaryDirectory(prefix="vitkit-batch-") as tmp:
             args.work = Path(tmp)
@@ -314,6 +320,7 @@ def run(args: argparse.Namespace) -> None:
             res = run_step(step, model, args.work, args)
             doc = load(results)
             key = f"{model} --precision {args.precision}" if args.precision else model
+            key += f" {args.label}" if args.label else ""
             doc.setdefault(key, {})[step] = res
             import torch
 
