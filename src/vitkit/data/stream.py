@@ -21,6 +21,7 @@ this process. Sharding a job across processes is choosing ``positions`` (e.g. ``
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -174,6 +175,11 @@ class StreamBatch:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def pin_memory(self) -> StreamBatch:
+        """The batch with its images in page-locked memory (``DataLoader(pin_memory=True)`` calls this in its
+        pinning thread): a copy to a GPU from there can be asynchronous (``non_blocking``)."""
+        return dataclasses.replace(self, images=self.images.pin_memory())
+
 
 class _Decoded(torch.utils.data.Dataset):
     """Source items by position -> (tensor or None, error or None, label, position, id). Errors are returned,
@@ -204,8 +210,20 @@ def _collate(items: list[tuple[torch.Tensor | None, str | None, int, int, str]])
         ids=[i for *_, i in items],
         labels=np.array([lab for _, _, lab, _, _ in items], dtype=np.int64),
         errors=[e for _, e, *_ in items],
-        images=torch.stack(good) if good else torch.empty(0),
+        images=_stack(good) if good else torch.empty(0),
     )
+
+
+def _stack(images: list[torch.Tensor]) -> torch.Tensor:
+    """The images as one (G, C, H, W) tensor; in a worker process straight into shared memory (as PyTorch's
+    default collate does), which is how the batch reaches the job's process: one copy, not a stack and then a
+    copy into shared memory when it is sent."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.stack(images)
+    first = images[0]
+    storage = first._typed_storage()._new_shared(len(images) * first.numel(), device=first.device)
+    out = first.new(storage).resize_(len(images), *first.shape)
+    return torch.stack(images, out=out)
 
 
 def _checked(batches: Iterable[StreamBatch], skip_bad: bool) -> Iterator[StreamBatch]:
@@ -229,13 +247,15 @@ def stream_batches(
     skip_bad: bool = False,
     lazy: bool | None = None,
     on_load: Callable[[], None] | None = None,
+    pin_memory: bool = False,
 ) -> Iterator[StreamBatch]:
     """Batches of ``transform``-ed items of ``source`` at ``positions`` (default ``range(len(source))``), in
     that order, from the ``start``-th position on. ``workers`` decoding processes (0: this process), each
     ``prefetch`` batches ahead at most. ``lazy``: hand the transform JPEGs read and not decoded (default: the
     transform's ``lazy`` attribute, else False). ``on_load``: called where each image is decoded (tests count
     with it; in a worker it runs in the worker). A bad item raises DataError naming it, or with ``skip_bad``
-    stays in its batch with its error.
+    stays in its batch with its error. ``pin_memory``: each batch's images are copied into page-locked memory
+    as they arrive (in a thread of this process), for asynchronous copies to a CUDA device.
 
     Worker processes start (and decode) when this is called, so a caller can start the stream before slow set-up
     work (packing a model's weights) and have the first batches ready when it is done.
@@ -252,6 +272,7 @@ def stream_batches(
         num_workers=workers,
         collate_fn=_collate,
         prefetch_factor=prefetch if workers else None,
+        pin_memory=pin_memory,
     )
     return _checked(iter(loader), skip_bad)  # iter(): the workers start now
 
