@@ -25,7 +25,7 @@ from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batc
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, calibration_sample, pins_memory, run_job
+from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, run_job
 from vitkit.inference.writers import Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
@@ -169,13 +169,13 @@ def predict(
     engine = InferenceEngine.from_loaded(
         loaded, precision=precision, backend=backend, device=device, batch_size=batch_size
     )
-    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode, uint8=True)
+    gpu = engine.device.type == "cuda"  # uint8 batches, page-locked, normalised on the GPU (jobs.feeds_gpu)
+    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode, uint8=gpu)
     if isinstance(images, list | tuple):
         files = all(not isinstance(img, Image.Image) for img in images)
         if files:
             source = FileSource([os.fspath(img) for img in images if not isinstance(img, Image.Image)])
-            pin = engine.device.type == "cuda"
-            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad, pin_memory=pin)
+            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad, pin_memory=gpu)
         else:
             batches = stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad)
         return list(_predict(engine, batches, top_k, len(images), progress))
@@ -272,8 +272,9 @@ def predict_job(
         raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
     K = loaded.model.cfg.num_classes
     reference = opts.backend == "torch" and opts.precision == "fp32"
-    transform = EvalTransform(loaded.meta.preprocess, reference=reference, uint8=True)  # normalised by the engine
     device = info.device if info.enabled else opts.device
+    gpu = feeds_gpu(device, opts.backend)  # uint8 batches, page-locked, normalised on the GPU
+    transform = EvalTransform(loaded.meta.preprocess, reference=reference, uint8=gpu)
     sink: Any = None
     if not info.is_main:
         pass  # its rows go to process 0
@@ -297,7 +298,7 @@ def predict_job(
         return run_job(
             source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
             prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
-            where=f"--out {out}", on_engine=on_engine, dist=info, pin_memory=pins_memory(device, opts.backend),
+            where=f"--out {out}", on_engine=on_engine, dist=info, pin_memory=gpu,
         )  # fmt: skip
     finally:
         close = getattr(sink, "close", None)
