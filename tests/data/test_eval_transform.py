@@ -1,6 +1,6 @@
 """The batch jobs' evaluation transform: the reference path is Preprocess.to_tensor of the full decode bit for
 bit; the fast path (reduced-scale JPEG decoding, PyTorch's antialiased resize) stays within resampling error of
-it on real photos."""
+it on real photos; uint8 pixels normalised on the device (a GPU job's path) are the float path bit for bit."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import Preprocess, load_image, open_lazy
-from vitkit.data.eval_transform import EvalTransform, reduced_scale
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess, load_image, normalize, open_lazy
+from vitkit.data.eval_transform import EvalTransform, Normalizer, normalize_batch, reduced_scale
 
 
 def photo(path: Path, width: int, height: int) -> Path:
@@ -89,3 +89,52 @@ def test_greyscale_models_and_other_formats_take_the_reference_path(tmp_path: Pa
     Image.open(jpg).convert("P").save(gif)
     rgb = Preprocess(image_size=32)
     assert torch.equal(EvalTransform(rgb)(open_lazy(gif)), rgb.to_tensor(load_image(gif)))
+
+
+# ---- uint8 pixels, normalised on the device ---------------------------------------------------------------
+
+NORMS = [
+    Preprocess(),  # inception: [-1, 1]
+    Preprocess(mean=IMAGENET_MEAN, std=IMAGENET_STD),
+    Preprocess(mean=(0.1, 0.7, 0.33), std=(0.11, 0.9, 0.013)),
+    Preprocess(mean=(0.45, 0.45, 0.45), std=(0.27, 0.27, 0.27), grayscale=True),
+]
+
+
+def every_value(channels: int) -> np.ndarray:
+    """(256, 5, C) uint8: every value in every channel."""
+    return np.broadcast_to(np.arange(256, dtype=np.uint8)[:, None, None], (256, 5, channels)).copy()
+
+
+@pytest.mark.parametrize("pre", NORMS)
+def test_normalising_uint8_is_the_float_path_for_every_value_bit_for_bit(pre: Preprocess) -> None:
+    """The engine normalises a GPU job's uint8 batch with the same float32 operations the workers apply on the
+    CPU (preprocess.normalize): every one of the 256 values of every channel gives the same bits, contiguous or
+    not, and the constants made for a device are reused."""
+    arr = every_value(pre.channels)
+    want = normalize(arr, pre._mean, pre._std)  # (C, 256, 5)
+    chw = torch.from_numpy(arr).permute(2, 0, 1)[None]  # (1, C, 256, 5), not contiguous
+    norm = Normalizer(pre)
+    for x in (chw, chw.contiguous(), torch.cat([chw, chw.flip(2)])):
+        got = norm(x)
+        assert got.dtype == torch.float32 and torch.equal(got[0], want)
+    assert len(norm._consts) == 1 and torch.equal(normalize_batch(chw, pre)[0], want)
+    with pytest.raises(ValueError, match="uint8"):
+        norm(chw.float())
+
+
+@pytest.mark.parametrize("pre", PRES)
+def test_uint8_transform_then_normalised_is_the_float_transform_bit_for_bit(tmp_path: Path, pre: Preprocess) -> None:
+    """A GPU job's worker stops before normalising (uint8=True, 1/4 of the bytes); normalised on the device
+    it is what the CPU's transform gives, on the reference path and the fast path at every decode scale."""
+    for size in SIZES:
+        path = photo(tmp_path / f"p{size[0]}.jpg", *size)
+        for reference in (True, False):
+            float_path = EvalTransform(pre, reference=reference)
+            u8 = EvalTransform(pre, reference=reference, uint8=True)(open_lazy(path))
+            assert u8.dtype == torch.uint8 and u8.shape == (3, *pre.image_size)
+            assert torch.equal(normalize_batch(u8[None], pre)[0], float_path(open_lazy(path)))
+    png = tmp_path / "p.png"
+    Image.open(path).save(png)
+    u8 = EvalTransform(pre, uint8=True)(load_image(png))
+    assert torch.equal(normalize_batch(u8[None], pre)[0], pre.to_tensor(load_image(png)))

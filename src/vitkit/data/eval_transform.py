@@ -14,6 +14,11 @@
   the full decode, below the difference between Pillow's bilinear and bicubic filters on the same image.
   Other images (PNG, CMYK JPEGs, greyscale models, interpolations PyTorch has no antialiased kernel for)
   take the reference path.
+
+With ``uint8=True`` either path stops before normalisation and returns the pixels, (C, H, W) uint8: a batch job
+hands a batch of them to the engine (a quarter of the bytes through shared memory and to the device), and
+:func:`normalize_batch` computes on the device the float values the worker would have computed, bit for bit
+(the same float32 operations in the same order: tests/data/test_eval_transform.py checks every uint8 value).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import RESAMPLE, EncodedJpeg, LazyImage, Preprocess, decode_image
+from vitkit.checkpoints.preprocess import RESAMPLE, EncodedJpeg, LazyImage, Preprocess, convert_image, decode_image
 from vitkit.errors import DataError
 
 # A JPEG is decoded at 1/s scale only when the reduced image keeps this many times the resize's output pixels
@@ -66,6 +71,7 @@ class EvalTransform:
 
     preprocess: Preprocess
     reference: bool = False
+    uint8: bool = False  # the pixels before normalisation, (C, H, W) uint8; normalize_batch finishes them
 
     @property
     def lazy(self) -> bool:
@@ -82,6 +88,8 @@ class EvalTransform:
                 img = decode_image(img.data, name)
             else:
                 return self._jpeg(img)
+        if self.uint8:
+            return pixels(pre, img, name)
         return pre.to_tensor(img, name)
 
     def _jpeg(self, jpeg: EncodedJpeg) -> torch.Tensor:
@@ -110,6 +118,56 @@ class EvalTransform:
                 mode = _TORCH_MODES[pre.interpolation]
                 x = F.interpolate(x[None], size=(new_h, new_w), mode=mode, antialias=True)[0]
         x = x[:, top : top + H, left : left + W]  # (3, H, W) uint8
+        if self.uint8:
+            return x
         mean = torch.tensor(pre.mean, dtype=torch.float32).view(3, 1, 1)
         std = torch.tensor(pre.std, dtype=torch.float32).view(3, 1, 1)
         return x.float().div_(255.0).sub_(mean).div_(std).contiguous()
+
+
+def pixels(pre: Preprocess, img: Image.Image, name: str = "image") -> torch.Tensor:
+    """A decoded image -> the pixels :meth:`Preprocess.to_tensor` normalises, (C, H, W) uint8: the same size
+    check, mode conversion and resize."""
+    pre.check_size(img.width, img.height, name)
+    img = convert_image(img, "L" if pre.grayscale else "RGB")
+    arr = np.array(pre.resized(img, name))  # a writable copy (Pillow's buffer is read-only)
+    if arr.ndim == 2:
+        arr = arr[:, :, None]
+    return torch.from_numpy(arr).permute(2, 0, 1)  # (C, H, W) uint8
+
+
+class Normalizer:
+    """uint8 pixels (B, C, H, W) on any device -> the model's float32 input on that device: ``(x / 255 - mean) /
+    std`` per channel, every value bit for bit what :func:`vitkit.checkpoints.preprocess.normalize` computes on
+    the CPU (the same three float32 operations in the same order, each correctly rounded). The divisors are
+    tensors on the device, not Python numbers: CUDA divides by a Python number as a multiplication by its
+    reciprocal, which differs in the last bit for some values. The constants are made once per device."""
+
+    def __init__(self, pre: Preprocess) -> None:
+        self.channels = pre.channels
+        self.mean, self.std = pre.mean[: self.channels], pre.std[: self.channels]
+        self._consts: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        got = self._consts.get(device)
+        if got is None:
+            shape = (1, self.channels, 1, 1)
+            f32 = torch.float32
+            got = (
+                torch.tensor(255.0, dtype=f32).to(device),
+                torch.tensor(self.mean, dtype=f32).view(shape).to(device),
+                torch.tensor(self.std, dtype=f32).view(shape).to(device),
+            )
+            self._consts[device] = got
+        return got
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.uint8 or x.dim() != 4 or x.shape[1] != self.channels:
+            raise ValueError(f"expected uint8 pixels (B, {self.channels}, H, W), got {x.dtype} {tuple(x.shape)}")
+        scale, mean, std = self._on(x.device)
+        return x.to(torch.float32).div_(scale).sub_(mean).div_(std)
+
+
+def normalize_batch(x: torch.Tensor, pre: Preprocess) -> torch.Tensor:
+    """:class:`Normalizer` of ``pre`` applied once: uint8 pixels (B, C, H, W) -> the model's float32 input."""
+    return Normalizer(pre)(x)

@@ -26,16 +26,20 @@ vitkit's ONNX export, which computes logits only: features on them are refused (
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess, load_image
+from vitkit.data.eval_transform import Normalizer
+from vitkit.data.stream import StreamBatch
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16, resolve_device
 from vitkit.inference.backends import BACKENDS
@@ -145,6 +149,7 @@ class InferenceEngine:
             raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {self.device}")
         self.model = model.eval().to(self.device)
         self.preprocess = preprocess
+        self.normalizer = Normalizer(preprocess)
         self.labels = list(labels) if labels else None
         self.requested = precision
         self.precision = resolve_precision(precision, self.device, backend)
@@ -221,6 +226,16 @@ class InferenceEngine:
         """The name of class ``index`` (``"class N"`` without class names)."""
         return self.labels[index] if self.labels and index < len(self.labels) else f"class {index}"
 
+    def label_names(self) -> np.ndarray:
+        """:meth:`label` of every class, as an object array indexed by class (so that a batch's top-k classes
+        (G, k) index it at once); made on first use."""
+        names = getattr(self, "_label_names", None)
+        if names is None:
+            names = np.empty(self.num_classes, dtype=object)
+            names[:] = [self.label(c) for c in range(self.num_classes)]
+            self._label_names = names
+        return names
+
     def describe(self) -> str:
         """One line: precision, path, backend, device and the build's cost, e.g. ``bf16 fast path (torch) on
         cpu, built in 0.6 s``."""
@@ -238,6 +253,46 @@ class InferenceEngine:
 
     # ---- compute --------------------------------------------------------------------------------------
 
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """Images as a job hands them over -> the model's input on the engine's device. uint8 pixels (B, C, H,
+        W) (:class:`~vitkit.data.eval_transform.EvalTransform` with ``uint8=True``) are copied to the device,
+        asynchronously on CUDA (from page-locked memory: ``stream_batches(pin_memory=True)``), and normalised
+        there: bit for bit the float values the CPU would have computed
+        (:class:`~vitkit.data.eval_transform.Normalizer`). Float images, already normalised, are copied as
+        they are."""
+        if x.device != self.device:
+            x = x.to(self.device, non_blocking=self.device.type == "cuda")
+        return self.normalizer(x) if x.dtype == torch.uint8 and x.numel() else x
+
+    def feed(self, batches: Iterable[StreamBatch]) -> Iterator[StreamBatch]:
+        """``batches`` with their images already :meth:`prepare` d. On CUDA the copy and normalisation of each
+        batch are issued on a side stream as soon as it arrives, and the batch is handed over only once the
+        next one has arrived and been issued: the copy of batch n+1 overlaps the forward pass of batch n (one
+        more batch is held, on the device). Elsewhere the batches pass through as they are (``forward``
+        prepares them)."""
+        if self.device.type != "cuda":
+            yield from batches
+            return
+        side = torch.cuda.Stream(device=self.device)
+        ahead: tuple[StreamBatch, Any] | None = None
+        for b in batches:
+            with torch.cuda.stream(side):
+                staged = dataclasses.replace(b, images=self.prepare(b.images))
+                ready = torch.cuda.Event()
+                ready.record(side)
+            if ahead is not None:
+                yield self._on_main_stream(*ahead)
+            ahead = (staged, ready)
+        if ahead is not None:
+            yield self._on_main_stream(*ahead)
+
+    def _on_main_stream(self, b: StreamBatch, ready: Any) -> StreamBatch:
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(ready)  # the forward pass waits for the copy on the GPU, not the CPU
+        if b.images.device.type == "cuda":
+            b.images.record_stream(main)  # made on the side stream, used (and freed) on this one
+        return b
+
     @torch.inference_mode()
     def forward(self, x: torch.Tensor, *, logits: bool = True, features: bool = False) -> Outputs:
         """Images (B, C, H, W), preprocessed -> :class:`Outputs` with the pre-logits features (B, R) and/or the
@@ -247,7 +302,7 @@ class InferenceEngine:
             raise ValueError("nothing to compute: ask for logits, features or both")
         if logits and self.num_classes <= 0:
             raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
-        x = x.to(self.device)
+        x = self.prepare(x)
         if not features:
             return Outputs(logits=self.runner(x).float().cpu())
         if not self.gives_features:

@@ -24,7 +24,7 @@ from vitkit.distributed import DistInfo, all_gather, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import calibration_sample
+from vitkit.inference.jobs import calibration_sample, feeds_gpu
 from vitkit.models.vit import VisionTransformer
 
 
@@ -82,14 +82,21 @@ def extract(
     if not isinstance(model, InferenceEngine) and logits and model.cfg.num_classes <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
     reference = not model.reduced_decode if isinstance(model, InferenceEngine) else precision == "fp32"
-    transform = EvalTransform(preprocess, reference=reference and backend == "torch")
+    if isinstance(model, InferenceEngine):
+        gpu = model.device.type == "cuda"
+    else:
+        gpu = feeds_gpu(info.device if info.enabled else (device if device is not None else "auto"), backend)
+    # on a GPU: uint8 batches, page-locked, normalised on the GPU (jobs.feeds_gpu)
+    transform = EvalTransform(preprocess, reference=reference and backend == "torch", uint8=gpu)
     total = None
     batches: Iterator[StreamBatch]
     if is_map_style(dataset):
         wanted: Sequence[int] = range(len(dataset)) if indices is None else indices
         total = len(wanted)
         mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
-        batches = stream_batches(DatasetSource(dataset), transform, batch_size, positions=mine, workers=workers)
+        batches = stream_batches(
+            DatasetSource(dataset), transform, batch_size, positions=mine, workers=workers, pin_memory=gpu
+        )
     elif indices is not None:
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
     else:
@@ -111,7 +118,7 @@ def extract(
     out_idx: list[np.ndarray] = []
     show = progress and info.is_main
     with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not show) as bar:
-        for b in batches:
+        for b in engine.feed(batches):  # on a GPU: copied one batch ahead, normalised there
             out = engine.forward(b.images, logits=logits, features=features)
             if features:
                 assert out.features is not None

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
 
+import numpy as np
 import torch
 from PIL import Image
 
@@ -24,7 +25,7 @@ from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batc
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, calibration_sample, run_job
+from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, run_job
 from vitkit.inference.writers import Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
@@ -63,31 +64,34 @@ def prediction_columns(
     engine: InferenceEngine, batch: StreamBatch, top_k: int, *, logits: bool = False, errors: bool = False
 ) -> dict[str, list[Any]]:
     """One batch through the engine, as the columns of :func:`prediction_fields` (a failed image: no labels,
-    probabilities or logits, and its error)."""
-    n = len(batch)
-    cols: dict[str, list[Any]] = {
-        "index": batch.positions.tolist(),
-        "image": list(batch.ids),
-        "labels": [None] * n,
-        "classes": [None] * n,
-        "probs": [None] * n,
-    }
-    if logits:
-        cols["logits"] = [None] * n
+    probabilities or logits, and its error). The logits come back from the device once per batch, and the
+    columns are made per batch (numpy indexing and one ``tolist`` each), not image by image."""
+    cols: dict[str, list[Any]] = {"index": batch.positions.tolist(), "image": list(batch.ids)}
+    names = ["labels", "classes", "probs"] + (["logits"] if logits else [])
+    values: dict[str, list[Any]] = {name: [] for name in names}
+    if batch.images.numel():
+        out = engine.logits(batch.images)  # (G, K) float32, on the CPU
+        top_p, top_i = out.softmax(dim=-1).topk(min(top_k, engine.num_classes), dim=-1)  # (G, k)
+        classes = top_i.numpy()
+        values["labels"] = engine.label_names()[classes].tolist()
+        values["classes"] = classes.tolist()
+        values["probs"] = top_p.numpy().tolist()
+        if logits:
+            values["logits"] = out.numpy().tolist()
+    ok = batch.ok
+    for name in names:  # failed images (skip_bad): None in their rows
+        cols[name] = values[name] if ok.all() else _spread(values[name], ok)
     if errors:
         cols["error"] = [e or "" for e in batch.errors]
-    if batch.images.numel():
-        out = engine.logits(batch.images)  # (G, K) float32
-        top_p, top_i = out.softmax(dim=-1).topk(min(top_k, engine.num_classes), dim=-1)  # (G, k)
-        rows = [j for j, e in enumerate(batch.errors) if e is None]
-        for g, j in enumerate(rows):
-            classes = top_i[g].tolist()
-            cols["classes"][j] = classes
-            cols["labels"][j] = [engine.label(c) for c in classes]
-            cols["probs"][j] = top_p[g].tolist()
-            if logits:
-                cols["logits"][j] = out[g].tolist()
     return cols
+
+
+def _spread(values: list[Any], ok: np.ndarray) -> list[Any]:
+    """``values`` of the images that decoded, placed at their rows (``ok``); None in the others."""
+    out: list[Any] = [None] * len(ok)
+    for j, v in zip(np.flatnonzero(ok).tolist(), values, strict=True):
+        out[j] = v
+    return out
 
 
 def _predictions(cols: Mapping[str, list[Any]]) -> list[Prediction]:
@@ -165,12 +169,13 @@ def predict(
     engine = InferenceEngine.from_loaded(
         loaded, precision=precision, backend=backend, device=device, batch_size=batch_size
     )
-    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode)
+    gpu = engine.device.type == "cuda"  # uint8 batches, page-locked, normalised on the GPU (jobs.feeds_gpu)
+    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode, uint8=gpu)
     if isinstance(images, list | tuple):
         files = all(not isinstance(img, Image.Image) for img in images)
         if files:
             source = FileSource([os.fspath(img) for img in images if not isinstance(img, Image.Image)])
-            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad)
+            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad, pin_memory=gpu)
         else:
             batches = stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad)
         return list(_predict(engine, batches, top_k, len(images), progress))
@@ -189,7 +194,7 @@ def _predict(
     from tqdm import tqdm
 
     with tqdm(total=total, desc="predict", unit="img", disable=not progress, file=sys.stderr) as bar:
-        for batch in batches:
+        for batch in engine.feed(batches):
             yield from _predictions(prediction_columns(engine, batch, top_k, errors=True))
             bar.update(len(batch))
 
@@ -267,7 +272,9 @@ def predict_job(
         raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
     K = loaded.model.cfg.num_classes
     reference = opts.backend == "torch" and opts.precision == "fp32"
-    transform = EvalTransform(loaded.meta.preprocess, reference=reference)
+    device = info.device if info.enabled else opts.device
+    gpu = feeds_gpu(device, opts.backend)  # uint8 batches, page-locked, normalised on the GPU
+    transform = EvalTransform(loaded.meta.preprocess, reference=reference, uint8=gpu)
     sink: Any = None
     if not info.is_main:
         pass  # its rows go to process 0
@@ -280,8 +287,7 @@ def predict_job(
 
     def build() -> InferenceEngine:
         return InferenceEngine.from_loaded(
-            loaded, precision=opts.precision, backend=opts.backend, batch_size=opts.batch_size,
-            device=info.device if info.enabled else opts.device,
+            loaded, precision=opts.precision, backend=opts.backend, batch_size=opts.batch_size, device=device,
             calibration=lambda: calibration_sample(source, transform),
         )  # fmt: skip
 
@@ -292,7 +298,7 @@ def predict_job(
         return run_job(
             source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
             prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
-            where=f"--out {out}", on_engine=on_engine, dist=info,
+            where=f"--out {out}", on_engine=on_engine, dist=info, pin_memory=gpu,
         )  # fmt: skip
     finally:
         close = getattr(sink, "close", None)

@@ -1,0 +1,299 @@
+"""Feeds the table "Batch jobs' input pipeline: main-process CPU per image, workers against raw decoding" of
+BENCHMARKS.md (``python benchmarks/run_all.py pipeline``).
+
+The path of ``vitkit predict`` and ``vitkit eval`` with the model replaced by a no-op (a module returning zero
+logits), over an ImageFolder of photo JPEGs of about 500 x 375 (``--images``, default 2,048: crops of
+scikit-learn's two sample photos, as ``batch_inference.py`` makes them), batch ``--batch-size`` (256). It
+reports:
+
+- **main-process CPU per image**: ``time.process_time()`` of the job's process (all its threads) over the job,
+  for ``--images`` and a quarter of them, the difference divided by the difference in images (fixed costs
+  cancel), for ``predict --out x.jsonl``, ``predict --out x.parquet`` and ``eval`` (its logits collected), on
+  the path of a job whose engine is on a GPU (uint8 batches; the GPU's normalisation is left out with the
+  model), and ``eval-cpu``, the path on a CPU device (float batches, normalised by the workers); and
+  ``pin copy``, a copy of a uint8 batch into another buffer (both already in memory) per image, the least
+  that ``pin_memory`` costs the pinning thread on a GPU machine (there is no CUDA to pin with here);
+- **each worker against raw decoding**: one process decoding the same files with simplejpeg, alone (the call
+  and scale the transform uses, and the issue's ``min_height/min_width=224``), against the transform alone in
+  one process and against a one-worker job (images / wall time, the main process consuming);
+- **scaling**: the ``eval`` job's images per second of wall time with 1 .. ``--max-workers`` workers (over the
+  difference of the two folders, so start-up is left out).
+
+The engine is built in bf16 (whatever the CPU: the model is replaced), so that no start-up timing (``auto``
+times a GEMM) adds noise to the differences.
+
+``--baseline REV`` measures the ``src/`` of git revision REV the same way in the same run (each measurement
+its own process, with that ``src/`` first on the path; the old code's workers hand over float batches). Run it
+under the machine's lock::
+
+    flock /tmp/vitkit-cpu.lock python benchmarks/pipeline.py --baseline 78bcf52 --json /tmp/pipeline.json
+
+``--json FILE`` writes the results; the photos go to a temporary folder (``--work`` keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ("predict-jsonl", "predict-parquet", "eval", "eval-cpu")
+
+
+# ---- the driver -------------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.machine()
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, model {info.get('model', '?')})"
+
+
+def prepare(work: Path, images: int) -> tuple[Path, Path, Path]:
+    """The photo folders (all images, and the first quarter as hard links) and a near-free checkpoint (patch 32,
+    width 32, depth 1, 10 classes: its forward is replaced anyway)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "src"))
+    import batch_inference as bi
+
+    big, small = work / "photos", work / "photos-small"
+    if not big.exists():
+        bi.make_photos(big, images)
+    if not small.exists():
+        files = sorted(big.glob("test/*/*.jpg"))
+        for f in files[: len(files) // 4]:
+            (small / "test" / f.parent.name).mkdir(parents=True, exist_ok=True)
+            os.link(f, small / "test" / f.parent.name / f.name)
+    ckpt = work / "tiny"
+    if not ckpt.exists():
+        import vitkit
+        from vitkit.models.vit import VisionTransformer, ViTConfig
+
+        cfg = ViTConfig(patch_size=32, hidden_size=32, depth=1, num_heads=1, mlp_dim=64, num_classes=10)
+        vitkit.save_pretrained(VisionTransformer(cfg).eval(), ckpt, class_names=bi.CLASSES)
+    return big, small, ckpt
+
+
+def run_child(src: Path, *argv: str) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", *argv], env=env, capture_output=True, text=True, check=False
+    )
+    if out.returncode:
+        raise SystemExit(f"child {argv} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(src: Path, big: Path, small: Path, ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Every mode at 1 worker, and ``eval`` at 2 .. max workers, each over both folders ``--rounds`` times:
+    per image, main-process CPU and wall time over the difference of the two folders (medians)."""
+    res: dict[str, Any] = {"main_us_per_image": {}, "scaling_img_s": {}}
+    n_big, n_small = len(list(big.glob("test/*/*.jpg"))), len(list(small.glob("test/*/*.jpg")))
+    runs = [(mode, 1) for mode in MODES] + [("eval", w) for w in range(2, args.max_workers + 1)]
+    for mode, w in runs:
+        cpu, rate = [], []
+        for _ in range(args.rounds):
+            r = {size: run_child(src, "job", mode, str(folder), str(ckpt), str(args.batch_size), str(w))
+                 for size, folder in (("big", big), ("small", small))}  # fmt: skip
+            if r["big"].get("skipped"):
+                break
+            cpu.append((r["big"]["cpu_s"] - r["small"]["cpu_s"]) / (n_big - n_small) * 1e6)
+            rate.append((n_big - n_small) / (r["big"]["wall_s"] - r["small"]["wall_s"]))
+        if not cpu:
+            continue
+        if w == 1:
+            res["main_us_per_image"][mode] = median(cpu)
+            print(f"  {mode:16s} main-process CPU {median(cpu):7.1f} us/image {[round(c, 1) for c in cpu]}", flush=True)
+        if mode == "eval":
+            res["scaling_img_s"][str(w)] = median(rate)
+            print(f"  eval, {w} worker(s): {median(rate):.0f} img/s {[round(r) for r in rate]}", flush=True)
+    res["decode"] = d = run_child(src, "decode", str(big), str(ckpt))
+    d["one_worker_job_img_s"] = res["scaling_img_s"]["1"]
+    print(f"  raw decode {d['raw_img_s']:.0f} img/s (issue's min 224: {d['raw224_img_s']:.0f}); transform alone "
+          f"{d['transform_img_s']:.0f} ({d['transform_img_s'] / d['raw_img_s']:.2f}x); one-worker job "
+          f"{d['one_worker_job_img_s']:.0f} ({d['one_worker_job_img_s'] / d['raw_img_s']:.2f}x); "
+          f"pin copy {d['pin_copy_us_per_image']:.1f} us/image", flush=True)  # fmt: skip
+    return res
+
+
+def median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=2048)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="repeats of each measurement (the median is kept)")
+    ap.add_argument("--max-workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--baseline", help="also measure the src/ of this git revision")
+    ap.add_argument("--work", type=Path, help="keep the photos and checkpoint here (default: a temporary folder)")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--child", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child is not None:
+        print(json.dumps(child(args.child)))
+        return
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    report: dict[str, Any] = {
+        "cpu": cpu_name(), "cores": len(os.sched_getaffinity(0)), "images": args.images,
+        "batch_size": args.batch_size, "commit": commit.stdout.strip(), "date": time.strftime("%Y-%m-%d"),
+        "runs": {},
+    }  # fmt: skip
+    print(f"{report['cpu']}, {report['cores']} cores, batch {args.batch_size}, {args.images} JPEGs", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        big, small, ckpt = prepare(work, args.images)
+        versions = [("this checkout", ROOT / "src")]
+        if args.baseline:
+            base = Path(tmp) / "baseline"
+            base.mkdir()
+            tar = subprocess.run(["git", "archive", args.baseline, "src"], cwd=ROOT, capture_output=True, check=True)
+            subprocess.run(["tar", "-x", "-C", str(base)], input=tar.stdout, check=True)
+            versions.insert(0, (f"baseline {args.baseline}", base / "src"))
+        for name, src in versions:
+            print(name, flush=True)
+            report["runs"][name] = measure(src, big, small, ckpt, args)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+
+
+# ---- the measurements, each in its own process (the version measured first on the path) ---------------------
+
+
+def child(argv: list[str]) -> dict[str, Any]:
+    if argv[0] == "job":
+        mode, folder, ckpt, batch, workers = argv[1:]
+        return job(mode, Path(folder), Path(ckpt), int(batch), int(workers))
+    return decode_rates(Path(argv[1]), Path(argv[2]))
+
+
+class NoOp:
+    """The model replaced: zero logits (B, K), whatever the input."""
+
+    def __init__(self, num_classes: int) -> None:
+        self.num_classes = num_classes
+
+    def __call__(self, x: Any) -> Any:
+        import torch
+
+        return torch.zeros(x.shape[0], self.num_classes)
+
+
+def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[str, Any]:
+    """One job over ``folder`` with the no-op model: main-process CPU seconds and images per second of wall.
+    Every mode but ``eval-cpu`` takes the path of a job whose engine is on a GPU (uint8 batches; the pinning
+    and the GPU's normalisation left out); ``eval-cpu`` the path on a CPU device (the workers normalise)."""
+    import importlib
+
+    import torch
+
+    import vitkit
+    from vitkit.data.eval_transform import EvalTransform
+
+    engine_module: Any = importlib.import_module("vitkit.inference.engine")
+    predict_module: Any = importlib.import_module("vitkit.inference.predict")  # (the package exports the function)
+    features_module: Any = importlib.import_module("vitkit.inference.features")
+    new = "uint8" in EvalTransform.__dataclass_fields__
+    gpu_path = new and mode != "eval-cpu"
+    if mode == "eval-cpu" and not new:
+        return {"skipped": "the same path as eval in this version"}
+    loaded = vitkit.load_checkpoint(ckpt)
+    K = loaded.model.cfg.num_classes
+
+    class NoOpEngine(engine_module.InferenceEngine):  # type: ignore[misc,name-defined]
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.runner = NoOp(K)
+            if gpu_path:  # the GPU's work: uint8 batches reach the no-op model as they are
+                self.normalizer = lambda x: x
+
+    for module in (predict_module, features_module):
+        module.InferenceEngine = NoOpEngine
+        if gpu_path:
+            module.feeds_gpu = lambda *a, **k: True  # DataLoader then warns that it has no accelerator to pin for
+    torch.set_num_threads(2)
+    with tempfile.TemporaryDirectory() as tmp:
+        start_cpu, start = time.process_time(), time.perf_counter()
+        if mode.startswith("predict"):
+            from vitkit.data.stream import FileSource, list_inputs
+
+            source = FileSource(list_inputs([folder]))
+            out = Path(tmp) / ("x.parquet" if mode == "predict-parquet" else "x.jsonl")
+            opts = predict_module.PredictOptions(batch_size=batch, workers=workers, progress=False, precision="bf16")
+            predict_module.predict_job(loaded, source, opts, out=out)
+            n = len(source)
+        else:
+            from vitkit.data.datasets import open_dataset
+
+            ds = open_dataset(str(folder), "test")
+            got = features_module.extract(loaded.model, ds, loaded.meta.preprocess, batch_size=batch,
+                                          workers=workers, progress=False, precision="bf16")  # fmt: skip
+            n = len(got.labels)
+        cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
+    return {"cpu_s": cpu, "wall_s": wall, "images": n, "img_s": n / wall}
+
+
+def decode_rates(folder: Path, ckpt: Path) -> dict[str, Any]:
+    """Images per second of one process: simplejpeg alone (the transform's call and scale; the issue's
+    min 224), and the transform of the job (read, decode, resize; uint8 where the code has it)."""
+    import simplejpeg
+    import torch
+
+    import vitkit
+    from vitkit.checkpoints.preprocess import open_lazy
+    from vitkit.data.eval_transform import EvalTransform, reduced_scale
+
+    torch.set_num_threads(1)  # a worker's one thread
+    pre = vitkit.load_checkpoint(ckpt).meta.preprocess
+    files = sorted(str(p) for p in folder.glob("test/*/*.jpg"))
+    new = "uint8" in EvalTransform.__dataclass_fields__
+    transform = EvalTransform(pre, uint8=True) if new else EvalTransform(pre)  # type: ignore[call-arg]
+
+    def raw(f: str) -> None:
+        lazy = open_lazy(f)
+        s = reduced_scale(lazy.width, lazy.height, pre)
+        simplejpeg.decode_jpeg(lazy.data, "RGB", min_height=-(-lazy.height // s), min_width=-(-lazy.width // s),
+                               min_factor=s, strict=True)  # fmt: skip
+
+    def raw224(f: str) -> None:
+        with open(f, "rb") as fh:
+            simplejpeg.decode_jpeg(fh.read(), "RGB", min_height=224, min_width=224)
+
+    def tf(f: str) -> None:
+        transform(open_lazy(f), f)
+
+    rates = {}
+    for name, fn in (("raw_img_s", raw), ("raw224_img_s", raw224), ("transform_img_s", tf)):
+        best = 0.0
+        for _ in range(2):
+            start = time.perf_counter()
+            for f in files:
+                fn(f)
+            best = max(best, len(files) / (time.perf_counter() - start))
+        rates[name] = best
+    x = torch.ones(256, 3, 224, 224, dtype=torch.uint8)
+    buf = torch.empty_like(x).fill_(0)
+    start = time.process_time()
+    for _ in range(10):
+        buf.copy_(x)
+    rates["pin_copy_us_per_image"] = (time.process_time() - start) / 10 / 256 * 1e6  # one thread's memcpy
+    return rates
+
+
+if __name__ == "__main__":
+    main()
