@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -41,3 +42,20 @@ def test_batches_kept_or_dropped_are_never_overwritten(tmp_path: Path) -> None:
             assert torch.equal(b.images, w)  # each batch dropped once looked at
             slots.append(b.slot)
         assert sum(s >= 0 for s in slots) >= len(slots) - 2 and len(set(slots) - {-1}) <= 4  # 2 slots x 2 workers
+
+
+def test_default_workers_follow_where_the_model_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model on the CPU leaves the cores to its forward pass (one decoder per four cores); on a GPU every core
+    but the job's own decodes (the H100 machine: 16 cores, 15 workers; the issue measured 4 by default)."""
+    from vitkit.commands.args import resolve_workers
+    from vitkit.data import stream
+
+    assert [stream.default_workers(c) for c in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 8]
+    assert [stream.default_workers(c, gpu=True) for c in (1, 2, 16, 64)] == [1, 1, 15, 16]
+    monkeypatch.setattr(stream, "default_workers", lambda cores=None, gpu=False: 15 if gpu else 4)
+    assert resolve_workers(3, "cuda") == 3 and resolve_workers(None, "cpu") == 4
+    assert resolve_workers(None, "cuda:1") == 15 and resolve_workers(None, torch.device("cuda", 0)) == 15
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_workers(None, "auto") == 15
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_workers(None, "auto") == 4

@@ -141,11 +141,22 @@ def add_workers_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_workers(workers: int | None) -> int:
-    """``--workers`` as given, or the default for this machine (:func:`vitkit.data.stream.default_workers`)."""
+def resolve_workers(workers: int | None, device: Any = "auto") -> int:
+    """``--workers`` as given, or the default for this machine and ``device`` (a name or a torch.device; "auto":
+    a GPU where there is one), see :func:`vitkit.data.stream.default_workers`."""
     from vitkit.data.stream import default_workers
 
-    return default_workers() if workers is None else workers
+    if workers is not None:
+        return workers
+    name = str(device)
+    gpu = name.startswith("cuda") or (name in ("auto", "None", "") and torch_cuda_available())
+    return default_workers(gpu=gpu)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, backend: bool = True, device: bool = True) -> None:

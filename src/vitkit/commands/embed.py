@@ -111,7 +111,8 @@ def cmd_embed(args: argparse.Namespace) -> int:
     loaded = load_checkpoint(args.checkpoint, format=args.format)
     opts = EmbedOptions(
         pool=args.pool, layer=args.layer, dtype=args.dtype, l2=args.l2, batch_size=args.batch_size,
-        precision=args.precision, device=args.device, workers=resolve_workers(args.workers), skip_bad=args.skip_bad,
+        precision=args.precision, device=args.device, workers=resolve_workers(args.workers, args.device),
+        skip_bad=args.skip_bad,
     )  # fmt: skip
     opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
     summary = embed_job(
@@ -197,7 +198,8 @@ def cmd_knn(args: argparse.Namespace) -> int:
         test = note_skipped(open_dataset(args.data, args.test_split, skip_bad=args.skip_bad))
         report = knn_dataset(
             loaded.model, train, test, loaded.meta.preprocess, batch_size=args.batch_size, device=info.device,
-            workers=resolve_workers(args.workers), precision=args.precision, on_engine=report_engine, dist=info,
+            workers=resolve_workers(args.workers, info.device), precision=args.precision, on_engine=report_engine,
+            dist=info,
             **chunks,
         )  # fmt: skip
         what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"

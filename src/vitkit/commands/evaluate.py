@@ -100,7 +100,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         label_file=args.real_labels,
         batch_size=args.batch_size,
         device=info.device,
-        workers=resolve_workers(args.workers),
+        workers=resolve_workers(args.workers, info.device),
         precision=args.precision,
         backend=args.backend,
         on_engine=report_engine,
@@ -194,7 +194,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
         heldout_per_class=args.heldout,
         batch_size=args.batch_size,
         device=device,
-        workers=resolve_workers(args.workers),
+        workers=resolve_workers(args.workers, device),
         precision=args.precision,
         on_engine=report_engine,
     )
