@@ -209,6 +209,25 @@ TABLES = [
         [[PY, "benchmarks/input_pipeline.py", "--images", "40", "--sizes", "224", "--rounds", "2", "--steps", "2"]],
     ),
     Table(
+        "pipeline",
+        "Batch jobs' input pipeline: main-process CPU per image, workers against raw decoding (no-op model)",
+        [[PY, "benchmarks/pipeline.py", "--baseline", "78bcf52"]],
+        [
+            [
+                PY,
+                "benchmarks/pipeline.py",
+                "--images",
+                "256",
+                "--batch-size",
+                "64",
+                "--rounds",
+                "1",
+                "--max-workers",
+                "1",
+            ]
+        ],
+    ),
+    Table(
         "batch_inference",
         "Batch inference: vitkit eval and predict end to end against vitkit bench, the old defaults, and memory",
         [

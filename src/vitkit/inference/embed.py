@@ -32,7 +32,7 @@ from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBat
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, run_job
+from vitkit.inference.jobs import JobSummary, feeds_gpu, run_job
 from vitkit.inference.vectors import DTYPES, Embeddings, EmbeddingWriter
 
 POOLS = ("cls", "gap", "tokens")
@@ -85,7 +85,7 @@ def embedding_vectors(engine: InferenceEngine, x: torch.Tensor, opts: EmbedOptio
     if opts.pool is None and opts.layer is None:
         out = engine.features(x)  # (B, R) pre-logits
     else:
-        x = x.to(engine.device)
+        x = engine.prepare(x)  # on the device, normalised (a GPU job's batches are uint8)
         runner: Any = engine.runner
         if opts.layer is None:
             tokens = runner.forward_features(x)  # (B, T, D), final norm
@@ -156,7 +156,8 @@ def embed_job(
     cfg = loaded.model.cfg
     opts.check(cfg.depth, cfg.num_prefix_tokens)
     shape = vector_shape(loaded, opts)
-    transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32")
+    gpu = feeds_gpu(info.device if info.enabled else opts.device)  # uint8 batches, pinned, normalised on the GPU
+    transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32", uint8=gpu)
     meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
     sink = EmbeddingWriter(out, meta, resume=resume, overwrite=overwrite) if info.is_main else None
 
@@ -169,7 +170,7 @@ def embed_job(
     summary = run_job(
         source, transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
         batch_size=opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
-        progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info,
+        progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info, pin_memory=gpu,
     )  # fmt: skip
     if sink is not None:  # on an error the chunks written so far stay, for --resume
         sink.close()
