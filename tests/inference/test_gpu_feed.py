@@ -157,11 +157,11 @@ def test_feed_on_the_cpu_passes_batches_through(ckpt: Path) -> None:
     assert [b is batches[0] for b in engine.feed(iter(batches))] == [True]
 
 
-def test_predict_job_on_cuda_takes_the_uint8_pinned_path_with_the_same_rows(
+def test_predict_job_on_cuda_takes_the_uint8_path_with_the_same_rows(
     fake_cuda: list[Any], ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With CUDA (faked) the job's workers hand over uint8 batches, asked to be pinned, which the engine copies
-    non_blocking and normalises: the rows are the CPU job's, bit for bit."""
+    """With CUDA (faked) the job's workers hand over uint8 batches (left in shared memory: pinning measured slower
+    on an H100), which the engine copies and normalises: the rows are the CPU job's, bit for bit."""
     files = jpegs(tmp_path / "in", 7)
     loaded = vitkit.load_checkpoint(ckpt)
     opts = predict_module.PredictOptions(batch_size=3, precision="fp32", workers=1, progress=False, logits=True)
@@ -179,7 +179,7 @@ def test_predict_job_on_cuda_takes_the_uint8_pinned_path_with_the_same_rows(
     monkeypatch.setattr(predict_module.InferenceEngine, "from_loaded", lambda loaded, **kw: cuda_engine(loaded))
     cuda_opts = dataclasses.replace(opts, device="cuda")
     predict_module.predict_job(loaded, FileSource(files), cuda_opts, out=tmp_path / "cuda.jsonl")
-    assert asked == [{"uint8": True, "pin_memory": True}]
+    assert asked == [{"uint8": True, "pin_memory": False}]  # pageable: the pinning thread measured slower
     # (the fake leaves tensors on the CPU, so forward() copies the normalised batch "again": not counted)
     copies = [e for e in fake_cuda if e[0] == "to" and e[2] == torch.uint8]
     assert [c[1][0] for c in copies] == [3, 3, 1] and all(c[3] for c in copies)  # every batch, non_blocking

@@ -32,7 +32,7 @@ from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBat
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, feeds_gpu, run_job
+from vitkit.inference.jobs import PIN_GPU_BATCHES, JobSummary, feeds_gpu, run_job
 from vitkit.inference.vectors import DTYPES, Embeddings, EmbeddingWriter
 
 POOLS = ("cls", "gap", "tokens")
@@ -170,7 +170,8 @@ def embed_job(
     summary = run_job(
         source, transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
         batch_size=opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
-        progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info, pin_memory=gpu,
+        progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info,
+        pin_memory=gpu and PIN_GPU_BATCHES,
     )  # fmt: skip
     if sink is not None:  # on an error the chunks written so far stay, for --resume
         sink.close()

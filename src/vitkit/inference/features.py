@@ -24,7 +24,7 @@ from vitkit.distributed import DistInfo, all_gather, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import calibration_sample, feeds_gpu
+from vitkit.inference.jobs import PIN_GPU_BATCHES, calibration_sample, feeds_gpu
 from vitkit.models.vit import VisionTransformer
 
 
@@ -95,7 +95,12 @@ def extract(
         total = len(wanted)
         mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
         batches = stream_batches(
-            DatasetSource(dataset), transform, batch_size, positions=mine, workers=workers, pin_memory=gpu
+            DatasetSource(dataset),
+            transform,
+            batch_size,
+            positions=mine,
+            workers=workers,
+            pin_memory=gpu and PIN_GPU_BATCHES,
         )
     elif indices is not None:
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")

@@ -69,13 +69,20 @@ class JobSummary:
         return f"{self.failed} of {self.written} image(s) failed and are marked as such (first: {self.first_failure})"
 
 
+# Batches for a GPU stay in the workers' pageable shared memory rather than being copied into page-locked memory
+# by the DataLoader's pinning thread: on an H100 that thread took 54 ms a batch of 256 (uint8, 224 px) and an
+# 8,192-image eval was 1.0-1.2 s slower with it in each of three pairs (BENCHMARKS.md, "GPU"). Page-locked shared
+# buffers that the workers fill directly (no copy) are the way to asynchronous copies.
+PIN_GPU_BATCHES = False
+
+
 def feeds_gpu(device: torch.device | str, backend: str = "torch") -> bool:
     """Whether a job's engine will run on a CUDA device (``device`` as the engine takes it, ``auto`` resolved as
     the engine resolves it; the ONNX engines run on the CPU). Its batches are then uint8 pixels
-    (``EvalTransform(uint8=True)``) in page-locked memory (``run_job(pin_memory=True)``), copied to the GPU
-    asynchronously and normalised there. On the CPU the workers keep normalising: normalising a batch in the job's
-    process measured 2.6x the workers' per-image cost there (a fresh 154 MB float batch faults in every page),
-    and it would take the model's cores."""
+    (``EvalTransform(uint8=True)``), copied to the GPU from the workers' shared memory (page-locked first only
+    where ``PIN_GPU_BATCHES``) and normalised there. On the CPU the workers keep normalising: normalising a batch
+    in the job's process measured 2.6x the workers' per-image cost there (a fresh 154 MB float batch faults in
+    every page), and it would take the model's cores."""
     if backend != "torch":
         return False
     return (device if isinstance(device, torch.device) else resolve_device(device)).type == "cuda"

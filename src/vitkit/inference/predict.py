@@ -25,7 +25,7 @@ from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batc
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, run_job
+from vitkit.inference.jobs import PIN_GPU_BATCHES, JobSummary, calibration_sample, feeds_gpu, run_job
 from vitkit.inference.writers import Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
@@ -175,7 +175,9 @@ def predict(
         files = all(not isinstance(img, Image.Image) for img in images)
         if files:
             source = FileSource([os.fspath(img) for img in images if not isinstance(img, Image.Image)])
-            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad, pin_memory=gpu)
+            batches = stream_batches(
+                source, transform, batch_size, workers=workers, skip_bad=skip_bad, pin_memory=gpu and PIN_GPU_BATCHES
+            )
         else:
             batches = stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad)
         return list(_predict(engine, batches, top_k, len(images), progress))
@@ -298,7 +300,8 @@ def predict_job(
         return run_job(
             source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
             prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
-            where=f"--out {out}", on_engine=on_engine, dist=info, pin_memory=gpu,
+            where=f"--out {out}", on_engine=on_engine, dist=info,
+            pin_memory=gpu and PIN_GPU_BATCHES,
         )  # fmt: skip
     finally:
         close = getattr(sink, "close", None)
