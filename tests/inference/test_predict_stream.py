@@ -290,7 +290,10 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(
     n = 160
     for i in range(n):
         png(tmp_path / "in" / f"{i:03d}.png", i, (40, 30))
+    # the precision pinned: the killed process and this one must compute alike on any CPU (auto measures; under
+    # pytest --cpu-kind it is faked in this process only)
     argv = ["predict", "-c", str(ckpt), str(tmp_path / "in"), "--batch-size", "2", "--workers", "1", "--logits"]
+    argv += ["--precision", "fp32"]
     out = tmp_path / f"killed{suffix}"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen([sys.executable, "-m", "vitkit", *argv, "--out", str(out)], env=env,

@@ -58,7 +58,7 @@ class TrainResult:
             n = int(self.final_metrics.get("val_count", 0))
             how = f", computed in {self.val_precision}" if self.val_precision else ""
             lines.append(
-                f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n}{how})"
+                f"{self.val_split} accuracy: {100 * self.final_top1:.2f}% ({round(self.final_top1 * n)}/{n}){how}"
             )
         if self.skipped_steps:
             lines.append(f"skipped {self.skipped_steps} steps with a non-finite loss or gradient")
