@@ -25,6 +25,7 @@ from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import JobSummary, calibration_sample, run_job
+from vitkit.inference.provenance import job_meta
 from vitkit.inference.writers import Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
@@ -273,7 +274,9 @@ def predict_job(
         pass  # its rows go to process 0
     elif out is not None:
         fields = prediction_fields(opts.top_k, K, logits=opts.logits, errors=opts.skip_bad)
-        meta = {"vitkit.job": "predict"}
+        device = info.device if info.enabled else opts.device
+        meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend,
+                                                    device=device)}  # fmt: skip
         sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
     else:
         sink = ConsoleRows(as_json, echo)
