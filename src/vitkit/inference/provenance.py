@@ -77,6 +77,7 @@ def check_same(
     where: str,
     keys: tuple[str, ...] = (),
     advice: str = RESUME_ADVICE,
+    against: str = "this run",
 ) -> None:
     """DataError naming ``where`` and the first of ``keys`` (default: every key of ``wanted``) whose value in
     ``found`` differs: the output was made with another checkpoint, precision, preprocessing or input."""
@@ -84,6 +85,16 @@ def check_same(
         if found.get(key) != wanted.get(key):
             name = _NAMES.get(key, key.removeprefix("vitkit.").replace("embed.", "--"))
             raise DataError(
-                f"{where}: was made with {name} {_show(key, found.get(key))}, this run with "
+                f"{where}: was made with {name} {_show(key, found.get(key))}, {against} with "
                 f"{_show(key, wanted.get(key))}; {advice}"
             )
+
+
+COMPARABLE = (*MODEL_KEYS, "vitkit.embed.pool", "vitkit.embed.layer", "vitkit.embed.l2", "vitkit.embed.shape")
+
+
+def check_comparable(train: Mapping[str, str], test: Mapping[str, str], train_where: str, test_where: str) -> None:
+    """DataError naming the test file when the train and test embeddings were made by another checkpoint,
+    precision, preprocessing or pooling (:data:`COMPARABLE`; the input differs by nature)."""
+    check_same(test, train, test_where, COMPARABLE, advice="embed both with the same checkpoint and options",
+               against=train_where)  # fmt: skip
