@@ -208,7 +208,21 @@ def _collate(items: list[tuple[torch.Tensor | None, str | None, int, int, str]])
     )
 
 
+WORKER_TIMEOUT = 600  # seconds a decoding worker may take for one batch before the job stops (never a hang)
+
+
 def _checked(batches: Iterable[StreamBatch], skip_bad: bool) -> Iterator[StreamBatch]:
+    try:
+        yield from _checked_items(batches, skip_bad)
+    except RuntimeError as e:  # the DataLoader's timeout: one line, not a traceback
+        if "timed out" not in str(e):
+            raise
+        raise DataError(
+            f"a decoding worker gave no batch in {WORKER_TIMEOUT} s; stopped (a file that never ends?)"
+        ) from None
+
+
+def _checked_items(batches: Iterable[StreamBatch], skip_bad: bool) -> Iterator[StreamBatch]:
     for b in batches:
         if not skip_bad:
             bad = next((e for e in b.errors if e is not None), None)
@@ -252,6 +266,7 @@ def stream_batches(
         num_workers=workers,
         collate_fn=_collate,
         prefetch_factor=prefetch if workers else None,
+        timeout=WORKER_TIMEOUT if workers else 0,
     )
     return _checked(iter(loader), skip_bad)  # iter(): the workers start now
 
