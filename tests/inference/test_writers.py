@@ -358,3 +358,63 @@ def test_resume_reads_a_large_output_in_bounded_memory(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     grew_mb = float(res.stdout)
     assert grew_mb < 16, f"resume of a {size_mb:.0f} MB output grew the RSS by {grew_mb:.0f} MB"
+
+
+# ---- file names ---------------------------------------------------------------------------------------------
+
+
+def _named_images(folder: Path) -> list[bytes]:
+    """Images whose names are not UTF-8, hold a terminal escape, or start like a spreadsheet formula."""
+    names = [b"caf\xe9.png", b"\x1b[2Jclear.png", b"=HYPERLINK(1).png", b"-minus.png"]
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        rng = np.random.default_rng(i)
+        buf = tmp = folder / f"tmp{i}.png"
+        Image.fromarray(rng.integers(0, 256, (14, 20, 3), dtype=np.uint8)).save(tmp)
+        os.rename(bytes(buf), os.fsencode(folder) + b"/" + name)
+    return names
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_non_utf8_and_formula_names_are_written_and_resumed(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpts: tuple[Path, Path], suffix: str
+) -> None:
+    """A non-UTF-8 name is written as ``\\xe9`` (no UnicodeEncodeError in CSV or Parquet), a finished output
+    resumes, and in CSV a cell starting like a formula is prefixed with ``'``."""
+    import csv
+
+    folder = tmp_path / "in"
+    _named_images(folder)
+    out = tmp_path / f"o{suffix}"
+    cwd = os.getcwd()
+    os.chdir(folder)  # ids as given: bare names, the first character of the cell
+    try:
+        code, err = predict(capsys, ckpts[0], "*.png", "--out", str(out))
+        assert code == 0, err
+        code, err = predict(capsys, ckpts[0], "*.png", "--out", str(out), "--resume")
+        assert code == 0 and "(4 were there already)" in err, err
+    finally:
+        os.chdir(cwd)
+    if suffix == ".csv":
+        with out.open(newline="", encoding="utf-8") as f:
+            cells = sorted(row[1] for row in list(csv.reader(f))[1:])
+        assert cells == sorted(["caf\\xe9.png", "\x1b[2Jclear.png", "'=HYPERLINK(1).png", "'-minus.png"])
+
+
+def test_names_on_the_console_never_carry_control_characters(tmp_path: Path, ckpts: tuple[Path, Path]) -> None:
+    """On a strict UTF-8 console: rows printed with the names escaped (no ESC reaches the terminal, no
+    UnicodeEncodeError), and a bad image's one-line error likewise."""
+    folder = tmp_path / "in"
+    _named_images(folder)
+    (folder / "\x1b[31mbad.png").write_bytes(b"not an image")
+    env = {**os.environ, "PYTHONPATH": str(SRC), "PYTHONIOENCODING": "utf-8:strict"}
+    argv = [sys.executable, "-m", "vitkit", "predict", "-c", str(ckpts[0]), str(folder), "--precision", "fp32",
+            "--workers", "0"]  # fmt: skip
+    res = subprocess.run([*argv, "--skip-bad"], env=env, capture_output=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert b"\x1b" not in res.stdout and b"\x1b" not in res.stderr
+    assert b"caf\\xe9.png" in res.stdout and b"\\x1b[2Jclear.png" in res.stdout
+    res = subprocess.run(argv, env=env, capture_output=True, timeout=120)
+    lines = res.stderr.decode().strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "\\x1b[31mbad.png" in lines[0], res.stderr
+    assert b"\x1b" not in res.stderr

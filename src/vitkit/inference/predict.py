@@ -23,6 +23,7 @@ from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
+from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import JobSummary, calibration_sample, run_job
 from vitkit.inference.provenance import job_meta
@@ -238,10 +239,10 @@ class ConsoleRows:
                     doc["error"] = p.error
                 lines.append(json.dumps(doc))
             else:
-                lines.append(p.image)
-                lines += [f"  {rank}. {lab:<40} {v:7.2%}" for rank, (lab, v) in enumerate(p.top, 1)]
+                lines.append(printable(p.image))  # a file name never drives the terminal
+                lines += [f"  {rank}. {printable(lab):<40} {v:7.2%}" for rank, (lab, v) in enumerate(p.top, 1)]
                 if p.error:
-                    lines.append(f"  failed: {p.error}")
+                    lines.append(f"  failed: {printable(p.error)}")
         self.echo("\n".join(lines))
 
 

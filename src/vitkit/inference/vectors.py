@@ -49,6 +49,7 @@ from vitkit.fileio import (
     refuse_link_dir,
     remove_tree,
     temp_path,
+    text_id,
 )
 from vitkit.inference.provenance import check_same
 
@@ -237,13 +238,13 @@ class EmbeddingWriter:
     def write(self, columns: Mapping[str, Any]) -> None:
         """One batch: ``index``, ``id``, ``label``, ``vector`` (B, ...) and optionally ``error`` (""; a reason).
         Complete on disk (a chunk file) when this returns."""
-        ids = [str(v) for v in columns["id"]]
+        ids = [text_id(str(v)) for v in columns["id"]]
         if not ids:
             return
         if self.finished:
             raise DataError(f"--out {self.path}: is finished; pass --overwrite to start it again")
         vectors = np.asarray(columns["vector"])
-        errors = list(columns.get("error") or [""] * len(ids))
+        errors = [text_id(str(e)) for e in (columns.get("error") or [""] * len(ids))]
         name = f"part-{self.next_part:08d}.npz"
         tmp = self.parts / f".{name}.tmp"
         tmp.unlink(missing_ok=True)  # a leftover (a link planted there too): removed, never written through

@@ -61,6 +61,7 @@ from vitkit.fileio import (
     remove_tree,
     sidecar_path,
     temp_path,
+    text_id,
     write_sidecar,
 )
 from vitkit.inference.provenance import check_same
@@ -71,6 +72,7 @@ _PART = re.compile(r"^part-(\d{8})\.parquet$")
 _PART_TMP = re.compile(r"^\.part-(\d{8})\.parquet\.tmp$")
 PARQUET_ROW_GROUP_BYTES = 64 << 20  # the merged file's row groups: up to this much data each
 MAX_ROW_BYTES = 64 << 20  # one JSONL/CSV row read back on resume (K = 21843 logits take ~0.5 MB)
+_FORMULA = ("=", "+", "-", "@", "\t", "\r", "'")  # a CSV text cell starting so is prefixed with '
 
 
 @dataclass(frozen=True)
@@ -107,10 +109,31 @@ def _rows(fields: Sequence[Field], columns: Mapping[str, Any]) -> tuple[int, lis
     if missing:
         raise ValueError(f"batch lacks column(s) {', '.join(missing)}")
     values = [c.tolist() if isinstance(c, np.ndarray) else list(c) for c in (columns[f.name] for f in fields)]
+    values = [_texts(f, v) for f, v in zip(fields, values, strict=True)]
     sizes = {len(v) for v in values}
     if len(sizes) > 1:
         raise ValueError(f"columns of different lengths in one batch: {sorted(sizes)}")
     return (sizes.pop() if sizes else 0), values
+
+
+def _texts(field: Field, values: list[Any]) -> list[Any]:
+    """A str column's values in the one text form of ids (:func:`~vitkit.fileio.text_id`: non-UTF-8 bytes of a
+    file name as ``\\xNN``); other columns as they are."""
+    if field.kind == "str":
+        return [v if v is None else text_id(str(v)) for v in values]
+    if field.kind == "str_list":
+        return [v if v is None else [text_id(str(x)) for x in v] for v in values]
+    return values
+
+
+def _csv_cell(v: Any) -> Any:
+    """A text cell as spreadsheets cannot run it: one starting like a formula (``= + - @``, tab, CR) or with a
+    quote gets a leading ``'`` (undone by :func:`_csv_uncell`)."""
+    return "'" + v if isinstance(v, str) and v[:1] in _FORMULA else v
+
+
+def _csv_uncell(v: str) -> str:
+    return v[1:] if v[:1] == "'" else v
 
 
 class RowWriter:
@@ -133,7 +156,7 @@ class RowWriter:
         n, values = _rows(self.fields, columns)
         if n:
             self._write(n, values)
-            self.ids += [str(v) for v in columns[self.id_field]]
+            self.ids += [text_id(str(v)) for v in columns[self.id_field]]
 
     def _write(self, n: int, values: list[list[Any]]) -> None:
         raise NotImplementedError
@@ -213,9 +236,9 @@ class _TextWriter(RowWriter):
                 for f, col in zip(self.fields, values, strict=True):
                     v = col[r]
                     if f.width:
-                        row += [""] * f.width if v is None else [_csv_value(x) for x in v]
+                        row += [""] * f.width if v is None else [_csv_cell(_csv_value(x)) for x in v]
                     else:
-                        row.append(_csv_value(v))
+                        row.append(_csv_cell(_csv_value(v)))
                 rows.append(row)
             self._emit(self._csv_text(rows))
         else:
@@ -270,7 +293,7 @@ class _TextWriter(RowWriter):
                 rows = []
             if len(rows) != 1 or len(rows[0]) != len(self.header):
                 raise self._damaged(number, f"is not a row of {len(self.header)} columns")
-            return rows[0][self.header.index(self.id_field)]
+            return _csv_uncell(rows[0][self.header.index(self.id_field)])
         try:
             row = json.loads(text)
         except ValueError:
