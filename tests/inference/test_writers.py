@@ -161,7 +161,7 @@ def test_resume_and_overwrite_refuse_a_file_vitkit_did_not_write(
     code, err = predict(capsys, ckpts[0], str(images), "--out", str(notes), "--overwrite")
     one_line(code, err, str(notes), "not written by vitkit")
     assert notes.read_text() == "buy milk\ncall mum\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["in", notes.name, notes.name + ".vitkit.lock"]
+    assert {p.name for p in tmp_path.iterdir()} <= {"in", notes.name, notes.name + ".vitkit.lock"}  # no mark made
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
