@@ -512,6 +512,13 @@ def read_embeddings(path: str | os.PathLike[str]) -> Embeddings:
     fmt = embeddings_format(p)
     if not p.is_file():
         raise DataError(f"{p}: no such file")
+    try:
+        return _read_embeddings(p, fmt)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # a field of the wrong type or shape
+        raise DataError(f"{p}: not readable as vitkit embed's output ({type(e).__name__}: {e})") from None
+
+
+def _read_embeddings(p: Path, fmt: str) -> Embeddings:
     if fmt == ".npy":
         side = ids_path(p)
         if not side.is_file():
