@@ -176,11 +176,11 @@ def normalize(arr: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
-def read_image_file(path: str | os.PathLike[str]) -> bytes:
+def read_image_file(path: str | os.PathLike[str], *, empty_ok: bool = False) -> bytes:
     """The bytes of an image file, read safely: opened without blocking (a FIFO never hangs), checked with
     ``fstat`` to be a regular file (a link to one is fine; to /dev/zero, a FIFO or a socket not) of at most
     :data:`MAX_IMAGE_BYTES`, then read to at most that + 1 bytes (a file growing meanwhile). DataError naming it
-    otherwise (missing, a folder, empty, too large, unreadable)."""
+    otherwise (missing, a folder, empty unless ``empty_ok``, too large, unreadable)."""
     p = os.fspath(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -189,7 +189,7 @@ def read_image_file(path: str | os.PathLike[str]) -> bytes:
     except OSError as e:
         raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
     try:
-        _check_stat(p, os.fstat(fd))
+        _check_stat(p, os.fstat(fd), empty_ok)
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(MAX_IMAGE_BYTES + 1)
@@ -199,17 +199,17 @@ def read_image_file(path: str | os.PathLike[str]) -> bytes:
         os.close(fd)
     if len(data) > MAX_IMAGE_BYTES:
         raise DataError(f"{p}: more than {MAX_IMAGE_BYTES >> 20} MiB, the most vitkit reads for one image")
-    if not data:
+    if not data and not empty_ok:
         raise DataError(f"{p}: empty file (0 bytes)")
     return data
 
 
-def _check_stat(p: str, st: os.stat_result) -> None:
+def _check_stat(p: str, st: os.stat_result, empty_ok: bool = False) -> None:
     if stat.S_ISDIR(st.st_mode):
         raise DataError(f"{p}: is a directory, not an image")
     if not stat.S_ISREG(st.st_mode):
         raise DataError(f"{p}: not a regular file (a FIFO, device or socket); vitkit reads images from files only")
-    if st.st_size == 0:
+    if st.st_size == 0 and not empty_ok:
         raise DataError(f"{p}: empty file (0 bytes)")
     if st.st_size > MAX_IMAGE_BYTES:
         raise DataError(
@@ -417,7 +417,7 @@ def decode_image(
     """
     if isinstance(source, bytes) and not source:
         raise DataError(f"{name}: empty image data (0 bytes)")
-    data = source if isinstance(source, bytes) else read_image_file(source)  # a regular file, at most the cap
+    data = source if isinstance(source, bytes) else _read_named(source, name)  # a regular file, at most the cap
     check_jpeg_scans(data, name)
     limit = max_image_pixels() if max_pixels == "default" else max_pixels
     fp: Any = io.BytesIO(data)
@@ -445,6 +445,15 @@ def decode_image(
         raise ImageTooLarge(f"{name}: too large to decode in memory") from None
     except Exception as e:
         raise DataError(f"{name}: corrupt or truncated image ({type(e).__name__}: {e})") from None
+
+
+def _read_named(path: str | os.PathLike[str], name: str) -> bytes:
+    """:func:`read_image_file` for :func:`decode_image`: errors name ``name`` (an upload's own name, not the
+    server's cache path); an empty file is left to the decoder ("not a recognised image file")."""
+    try:
+        return read_image_file(path, empty_ok=True)
+    except DataError as e:
+        raise DataError(f"{name}: {str(e).removeprefix(os.fspath(path) + ': ')}") from None
 
 
 def max_image_pixels() -> int | None:
