@@ -160,8 +160,7 @@ def embed_job(
     transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32")
     meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
     if info.is_main:  # what the vectors were made from, compared on --resume and by knn/fewshot
-        device = info.device if info.enabled else opts.device
-        meta.update(job_meta(loaded, source, precision=opts.precision, backend="torch", device=device))
+        meta.update(job_meta(loaded, source, precision=opts.precision, backend="torch"))
     sink = EmbeddingWriter(out, meta, resume=resume, overwrite=overwrite) if info.is_main else None
 
     def build() -> InferenceEngine:

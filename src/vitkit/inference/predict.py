@@ -275,9 +275,7 @@ def predict_job(
         pass  # its rows go to process 0
     elif out is not None:
         fields = prediction_fields(opts.top_k, K, logits=opts.logits, errors=opts.skip_bad)
-        device = info.device if info.enabled else opts.device
-        meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend,
-                                                    device=device)}  # fmt: skip
+        meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend)}
         sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
     else:
         sink = ConsoleRows(as_json, echo)

@@ -7,7 +7,8 @@ output's chunks and its finished file, the ``NAME.vitkit.json`` mark beside a JS
 
 - ``vitkit.checkpoint``: the SHA-256 of the weights (:func:`~vitkit.checkpoints.base.state_digest`: names,
   shapes, dtypes and values, whatever file they came from);
-- ``vitkit.precision``: the engine's precision, ``auto`` resolved on this machine; ``vitkit.backend``: as asked;
+- ``vitkit.precision`` and ``vitkit.backend``: as asked (``auto`` stays ``auto``: resolving it here would time
+  a GEMM, and a choice by timing may differ between two runs of one job);
 - ``vitkit.preprocess``: the checkpoint's preprocessing (resize, crop, mean/std...), JSON;
 - ``vitkit.input``: where the input's ids are rooted (JSON): image files given by relative paths are rooted in
   the working directory, which relative ids alone cannot tell apart. The ids themselves are compared row by row
@@ -21,14 +22,10 @@ import json
 import os
 from collections.abc import Mapping
 
-import torch
-
 from vitkit.checkpoints import Loaded
 from vitkit.checkpoints.base import state_digest
 from vitkit.data.stream import FileSource, ImageSource
 from vitkit.errors import DataError
-from vitkit.hardware import resolve_device
-from vitkit.inference.engine import resolve_precision
 
 CHECKPOINT, PRECISION, BACKEND, PREPROCESS, INPUT = (
     "vitkit.checkpoint", "vitkit.precision", "vitkit.backend", "vitkit.preprocess", "vitkit.input",
@@ -48,14 +45,11 @@ def input_fingerprint(source: ImageSource) -> str:
     return json.dumps({"kind": f"dataset:{kind}", "base": os.getcwd()})
 
 
-def job_meta(
-    loaded: Loaded, source: ImageSource, *, precision: str, backend: str, device: torch.device | str
-) -> dict[str, str]:
+def job_meta(loaded: Loaded, source: ImageSource, *, precision: str, backend: str) -> dict[str, str]:
     """The provenance of a job's output (see the module docstring)."""
-    dev = resolve_device(device) if isinstance(device, str) else device
     return {
         CHECKPOINT: state_digest(loaded.model.state_dict()),
-        PRECISION: resolve_precision(precision, dev, backend),
+        PRECISION: precision,
         BACKEND: backend,
         PREPROCESS: json.dumps(dataclasses.asdict(loaded.meta.preprocess), sort_keys=True),
         INPUT: input_fingerprint(source),
