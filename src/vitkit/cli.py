@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from vitkit.commands import bench, demo, embed, evaluate, hub, model, predict, serve, train
 from vitkit.commands.args import Parser
 from vitkit.errors import VitkitError
+from vitkit.fileio import printable
 from vitkit.version import __version__
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
@@ -52,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except VitkitError as e:
-        print(f"vitkit {args.command}: error: {e}", file=sys.stderr)
+        print(f"vitkit {args.command}: error: {printable(str(e))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # the reader went away (vitkit info B/16 --json | head -1): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -60,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
     except OSError as e:  # the disk or file system said no (full, read-only, a file where a folder goes...)
         where = f"{e.filename}: " if e.filename else ""
-        print(f"vitkit {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        print(f"vitkit {args.command}: error: {printable(f'{where}{e.strerror or e}')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"vitkit {args.command}: interrupted", file=sys.stderr)

@@ -263,3 +263,102 @@ def test_predict_refuses_a_line_of_pixels_in_one_line(capsys: pytest.CaptureFixt
     code, _, err = run_cli(capsys, "analyze", str(crop), str(ok), str(line), "--out", str(tmp_path / "an"))
     lines = [ln for ln in err.splitlines() if ln.strip() and "%|" not in ln and not ln.startswith("note:")]
     assert code == 2 and len(lines) == 1 and "line.png: image of 30000x1 has an aspect ratio" in lines[0], err
+
+
+# ---- hostile files (issue 32, section 2) --------------------------------------------------------------------
+
+
+def _segments(data: bytes) -> list[tuple[int, int, int]]:
+    """(marker, start, end) of each top-level segment of a JPEG, a scan's entropy-coded data included."""
+    out, i = [], 2
+    while i < len(data):
+        marker = data[i + 1]
+        if marker == 0xD9:
+            return [*out, (marker, i, i + 2)]
+        j = i + 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        while marker == 0xDA:
+            j = data.find(b"\xff", j)
+            if data[j + 1] != 0 and not 0xD0 <= data[j + 1] <= 0xD7:
+                break
+            j += 2
+        out.append((marker, i, j))
+        i = j
+    return out
+
+
+def scan_bomb(extra: int, size: int = 2000) -> bytes:
+    """A progressive JPEG with its last scan repeated ``extra`` times (each one more pass over every
+    coefficient for the decoder)."""
+    import io
+
+    buf = io.BytesIO()
+    Image.new("L", (size, size), 128).save(buf, "JPEG", progressive=True, quality=90)
+    data = buf.getvalue()
+    segs = _segments(data)
+    _, start, end = [s for s in segs if s[0] == 0xDA][-1]
+    eoi = segs[-1][1]
+    return data[:eoi] + data[start:end] * extra + data[eoi:]
+
+
+def test_a_progressive_jpeg_scan_bomb_is_refused_before_decoding(tmp_path: Path) -> None:
+    """300 repeated scans in 20 KB (Pillow decodes them in about a second; 16 MiB holds ~350k): refused from the
+    bytes, by both decoders, at once; an ordinary progressive JPEG still decodes."""
+    import time
+
+    from vitkit.checkpoints.preprocess import MAX_JPEG_SCANS, decode_image, jpeg_scans, open_lazy
+
+    normal = scan_bomb(0)
+    assert 2 <= jpeg_scans(normal) <= 12
+    assert decode_image(normal, "ok.jpg").size == (2000, 2000)
+    bomb = scan_bomb(300)
+    assert jpeg_scans(bomb) == MAX_JPEG_SCANS + 1  # counted up to the bound only
+    (tmp_path / "bomb.jpg").write_bytes(bomb)
+    for decode in (lambda: decode_image(bomb, "bomb.jpg"), lambda: open_lazy(tmp_path / "bomb.jpg")):
+        start = time.perf_counter()
+        with pytest.raises(DataError, match=r"bomb\.jpg: a JPEG of more than 64 scans"):
+            decode()
+        assert time.perf_counter() - start < 0.2
+
+
+def test_only_the_documented_formats_are_decoded(tmp_path: Path) -> None:
+    """A PCX or EPS file (Pillow has plugins for them; EPS runs Ghostscript) named .jpg: not decoded."""
+    Image.new("RGB", (8, 8), "red").save(tmp_path / "a.jpg", format="PCX")
+    (tmp_path / "b.jpg").write_bytes(b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n")
+    for name in ("a.jpg", "b.jpg"):
+        with pytest.raises(DataError, match=rf"{name}: not a recognised image file"):
+            load_image(tmp_path / name)
+
+
+def test_images_that_are_not_regular_files_are_refused_unread(tmp_path: Path) -> None:
+    """A link to /dev/zero, a FIFO and a sparse 1.5 GB file: each one line naming it, nothing read (the FIFO
+    would block for ever, /dev/zero and the sparse file fill memory)."""
+    import multiprocessing
+    import os
+
+    from vitkit.checkpoints.preprocess import open_lazy
+
+    (tmp_path / "zero.jpg").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "fifo.jpg")
+    with (tmp_path / "big.jpg").open("wb") as f:
+        f.truncate(1536 << 20)
+    ctx = multiprocessing.get_context("fork")
+    for name, words in (("zero.jpg", "not a regular file"), ("fifo.jpg", "not a regular file"),
+                        ("big.jpg", "more than the 256 MiB")):  # fmt: skip
+        for read in (load_image, open_lazy):
+            with ctx.Pool(1) as pool:  # in another process: a hang or a memory blow-up fails instead of stalling
+                result = pool.apply_async(_error_of, (read, str(tmp_path / name)))
+                message = result.get(timeout=30)
+            assert message is not None and message.startswith(f"{tmp_path / name}: ") and words in message, message
+
+
+def _error_of(read: object, path: str) -> str | None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # reading 1.5 GB fails instead of swapping
+    try:
+        read(path)  # type: ignore[operator]
+    except DataError as e:
+        return str(e)
+    except MemoryError:
+        return "MemoryError"
+    return None

@@ -276,6 +276,28 @@ def test_webdataset_bad_samples(tmp_path: Path) -> None:
         open_dataset(cut)
 
 
+def test_a_huge_label_is_one_line_not_an_allocation(tmp_path: Path) -> None:
+    """A one-sample shard labelled 3000000000 (3e9 class names and a head that size), or a label member of
+    100 MB: each refused while the shards are indexed, naming the sample; an .npz of such labels likewise."""
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    with tarfile.open(huge / "train-0000.tar", "w") as tf:
+        _add(tf, "a.png", _png_bytes(1))
+        _add(tf, "a.cls", b"3000000000")
+    with pytest.raises(DataError, match=r"train-0000\.tar: sample 'a': label 3000000000 is above 9999999"):
+        open_dataset(huge, "train")
+    big = tmp_path / "big"
+    big.mkdir()
+    with tarfile.open(big / "train-0000.tar", "w") as tf:
+        _add(tf, "a.png", _png_bytes(1))
+        _add(tf, "a.cls", b"1" + b" " * (100 << 20))
+    with pytest.raises(DataError, match=r"sample 'a': a label member of 104857601 bytes"):
+        open_dataset(big, "train")
+    np.savez(tmp_path / "d.npz", x_train=np.zeros((1, 4, 4), np.uint8), y_train=np.array([2_000_000_000]))
+    with pytest.raises(DataError, match=r"label 2000000000 is above 9999999"):
+        open_dataset(tmp_path / "d.npz", "train")
+
+
 def test_unknown_sources_are_named(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="nope: no such file"):
         open_dataset(tmp_path / "nope")

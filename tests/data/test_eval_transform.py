@@ -138,3 +138,46 @@ def test_uint8_transform_then_normalised_is_the_float_transform_bit_for_bit(tmp_
     Image.open(path).save(png)
     u8 = EvalTransform(pre, uint8=True)(load_image(png))
     assert torch.equal(normalize_batch(u8[None], pre)[0], pre.to_tensor(load_image(png)))
+
+
+_LINE_RSS = """
+import io, sys
+import numpy as np
+from PIL import Image
+from vitkit.checkpoints.preprocess import Preprocess, open_lazy
+from vitkit.data.eval_transform import EvalTransform
+t = EvalTransform(Preprocess(image_size=224, resize="crop", crop_pct=0.875), reference=False)
+def hwm():  # this process's peak RSS in MiB (VmHWM: getrusage's maxrss carries the parent's over exec)
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+base = hwm()
+x = t(open_lazy(sys.argv[1]))
+print(hwm() - base)
+"""
+
+
+@pytest.mark.parametrize("size", [(1000, 1), (1, 1000)])
+def test_a_line_of_pixels_is_not_resized_whole_on_the_fast_path(tmp_path: Path, size: tuple[int, int]) -> None:
+    """A 1000x1 JPEG under a 224 crop at 0.875 (a 256000x256 intermediate, +393 MiB, before): the fast path
+    resizes only the crop's box, giving the reference's pixels, in no more memory than an ordinary photo."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import SRC
+
+    path = tmp_path / "line.jpg"
+    rng = np.random.default_rng(0)
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(path, quality=95)
+    pre = Preprocess(image_size=224, resize="crop", crop_pct=0.875)
+    fast = EvalTransform(pre, reference=False)(open_lazy(path))
+    ref = EvalTransform(pre, reference=True)(open_lazy(path))
+    torch.testing.assert_close(fast, ref, atol=0, rtol=0)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(photo)
+    grew = {}
+    for image in (photo, path):  # the photo: what the first transform costs anyway (torch's kernels, libjpeg)
+        res = subprocess.run([sys.executable, "-c", _LINE_RSS, str(image)], env=env, capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        grew[image.name] = float(res.stdout)
+    assert grew["line.jpg"] < grew["photo.jpg"] + 32, f"a line of pixels grew the RSS by {grew} MB"

@@ -141,3 +141,30 @@ def test_eval_command_reads_a_saved_dataset(capsys: pytest.CaptureFixture[str], 
     code, out, err = run_cli(capsys, "eval", ckpt, "--data", str(tmp_path / "d"), "--out", str(tmp_path / "e"))
     assert code == 0, err
     assert f"on {tmp_path / 'd'} [test]: 5 examples" in out
+
+
+def test_image_cells_go_through_the_decoders_bounds(tmp_path: Path) -> None:
+    """A 144-megapixel PNG of a few KB (the decoder refuses more than 89 MP), a JPEG scan bomb's bytes and a cell
+    whose ``path`` names a file outside the dataset's folder: each one line naming the row, counted with
+    ``skip_bad``; a cell's path inside the dataset's folder still reads."""
+    from vitkit.checkpoints.preprocess import ImageTooLarge
+
+    buf = io.BytesIO()
+    Image.new("1", (12000, 12000)).save(buf, "PNG")
+    secret = tmp_path / "secret.png"
+    secret.write_bytes(png(7))
+    folder = tmp_path / "ds"
+    folder.mkdir()
+    (folder / "inside.png").write_bytes(png(8))
+    feats = datasets.Features({"image": datasets.Image(decode=False), "label": datasets.ClassLabel(names=["a"])})
+    cells = [{"bytes": buf.getvalue(), "path": None}, {"bytes": None, "path": str(secret)},
+             {"bytes": None, "path": str(folder / "inside.png")}]  # fmt: skip
+    datasets.Dataset.from_dict({"image": cells, "label": [0, 0, 0]}, features=feats).to_parquet(folder / "d.parquet")
+    ds = open_dataset(folder / "d.parquet")
+    with pytest.raises(ImageTooLarge, match=r"row 0: image of 12000x12000 = 144000000 pixels exceeds"):
+        ds[0]
+    with pytest.raises(DataError, match=r"row 1: its image is a file outside the dataset's folder"):
+        ds[1]
+    assert np.asarray(ds[2][0])[0, 0, 0] == 8
+    skipped = open_dataset(folder / "d.parquet", skip_bad=True)
+    assert len(skipped) == 1 and [s.item.rsplit(" ", 1)[-1] for s in skipped.skipped] == ["0", "1"]

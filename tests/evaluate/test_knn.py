@@ -124,3 +124,42 @@ def test_knn_refuses_half_given_inputs_in_one_line(capsys: pytest.CaptureFixture
     code, _, err = run_cli(capsys, "knn", "--train-embeddings", str(tmp_path / "a.parquet"),
                            "--test-embeddings", str(tmp_path / "b.parquet"))  # fmt: skip
     assert code == 2 and "a.parquet" in err and len(err.strip().splitlines()) == 1
+
+
+def test_knn_and_fewshot_refuse_embeddings_of_two_checkpoints(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, digits_ckpt: Path
+) -> None:
+    """A bank embedded by one checkpoint and test features by another (or in another precision): refused in
+    one line naming the test file, before any search."""
+    import torch
+
+    torch.manual_seed(1)
+    other = save_pretrained(randomize_(create_model("Ti/16", patch_size=4, image_size=8, hidden_size=32, depth=2,
+                                                    num_heads=2, mlp_dim=32, num_classes=10)).eval(),
+                            tmp_path / "other", preprocess=Preprocess(image_size=8))  # fmt: skip
+    paths = {}
+    for name, ckpt, precision in (("a", digits_ckpt, "fp32"), ("b", other, "fp32"), ("c", digits_ckpt, "bf16")):
+        paths[name] = tmp_path / f"{name}.npy"
+        code, _, err = run_cli(capsys, "embed", str(ckpt), "--data", "digits", "--split", "test", "--out",
+                               str(paths[name]), "--precision", precision, "--workers", "0")  # fmt: skip
+        assert code == 0, err
+    for test, what in (("b", "checkpoint"), ("c", "precision")):
+        for command in ("knn", "fewshot"):
+            code, _, err = run_cli(capsys, command, "--train-embeddings", str(paths["a"]), "--test-embeddings",
+                                   str(paths[test]))  # fmt: skip
+            lines = err.strip().splitlines()
+            assert code == 2 and len(lines) == 1 and str(paths[test]) in lines[0] and what in lines[0], err
+
+
+def test_a_huge_label_in_embeddings_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """One row labelled 2e9 would size a (rows x 2e9) vote table: refused in one line naming the file."""
+    from vitkit.inference.vectors import EmbeddingWriter
+
+    out = tmp_path / "bank.npy"
+    w = EmbeddingWriter(out, {})
+    w.write({"index": [0], "id": ["x"], "label": [2_000_000_000], "vector": np.ones((1, 4), np.float32)})
+    w.close()
+    for command in ("knn", "fewshot"):
+        code, _, err = run_cli(capsys, command, "--train-embeddings", str(out), "--test-embeddings", str(out))
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "label 2000000000" in lines[0] and str(out) in lines[0], err

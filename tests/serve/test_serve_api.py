@@ -255,3 +255,21 @@ def test_the_schema_refuses_what_the_server_refuses(client: TestClient) -> None:
     top_k = next(p for p in op["parameters"] if p["name"] == "top_k")["schema"]
     assert (top_k["minimum"], top_k["maximum"]) == (1, 1000)
     assert "HTTPValidationError" not in json.dumps(spec)  # FastAPI's list-shaped 422 body is never sent
+
+
+def test_a_server_error_answers_a_fixed_message_and_logs_the_detail(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception (here one carrying a server path): 500 with "internal error" alone; the
+    exception's text and traceback go to the log, never to the client."""
+    served = ServedModel.from_checkpoint(ckpt, precision="fp32", max_batch=4)
+
+    def broken(img: Any) -> torch.Tensor:
+        raise RuntimeError("secret detail at /srv/private/weights")
+
+    monkeypatch.setattr(served, "to_tensor", broken)
+    app = create_app(served, ServeOptions(max_batch=4))
+    with TestClient(app, raise_server_exceptions=False) as c, caplog.at_level("ERROR", logger="vitkit.serve"):
+        res = c.post("/predict", content=image_bytes(1))
+    assert res.status_code == 500 and res.json() == {"detail": "internal error"}
+    assert "secret detail at /srv/private/weights" in caplog.text

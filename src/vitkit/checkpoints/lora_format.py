@@ -22,6 +22,7 @@ them into the weights: the model every tool gets is a plain ViT. By hand, with p
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 from collections.abc import Callable
@@ -47,6 +48,11 @@ ADAPTERS = "adapter_model.safetensors"
 HEAD = "head.safetensors"
 FILES = (CONFIG, PEFT_CONFIG, ADAPTERS, HEAD)
 MAX_TENSOR_VALUES = 1 << 31  # far above any adapter set or head; checked from the header before reading
+_LOADING_BASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("lora_base", default=None)
+
+
+class LoraChain(CheckpointError):
+    """An adapter folder whose base is an adapter folder (itself, or another): refused, never followed."""
 
 
 def looks_like(path: Path) -> bool:
@@ -176,14 +182,22 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 def load(path: Path, base: str | os.PathLike[str] | None = None, *, load_base: Callable[[str], Loaded]) -> Checkpoint:
     """The merged model of an adapter folder and its base checkpoint (``base``: another place to find it), read
     by ``load_base`` (the package's ``load_checkpoint``, which passes itself: any format can be a base)."""
+    outer = _LOADING_BASE.get()
+    if outer is not None:  # this folder is the base of another adapter folder: never a chain, nor a loop
+        raise LoraChain(f"{outer}: its base checkpoint {path} is itself a LoRA adapter folder; name a full checkpoint")
     doc = read_config(path)
     cfg: ViTConfig = doc["_cfg"]
     spec: LoraSpec = doc["_spec"]
     base_name = os.fspath(base) if base is not None else doc["base"]["checkpoint"]
+    token = _LOADING_BASE.set(str(path))
     try:
         loaded = load_base(base_name)
+    except LoraChain:
+        raise
     except VitkitError as e:
         raise CheckpointError(f"{path}: its base checkpoint {base_name} cannot be loaded ({e})") from None
+    finally:
+        _LOADING_BASE.reset(token)
     model = loaded.model
     if state_digest(model.state_dict()) != doc["base"]["digest"]:
         raise CheckpointError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
@@ -32,6 +33,15 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # A centre crop refuses images more elongated than this (a 30000x1 PNG of 200 bytes is not a photograph)
 MAX_ASPECT_RATIO = 1000
+# One image file is read only when it is a regular file of at most this many bytes (an 89-megapixel PNG, the
+# pixel limit, rarely exceeds 100 MB); a sparse 1.5 GB "photo" or a link to /dev/zero is refused unread
+MAX_IMAGE_BYTES = 256 << 20
+# A JPEG with more scans than this is refused before decoding: a progressive JPEG has about 10, and each empty
+# scan costs a full pass over the coefficients (2,000 of them in 95 KB took seconds of CPU)
+MAX_JPEG_SCANS = 64
+# The formats decoded (those of the documented extensions; JPEG's opener also gives cameras' MPO files): Pillow's
+# other plugins (EPS through Ghostscript, among them) are never reached
+IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
 
 RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
@@ -166,13 +176,93 @@ def normalize(arr: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tenso
     return torch.from_numpy(out)
 
 
-def _check_file(p: str) -> None:
-    if not os.path.exists(p):
-        raise DataError(f"{p}: no such file")
-    if os.path.isdir(p):
-        raise DataError(f"{p}: is a directory, not an image")
-    if os.path.getsize(p) == 0:
+def read_image_file(path: str | os.PathLike[str], *, empty_ok: bool = False) -> bytes:
+    """The bytes of an image file, read safely: opened without blocking (a FIFO never hangs), checked with
+    ``fstat`` to be a regular file (a link to one is fine; to /dev/zero, a FIFO or a socket not) of at most
+    :data:`MAX_IMAGE_BYTES`, then read to at most that + 1 bytes (a file growing meanwhile). DataError naming it
+    otherwise (missing, a folder, empty unless ``empty_ok``, too large, unreadable)."""
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise DataError(f"{p}: no such file") from None
+    except OSError as e:
+        raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
+    try:
+        _check_stat(p, os.fstat(fd), empty_ok)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_IMAGE_BYTES + 1)
+    except OSError as e:
+        raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_IMAGE_BYTES:
+        raise DataError(f"{p}: more than {MAX_IMAGE_BYTES >> 20} MiB, the most vitkit reads for one image")
+    if not data and not empty_ok:
         raise DataError(f"{p}: empty file (0 bytes)")
+    return data
+
+
+def _check_stat(p: str, st: os.stat_result, empty_ok: bool = False) -> None:
+    if stat.S_ISDIR(st.st_mode):
+        raise DataError(f"{p}: is a directory, not an image")
+    if not stat.S_ISREG(st.st_mode):
+        raise DataError(f"{p}: not a regular file (a FIFO, device or socket); vitkit reads images from files only")
+    if st.st_size == 0 and not empty_ok:
+        raise DataError(f"{p}: empty file (0 bytes)")
+    if st.st_size > MAX_IMAGE_BYTES:
+        raise DataError(
+            f"{p}: {st.st_size} bytes, more than the {MAX_IMAGE_BYTES >> 20} MiB vitkit reads for one image"
+        )
+
+
+def jpeg_scans(data: bytes, limit: int = MAX_JPEG_SCANS) -> int:
+    """The number of scans (SOS markers) of a JPEG's own marker stream, counted from the bytes without
+    decoding (segments skipped by their lengths, entropy-coded data up to its next marker), up to ``limit``
+    + 1. A malformed stream stops the count (the decoder then names what is wrong)."""
+    i, scans, n = 2, 0, len(data)
+    while i + 4 <= n and scans <= limit:
+        if data[i] != 0xFF:
+            break
+        marker = data[i + 1]
+        if marker == 0xFF:  # a fill byte
+            i += 1
+            continue
+        if marker == 0xD9:  # end of image
+            break
+        if 0xD0 <= marker <= 0xD7 or marker == 0x01:  # markers without a length
+            i += 2
+            continue
+        i += 2 + int.from_bytes(data[i + 2 : i + 4], "big")
+        if marker == 0xDA:
+            scans += 1
+            i = _scan_end(data, i)
+    return scans
+
+
+def _scan_end(data: bytes, i: int) -> int:
+    """Where the entropy-coded data starting at ``i`` ends: the next 0xFF that is not a stuffed zero, a
+    restart marker or a fill byte."""
+    while True:
+        i = data.find(b"\xff", i)
+        if i < 0 or i + 1 >= len(data):
+            return len(data)
+        nxt = data[i + 1]
+        if nxt == 0x00 or 0xD0 <= nxt <= 0xD7 or nxt == 0xFF:
+            i += 1
+            continue
+        return i
+
+
+def check_jpeg_scans(data: bytes, name: str | Callable[[], str]) -> None:
+    """ImageTooLarge naming the image when ``data`` is a JPEG of more than :data:`MAX_JPEG_SCANS` scans."""
+    if data[:2] == b"\xff\xd8" and jpeg_scans(data) > MAX_JPEG_SCANS:
+        shown = name if isinstance(name, str) else name()
+        raise ImageTooLarge(
+            f"{shown}: a JPEG of more than {MAX_JPEG_SCANS} scans (progressive JPEGs have about 10): refused "
+            "undecoded, as a decompression bomb"
+        )
 
 
 class EncodedJpeg:
@@ -209,6 +299,7 @@ def encoded_jpeg(data: bytes, name: str | Callable[[], str]) -> EncodedJpeg | No
     memory, as :func:`decode_image` does."""
     if data[:2] != b"\xff\xd8":
         return None
+    check_jpeg_scans(data, name)
     import simplejpeg
 
     try:
@@ -232,15 +323,7 @@ def open_lazy(path: str | os.PathLike[str]) -> LazyImage:
     """A JPEG file read but not decoded (:class:`EncodedJpeg`: only its header parsed), so that a crop can be
     decoded at reduced scale (:func:`decode_crop`); any other image decoded as :func:`load_image` does."""
     p = os.fspath(path)
-    try:  # asked of open() rather than stat()ed first: three system calls fewer per sample
-        with open(p, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        _check_file(p)  # no such file, a directory: named as load_image names them
-        raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
-    if not data:
-        raise DataError(f"{p}: empty file (0 bytes)")
-    return lazy_image(data, p)
+    return lazy_image(read_image_file(p), p)
 
 
 def lazy_image(data: bytes, name: str | Callable[[], str]) -> LazyImage:
@@ -313,8 +396,7 @@ def load_image(path: str | os.PathLike[str]) -> Image.Image:
     pixels than :func:`max_image_pixels` allows (checked from the header, before any pixel is decoded).
     """
     p = os.fspath(path)
-    _check_file(p)
-    return decode_image(p, p)
+    return decode_image(read_image_file(p), p)
 
 
 class ImageTooLarge(DataError):
@@ -335,12 +417,14 @@ def decode_image(
     """
     if isinstance(source, bytes) and not source:
         raise DataError(f"{name}: empty image data (0 bytes)")
+    data = source if isinstance(source, bytes) else _read_named(source, name)  # a regular file, at most the cap
+    check_jpeg_scans(data, name)
     limit = max_image_pixels() if max_pixels == "default" else max_pixels
-    fp: Any = io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source)
+    fp: Any = io.BytesIO(data)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is enforced below
-            with Image.open(fp) as img:
+            with Image.open(fp, formats=IMAGE_FORMATS) as img:
                 w, h = img.size
                 if limit is not None and w * h > limit:
                     raise ImageTooLarge(
@@ -356,11 +440,20 @@ def decode_image(
     except Image.DecompressionBombError as e:  # Pillow's own check in open(), at twice its limit
         raise ImageTooLarge(f"{name}: {e}") from None
     except UnidentifiedImageError:
-        raise DataError(f"{name}: not a recognised image file") from None
+        raise DataError(f"{name}: not a recognised image file") from None  # nor one of IMAGE_FORMATS
     except MemoryError:
         raise ImageTooLarge(f"{name}: too large to decode in memory") from None
     except Exception as e:
         raise DataError(f"{name}: corrupt or truncated image ({type(e).__name__}: {e})") from None
+
+
+def _read_named(path: str | os.PathLike[str], name: str) -> bytes:
+    """:func:`read_image_file` for :func:`decode_image`: errors name ``name`` (an upload's own name, not the
+    server's cache path); an empty file is left to the decoder ("not a recognised image file")."""
+    try:
+        return read_image_file(path, empty_ok=True)
+    except DataError as e:
+        raise DataError(f"{name}: {str(e).removeprefix(os.fspath(path) + ': ')}") from None
 
 
 def max_image_pixels() -> int | None:

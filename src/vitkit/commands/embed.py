@@ -99,6 +99,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
+    from vitkit.fileio import printable
     from vitkit.inference.embed import EmbedOptions, embed_job
     from vitkit.inference.vectors import check_embeddings_output
 
@@ -123,7 +124,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     if info.is_main:
         note = summary.failure_note()
         if note:
-            print(f"note: {note}", file=sys.stderr)
+            print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
         again = f" ({summary.resumed} were there already)" if summary.resumed else ""
         print(f"wrote {summary.resumed + summary.written} embeddings to {args.out}{again}", file=sys.stderr)
     return 0

@@ -66,6 +66,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
+    from vitkit.fileio import printable
     from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
     from vitkit.inference.writers import check_rows_output
 
@@ -106,7 +107,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         return 0
     note = summary.failure_note()
     if note:
-        print(f"note: {note}", file=sys.stderr)
+        print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
     if args.out is not None:
         from pathlib import Path
 

@@ -17,6 +17,7 @@ from PIL import Image
 
 from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, convert_image
 from vitkit.errors import DataError
+from vitkit.models.vit import MAX_CLASSES
 
 D = TypeVar("D", bound="ImageDataset")
 
@@ -185,11 +186,15 @@ def as_labels(arr: np.ndarray, what: str) -> np.ndarray:
         raise DataError(f"{what}: labels must be a 1-D integer array, got {arr.dtype} {arr.shape}")
     if arr.size and arr.min() < 0:
         raise DataError(f"{what}: negative label {int(arr.min())}")
+    if arr.size and int(arr.max()) >= MAX_CLASSES:
+        raise DataError(f"{what}: label {int(arr.max())} is above {MAX_CLASSES - 1}, the most classes vitkit takes")
     return arr.astype(np.int64)
 
 
 def default_classes(labels: np.ndarray) -> list[str]:
-    """Class names "0" .. str(max label) when a source carries no names."""
+    """Class names "0" .. str(max label) when a source carries no names (at most :data:`MAX_CLASSES`)."""
+    if labels.size and int(labels.max()) >= MAX_CLASSES:
+        raise DataError(f"label {int(labels.max())} is above {MAX_CLASSES - 1}, the most classes vitkit takes")
     return [str(i) for i in range(int(labels.max()) + 1 if labels.size else 0)]
 
 

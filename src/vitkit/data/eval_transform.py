@@ -39,6 +39,9 @@ from vitkit.errors import DataError
 # (p99 2-3); 1.4-1.6: 0.8-0.9 (p99 5-6); 1.0-1.1: 1.4-1.6 (p99 11-12, max 25-29), as large as the difference
 # between Pillow's bilinear and bicubic resize of the same image (1.6, p99 11, max 22).
 REDUCED_MARGIN = 1.5
+# A centre crop whose resized image would hold more than this many times the crop's pixels (an image far from
+# the crop's shape: 1000x1 -> 256000x256 for a 224 crop) resizes only the crop's box, as the reference does
+MAX_CROP_AMPLIFICATION = 4
 _TORCH_MODES = {"bilinear": "bilinear", "bicubic": "bicubic"}  # antialiased uint8 kernels in PyTorch and Pillow
 
 
@@ -106,6 +109,13 @@ class EvalTransform:
         if arr.shape[:2] != (h, w):  # libjpeg scales by 1/s exactly; never silently
             raise DataError(f"{jpeg.name}: decoded to {arr.shape[1]}x{arr.shape[0]}, expected {w}x{h} (1/{s} scale)")
         H, W = pre.image_size
+        if pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W:  # a line of pixels: resize
+            # only the crop's box (Pillow maps it as the whole resize would), never the 256000x256 intermediate
+            x0, y0, x1, y1 = pre.crop_box(jpeg.width, jpeg.height, jpeg.name)
+            box = (x0 / s, y0 / s, x1 / s, y1 / s)
+            out = Image.fromarray(arr).resize((W, H), RESAMPLE[pre.interpolation], box=box)
+            x = torch.from_numpy(np.asarray(out).copy()).permute(2, 0, 1)  # (3, H, W) uint8
+            return self._normalise(x)
         if jpeg.width % s or jpeg.height % s:  # the image covers a fractional region of the reduced decode: Pillow
             # resizes exactly that region (the whole last row or column instead moves every sample, by up to
             # half a reduced pixel: 3x the error on sharp edges, measured)
@@ -117,9 +127,14 @@ class EvalTransform:
             if (h, w) != (new_h, new_w):
                 mode = _TORCH_MODES[pre.interpolation]
                 x = F.interpolate(x[None], size=(new_h, new_w), mode=mode, antialias=True)[0]
-        x = x[:, top : top + H, left : left + W]  # (3, H, W) uint8
+        return self._normalise(x[:, top : top + H, left : left + W])  # (3, H, W) uint8
+
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        """Pixels (3, H, W) uint8 as the job takes them: as they are with ``uint8`` (normalised on its device),
+        else normalised here, float32."""
         if self.uint8:
             return x
+        pre = self.preprocess
         mean = torch.tensor(pre.mean, dtype=torch.float32).view(3, 1, 1)
         std = torch.tensor(pre.std, dtype=torch.float32).view(3, 1, 1)
         return x.float().div_(255.0).sub_(mean).div_(std).contiguous()

@@ -20,7 +20,6 @@ A row whose image cannot be decoded, or whose label is missing, raises DataError
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 import re
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from vitkit.checkpoints.preprocess import ImageTooLarge, decode_image, max_image_pixels, read_image_file
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -207,42 +207,79 @@ class HFDataset(ImageDataset):
         self.image_column = image_column
         self.rows = rows  # dataset row of each item (rows dropped by skip_bad are absent)
         self.skipped = skipped
+        self.roots: tuple[Path, ...] = ()  # where an image cell's path may point (cell_roots)
 
     def describe(self, index: int) -> str:
         return f"{self.source} ({self.split}) row {int(self.rows[index])}"
 
     def load_image(self, index: int) -> Image.Image:
         row = int(self.rows[index])
-        return decode_cell(self.table[row][self.image_column], f"{self.source} ({self.split}) row {row}")
+        return decode_cell(self.table[row][self.image_column], f"{self.source} ({self.split}) row {row}", self.roots)
 
 
-def decode_cell(value: Any, what: str) -> Image.Image:
-    """An image cell (``{"bytes", "path"}`` with decoding off, raw bytes, or an array) -> a PIL image."""
+def decode_cell(value: Any, what: str, roots: tuple[Path, ...] = ()) -> Image.Image:
+    """An image cell (``{"bytes", "path"}`` with decoding off, raw bytes, or an array) -> a PIL image, through
+    the one decoder (:func:`~vitkit.checkpoints.preprocess.decode_image`: its pixel, scan and format bounds).
+    A cell's ``path`` is read only when it is a regular file under one of ``roots`` (the dataset's folder, the
+    datasets library's caches): a dataset cannot make vitkit read a file of its author's choosing."""
     try:
         if isinstance(value, Image.Image):
             return value
         if isinstance(value, dict):
             data, path = value.get("bytes"), value.get("path")
             if data is None and path:
-                with open(path, "rb") as f:
-                    data = f.read()
+                data = _cell_file(str(path), what, roots)
             value = data
         if isinstance(value, bytes | bytearray):
             if not value:
                 raise DataError(f"{what}: empty image (0 bytes)")
-            img = Image.open(io.BytesIO(value))
-            img.load()
-            return img
+            return _decode_bytes(bytes(value), what)
         if value is None:
             raise DataError(f"{what}: no image (null)")
         arr = np.asarray(value)
         if arr.dtype != np.uint8:
             raise DataError(f"{what}: image array of dtype {arr.dtype} (expected uint8)")
+        limit = max_image_pixels()
+        if arr.ndim >= 2 and limit is not None and arr.shape[0] * arr.shape[1] > limit:
+            raise ImageTooLarge(f"{what}: image array of {arr.shape[1]}x{arr.shape[0]} pixels exceeds the limit of "
+                                f"{limit} pixels")  # fmt: skip
         return Image.fromarray(arr)
     except DataError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, TypeError) as e:
         raise DataError(f"{what}: unreadable image ({e})") from None
+
+
+def _cell_file(path: str, what: str, roots: tuple[Path, ...]) -> bytes:
+    real = Path(path).resolve()
+    if not any(real.is_relative_to(r) for r in roots):
+        raise DataError(f"{what}: its image is a file outside the dataset's folder ({path}); not read")
+    return read_image_file(real)
+
+
+def _decode_bytes(data: bytes, what: str) -> Image.Image:
+    try:
+        return decode_image(data, what)
+    except ImageTooLarge:
+        raise
+    except DataError as e:
+        raise DataError(f"{what}: unreadable image ({str(e).removeprefix(what + ': ')})") from None
+
+
+def cell_roots(path_text: str, datasets: Any) -> tuple[Path, ...]:
+    """Where an image cell's ``path`` may point: a local dataset's own folder, and the datasets and Hub caches
+    (where a Hub dataset's files are extracted)."""
+    roots = [Path(datasets.config.HF_DATASETS_CACHE)]
+    local = Path(path_text)
+    if local.exists():
+        roots.append(local if local.is_dir() else local.parent)
+    try:
+        from huggingface_hub import constants
+
+        roots.append(Path(constants.HF_HUB_CACHE))
+    except ImportError:
+        pass
+    return tuple(r.resolve() for r in roots)
 
 
 def _labels_and_classes(table: Any, column: str, source: str, datasets: Any) -> tuple[np.ndarray, list[str], list[int]]:
@@ -299,10 +336,11 @@ def open_hf_dataset(
         bad = int(np.argmax(labels >= len(found)))  # first row whose label is out of range
         raise DataError(f"{what} row {bad}: label {int(labels[bad])} outside the {len(found)} classes of {lab_col!r}")
     names = check_class_map(path_text, found, classes)
+    roots = cell_roots(path_text, datasets)
     if skip_bad:
         for row in np.flatnonzero(keep).tolist():
             try:
-                decode_cell(table[row][img_col], f"{what} row {row}")
+                decode_cell(table[row][img_col], f"{what} row {row}", roots)
             except DataError as e:
                 skipped.append(Skipped(f"{what} row {row}", str(e).split(": ", 1)[-1]))
                 keep[row] = False
@@ -310,4 +348,6 @@ def open_hf_dataset(
     if not rows.size:
         raise DataError(f"{what}: no readable rows")
     labels = relabel(labels[rows], found, names)
-    return HFDataset(path_text, split, table, img_col, rows, labels, names, skipped)
+    ds = HFDataset(path_text, split, table, img_col, rows, labels, names, skipped)
+    ds.roots = roots
+    return ds

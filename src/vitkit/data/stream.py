@@ -291,7 +291,23 @@ class _Buffers:
         self._held = held
 
 
+WORKER_TIMEOUT = 600  # seconds a decoding worker may take for one batch before the job stops (never a hang)
+
+
 def _checked(batches: Iterable[StreamBatch], skip_bad: bool, buffers: _Buffers | None = None) -> Iterator[StreamBatch]:
+    try:
+        yield from _checked_items(batches, skip_bad, buffers)
+    except RuntimeError as e:  # the DataLoader's timeout: one line, not a traceback
+        if "timed out" not in str(e):
+            raise
+        raise DataError(
+            f"a decoding worker gave no batch in {WORKER_TIMEOUT} s; stopped (a file that never ends?)"
+        ) from None
+
+
+def _checked_items(
+    batches: Iterable[StreamBatch], skip_bad: bool, buffers: _Buffers | None = None
+) -> Iterator[StreamBatch]:
     for b in batches:
         if buffers is not None:
             buffers.track(b)
@@ -341,6 +357,7 @@ def stream_batches(
         collate_fn=functools.partial(_collate, buffers=buffers),
         prefetch_factor=prefetch if workers else None,
         pin_memory=pin_memory,
+        timeout=WORKER_TIMEOUT if workers else 0,
     )
     return _checked(iter(loader), skip_bad, buffers)  # iter(): the workers start now
 

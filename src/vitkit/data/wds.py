@@ -34,9 +34,11 @@ from vitkit.data.base import (
     split_candidates,
 )
 from vitkit.errors import DataError
+from vitkit.models.vit import MAX_CLASSES
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif", "pgm")
 LABEL_EXTS = ("cls", "label", "target")
+MAX_LABEL_BYTES = 64  # a label member is an integer as text
 _BRACE = re.compile(r"\{(\d+)\.\.(\d+)\}")
 
 
@@ -194,11 +196,15 @@ def _index_shard(path: Path, skip_bad: bool, skipped: list[Skipped]) -> tuple[li
             problem = f"sample {key!r} has no label member (.cls)"
         elif img.size == 0:
             problem = f"sample {key!r}: empty image member (0 bytes)"
+        elif lab.size > MAX_LABEL_BYTES:
+            problem = f"sample {key!r}: a label member of {lab.size} bytes (an integer takes a few)"
         else:
             f = tf.extractfile(lab)
             text = f.read().decode("utf-8", "replace").strip() if f is not None else ""
             if not re.fullmatch(r"\d+", text):
                 problem = f"sample {key!r}: label {text!r} is not a non-negative integer"
+            elif int(text) >= MAX_CLASSES:
+                problem = f"sample {key!r}: label {text} is above {MAX_CLASSES - 1}, the most classes vitkit takes"
             else:
                 offsets.append(img.offset_data)
                 sizes.append(img.size)

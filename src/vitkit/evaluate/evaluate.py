@@ -285,9 +285,9 @@ def fewshot_embeddings(
     """:func:`fewshot_dataset` on cached features: two outputs of ``vitkit embed`` (the training split's and the
     test split's, of a labelled dataset) instead of a model's forward passes. The episodes are drawn from the
     training file's labels exactly as from the dataset's, so the same features give the same result."""
-    from vitkit.evaluate.knn import labelled_embeddings
+    from vitkit.evaluate.knn import comparable_embeddings
 
-    tr, te = labelled_embeddings(train, "--train-embeddings"), labelled_embeddings(test, "--test-embeddings")
+    tr, te = comparable_embeddings(train, test)
     if not (np.array_equal(tr.index, np.arange(len(tr))) and np.array_equal(te.index, np.arange(len(te)))):
         raise DataError(f"{train} or {test}: not a whole split in order (the episodes address examples by position)")
     K = int(max(tr.labels.max(), te.labels.max())) + 1

@@ -26,8 +26,9 @@ from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.features import extract
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.provenance import check_comparable
 from vitkit.inference.vectors import Embeddings, read_embeddings
-from vitkit.models.vit import VisionTransformer
+from vitkit.models.vit import MAX_CLASSES, VisionTransformer
 
 DEFAULT_K = 20
 DEFAULT_TEMPERATURE = 0.07
@@ -198,7 +199,7 @@ def knn_embeddings(
 ) -> KnnReport:
     """kNN accuracy from two outputs of ``vitkit embed`` (the training split's, the bank, and the test split's;
     made from a labelled dataset): :func:`knn_evaluate` of their vectors (flattened) and labels."""
-    tr, te = labelled_embeddings(train, "--train-embeddings"), labelled_embeddings(test, "--test-embeddings")
+    tr, te = comparable_embeddings(train, test)
     K = int(max(tr.labels.max(), te.labels.max())) + 1
     return knn_evaluate(tr.vectors.reshape(len(tr), -1), tr.labels, te.vectors.reshape(len(te), -1), te.labels, K,
                         k=k, temperature=temperature, query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
@@ -214,4 +215,15 @@ def labelled_embeddings(path: str | os.PathLike[str], option: str) -> Embeddings
         raise DataError(f"{option} {path}: has rows without a label; embed a labelled dataset (--data)")
     if e.errors:
         raise DataError(f"{option} {path}: {len(e.errors)} row(s) of images that failed (embedded with --skip-bad)")
+    if int(e.labels.max()) >= MAX_CLASSES:  # K = the largest label + 1 sizes the votes and the probe's head
+        raise DataError(f"{option} {path}: label {int(e.labels.max())} is above {MAX_CLASSES - 1}, the most classes "
+                        "vitkit takes")  # fmt: skip
     return e
+
+
+def comparable_embeddings(train: str | os.PathLike[str], test: str | os.PathLike[str]) -> tuple[Embeddings, Embeddings]:
+    """The train and test embeddings (:func:`labelled_embeddings`), made by one checkpoint, precision,
+    preprocessing and pooling (:func:`~vitkit.inference.provenance.check_comparable`)."""
+    tr, te = labelled_embeddings(train, "--train-embeddings"), labelled_embeddings(test, "--test-embeddings")
+    check_comparable(tr.meta, te.meta, f"--train-embeddings {train}", f"--test-embeddings {test}")
+    return tr, te

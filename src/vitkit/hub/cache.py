@@ -13,7 +13,7 @@ specification asks of a cache.
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 import stat
 import sys
@@ -51,8 +51,12 @@ def private_dirs(folder: Path) -> None:
             break
         missing.append(p)
     for p in reversed(missing):
-        with contextlib.suppress(FileExistsError):  # another process made it in between
+        try:
             os.mkdir(p, 0o700)
+        except FileExistsError:  # another process made it in between: used only if no one else can change it
+            why = untrusted(p)
+            if why is not None:
+                raise PermissionError(errno.EPERM, f"created meanwhile by another process, and {why}", str(p)) from None
 
 
 def untrusted(folder: Path, *, sticky_ok: bool = False) -> str | None:

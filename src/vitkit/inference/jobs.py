@@ -33,6 +33,7 @@ from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
 from vitkit.distributed import DistInfo, broadcast_from_main, gather_to_main, shard_steps
 from vitkit.errors import DataError, VitkitError
+from vitkit.fileio import text_id
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
 
@@ -94,7 +95,7 @@ def check_resume(ids: Sequence[str], source: ImageSource, positions: Sequence[in
     if len(ids) > len(positions):
         raise DataError(f"{where}: holds {len(ids)} rows but the input has {len(positions)} images; not this input")
     for i, (got, pos) in enumerate(zip(ids, positions, strict=False)):
-        want = source.item_id(pos)
+        want = text_id(source.item_id(pos))  # ids are written in that form (non-UTF-8 bytes as \xNN)
         if got != want:
             raise DataError(
                 f"{where}: row {i + 1} is {got!r} but the input's image {i + 1} is {want!r}; the input changed since "

@@ -24,8 +24,10 @@ from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
+from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import PIN_GPU_BATCHES, JobSummary, calibration_sample, feeds_gpu, run_job
+from vitkit.inference.provenance import job_meta
 from vitkit.inference.writers import Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
@@ -244,10 +246,10 @@ class ConsoleRows:
                     doc["error"] = p.error
                 lines.append(json.dumps(doc))
             else:
-                lines.append(p.image)
-                lines += [f"  {rank}. {lab:<40} {v:7.2%}" for rank, (lab, v) in enumerate(p.top, 1)]
+                lines.append(printable(p.image))  # a file name never drives the terminal
+                lines += [f"  {rank}. {printable(lab):<40} {v:7.2%}" for rank, (lab, v) in enumerate(p.top, 1)]
                 if p.error:
-                    lines.append(f"  failed: {p.error}")
+                    lines.append(f"  failed: {printable(p.error)}")
         self.echo("\n".join(lines))
 
 
@@ -282,7 +284,7 @@ def predict_job(
         pass  # its rows go to process 0
     elif out is not None:
         fields = prediction_fields(opts.top_k, K, logits=opts.logits, errors=opts.skip_bad)
-        meta = {"vitkit.job": "predict"}
+        meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend)}
         sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
     else:
         sink = ConsoleRows(as_json, echo)

@@ -37,7 +37,21 @@ from typing import Any
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, check_output_location, fsync, remove_tree, temp_path
+from vitkit.fileio import (
+    WRITER,
+    WRITER_KEY,
+    OutputLock,
+    check_output_location,
+    create_new,
+    fsync,
+    open_regular,
+    refuse_link,
+    refuse_link_dir,
+    remove_tree,
+    temp_path,
+    text_id,
+)
+from vitkit.inference.provenance import check_same
 
 EMBED_FORMATS = (".parquet", ".npy", ".safetensors")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -89,7 +103,7 @@ def _parts_dir(path: Path) -> Path:
 
 def _entries(folder: Path, temporary: bool = False) -> list[str]:
     pattern = _PART_TMP if temporary else _PART
-    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file())
+    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file() and not e.is_symlink())
 
 
 def _is_ours(path: Path) -> bool:
@@ -112,13 +126,21 @@ def check_embeddings_output(path: Path, *, resume: bool, overwrite: bool) -> Non
     """May ``path`` be written as an embedding output? New: yes. Existing (with its ids file or chunk folder):
     only with ``resume`` or ``overwrite``, and only what vitkit wrote; a folder never."""
     fmt = embeddings_format(path)
+    refuse_link(path)
     if path.is_dir():
         raise ConfigError(f"--out {path}: is a folder; name a .parquet, .npy or .safetensors file")
     check_output_location(path)
     parts = _parts_dir(path)
+    refuse_link_dir(parts)
+    if fmt == ".npy":
+        refuse_link(ids_path(path))
     if parts.exists():
         foreign = [
-            e.name for e in parts.iterdir() if not (_PART.match(e.name) or _PART_TMP.match(e.name) or e.name == _META)
+            e.name
+            for e in parts.iterdir()
+            if not (_PART.match(e.name) or _PART_TMP.match(e.name) or e.name == _META)
+            or e.is_symlink()
+            or not e.is_file()
         ]
         if foreign or not parts.is_dir():
             raise ConfigError(
@@ -145,6 +167,15 @@ class EmbeddingWriter:
         self, path: str | os.PathLike[str], meta: Mapping[str, str], *, resume: bool = False, overwrite: bool = False
     ) -> None:
         self.path = Path(path)
+        embeddings_format(self.path)
+        self.lock: OutputLock | None = OutputLock(self.path)  # held until close (or release): one job per output
+        try:
+            self._open(meta, resume, overwrite)
+        except BaseException:
+            self.release()
+            raise
+
+    def _open(self, meta: Mapping[str, str], resume: bool, overwrite: bool) -> None:
         check_embeddings_output(self.path, resume=resume, overwrite=overwrite)
         self.format = embeddings_format(self.path)
         self.meta = dict(meta)
@@ -157,9 +188,9 @@ class EmbeddingWriter:
         elif self.parts.is_dir():
             self._reopen()
         elif self.path.exists():
-            done = read_embeddings(self.path)
-            self._check_meta(done.meta, self.path)
-            self.ids, self.finished = done.ids, True
+            ids, found = _finished_ids(self.path)  # the ids and options alone: never the vectors
+            self._check_meta(found, self.path)
+            self.ids, self.finished = ids, True
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.finished and not self.parts.is_dir():
             self.parts.mkdir()
@@ -176,6 +207,12 @@ class EmbeddingWriter:
             if p is not None and p.exists():
                 p.unlink()
 
+    def release(self) -> None:
+        """Let another job write the output (:meth:`close` does it; an error's path calls this alone)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
     def _check_meta(self, found: Mapping[str, str], where: Path) -> None:
         ours = {k: v for k, v in found.items() if k.startswith("vitkit.embed.")}
         if ours != {k: v for k, v in self.meta.items() if k.startswith("vitkit.embed.")}:
@@ -183,13 +220,14 @@ class EmbeddingWriter:
                 f"{where}: was started with other options ({json.dumps(ours)}); continue it with those, or write to "
                 "a new --out"
             )
+        check_same(found, self.meta, str(where))  # the checkpoint, precision, preprocessing and input
 
     def _reopen(self) -> None:
         for name in _entries(self.parts, temporary=True):
             (self.parts / name).unlink()  # a chunk cut mid-write (never renamed into place)
         meta = self.parts / _META
         if meta.is_file():
-            self._check_meta(json.loads(meta.read_text()), self.parts)
+            self._check_meta(_read_meta(meta), self.parts)
         else:
             _write_atomic(meta, json.dumps(self.meta).encode())
         for name in _entries(self.parts):
@@ -200,16 +238,17 @@ class EmbeddingWriter:
     def write(self, columns: Mapping[str, Any]) -> None:
         """One batch: ``index``, ``id``, ``label``, ``vector`` (B, ...) and optionally ``error`` (""; a reason).
         Complete on disk (a chunk file) when this returns."""
-        ids = [str(v) for v in columns["id"]]
+        ids = [text_id(str(v)) for v in columns["id"]]
         if not ids:
             return
         if self.finished:
             raise DataError(f"--out {self.path}: is finished; pass --overwrite to start it again")
         vectors = np.asarray(columns["vector"])
-        errors = list(columns.get("error") or [""] * len(ids))
+        errors = [text_id(str(e)) for e in (columns.get("error") or [""] * len(ids))]
         name = f"part-{self.next_part:08d}.npz"
         tmp = self.parts / f".{name}.tmp"
-        with tmp.open("wb") as f:
+        tmp.unlink(missing_ok=True)  # a leftover (a link planted there too): removed, never written through
+        with create_new(tmp) as f:
             np.savez(
                 f, index=np.asarray(columns["index"], dtype=np.int64), id=np.asarray(ids, dtype=str),
                 label=np.asarray(columns["label"], dtype=np.int64), vector=vectors, error=np.asarray(errors, dtype=str),
@@ -219,23 +258,58 @@ class EmbeddingWriter:
         self.ids += ids
 
     def close(self) -> None:
-        """Assemble the chunks into the output file (and its ids file), then remove the chunk folder."""
-        if self.finished or not self.parts.is_dir():
-            return
-        chunks = [self.parts / n for n in _entries(self.parts)]
-        if self.format == ".parquet":
-            _assemble_parquet(self.path, chunks, self.meta)
-        elif self.format == ".npy":
-            _assemble_npy(self.path, chunks, self.meta)
-        else:
-            _assemble_safetensors(self.path, chunks, self.meta)
-        remove_tree(self.parts)
+        """Assemble the chunks into the output file (and its ids file), then remove the chunk folder; the
+        output's lock is released."""
+        try:
+            if self.finished or not self.parts.is_dir():
+                return
+            chunks = [self.parts / n for n in _entries(self.parts)]
+            if self.format == ".parquet":
+                _assemble_parquet(self.path, chunks, self.meta)
+            elif self.format == ".npy":
+                _assemble_npy(self.path, chunks, self.meta)
+            else:
+                _assemble_safetensors(self.path, chunks, self.meta)
+            remove_tree(self.parts)
+        finally:
+            self.release()
+
+
+def _read_meta(path: Path) -> dict[str, str]:
+    """A chunk folder's ``meta.json`` (DataError naming it when it is not a JSON object of strings)."""
+    with open_regular(path, write=False) as f:
+        data = f.read(1 << 20)
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
+        raise DataError(f"{path}: not the options file vitkit embed writes; write to a new --out")
+    return doc
+
+
+def _finished_ids(path: Path) -> tuple[list[str], dict[str, str]]:
+    """(ids, options) of a finished embedding output, without reading its vectors (Parquet: the id column
+    alone, streamed; .npy: the ids file; .safetensors: the header)."""
+    if path.suffix.lower() != ".parquet":
+        e = read_embeddings(path)  # .npy and .safetensors vectors are memory-mapped, not read
+        return e.ids, e.meta
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(path)
+        meta = {k.decode(): v.decode() for k, v in (pf.schema_arrow.metadata or {}).items()}
+        ids = [str(v) for b in pf.iter_batches(columns=["id"]) for v in b.column(0).to_pylist()]
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, KeyError...
+        raise DataError(f"{path}: not a readable Parquet file of vitkit embed ({e})") from None
+    return ids, meta
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = temp_path(path)
     try:
-        tmp.write_bytes(data)
+        with create_new(tmp) as f:
+            f.write(data)
         fsync(tmp)
         os.replace(tmp, path)
     finally:
@@ -438,6 +512,13 @@ def read_embeddings(path: str | os.PathLike[str]) -> Embeddings:
     fmt = embeddings_format(p)
     if not p.is_file():
         raise DataError(f"{p}: no such file")
+    try:
+        return _read_embeddings(p, fmt)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:  # a field of the wrong type or shape
+        raise DataError(f"{p}: not readable as vitkit embed's output ({type(e).__name__}: {e})") from None
+
+
+def _read_embeddings(p: Path, fmt: str) -> Embeddings:
     if fmt == ".npy":
         side = ids_path(p)
         if not side.is_file():

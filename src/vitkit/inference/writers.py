@@ -14,10 +14,22 @@ failed image's labels). When ``write`` returns, the batch is complete on disk as
   mid-write holds nothing recoverable; complete part files always are.
 
 ``open_rows(..., resume=True)`` reopens an interrupted output: it drops a row cut mid-write (a JSONL/CSV line
-without its newline or that does not parse; a part file never appears half-written), and reports the rows
-already there (``done``, and their ids, so the job can check they are the ones its input starts with). A
-finished Parquet file is reopened as the first part. Outputs are never replaced without ``overwrite``, and
-only files of the shapes written here are ever removed.
+without its newline; a part file never appears half-written), and reports the rows already there (``done``,
+and their ids, so the job can check they are the ones its input starts with). A finished Parquet file is
+reopened as the first part. Outputs are never replaced without ``overwrite``, and only files of the shapes
+written here are ever removed.
+
+What is never done to a file vitkit did not write (issue 32):
+
+- an output, its parts folder, mark and lock file are never opened through a symbolic link (refused in one
+  line, even a dangling one), nor when they are FIFOs, sockets or devices; new files are created with
+  ``O_EXCL``, existing ones opened with ``O_NOFOLLOW``;
+- only an output vitkit marked as its own is resumed or overwritten: a JSONL/CSV file by ``NAME.vitkit.json``
+  beside it (its columns and the job's ``meta``), a Parquet file by its schema metadata; the ``meta`` (the
+  checkpoint's digest, precision, backend, preprocessing, input: :mod:`vitkit.inference.provenance`) must be
+  this job's. Any damage besides a last row cut mid-write is refused, naming the file and line;
+- one job writes an output at a time: :func:`open_rows` takes ``NAME.vitkit.lock`` (released by ``close``);
+- resume streams the file, one row in memory at a time (at most :data:`MAX_ROW_BYTES`), keeping the ids.
 """
 
 from __future__ import annotations
@@ -27,21 +39,40 @@ import io
 import json
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, fsync, remove_tree, temp_path
+from vitkit.fileio import (
+    WRITER,
+    WRITER_KEY,
+    OutputLock,
+    clean_stale,
+    create_new,
+    fsync,
+    open_regular,
+    read_sidecar,
+    refuse_link,
+    refuse_link_dir,
+    remove_tree,
+    sidecar_path,
+    temp_path,
+    text_id,
+    write_sidecar,
+)
+from vitkit.inference.provenance import check_same
 
 FORMATS = (".jsonl", ".csv", ".parquet")
 KINDS = ("int", "float", "str", "bool", "int_list", "float_list", "str_list")
 _PART = re.compile(r"^part-(\d{8})\.parquet$")
 _PART_TMP = re.compile(r"^\.part-(\d{8})\.parquet\.tmp$")
 PARQUET_ROW_GROUP_BYTES = 64 << 20  # the merged file's row groups: up to this much data each
+MAX_ROW_BYTES = 64 << 20  # one JSONL/CSV row read back on resume (K = 21843 logits take ~0.5 MB)
+_FORMULA = ("=", "+", "-", "@", "\t", "\r", "'")  # a CSV text cell starting so is prefixed with '
 
 
 @dataclass(frozen=True)
@@ -78,10 +109,31 @@ def _rows(fields: Sequence[Field], columns: Mapping[str, Any]) -> tuple[int, lis
     if missing:
         raise ValueError(f"batch lacks column(s) {', '.join(missing)}")
     values = [c.tolist() if isinstance(c, np.ndarray) else list(c) for c in (columns[f.name] for f in fields)]
+    values = [_texts(f, v) for f, v in zip(fields, values, strict=True)]
     sizes = {len(v) for v in values}
     if len(sizes) > 1:
         raise ValueError(f"columns of different lengths in one batch: {sorted(sizes)}")
     return (sizes.pop() if sizes else 0), values
+
+
+def _texts(field: Field, values: list[Any]) -> list[Any]:
+    """A str column's values in the one text form of ids (:func:`~vitkit.fileio.text_id`: non-UTF-8 bytes of a
+    file name as ``\\xNN``); other columns as they are."""
+    if field.kind == "str":
+        return [v if v is None else text_id(str(v)) for v in values]
+    if field.kind == "str_list":
+        return [v if v is None else [text_id(str(x)) for x in v] for v in values]
+    return values
+
+
+def _csv_cell(v: Any) -> Any:
+    """A text cell as spreadsheets cannot run it: one starting like a formula (``= + - @``, tab, CR) or with a
+    quote gets a leading ``'`` (undone by :func:`_csv_uncell`)."""
+    return "'" + v if isinstance(v, str) and v[:1] in _FORMULA else v
+
+
+def _csv_uncell(v: str) -> str:
+    return v[1:] if v[:1] == "'" else v
 
 
 class RowWriter:
@@ -93,6 +145,7 @@ class RowWriter:
         if id_field not in {f.name for f in fields}:
             raise ValueError(f"id field {id_field!r} is not among the fields")
         self.ids: list[str] = []
+        self.lock: OutputLock | None = None  # held from open_rows to close
 
     @property
     def done(self) -> int:
@@ -103,32 +156,71 @@ class RowWriter:
         n, values = _rows(self.fields, columns)
         if n:
             self._write(n, values)
-            self.ids += [str(v) for v in columns[self.id_field]]
+            self.ids += [text_id(str(v)) for v in columns[self.id_field]]
 
     def _write(self, n: int, values: list[list[Any]]) -> None:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Finish the output (Parquet: merge the parts into the file)."""
+        """Finish the output (Parquet: merge the parts into the file), and let another job write it."""
+        try:
+            self._finish()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+
+    def _finish(self) -> None:
+        raise NotImplementedError
 
 
 class _TextWriter(RowWriter):
-    """JSONL and CSV: rows appended to the file, one ``write`` + ``flush`` per batch."""
+    """JSONL and CSV: rows appended to the file, one ``write`` + ``flush`` per batch. The file is created here
+    (never through a link), and marked as vitkit's by ``NAME.vitkit.json`` beside it: its columns and the job's
+    ``meta``. Only a file so marked, with this job's columns and meta, is resumed."""
 
-    def __init__(self, path: Path, fields: Sequence[Field], id_field: str, resume: bool) -> None:
+    def __init__(
+        self, path: Path, fields: Sequence[Field], id_field: str, resume: bool, meta: Mapping[str, str]
+    ) -> None:
         super().__init__(path, fields, id_field)
         self.is_csv = path.suffix.lower() == ".csv"
         self.header = [n for f in self.fields for n in f.csv_names]
-        if resume and path.exists():
-            self._reopen()
-            self.file = path.open("a", encoding="utf-8", newline="")
+        self.columns = self.header if self.is_csv else [f.name for f in self.fields]
+        self.meta = dict(meta)
+        if resume and os.path.lexists(path):
+            self._check_mark()
+            raw = open_regular(path)
+            try:
+                self._reopen(raw)
+            except BaseException:
+                raw.close()
+                raise
         else:
-            self.file = path.open("w", encoding="utf-8", newline="")
+            write_sidecar(path, {"columns": self.columns, "meta": self.meta})
+            raw = create_new(path)
             if self.is_csv:
-                self._emit(self._csv_text([self.header]))
+                raw.write(self._csv_text([self.header]).encode("utf-8"))
+                raw.flush()
+        self.file = raw
+
+    def _check_mark(self) -> None:
+        """The file must carry vitkit's mark with this job's columns and meta (DataError naming it otherwise)."""
+        mark = read_sidecar(self.path)
+        if mark is None:
+            raise DataError(
+                f"{self.path}: not an output vitkit wrote (no mark {sidecar_path(self.path).name} beside it); vitkit "
+                "resumes only its own outputs and never changes other files: write to a new --out"
+            )
+        if mark.get("columns") != self.columns:
+            raise DataError(
+                f"{self.path}: its columns are not those this job writes ({', '.join(self.columns[:6])}, "
+                "...); continue it with the options it was started with, or write to a new --out"
+            )
+        found = mark.get("meta")
+        check_same(found if isinstance(found, dict) else {}, self.meta, str(self.path))
 
     def _emit(self, text: str) -> None:
-        self.file.write(text)
+        self.file.write(text.encode("utf-8"))
         self.file.flush()
 
     def _csv_text(self, rows: list[list[Any]]) -> str:
@@ -144,9 +236,9 @@ class _TextWriter(RowWriter):
                 for f, col in zip(self.fields, values, strict=True):
                     v = col[r]
                     if f.width:
-                        row += [""] * f.width if v is None else [_csv_value(x) for x in v]
+                        row += [""] * f.width if v is None else [_csv_cell(_csv_value(x)) for x in v]
                     else:
-                        row.append(_csv_value(v))
+                        row.append(_csv_cell(_csv_value(v)))
                 rows.append(row)
             self._emit(self._csv_text(rows))
         else:
@@ -154,66 +246,93 @@ class _TextWriter(RowWriter):
             lines = (json.dumps(dict(zip(names, (col[r] for col in values), strict=True))) for r in range(n))
             self._emit("".join(line + "\n" for line in lines))
 
-    def _reopen(self) -> None:
-        """Read the complete rows of an interrupted output, and cut off a row written in part."""
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1  # rows end with a newline: anything after the last one was cut mid-write
-        text = data[:end].decode("utf-8", errors="strict")
-        if self.is_csv:
-            ids, keep = self._csv_rows(text)
-        else:
-            ids, keep = self._jsonl_rows(text)
-        self.ids = ids
-        if keep < len(data):
-            with self.path.open("r+b") as f:
-                f.truncate(keep)
-
-    def _jsonl_rows(self, text: str) -> tuple[list[str], int]:
-        ids: list[str] = []
-        pos = 0
-        names = sorted(f.name for f in self.fields)
-        for line in text.split("\n")[:-1]:  # json.dumps escapes every newline and non-ASCII character
-            try:
-                row = json.loads(line)
-            except ValueError:
-                break  # a line cut mid-write: dropped with whatever follows
-            if not isinstance(row, dict) or sorted(row) != names:
-                raise DataError(
-                    f"{self.path}: row {len(ids) + 1} has other fields than this job writes ({', '.join(names)}); "
-                    "continue it with the options it was started with, or write to a new --out"
-                )
-            ids.append(str(row[self.id_field]))
-            pos += len(line) + 1
-        return ids, pos
-
-    def _csv_rows(self, text: str) -> tuple[list[str], int]:
-        lines = text.splitlines(keepends=True)
-        while lines:  # drop lines from the end until the rest parses (a quoted field cut at its newline)
-            try:
-                rows = list(csv.reader(io.StringIO("".join(lines), newline=""), strict=True))
+    def _reopen(self, f: BinaryIO) -> None:
+        """Read the ids of the complete rows, streaming (one row in memory at a time), and cut off a last row
+        written in part (no newline at its end). Any other damage is DataError naming the file and line."""
+        records = _csv_records(f, self.path) if self.is_csv else _lines(f, self.path)
+        keep = 0
+        for number, (record, complete) in enumerate(records, 1):
+            if not complete:  # the last row, cut mid-write
                 break
-            except csv.Error:
-                lines.pop()
-        else:
-            rows = []
-        if not rows:  # not even the header: start the file again
-            self.path.write_text(self._csv_text([self.header]), encoding="utf-8")
-            return [], len(self._csv_text([self.header]).encode("utf-8"))
-        if rows[0] != self.header:
-            raise DataError(
-                f"{self.path}: its columns ({', '.join(rows[0][:6])}, ...) are not those this job writes "
-                f"({', '.join(self.header[:6])}, ...); continue it with the options it was started with, or write "
-                "to a new --out"
-            )
-        body = rows[1:]  # a short row can only be the last, cut mid-write
-        cut = next((i for i, r in enumerate(body) if len(r) != len(self.header)), len(body))
-        rows = [rows[0], *body[:cut]]
-        col = self.header.index(self.id_field)
-        text_kept = self._csv_text(rows)
-        return [r[col] for r in rows[1:]], len(text_kept.encode("utf-8"))
+            if number == 1 and self.is_csv:
+                self._check_header(record, number)
+            else:
+                self.ids.append(self._row_id(record, number))
+            keep += len(record)
+        if self.is_csv and keep == 0:  # not even the header: a kill right after the file was created
+            f.seek(0)
+            f.truncate(0)
+            f.write(self._csv_text([self.header]).encode("utf-8"))
+            keep = f.tell()
+        f.truncate(keep)
+        f.seek(keep)
 
-    def close(self) -> None:
+    def _damaged(self, number: int, why: str) -> DataError:
+        return DataError(
+            f"{self.path}: line {number} {why}; vitkit resumes only its own undamaged outputs (write to a new --out, "
+            "or pass --overwrite to start again)"
+        )
+
+    def _decode(self, record: bytes, number: int) -> str:
+        try:
+            return record.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self._damaged(number, "is not UTF-8") from None
+
+    def _check_header(self, record: bytes, number: int) -> None:
+        rows = list(csv.reader(io.StringIO(self._decode(record, number), newline="")))
+        if rows != [self.header]:
+            raise self._damaged(number, "is not the header this job writes")
+
+    def _row_id(self, record: bytes, number: int) -> str:
+        text = self._decode(record, number)
+        if self.is_csv:
+            try:
+                rows = list(csv.reader(io.StringIO(text, newline=""), strict=True))
+            except csv.Error:
+                rows = []
+            if len(rows) != 1 or len(rows[0]) != len(self.header):
+                raise self._damaged(number, f"is not a row of {len(self.header)} columns")
+            return _csv_uncell(rows[0][self.header.index(self.id_field)])
+        try:
+            row = json.loads(text)
+        except ValueError:
+            raise self._damaged(number, "is not a JSON row") from None
+        if not isinstance(row, dict) or sorted(row) != sorted(self.columns):
+            raise self._damaged(number, "has other fields than this job writes")
+        if not isinstance(row[self.id_field], str):
+            raise self._damaged(number, f"has no {self.id_field!r} string")
+        return row[self.id_field]
+
+    def _finish(self) -> None:
         self.file.close()
+
+
+def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
+    """The lines of a file, each with whether it is complete (ends with a newline), one at a time; a line longer
+    than :data:`MAX_ROW_BYTES` is DataError."""
+    while True:
+        line = f.readline(MAX_ROW_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_ROW_BYTES:
+            raise DataError(f"{path}: a line of more than {MAX_ROW_BYTES >> 20} MiB; not a row vitkit wrote")
+        yield line, line.endswith(b"\n")
+
+
+def _csv_records(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
+    """The records of a CSV file as Python's csv module writes them (a quoted field may hold newlines: a record
+    ends at a newline outside quotes), each with whether it is complete."""
+    record = b""
+    for line, _ in _lines(f, path):
+        record += line
+        if len(record) > MAX_ROW_BYTES:
+            raise DataError(f"{path}: a row of more than {MAX_ROW_BYTES >> 20} MiB; not a row vitkit wrote")
+        if record.endswith(b"\n") and record.count(b'"') % 2 == 0:
+            yield record, True
+            record = b""
+    if record:
+        yield record, False
 
 
 def _csv_value(v: Any) -> Any:
@@ -233,6 +352,7 @@ class _ParquetWriter(RowWriter):
             [pa.field(f.name, _arrow_type(pa, f.kind)) for f in self.fields],
             metadata={WRITER_KEY: WRITER, **meta},
         )
+        self.meta = dict(meta)
         self.parts = path.with_name(path.name + ".parts")
         self.next_part = 0
         if resume:
@@ -253,7 +373,8 @@ class _ParquetWriter(RowWriter):
         for name in _our_entries(self.parts):
             part = self.parts / name
             self._check_ours(part)
-            self.ids += [str(v) for v in pq.read_table(part, columns=[self.id_field]).column(0).to_pylist()]
+            for batch in pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed
+                self.ids += [str(v) for v in batch.column(0).to_pylist()]
             self.next_part = int(_PART.match(name).group(1)) + 1  # type: ignore[union-attr]
 
     def _check_ours(self, file: Path) -> None:
@@ -271,6 +392,8 @@ class _ParquetWriter(RowWriter):
                 f"({', '.join(self.schema.names)}); continue it with the options it was started with, or write to "
                 "a new --out"
             )
+        found = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (schema.metadata or {}).items()}
+        check_same(found, self.meta, str(file))
 
     def _write(self, n: int, values: list[list[Any]]) -> None:
         import pyarrow.parquet as pq
@@ -284,11 +407,13 @@ class _ParquetWriter(RowWriter):
         )
         name = f"part-{self.next_part:08d}.parquet"
         tmp = self.parts / f".{name}.tmp"
-        pq.write_table(table, tmp)
+        tmp.unlink(missing_ok=True)  # a leftover (a link planted there too): removed, never written through
+        with create_new(tmp) as f:
+            pq.write_table(table, f)
         os.replace(tmp, self.parts / name)
         self.next_part += 1
 
-    def close(self) -> None:
+    def _finish(self) -> None:
         import pyarrow.parquet as pq
 
         parts = [self.parts / n for n in _our_entries(self.parts)]
@@ -316,7 +441,7 @@ class _ParquetWriter(RowWriter):
 def _our_entries(folder: Path, temporary: bool = False) -> list[str]:
     """The part files (or, with ``temporary``, the temporary part files) in a parts folder, sorted."""
     pattern = _PART_TMP if temporary else _PART
-    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file())
+    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file() and not e.is_symlink())
 
 
 def _pyarrow() -> Any:
@@ -339,11 +464,21 @@ def check_rows_output(path: Path, *, resume: bool, overwrite: bool) -> None:
     with ``resume`` (continue it) or ``overwrite`` (start it again); a folder, or a parts folder holding files
     vitkit did not write, never."""
     output_format(path)
+    refuse_link(path)
     if path.is_dir():
         raise ConfigError(f"--out {path}: is a folder; name a .jsonl, .csv or .parquet file")
     parts = path.with_name(path.name + ".parts")
+    refuse_link_dir(parts)
+    side = sidecar_path(path)
+    refuse_link(side)
+    if os.path.lexists(side) and read_sidecar(path) is None:
+        raise ConfigError(f"--out {path}: {side.name} beside it is not vitkit's mark; vitkit never overwrites it")
     if parts.exists():
-        foreign = [e.name for e in parts.iterdir() if not (_PART.match(e.name) or _PART_TMP.match(e.name))]
+        foreign = [
+            e.name
+            for e in parts.iterdir()
+            if not (_PART.match(e.name) or _PART_TMP.match(e.name)) or e.is_symlink() or not e.is_file()
+        ]
         if foreign or not parts.is_dir():
             raise ConfigError(
                 f"--out {path}: {parts} holds {foreign[0] if foreign else 'a file'!r}, which vitkit did not write; "
@@ -354,6 +489,23 @@ def check_rows_output(path: Path, *, resume: bool, overwrite: bool) -> None:
             f"--out {path}: already exists (or a run into it was interrupted); pass --resume to continue it, or "
             "--overwrite to start again"
         )
+    if path.exists() and overwrite and not resume and not _is_ours(path):
+        raise ConfigError(f"--out {path}: not written by vitkit; vitkit never overwrites what it did not write")
+
+
+def _is_ours(path: Path) -> bool:
+    """Whether an existing output carries vitkit's mark (a Parquet file's schema metadata, a text file's
+    ``NAME.vitkit.json``)."""
+    if path.suffix.lower() != ".parquet":
+        return read_sidecar(path) is not None
+    import pyarrow.parquet as pq
+
+    try:
+        with open_regular(path, write=False) as f:
+            meta = pq.read_schema(f).metadata or {}
+    except Exception:  # pyarrow raises ArrowInvalid, OSError...
+        return False
+    return meta.get(WRITER_KEY.encode()) == WRITER.encode()
 
 
 def open_rows(
@@ -367,9 +519,24 @@ def open_rows(
 ) -> RowWriter:
     """A :class:`RowWriter` for ``path`` (format by suffix). ``resume``: continue an existing output (its
     complete rows kept: ``writer.done``, ``writer.ids``); ``overwrite``: start it again (a Parquet parts folder
-    of an earlier run removed first); neither: the output must not exist. ``meta``: key/value strings stored in
-    a Parquet file's schema metadata (besides vitkit's writer mark)."""
+    of an earlier run removed first; only an output vitkit marked); neither: the output must not exist. ``meta``:
+    key/value strings stored with the output (Parquet schema metadata, a JSONL/CSV file's mark) and compared on
+    resume. The output is locked against other processes until :meth:`RowWriter.close`."""
     out = Path(path)
+    output_format(out)
+    lock = OutputLock(out)  # before anything is looked at: a second job on this output is refused here
+    try:
+        writer = _open_locked(out, fields, id_field, resume, overwrite, meta or {})
+    except BaseException:
+        lock.release()
+        raise
+    writer.lock = lock
+    return writer
+
+
+def _open_locked(
+    out: Path, fields: Sequence[Field], id_field: str, resume: bool, overwrite: bool, meta: Mapping[str, str]
+) -> RowWriter:
     check_rows_output(out, resume=resume, overwrite=overwrite)
     clean_stale(out.parent, [out.name, out.name + ".parts"])  # a merge or a removal a kill cut short
     fmt = output_format(out)
@@ -379,9 +546,9 @@ def open_rows(
             for name in _our_entries(parts) + _our_entries(parts, temporary=True):
                 (parts / name).unlink()
             parts.rmdir()
-        if fmt == ".parquet" and out.exists():
-            out.unlink()
+        if out.exists():
+            out.unlink()  # a regular file (check_rows_output refused links and the rest): replaced, not truncated
     out.parent.mkdir(parents=True, exist_ok=True)
     if fmt == ".parquet":
-        return _ParquetWriter(out, fields, id_field, resume, meta or {})
-    return _TextWriter(out, fields, id_field, resume)
+        return _ParquetWriter(out, fields, id_field, resume, meta)
+    return _TextWriter(out, fields, id_field, resume, meta)

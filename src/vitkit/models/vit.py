@@ -34,10 +34,11 @@ _MAX_WIDTH = 1 << 16
 _MAX_TOKENS = 1 << 20
 _MAX_IMAGE_SIDE = 1 << 16
 _MAX_RESNET_STAGES, _MAX_RESNET_UNITS = 8, 64
+MAX_CLASSES = 10_000_000  # classes of a head, and labels anywhere (a label file sizes an allocation by its max)
 _INT_RANGES = {
     "patch_size": (1, 4096),
     "in_channels": (1, 1024),
-    "num_classes": (0, 10_000_000),
+    "num_classes": (0, MAX_CLASSES),
     "hidden_size": (1, _MAX_WIDTH),
     "depth": (1, 1024),
     "num_heads": (1, _MAX_WIDTH),

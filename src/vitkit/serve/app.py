@@ -21,6 +21,7 @@ answers 503 itself past ``max_connections`` open connections. A request that out
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
@@ -47,6 +48,7 @@ RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUTES = ("/predict", "/health", "/metrics", "/model", "/docs", "/openapi.json")
 CONNECTION_HEADROOM = 16  # connections beyond the admitted requests and the running batch
+_LOG = logging.getLogger("vitkit.serve")
 
 
 @dataclass(frozen=True)
@@ -322,7 +324,9 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        return _error(500, f"internal error ({type(exc).__name__}: {exc})")
+        # the detail (paths, library internals) goes to the server's log, never to the client
+        _LOG.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _error(500, "internal error")
 
     def prepare(data: bytes | bytearray) -> torch.Tensor:
         """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large)."""
