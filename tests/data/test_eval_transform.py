@@ -172,6 +172,8 @@ def test_a_line_of_pixels_is_not_resized_whole_on_the_fast_path(tmp_path: Path, 
     fast = EvalTransform(pre, reference=False)(open_lazy(path))
     ref = EvalTransform(pre, reference=True)(open_lazy(path))
     torch.testing.assert_close(fast, ref, atol=0, rtol=0)
+    u8 = EvalTransform(pre, reference=False, uint8=True)(open_lazy(path))  # a GPU job's worker: uint8, unnormalised
+    assert u8.dtype == torch.uint8 and torch.equal(normalize_batch(u8[None], pre)[0], fast)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     photo = tmp_path / "photo.jpg"
     Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(photo)
