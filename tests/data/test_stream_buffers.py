@@ -53,9 +53,9 @@ def test_default_workers_follow_where_the_model_runs(monkeypatch: pytest.MonkeyP
     assert [stream.default_workers(c) for c in (1, 2, 8, 16, 64)] == [1, 1, 2, 4, 8]
     assert [stream.default_workers(c, gpu=True) for c in (1, 2, 16, 64)] == [1, 1, 15, 16]
     monkeypatch.setattr(stream, "default_workers", lambda cores=None, gpu=False: 15 if gpu else 4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a named GPU must exist (resolve_device)
     assert resolve_workers(3, "cuda") == 3 and resolve_workers(None, "cpu") == 4
     assert resolve_workers(None, "cuda:1") == 15 and resolve_workers(None, torch.device("cuda", 0)) == 15
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert resolve_workers(None, "auto") == 15
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_workers(None, "auto") == 4

@@ -172,7 +172,7 @@ def test_predict_job_on_cuda_takes_the_uint8_path_with_the_same_rows(
     stream_batches = jobs.stream_batches
 
     def recording(source: Any, transform: Any, batch_size: int, **kwargs: Any) -> Any:
-        asked.append({"uint8": transform.uint8, "pin_memory": kwargs["pin_memory"]})
+        asked.append({"uint8": transform.uint8, "pin_memory": kwargs.get("pin_memory", False)})
         return stream_batches(source, transform, batch_size, **{**kwargs, "pin_memory": False})  # nothing to pin
 
     monkeypatch.setattr(jobs, "stream_batches", recording)

@@ -145,18 +145,9 @@ def resolve_workers(workers: int | None, device: Any = "auto") -> int:
     """``--workers`` as given, or the default for this machine and ``device`` (a name or a torch.device; "auto":
     a GPU where there is one), see :func:`vitkit.data.stream.default_workers`."""
     from vitkit.data.stream import default_workers
+    from vitkit.inference.jobs import feeds_gpu
 
-    if workers is not None:
-        return workers
-    name = str(device)
-    gpu = name.startswith("cuda") or (name in ("auto", "None", "") and torch_cuda_available())
-    return default_workers(gpu=gpu)
-
-
-def torch_cuda_available() -> bool:
-    import torch
-
-    return bool(torch.cuda.is_available())
+    return default_workers(gpu=feeds_gpu(device)) if workers is None else workers
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, backend: bool = True, device: bool = True) -> None:

@@ -32,7 +32,7 @@ from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBat
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import PIN_GPU_BATCHES, JobSummary, feeds_gpu, run_job
+from vitkit.inference.jobs import JobSummary, feeds_gpu, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.inference.vectors import DTYPES, Embeddings, EmbeddingWriter
 
@@ -157,7 +157,7 @@ def embed_job(
     cfg = loaded.model.cfg
     opts.check(cfg.depth, cfg.num_prefix_tokens)
     shape = vector_shape(loaded, opts)
-    gpu = feeds_gpu(info.device if info.enabled else opts.device)  # uint8 batches, pinned, normalised on the GPU
+    gpu = feeds_gpu(info.device if info.enabled else opts.device)  # uint8 batches, normalised on the GPU
     transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32", uint8=gpu)
     meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
     if info.is_main:  # what the vectors were made from, compared on --resume and by knn/fewshot
@@ -175,7 +175,6 @@ def embed_job(
             source, transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
             batch_size=opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
             progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info,
-            pin_memory=gpu and PIN_GPU_BATCHES,
         )  # fmt: skip
         if sink is not None:  # on an error the chunks written so far stay, for --resume
             sink.close()

@@ -256,7 +256,7 @@ class InferenceEngine:
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Images as a job hands them over -> the model's input on the engine's device. uint8 pixels (B, C, H,
         W) (:class:`~vitkit.data.eval_transform.EvalTransform` with ``uint8=True``) are copied to the device,
-        asynchronously on CUDA (from page-locked memory: ``stream_batches(pin_memory=True)``), and normalised
+        (asynchronously on CUDA where they are page-locked: ``stream_batches(pin_memory=True)``), and normalised
         there: bit for bit the float values the CPU would have computed
         (:class:`~vitkit.data.eval_transform.Normalizer`). Float images, already normalised, are copied as
         they are."""

@@ -24,7 +24,7 @@ from vitkit.distributed import DistInfo, all_gather, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import PIN_GPU_BATCHES, calibration_sample, feeds_gpu
+from vitkit.inference.jobs import calibration_sample, feeds_gpu
 from vitkit.models.vit import VisionTransformer
 
 
@@ -86,7 +86,7 @@ def extract(
         gpu = model.device.type == "cuda"
     else:
         gpu = feeds_gpu(info.device if info.enabled else (device if device is not None else "auto"), backend)
-    # on a GPU: uint8 batches, page-locked, normalised on the GPU (jobs.feeds_gpu)
+    # on a GPU: uint8 batches, normalised on the GPU (jobs.feeds_gpu)
     transform = EvalTransform(preprocess, reference=reference and backend == "torch", uint8=gpu)
     total = None
     batches: Iterator[StreamBatch]
@@ -100,7 +100,6 @@ def extract(
             batch_size,
             positions=mine,
             workers=workers,
-            pin_memory=gpu and PIN_GPU_BATCHES,
         )
     elif indices is not None:
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")

@@ -70,20 +70,16 @@ class JobSummary:
         return f"{self.failed} of {self.written} image(s) failed and are marked as such (first: {self.first_failure})"
 
 
-# Batches for a GPU stay in the workers' pageable shared memory rather than being copied into page-locked memory
-# by the DataLoader's pinning thread: on an H100 that thread took 54 ms a batch of 256 (uint8, 224 px) and an
-# 8,192-image eval was 1.0-1.2 s slower with it in each of three pairs (BENCHMARKS.md, "GPU"). Page-locked shared
-# buffers that the workers fill directly (no copy) are the way to asynchronous copies.
-PIN_GPU_BATCHES = False
-
-
 def feeds_gpu(device: torch.device | str, backend: str = "torch") -> bool:
     """Whether a job's engine will run on a CUDA device (``device`` as the engine takes it, ``auto`` resolved as
     the engine resolves it; the ONNX engines run on the CPU). Its batches are then uint8 pixels
-    (``EvalTransform(uint8=True)``), copied to the GPU from the workers' shared memory (page-locked first only
-    where ``PIN_GPU_BATCHES``) and normalised there. On the CPU the workers keep normalising: normalising a batch
-    in the job's process measured 2.6x the workers' per-image cost there (a fresh 154 MB float batch faults in
-    every page), and it would take the model's cores."""
+    (``EvalTransform(uint8=True)``), copied to the GPU straight from the workers' pageable shared memory and
+    normalised there. Not page-locked first (``stream_batches(pin_memory=True)``): on an H100 the DataLoader's
+    pinning thread took 54 ms a batch of 256 and an 8,192-image eval was 1.0-1.2 s slower with it in each of
+    three pairs (BENCHMARKS.md, "GPU"); buffers the workers fill already page-locked would avoid that copy. On
+    the CPU the workers keep normalising: normalising a batch in the job's process measured 2.6x the workers'
+    per-image cost there (a fresh 154 MB float batch faults in every page), and it would take the model's
+    cores."""
     if backend != "torch":
         return False
     return (device if isinstance(device, torch.device) else resolve_device(device)).type == "cuda"
@@ -120,7 +116,6 @@ def run_job(
     where: str = "output",
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
-    pin_memory: bool = False,
 ) -> JobSummary:
     """Stream ``source`` (at ``positions``, default all) through the engine ``build`` returns into ``sink``.
 
@@ -130,9 +125,8 @@ def run_job(
     per item of the batch (failed items included, with ``skip_bad``; a column is a list or an array). A bad
     image raises DataError naming it unless ``skip_bad``. ``dist``: the processes of a ``torchrun`` job (see the
     module docstring); only process 0 has a ``sink`` (None elsewhere), a progress bar and ``on_engine``.
-    ``pin_memory``: the batches arrive in page-locked memory (set it when the engine will be on a CUDA device;
-    the engine's :meth:`~vitkit.inference.engine.InferenceEngine.feed` then copies each batch to the device
-    while the previous one is computed). Returns the :class:`JobSummary` (on process 0, of the whole job)."""
+    On a CUDA engine, its :meth:`~vitkit.inference.engine.InferenceEngine.feed` copies each batch to the device
+    while the previous one is computed. Returns the :class:`JobSummary` (on process 0, of the whole job)."""
     info = dist or DistInfo()
     order: Sequence[int] = range(len(source)) if positions is None else positions
     status: tuple[int, str | None] = (0, None)
@@ -155,7 +149,6 @@ def run_job(
     mine, steps = shard_steps(order[done:], batch_size, info)
     decoded = stream_batches(
         source, transform, batch_size, positions=mine, workers=workers, prefetch=prefetch, skip_bad=skip_bad,
-        pin_memory=pin_memory,
     )  # fmt: skip
     engine = build()
     batches = engine.feed(decoded)

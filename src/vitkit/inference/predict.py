@@ -26,7 +26,7 @@ from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import PIN_GPU_BATCHES, JobSummary, calibration_sample, feeds_gpu, run_job
+from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.inference.writers import Field, open_rows
 
@@ -171,15 +171,13 @@ def predict(
     engine = InferenceEngine.from_loaded(
         loaded, precision=precision, backend=backend, device=device, batch_size=batch_size
     )
-    gpu = engine.device.type == "cuda"  # uint8 batches, page-locked, normalised on the GPU (jobs.feeds_gpu)
+    gpu = engine.device.type == "cuda"  # uint8 batches, normalised on the GPU (jobs.feeds_gpu)
     transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode, uint8=gpu)
     if isinstance(images, list | tuple):
         files = all(not isinstance(img, Image.Image) for img in images)
         if files:
             source = FileSource([os.fspath(img) for img in images if not isinstance(img, Image.Image)])
-            batches = stream_batches(
-                source, transform, batch_size, workers=workers, skip_bad=skip_bad, pin_memory=gpu and PIN_GPU_BATCHES
-            )
+            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad)
         else:
             batches = stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad)
         return list(_predict(engine, batches, top_k, len(images), progress))
@@ -277,7 +275,7 @@ def predict_job(
     K = loaded.model.cfg.num_classes
     reference = opts.backend == "torch" and opts.precision == "fp32"
     device = info.device if info.enabled else opts.device
-    gpu = feeds_gpu(device, opts.backend)  # uint8 batches, page-locked, normalised on the GPU
+    gpu = feeds_gpu(device, opts.backend)  # uint8 batches, normalised on the GPU
     transform = EvalTransform(loaded.meta.preprocess, reference=reference, uint8=gpu)
     sink: Any = None
     if not info.is_main:
@@ -303,7 +301,6 @@ def predict_job(
             source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
             prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
             where=f"--out {out}", on_engine=on_engine, dist=info,
-            pin_memory=gpu and PIN_GPU_BATCHES,
         )  # fmt: skip
     finally:
         close = getattr(sink, "close", None)
