@@ -96,6 +96,18 @@ def randomize_(model: torch.nn.Module, std: float = 0.05) -> torch.nn.Module:
     return model
 
 
+def tiny_checkpoint(folder: Path, class_names: list[str]) -> Path:
+    """A random-weight ViT small enough for job tests (16 px images, patches of 8, width 32, depth 2), saved in
+    vitkit's format at ``folder/m`` with ``class_names``."""
+    import vitkit
+    from vitkit.checkpoints.preprocess import Preprocess
+
+    model = randomize_(create_model("Ti/16", patch_size=8, image_size=16, hidden_size=32, depth=2, num_heads=2,
+                                    mlp_dim=32, num_classes=len(class_names)))  # fmt: skip
+    return vitkit.save_pretrained(model.eval(), folder / "m", preprocess=Preprocess(image_size=16),
+                                  class_names=class_names)  # fmt: skip
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     """``vitkit ARGV`` in-process: (exit status, stdout, stderr)."""
     from vitkit.cli import main

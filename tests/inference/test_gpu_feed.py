@@ -20,13 +20,12 @@ from PIL import Image
 from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
 
 import vitkit
-from helpers import full_fp32, randomize_
+from helpers import full_fp32, tiny_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess, normalize
 from vitkit.data.eval_transform import EvalTransform, Normalizer
 from vitkit.data.stream import FileSource, StreamBatch, list_inputs
 from vitkit.inference import jobs
 from vitkit.inference.engine import InferenceEngine
-from vitkit.models import create_model
 
 predict_module: Any = importlib.import_module("vitkit.inference.predict")  # (the package exports the function)
 CLASSES = ["cat", "dog", "ship", "car"]
@@ -34,10 +33,7 @@ CLASSES = ["cat", "dog", "ship", "car"]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = randomize_(create_model("Ti/16", patch_size=8, image_size=16, hidden_size=32, depth=2, num_heads=2,
-                                    mlp_dim=32, num_classes=4))  # fmt: skip
-    root = tmp_path_factory.mktemp("ckpt")
-    return vitkit.save_pretrained(model.eval(), root / "m", preprocess=Preprocess(image_size=16), class_names=CLASSES)
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), CLASSES)
 
 
 def jpegs(folder: Path, n: int) -> list[str]:

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 import vitkit
-from helpers import SRC, randomize_, run_cli
+from helpers import SRC, randomize_, run_cli, tiny_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
 from vitkit.errors import DataError
@@ -36,10 +36,7 @@ CLASSES = ["cat", "dog", "ship"]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    model = randomize_(create_model("Ti/16", patch_size=8, image_size=16, hidden_size=32, depth=2, num_heads=2,
-                                    mlp_dim=32, num_classes=3))  # fmt: skip
-    root = tmp_path_factory.mktemp("ckpt")
-    return vitkit.save_pretrained(model.eval(), root / "m", preprocess=Preprocess(image_size=16), class_names=CLASSES)
+    return tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), CLASSES)
 
 
 def png(path: Path, seed: int, size: tuple[int, int] = (20, 14)) -> Path:
