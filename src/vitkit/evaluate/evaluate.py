@@ -132,16 +132,9 @@ def evaluate_dataset(
             sets = read_label_sets(label_file, len(dataset), names, dataset_file_names(dataset))
         elif not Path(label_file).is_file():
             raise DataError(f"{label_file}: no such label file")
-    used: list[InferenceEngine] = [model] if isinstance(model, InferenceEngine) else []
-
-    def built(engine: InferenceEngine) -> None:
-        used.append(engine)
-        if on_engine is not None:
-            on_engine(engine)
-
     out = extract(
         model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers, desc="eval",
-        progress=progress, precision=precision, backend=backend, on_engine=built, dist=dist,
+        progress=progress, precision=precision, backend=backend, on_engine=on_engine, dist=dist,
     )  # fmt: skip
     assert out.logits is not None
     labels = out.labels if mapping is None else mapping[out.labels]
@@ -152,7 +145,7 @@ def evaluate_dataset(
         if sets is None:
             sets = read_label_sets(label_file, len(out.labels), names)
         label_sets = [sets[i] for i in out.indices]
-    engine = used[0] if used else None
+    engine = out.engine
     return EvalReport(
         compute_metrics(out.logits, labels, K, label_sets),
         names,

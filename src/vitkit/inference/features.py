@@ -8,6 +8,7 @@ decoded as needed (:mod:`vitkit.data.stream`) and run on the :class:`~vitkit.inf
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ class Extracted:
     indices: np.ndarray  # (N,) int64 dataset indices
     logits: np.ndarray | None = None  # (N, K) float32
     features: np.ndarray | None = None  # (N, R) float32, pre-logits representation
+    engine: InferenceEngine | None = None  # what computed them (its precision and path, for a report)
 
 
 def extract(
@@ -135,7 +137,7 @@ def extract(
             bar.update(len(b) * (info.world if info.enabled and total is not None else 1))
     if info.enabled and total is not None:  # every process's share, interleaved back into the one order
         shares = all_gather((out_labels, out_idx, out_logits, out_feats), info)
-        return _interleave(shares, batch_size, logits, features)
+        return dataclasses.replace(_interleave(shares, batch_size, logits, features), engine=engine)
     if not out_labels:
         raise DataError("the dataset has no examples")
     return Extracted(
@@ -143,6 +145,7 @@ def extract(
         indices=np.concatenate(out_idx),
         logits=np.concatenate(out_logits) if logits else None,
         features=np.concatenate(out_feats) if features else None,
+        engine=engine,
     )
 
 
