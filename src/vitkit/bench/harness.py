@@ -30,6 +30,7 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.inference import optimize_for_inference
 from vitkit.inference.backends import EngineModel
+from vitkit.inference.tune import build_fast
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
 from vitkit.timing import Timing, synchronize, time_alternating
@@ -186,8 +187,14 @@ def inference_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor
             # int8 keeps attention, norms and the head in bf16 where the CPU has bf16 instructions
             bf16 = precision == "bf16" or (precision == "int8" and hardware.has_native_bf16(device))
             dtype = torch.bfloat16 if bf16 else torch.float32
-            fast = optimize_for_inference(model, dtype, int8=precision == "int8", batch_size=spec.batch_size)
-            runners.append(_inference_runner("vitkit-fast", precision, fast, x, spec))
+            if device.type == "cpu":  # what the engines run: kernels (or the plain model) chosen by measurement
+                fast, tuning = build_fast(model, dtype, spec.batch_size, precision == "int8")
+            else:
+                fast, tuning = optimize_for_inference(model, dtype, batch_size=spec.batch_size), None
+            runner = _inference_runner("vitkit-fast", precision, fast, x, spec)
+            if tuning is not None:
+                runner.info["kernels"] = tuning.to_dict() | {"source": tuning.source, "describe": tuning.describe()}
+            runners.append(runner)
     return runners
 
 
@@ -538,6 +545,9 @@ def format_report(result: dict[str, Any]) -> str:
             "  x same: speed over the peer at the same precision; x best: over the peer's fastest run here "
             "(float vs float, int8 vs int8)"
         )
+    for r in result["results"]:
+        if r["impl"] == "vitkit-fast" and "kernels" in r:
+            lines.append(f"  {r['runner']}: {r['kernels']['describe']}")
     for r in result["results"]:
         if r["impl"] == "vitkit-fast" and r.get("speedup_vs_peers") and r["peer_best"] != r["runner"]:
             each = ", ".join(f"{v:.2f}x {k}" for k, v in r["speedup_vs_peers"].items())

@@ -45,6 +45,7 @@ from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16
 from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fast import optimize_for_inference
 from vitkit.inference.fp8 import fp8_unsupported, to_fp8
+from vitkit.inference.tune import Tuning, build_fast
 from vitkit.models.vit import VisionTransformer
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp8")
@@ -123,8 +124,10 @@ class InferenceEngine:
     calibration images (N, C, H, W), or a function giving them, called only when that engine is built
     (ConfigError when it is needed and missing). ``labels``: class names for :meth:`label`.
     ``fp32_reference=False`` runs an explicit ``fp32`` on the fp32 fast path instead of the model itself (a
-    training run's validation pass). Building takes time (packing weights, exporting and compiling for an
-    engine): ``build_seconds`` says how much, :meth:`describe` says it all.
+    training run's validation pass). ``tune``: on the CPU, time the fast path's kernels on the model's shapes
+    and keep the fastest, or the plain model where it wins (:mod:`vitkit.inference.tune`; cached per machine,
+    model shape and batch); False keeps the built-in rules. Building takes time (packing weights, exporting and
+    compiling for an engine): ``build_seconds`` says how much, :meth:`describe` says it all.
     """
 
     def __init__(
@@ -139,6 +142,7 @@ class InferenceEngine:
         calibration: Calibration | None = None,
         labels: Sequence[str] | None = None,
         fp32_reference: bool = True,
+        tune: bool = True,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -159,6 +163,8 @@ class InferenceEngine:
         # the model itself also where auto lands on fp32 and the fp32 fast path does not pay; else a fast copy
         plain = backend == "torch" and precision == "auto" and self.precision == "fp32"
         self.fast = not (self.exact or (plain and not fp32_fast_path_pays(self.device)))
+        self.tune = tune
+        self.tuning: Tuning | None = None  # the CPU fast path's measured choice (vitkit.inference.tune)
         start = time.perf_counter()
         self.runner: torch.nn.Module = self.model
         if self.fast:
@@ -192,6 +198,10 @@ class InferenceEngine:
                 raise ConfigError("--backend openvino --precision int8: NNCF needs calibration images")
             images = calibration() if callable(calibration) else calibration
         try:
+            if self.backend == "torch" and self.device.type == "cpu":  # kernels (or the plain model) by measurement
+                int8 = self.precision == "int8"
+                runner, self.tuning = build_fast(self.model, dtype, batch_size, int8, tune=self.tune)
+                return runner
             return optimize_for_inference(
                 self.model,
                 dtype,
@@ -243,8 +253,11 @@ class InferenceEngine:
             what = "fp32 reference (the checkpoint's own model)"
         elif not self.fast:
             what = "fp32, the checkpoint's own model (the fp32 fast path is slower on this CPU)"
+        elif self.tuning is not None and self.tuning.plain:
+            what = f"{self.precision}, {self.tuning.summary()}"
         elif self.backend == "torch":
-            what = f"{self.precision} fast path"
+            raced = self.tuning is not None and self.tuning.races
+            what = f"{self.precision} fast path" + (f" ({self.tuning.summary()})" if self.tuning and raced else "")
         else:
             what = f"{self.precision} on {self.backend}"
         auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +79,42 @@ def chunk_rows(rows: int, row_bytes: int, budget: int) -> int:
     ``budget`` bytes (at least one row)."""
     chunks = max(1, -(-rows * row_bytes // budget))
     return max(1, -(-rows // chunks))
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """Which implementation each replaceable piece of the CPU fast path uses; ``None`` keeps the built-in rule
+    (the fastest on the Zen 4 and Xeons the defaults were measured on). ``vitkit.inference.tune`` chooses these by
+    timing them on the model's own shapes.
+
+    - ``attention``: ``"c"`` (vitkit's fused C kernel, bf16/int8 on AVX512_BF16 CPUs), ``"explicit"`` (two
+      batched GEMMs over cache-sized chunks of heads) or ``"sdpa"`` (PyTorch's ``scaled_dot_product_attention``:
+      its CPU flash kernel);
+    - ``layernorm``: ``"c"`` (vitkit's C LayerNorm, bf16) or ``"torch"``;
+    - ``gemm``: ``"packed"`` (oneDNN weights pre-packed, epilogues as post-ops) or ``"plain"`` (``F.linear``,
+      the oneDNN/AMX kernel PyTorch itself picks); with int8, ``"vnni"`` (vitkit's C GEMM) or ``"onednn"``.
+    """
+
+    attention: str | None = None
+    layernorm: str | None = None
+    gemm: str | None = None
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "attention": ("c", "explicit", "sdpa"),
+        "layernorm": ("c", "torch"),
+        "gemm": ("packed", "plain", "vnni", "onednn"),
+    }
+
+    def __post_init__(self) -> None:
+        for piece, options in self.CHOICES.items():
+            value = getattr(self, piece)
+            if value is not None and value not in options:
+                raise ValueError(f"Kernels.{piece}: {value!r} is not one of {', '.join(options)}")
+
+    def describe(self) -> str:
+        """e.g. ``attention=sdpa layernorm=torch gemm=packed`` (the pieces chosen; built-in rule for the rest)."""
+        chosen = [f"{p}={getattr(self, p)}" for p in self.CHOICES if getattr(self, p) is not None]
+        return " ".join(chosen) or "built-in rules"
 
 
 class PackedLinear(nn.Module):
@@ -135,6 +172,8 @@ class FastBlock(nn.Module):
         fused: FusedAttention | None = None,
         gemm: Int8Gemm | None = None,
         layernorm: Any = None,
+        explicit: bool | None = None,
+        pack_gemm: bool | None = None,
     ) -> None:
         super().__init__()
         self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs; int8 variant for int8), else None
@@ -148,13 +187,16 @@ class FastBlock(nn.Module):
         qkv = _scaled_qkv(block.attn.qkv, block.attn.scale)  # 1/sqrt(d) folded into the query rows
         # CPU: softmax(q k^T) v as batched GEMMs over chunks of heads whose (T, T) scores fit in cache
         # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
-        self.explicit_attention = pack and block.attn.qkv.weight.device.type == "cpu"
+        # ``explicit``/``pack_gemm``: a measured choice (``Kernels``) overriding that rule
+        cpu_layout = pack and block.attn.qkv.weight.device.type == "cpu"
+        self.explicit_attention = cpu_layout if explicit is None else explicit and cpu_layout
+        pack = pack if pack_gemm is None else pack and pack_gemm
         self.scores_bytes = SCORES_CHUNK_BYTES
         # CPU: the MLP runs over chunks of rows (MLP_CHUNK_BYTES, BF16_MLP_CHUNK_BYTES in bf16); its weights are
         # packed for that many rows
         hidden = self.fc1_features = block.mlp.fc1.out_features
         budget = BF16_MLP_CHUNK_BYTES if dtype == torch.bfloat16 and quantize is None else MLP_CHUNK_BYTES
-        self.mlp_bytes = budget if self.explicit_attention else 0
+        self.mlp_bytes = budget if cpu_layout else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
         mlp_rows = rows if rows is None or not self.mlp_bytes else chunk_rows(rows, hidden * itemsize, self.mlp_bytes)
         self.fuse_norm = False  # int8 with the C quantiser: LayerNormQuantize for norm1 -> qkv, norm2 -> fc1
@@ -256,18 +298,28 @@ class InferenceViT(nn.Module):
     as on the model."""
 
     def __init__(
-        self, model: VisionTransformer, dtype: torch.dtype, rows: int | None, int8: bool = False, pack: bool = True
+        self,
+        model: VisionTransformer,
+        dtype: torch.dtype,
+        rows: int | None,
+        int8: bool = False,
+        pack: bool = True,
+        kernels: Kernels | None = None,
     ) -> None:
         super().__init__()
         self.cfg = model.cfg
         self.dtype = dtype
+        k = self.kernels = kernels or Kernels()
         quantize = fast_quantizer() if int8 else None
         cpu = next(model.parameters()).device.type == "cpu"
         fused = None
-        if pack and cpu and dtype == torch.bfloat16:  # int8: the kernel's int8 variant where the CPU has VNNI
-            fused = (load_int8_attention() if int8 else None) or load_fused_attention()
-        gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 else None
-        layernorm = load_layernorm() if pack and cpu and dtype == torch.bfloat16 and not int8 else None
+        if pack and cpu and dtype == torch.bfloat16 and k.attention in (None, "c"):
+            fused = (load_int8_attention() if int8 else None) or load_fused_attention()  # int8: its VNNI variant
+        gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 and k.gemm != "onednn" else None
+        native_ln = pack and cpu and dtype == torch.bfloat16 and not int8 and k.layernorm != "torch"
+        layernorm = load_layernorm() if native_ln else None
+        explicit = None if k.attention in (None, "c") else k.attention == "explicit"
+        pack_gemm = None if k.gemm is None else k.gemm != "plain"
         base = copy.deepcopy(model).eval()
         # CPU: the patch embedding as one pre-packed GEMM (``vitkit.inference.stem``; constants from ``base``)
         self.stem = PackedStem(base, dtype, rows, PackedLinear) if pack and cpu and PackedStem.handles(base) else None
@@ -275,7 +327,9 @@ class InferenceViT(nn.Module):
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
-        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, quantize, pack, fused, gemm, layernorm) for b in blocks)
+        self.blocks = nn.ModuleList(
+            FastBlock(b, dtype, rows, quantize, pack, fused, gemm, layernorm, explicit, pack_gemm) for b in blocks
+        )
         self.norm = NativeLayerNorm(self.base.norm, layernorm)  # the final norm
 
     @torch.no_grad()
@@ -334,6 +388,7 @@ def optimize_for_inference(
     backend: str = "torch",
     calibration: torch.Tensor | None = None,
     compile_mode: str | None = None,
+    kernels: Kernels | None = None,
 ) -> nn.Module:
     """A copy of ``model`` for fast inference that computes the same function (up to ``dtype`` rounding).
 
@@ -349,7 +404,9 @@ def optimize_for_inference(
     ``backend``: "torch" (the above), "onnxruntime" or "openvino" (exported to ONNX and run by that engine,
     ``calibration`` images for OpenVINO's int8; see ``vitkit.inference.backends``: callable like the model,
     no ``forward_features``), or "auto": whichever of these is fastest here in a short measurement.
-    ``compile_mode``: torch.compile's ``mode`` with ``compile`` ("reduce-overhead": CUDA graphs). To let vitkit
+    ``compile_mode``: torch.compile's ``mode`` with ``compile`` ("reduce-overhead": CUDA graphs). ``kernels``:
+    which implementation each piece uses (:class:`Kernels`; default: the built-in rules;
+    ``vitkit.inference.tune.tune_kernels`` measures them). To let vitkit
     choose all of this for the model's device, see ``vitkit.inference.plan.optimize_for_device``.
     """
     if backend != "torch":
@@ -366,7 +423,7 @@ def optimize_for_inference(
         raise ValueError("int8 inference needs a CPU with oneDNN, and is not combined with compile")
     rows = None if batch_size is None else batch_size * model.cfg.num_tokens()
     with torch.inference_mode(False):  # normal tensors even when called in inference mode (compile freezes them)
-        fast = InferenceViT(model, dtype, rows, int8, pack=not compile).eval()
+        fast = InferenceViT(model, dtype, rows, int8, pack=not compile, kernels=kernels).eval()
     if compile:
         options: dict[str, Any] = {"freezing": True} if device.type == "cpu" else {}
         if compile_mode is not None:  # torch.compile takes a mode or options, not both
