@@ -86,7 +86,7 @@ def test_auto_precision_follows_the_measured_bf16_speed(monkeypatch: pytest.Monk
     with pytest.raises(ConfigError, match="--precision 'fp16'"):
         resolve_precision("fp16")
     monkeypatch.setattr(engine_module, "fp32_fast_path_pays", lambda device="cpu": True)
-    eng = InferenceEngine(_model(), PRE, precision="auto")  # fp32, but the fast path: not the reference
+    eng = InferenceEngine(_model(), PRE, precision="auto", tune=False)  # fp32, but the fast path: not the reference
     assert eng.fast and eng.precision == "fp32" and eng.describe().startswith("--precision auto -> fp32; fp32 fast")
     assert eng.reduced_decode
     monkeypatch.setattr(engine_module, "fp32_fast_path_pays", lambda device="cpu": False)  # an AVX2 CPU
