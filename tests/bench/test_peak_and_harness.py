@@ -157,3 +157,33 @@ def test_each_peak_loop_does_the_multiply_adds_it_is_counted_for() -> None:
         fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long, ctypes.c_float]
         iters = 1000
         assert fn(iters, 2.0) == 16 * (sum(range(chains)) + chains * 8 * iters), symbol
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_gemm_peak_times_the_models_own_shapes(precision: str) -> None:
+    p = peak_mod.gemm_peak(precision, [(64, 32, 96), (64, 128, 32)], repeats=1)
+    assert p.method == "amx-matmul" and p.flops > 0
+    assert p.detail.startswith("best of the model's GEMMs: 64x")
+
+
+def test_on_amx_the_peak_is_what_the_tiles_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AMX Xeon's bf16 GEMMs ran at 440-529% of the AVX512-BF16 loop: there the denominator is the GEMMs'."""
+    loop = peak_mod.Peak("bf16", 1e11, "fma-loop", 2, "vk_bf16")
+    tiles = peak_mod.Peak("bf16", 5e11, "amx-matmul", 2, "best of the model's GEMMs: 6304x768x3072")
+    asked: list[object] = []
+    monkeypatch.setattr(peak_mod, "fma_loop_peak", lambda precision, threads=None: loop)
+    monkeypatch.setattr(peak_mod, "gemm_peak", lambda precision, shapes: asked.append(shapes) or tiles)
+    shapes = [(6304, 768, 3072)]
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+    assert peak_mod.measure_peak("bf16", gemm_shapes=shapes) is tiles and asked == [shapes]
+    # the loop stays where it is the higher one, and fp32 (no fp32 tiles) never asks the GEMMs
+    slow = peak_mod.Peak("bf16", 5e10, "amx-matmul", 2, "x")
+    monkeypatch.setattr(peak_mod, "gemm_peak", lambda precision, shapes: slow)
+    assert peak_mod.measure_peak("bf16", gemm_shapes=shapes) is loop
+    asked.clear()
+    monkeypatch.setattr(peak_mod, "gemm_peak", lambda precision, shapes: asked.append(shapes) or tiles)
+    peak_mod.measure_peak("fp32", gemm_shapes=shapes)
+    assert not asked
+    # without AMX (AVX-512 with BF16: Zen 4, older Xeons) the vector loop is the peak, as before
+    monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert peak_mod.measure_peak("bf16", gemm_shapes=shapes) is loop and not asked

@@ -14,7 +14,7 @@ import torch
 from vitkit.inference import tune
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.fast import InferenceViT, Kernels
-from vitkit.models.vit import ViTConfig, VisionTransformer
+from vitkit.models.vit import VisionTransformer, ViTConfig
 
 
 @pytest.fixture(autouse=True)

@@ -337,10 +337,11 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
     fpi = flops_per_image(model, spec.image_size)
     say("measuring peak")
     peaks: dict[str, Peak] = {}
+    shapes = gemm_shapes(model, spec.batch_size, spec.image_size)
     for p in spec.precisions:
         kind = _PEAK_KIND[p]
         if kind not in peaks:
-            peaks[kind] = measure_peak(kind, device)
+            peaks[kind] = measure_peak(kind, device, gemm_shapes=shapes)
     say("building runners")
     runners = inference_runners(spec, model, x) if spec.task == "inference" else train_runners(spec, model, x)
     runners += [_engine_runner(m, x) for m in engine_models(spec.compare, spec.precisions, model, pre)]
@@ -365,7 +366,7 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
         latencies = time_alternating(lat_fns, max(spec.repeats, 5), device, threads, settle)
     say("measuring peak again")
     for kind, before in peaks.items():  # a busy machine only lowers a reading: keep the higher one
-        after = measure_peak(kind, device)
+        after = measure_peak(kind, device, gemm_shapes=shapes)
         peaks[kind] = after if after.flops > before.flops else before
     reference = None
     real: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -495,6 +496,13 @@ def _cpu_model() -> str:
 # ---- text report -------------------------------------------------------------------------------------
 
 
+def gemm_shapes(model: VisionTransformer, batch_size: int, image_size: int) -> list[tuple[int, int, int]]:
+    """The (M, K, N) of the model's four GEMMs per block (qkv, proj, fc1, fc2) at this batch and resolution."""
+    cfg = model.cfg
+    rows, d, h = batch_size * cfg.num_tokens(image_size), cfg.hidden_size, cfg.mlp_dim
+    return [(rows, d, 3 * d), (rows, d, d), (rows, d, h), (rows, h, d)]
+
+
 def format_report(result: dict[str, Any]) -> str:
     """A human-readable table of ``run_bench``'s result."""
     spec = result["spec"]
@@ -506,7 +514,7 @@ def format_report(result: dict[str, Any]) -> str:
     for kind, p in result["peaks"].items():
         lines.append(
             f"  peak {kind}: {p['flops'] / 1e9:.0f} G{'OP' if kind == 'int8' else 'FLOP'}/s ({p['method']}, "
-            f"{p['threads']} threads{'; ' + p['detail'] if p['method'] == 'fma-loop' else ''})"
+            f"{p['threads']} threads{'; ' + p['detail'] if p['method'] in ('fma-loop', 'amx-matmul') else ''})"
         )
     for kind, p in result.get("vendor_peaks", {}).items():
         lines.append(

@@ -7,6 +7,8 @@ Two ways, tried in order, and the result always says which one it is:
   the system C compiler (``vitkit.native``, cached per content) and called through ctypes on every core at
   once. This is the instruction-throughput ceiling: no real program beats it, and large GEMMs reach 70-90% of it. A CPU
   without bf16 instructions gets its fp32 FMA rate as the bf16 peak (bf16 work cannot run faster there).
+- ``"amx-matmul"`` (CPUs with AMX tiles for the precision): oneDNN's GEMMs at the model's own shapes, where
+  they beat the vector loop (AMX multiplies bf16/int8 matrices several times faster than AVX-512 can).
 - ``"matmul"``: the best rate of large square matrix products in that dtype (CPU or CUDA; int8 on oneDNN's
   int8 GEMM). Used when no C compiler is present, the CPU lacks the instructions (int8 without VNNI), or
   the device is a GPU. It is a lower, achievable ceiling, so fractions of it read higher than fractions of
@@ -21,7 +23,7 @@ import ctypes
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -195,13 +197,15 @@ def fma_loop_peak(precision: str, threads: int | None = None, seconds: float = 0
     return Peak(precision, flops, "fma-loop", threads, f"{symbol}: {chains} chains{others}")
 
 
-def _int8_gemm(n: int) -> Callable[[], Any] | None:
-    """One (n, n) x (n, n) int8 GEMM on oneDNN's kernels (u8 activations, s8 weights), or None."""
+def _int8_gemm(n: int, m: int | None = None, k: int | None = None) -> Callable[[], Any] | None:
+    """One (m, k) x (k, n) int8 GEMM on oneDNN's kernels (u8 activations, s8 weights; m = k = n by default), or
+    None."""
     ops = getattr(torch.ops, "onednn", None)
     if ops is None or not hasattr(ops, "qlinear_prepack") or not torch.backends.mkldnn.is_available():
         return None
-    packed = ops.qlinear_prepack(torch.randint(-100, 100, (n, n), dtype=torch.int8), [n, n])
-    x = torch.randint(0, 127, (n, n), dtype=torch.uint8)
+    m, k = m or n, k or n
+    packed = ops.qlinear_prepack(torch.randint(-100, 100, (n, k), dtype=torch.int8), [m, k])
+    x = torch.randint(0, 127, (m, k), dtype=torch.uint8)
     w_scale, w_zero = torch.full((n,), 0.01), torch.zeros(n, dtype=torch.int64)
     scale, zero = torch.tensor(0.1), torch.tensor(0)
 
@@ -250,12 +254,57 @@ def _matmul_call(precision: str, device: torch.device, n: int) -> tuple[Callable
     return (lambda: torch.mm(a, b, out=out)), f"{dtype}{note}"
 
 
-def measure_peak(precision: str, device: torch.device | str = "cpu", threads: int | None = None) -> Peak:
-    """The instruction peak when it can be measured here, else the large-matmul rate."""
+# The tile instructions that multiply matrices beyond the vector units' rate, per precision: where the CPU has
+# them, the vector-loop "peak" is not one (an AMX Xeon's bf16 GEMMs ran at 440-529% of it)
+_TILE_FLAGS = {"bf16": "amx_bf16", "int8": "amx_int8"}
+
+
+def gemm_peak(precision: str, shapes: Sequence[tuple[int, int, int]], repeats: int = 3) -> Peak:
+    """The best rate of oneDNN's CPU GEMMs (through PyTorch: AMX tiles where the CPU has them) over ``shapes``,
+    (M, K, N) products such as a model's own layers at its batch; best of ``repeats`` per shape."""
+    best, where = 0.0, ""
+    for m, k, n in shapes:
+        call, what = _gemm_call(precision, m, k, n)
+        call()  # oneDNN builds its primitive
+        t = min(_timed(call) for _ in range(repeats))
+        if 2 * m * k * n / t > best:
+            best, where = 2 * m * k * n / t, f"{m}x{k}x{n} {what}"
+    return Peak(precision, best, "amx-matmul", torch.get_num_threads(), f"best of the model's GEMMs: {where}")
+
+
+def _timed(call: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def _gemm_call(precision: str, m: int, k: int, n: int) -> tuple[Callable[[], Any], str]:
+    if precision == "int8" and (gemm := _int8_gemm(n, m, k)) is not None:
+        return gemm, "onednn u8s8"
+    a = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    return (lambda: torch.nn.functional.linear(a, w)), "torch.bfloat16"
+
+
+def measure_peak(
+    precision: str,
+    device: torch.device | str = "cpu",
+    threads: int | None = None,
+    gemm_shapes: Sequence[tuple[int, int, int]] = (),
+) -> Peak:
+    """The instruction peak when it can be measured here, else the large-matmul rate. On a CPU with tile
+    instructions for ``precision`` (AMX), the denominator is what the machine's fastest GEMMs reach: the better of
+    the vector loop and oneDNN's GEMMs at ``gemm_shapes`` (the model's own), method ``"amx-matmul"`` when those
+    win."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if torch.device(device).type == "cpu":
         peak = fma_loop_peak(precision, threads)
+        tile = _TILE_FLAGS.get(precision)
+        if gemm_shapes and tile is not None and tile in hardware.cpu_flags():
+            tiles = gemm_peak(precision, gemm_shapes)
+            if peak is None or tiles.flops > peak.flops:
+                return tiles
         if peak is not None:
             return peak
         if precision == "bf16" and (fp32 := fma_loop_peak("fp32", threads)) is not None:

@@ -221,7 +221,9 @@ def _store(key: str, tuning: Tuning, path: Path | None) -> None:
     entries[key] = tuning.to_dict()
     while len(entries) > CACHE_MAX_ENTRIES:  # oldest first out (dicts keep insertion order)
         entries.pop(next(iter(entries)))
-    with contextlib.suppress(OSError, CheckpointError):  # an unwritable cache costs the next start a measurement, nothing else
+    with contextlib.suppress(
+        OSError, CheckpointError
+    ):  # an unwritable cache costs the next start a measurement, nothing else
         write_file_atomic(path, lambda tmp: tmp.write_text(json.dumps(entries, indent=1)))
 
 
@@ -356,7 +358,7 @@ def build_fast(
     *,
     tune: bool = True,
     timer: Timer | None = None,
-    cache: Path | None | bool = True,
+    cache: Path | bool | None = True,
 ) -> tuple[nn.Module, Tuning]:
     """What runs for a CPU fast precision: the fast path with the kernels :func:`tune_kernels` chose, or the plain
     model in ``dtype`` where that measured faster (``tune=False``: the built-in rules, as
