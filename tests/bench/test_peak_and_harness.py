@@ -187,3 +187,53 @@ def test_on_amx_the_peak_is_what_the_tiles_reach(monkeypatch: pytest.MonkeyPatch
     # without AMX (AVX-512 with BF16: Zen 4, older Xeons) the vector loop is the peak, as before
     monkeypatch.setattr(hardware, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
     assert peak_mod.measure_peak("bf16", gemm_shapes=shapes) is loop and not asked
+
+
+def _row(runner: str, impl: str, precision: str, ips: float, rel_err: float, top1: float) -> dict[str, object]:
+    agree = {"rel_err": rel_err, "top1_agreement": top1}
+    return {"runner": runner, "impl": impl, "precision": precision, "img_per_s": ips, "agreement_vs_fp32": agree}
+
+
+def test_a_peer_computing_another_function_is_left_out_of_the_ratios() -> None:
+    """vitkit's own bench found OpenVINO int8 (NNCF, random weights) at rel err 0.38, top-1 agreement 0.375."""
+    from vitkit.bench.harness import _add_ratios
+
+    rows = [
+        _row("vitkit-fast [int8]", "vitkit-fast", "int8", 24.4, 0.03, 0.97),
+        _row("openvino [int8]", "openvino", "int8", 34.7, 0.38, 0.375),
+        _row("onnxruntime [int8]", "onnxruntime", "int8", 20.0, 0.05, 0.95),
+    ]
+    _add_ratios(rows)
+    fast, ov, ort = rows
+    assert "different function" in str(ov["left_out"]) and "0.375" in str(ov["left_out"])
+    assert "left_out" not in ort
+    assert fast["peer_best"] == "onnxruntime [int8]" and fast["speedup_vs_peer_best"] == pytest.approx(24.4 / 20.0)
+    text = format_report(
+        {
+            "spec": {"task": "inference", "image_size": 224, "batch_size": 32},
+            "model_name": "B/16",
+            "tokens": 197,
+            "machine": {"cpu": "x", "threads": 2},
+            "gflops_per_image": 17.6,
+            "peaks": {},
+            "results": [
+                {
+                    **r,
+                    "img_per_s_best": r["img_per_s"],
+                    "achieved_flops": 1e9,
+                    "fraction_of_peak": 0.5,
+                    "memory": {"delta_mib": 1.0},
+                    "timing": {"q1_s": 1.0, "q3_s": 1.0, "cpu_util": 1.0},
+                }
+                for r in rows
+            ],
+        }
+    )
+    assert "openvino [int8]: left out of x same / x best: relative error 0.38" in text
+    # the same error bound is relative to vitkit's own: a peer as close to fp32 as vitkit stays
+    rows = [
+        _row("vitkit-fast [int8]", "vitkit-fast", "int8", 24.4, 0.12, 0.8),
+        _row("openvino [int8]", "openvino", "int8", 34.7, 0.15, 0.8),
+    ]
+    _add_ratios(rows)
+    assert "left_out" not in rows[1] and rows[0]["peer_best"] == "openvino [int8]"
