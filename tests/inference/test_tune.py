@@ -209,3 +209,28 @@ def test_the_engine_runs_what_the_race_chose(monkeypatch: pytest.MonkeyPatch) ->
     assert torch.allclose(engine.logits(x), model(x).detach(), atol=5e-2, rtol=5e-2)
     untuned = InferenceEngine(model, pre, precision="bf16", device="cpu", batch_size=4, tune=False)
     assert isinstance(untuned.runner, InferenceViT) and untuned.tuning == tune.Tuning()
+
+
+@pytest.mark.parametrize("busy_in", ["attention", "model"])
+def test_a_race_on_a_busy_machine_decides_nothing(tmp_path: Path, busy_in: str) -> None:
+    """The default timer answers NaN when the process got under MIN_CPU_SHARE of its cores (another process
+    slowed one bench's races 4x): the built-in rules stay and nothing is cached."""
+
+    def timer(fns: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
+        busy = ("sdpa" in fns) if busy_in == "attention" else ("plain model" in fns)
+        return {k: float("nan") if busy else 4.0 for k in fns}
+
+    cache = tmp_path / "tuning.json"
+    tuning = tune.tune_kernels(tiny(), torch.float32, 4, timer=timer, cache=cache)
+    assert tuning.kernels == Kernels() and not tuning.plain and "busy" in tuning.source
+    assert not cache.exists()
+
+
+def test_the_default_timer_refuses_a_share_of_the_cores_too_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vitkit.timing import Timing
+
+    monkeypatch.setattr(tune, "time_alternating", lambda fns, *a, **k: {n: Timing([0.03], 0.3) for n in fns})
+    out = tune.default_timer({"a": lambda: None, "b": lambda: None})
+    assert all(v != v for v in out.values())  # NaN
+    monkeypatch.setattr(tune, "time_alternating", lambda fns, *a, **k: {n: Timing([0.03], 0.95) for n in fns})
+    assert tune.default_timer({"a": lambda: None, "b": lambda: None}) == {"a": 30.0, "b": 30.0}

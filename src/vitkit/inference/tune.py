@@ -17,7 +17,9 @@ decide the rounding; a close race is noise). Then the whole tuned fast path is t
 cast to the same dtype, and where the plain model is ``MIN_GAIN`` times faster, it is what runs: the fast path
 never loses to the plain model at the same precision (int8 has no plain peer to lose to: PyTorch's dynamic
 quantisation ran at half the fast path's speed). Pieces whose block call takes under ``MIN_MEASURABLE_S`` are
-not timed (tiny models: a race of microseconds is noise, and the pieces cost little there).
+not timed (tiny models: a race of microseconds is noise, and the pieces cost little there), and a race during
+which the process got under ``MIN_CPU_SHARE`` of its cores (another process was running) keeps the built-in
+rules and is not cached.
 
 The result is kept, in milliseconds, in ``tuning.json`` beside vitkit's compiled kernels (the private
 ``vitkit.native.library_dir``), keyed by the CPU model and flags, PyTorch's version, the thread count, the
@@ -54,6 +56,7 @@ from vitkit.models.vit import Block, VisionTransformer
 from vitkit.timing import time_alternating
 
 MIN_GAIN = 1.10  # an alternative (or the plain model) must be this much faster to replace the built-in rule
+MIN_CPU_SHARE = 0.8  # a race run while other processes had the cores (a 4x slowdown, seen) decides nothing
 MIN_MEASURABLE_S = 2e-3  # block calls faster than this are not raced (timer noise, and little to win)
 REPEATS = 2  # timed calls per candidate (after one warm-up each); the best is kept
 CACHE_NAME = "tuning.json"
@@ -156,6 +159,9 @@ def default_timer(fns: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
     for fn in fns.values():
         fn()
     timings = time_alternating(fns, REPEATS, torch.device("cpu"), torch.get_num_threads())
+    timed = sum(sum(t.times) for t in timings.values())  # the CPU clock's share is meaningful over tens of ms
+    if timed > 0.05 and min(t.cpu_util for t in timings.values()) < MIN_CPU_SHARE:  # another process took the cores
+        return dict.fromkeys(fns, math.nan)
     return {k: min(t.times) * 1e3 for k, t in timings.items()}
 
 
@@ -264,6 +270,8 @@ def _measure(model: VisionTransformer, dtype: torch.dtype, batch: int, int8: boo
         for piece, options in candidates(dtype, int8).items():
             fns = {opt: _block_call(block, dtype, rows, batch, int8, Kernels(**{piece: opt}), x) for opt in options}
             times = timer(fns)
+            if any(math.isnan(t) for t in times.values()):
+                return Tuning(source="built-in rules (the machine was busy while racing: nothing kept)")
             builtin = options[0]
             if times[builtin] * 1e-3 < MIN_MEASURABLE_S:
                 return Tuning(source=f"built-in rules (a block takes {times[builtin]:.2f} ms: too small to race)")
@@ -272,10 +280,12 @@ def _measure(model: VisionTransformer, dtype: torch.dtype, batch: int, int8: boo
             chosen[piece] = winner
             races.append(Race(piece, times, winner, builtin))
         kernels = Kernels(**chosen)
-        plain = False
+        plain: bool | None = False
         if not int8:
             plain = _plain_wins(block, dtype, rows, batch, kernels, x, timer, races)
-    return Tuning(kernels, plain, tuple(races), "measured")
+            if plain is None:
+                return Tuning(source="built-in rules (the machine was busy while racing: nothing kept)")
+    return Tuning(kernels, bool(plain), tuple(races), "measured")
 
 
 def _block_call(
@@ -310,13 +320,16 @@ def _plain_wins(
     x: torch.Tensor,
     timer: Timer,
     races: list[Race],
-) -> bool:
+) -> bool | None:
     """Whether a block of the plain model in ``dtype`` runs ``MIN_GAIN`` times faster than the tuned fast path's
-    block (the blocks are all but a few percent of the model's time; the rest is the same on both)."""
+    block (the blocks are all but a few percent of the model's time; the rest is the same on both); None when the
+    race was not run cleanly."""
     fast = _block_with(block, dtype, rows, False, kernels)
     plain = copy.deepcopy(block).eval().to(dtype)
     tokens = x.view(batch, -1, x.shape[-1])  # (B, T, D)
     times = timer({"fast path": lambda: fast(x, batch), "plain model": lambda: plain(tokens)})
+    if any(math.isnan(t) for t in times.values()):
+        return None
     wins = times["plain model"] * MIN_GAIN <= times["fast path"]
     races.append(Race("model", times, "plain model" if wins else "fast path", "fast path"))
     return wins
