@@ -254,11 +254,11 @@ def test_lp_ft_starts_from_the_linear_head_and_resumes_before_its_first_state(
     def crash(*args: Any, **kwargs: Any) -> Any:
         raise Crash
 
-    monkeypatch.setattr(feature_cache, "extract", crash)
     cfg2 = cfg.override(**{"adapt.feature_cache": str(tmp_path / "cold")})
-    with pytest.raises(Crash):
-        train(cfg2, tmp_path / "cut", progress=False)
-    monkeypatch.undo()
+    with monkeypatch.context() as patch:  # (undo() would also drop --cpu-kind's fakes)
+        patch.setattr(feature_cache, "extract", crash)
+        with pytest.raises(Crash):
+            train(cfg2, tmp_path / "cut", progress=False)
     train(resume=tmp_path / "cut", progress=False)  # no training state yet: starts over from config.json
     assert_same_weights(weights(tmp_path / "ref" / "model"), weights(tmp_path / "cut" / "model"))
 

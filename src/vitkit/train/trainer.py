@@ -50,6 +50,7 @@ from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
 from vitkit.train.run import Run, TrainResult, check_run_dir, step_seed, train_precision
 from vitkit.train.state import resume_config
+from vitkit.train.tune import TrainingPath, choose_training_path
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
 # a validation pass of at least this many tokens (images x tokens per image) runs on the inference fast path,
@@ -88,9 +89,8 @@ class Trainer(Run):
         self.history: list[dict[str, float]] = []
         self.epoch_rows: list[dict[str, Any]] = []
         self.explicit_attention = self._explicit_attention()
+        self.training_path: TrainingPath | None = None
         self.net.set_fused_attention(not self.explicit_attention)
-        if self.device.type == "cpu" and not cfg.compile:  # C kernels for GELU and softmax (bf16 tensors only;
-            self.net.set_training_kernels(kernels.load())  # else PyTorch's ops); inductor fuses on its own
         self.model = distr.wrap(
             self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=self.precision
         )
@@ -108,6 +108,15 @@ class Trainer(Run):
             workers=self.workers,
             pin_memory=self.device.type == "cuda",
         )
+        if self.device.type == "cpu" and not cfg.compile:  # inductor fuses on its own
+            # the C kernels (bf16 tensors only), or PyTorch's ops where a race on one block says they are faster
+            # (after the data's checks: a refused batch size costs no race); the wrapped model shares these modules
+            self.training_path = self._training_path()
+            self.explicit_attention = self.training_path.explicit
+            self.net.set_training_kernels(self.training_path.kernels)
+            self.net.set_fused_attention(not self.explicit_attention)
+            if self.training_path.changed and self.dist.is_main:
+                print(f"note: {self.training_path.describe()}", file=sys.stderr)
         aug = cfg.aug.resolved()
         self.mixer = Mixer(
             len(self.classes), aug.mixup, aug.cutmix, aug.mix_prob, aug.mix_switch_prob, aug.label_smoothing
@@ -135,9 +144,17 @@ class Trainer(Run):
         self._val_used = self.precision  # what the last validation pass computed in
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
 
+    def _micro_batch(self) -> int:
+        return math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
+
     def _explicit_attention(self) -> bool:
-        micro_batch = math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
-        return explicit_attention(self.cfg.attention, self.device, self.net.cfg, micro_batch)
+        return explicit_attention(self.cfg.attention, self.device, self.net.cfg, self._micro_batch())
+
+    def _training_path(self) -> TrainingPath:
+        """The CPU step's kernels: raced (``vitkit.train.tune``) unless ``attention`` was set by hand."""
+        if self.cfg.attention != "auto":
+            return TrainingPath(self.explicit_attention, kernels.load(), self.cfg.attention, {}, "as set")
+        return choose_training_path(self.net, self._micro_batch(), self.precision, self.explicit_attention)
 
     # ---- one optimiser step -------------------------------------------------------------------------
 
