@@ -318,8 +318,10 @@ def open_hf_dataset(
     classes: list[str] | None = None,
     image_column: str | None = None,
     label_column: str | None = None,
+    predecode: bool = True,
 ) -> HFDataset:
-    """One split of a Hugging Face dataset (see the module docstring for the sources it reads)."""
+    """One split of a Hugging Face dataset (see the module docstring for the sources it reads); ``skip_bad`` and
+    ``predecode``: every image cell decoded once now, the bad rows dropped (``open_dataset``)."""
     datasets = _datasets()
     path_text, opts = split_source(source)
     table = _load(datasets, path_text, split)
@@ -346,7 +348,7 @@ def open_hf_dataset(
         raise DataError(f"{what} row {bad}: label {int(labels[bad])} outside the {len(found)} classes of {lab_col!r}")
     names = check_class_map(path_text, found, classes)
     roots = cell_roots(path_text, datasets)
-    if skip_bad:
+    if skip_bad and predecode:
         for row in np.flatnonzero(keep).tolist():
             try:
                 decode_cell(table[row][img_col], f"{what} row {row}", roots)
