@@ -9,13 +9,16 @@ A batch job's sharding (:func:`shard_steps`): the positions still to do are cut 
 dealt out in turn (batch ``c`` to process ``c % world``), and every process runs the same number of steps; step
 ``s`` of all processes together covers consecutive batches of the input, so process 0 gathers each step's
 results (:func:`gather_to_main`) and writes them in input order as it goes: one output, the file one process
-writes (the same batches, so the same numbers), resumable the same way.
+writes (the same batches, so the same numbers), resumable the same way. Every process lists the input itself,
+so they first compare what they listed (:func:`check_same_input`): a process that sees other files is one line
+on every process, not a job that hangs until the group's timeout or writes rows of two inputs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -23,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from vitkit.errors import DataError
 from vitkit.hardware import resolve_device
 
 
@@ -147,3 +151,30 @@ def broadcast_from_main(value: Any, info: DistInfo) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def input_digest(ids: Iterable[str]) -> tuple[int, str]:
+    """(how many, SHA-256) of a list of item ids, in order."""
+    h, n = hashlib.sha256(), 0
+    for item in ids:
+        h.update(item.encode("utf-8", "backslashreplace"))
+        h.update(b"\0")
+        n += 1
+    return n, h.hexdigest()
+
+
+def check_same_input(ids: Iterable[str], info: DistInfo, what: str = "the input") -> None:
+    """DataError on every process unless every process lists the same item ids in the same order (``ids``:
+    this process's list; one process: nothing to compare). Every process sends the count and SHA-256 of its
+    list to every other (one collective, so no process goes on alone into steps the others never take)."""
+    if not info.enabled:
+        return
+    every = all_gather(input_digest(ids), info)
+    differ = [r for r, d in enumerate(every) if d != every[0]]
+    if differ:
+        r = differ[0]
+        raise DataError(
+            f"{what}: process {r} of {info.world} lists {every[r][0]} images ({every[r][1][:12]}) and process 0 "
+            f"lists {every[0][0]} ({every[0][1][:12]}): every process must see the same input (the same files, "
+            "paths and working directory on every machine, and no files added or removed while the job starts)"
+        )

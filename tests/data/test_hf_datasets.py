@@ -168,3 +168,30 @@ def test_image_cells_go_through_the_decoders_bounds(tmp_path: Path) -> None:
     assert np.asarray(ds[2][0])[0, 0, 0] == 8
     skipped = open_dataset(folder / "d.parquet", skip_bad=True)
     assert len(skipped) == 1 and [s.item.rsplit(" ", 1)[-1] for s in skipped.skipped] == ["0", "1"]
+
+
+@pytest.mark.parametrize("version", ["2.20.0", "3.6.0", "4.0.0", datasets.__version__])
+def test_load_dataset_never_runs_a_loading_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: str
+) -> None:
+    """Every ``load_dataset`` call says ``trust_remote_code=False`` where the installed datasets can run a
+    dataset's loading script (before 4.0), and leaves the argument out from 4.0 (no scripts, nor the option);
+    the installed version takes what it is given (issue 32)."""
+    ds = pets()
+    ds.to_parquet(tmp_path / "pets.parquet")
+    (tmp_path / "repo").mkdir()
+    ds.to_parquet(tmp_path / "repo" / "train.parquet")
+    calls: list[dict[str, object]] = []
+    real = datasets.load_dataset
+
+    def spy(*args: object, **kwargs: object) -> object:
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset", spy)
+    monkeypatch.setattr(datasets, "__version__", version)
+    assert len(open_dataset(tmp_path / "pets.parquet")) == 6
+    assert len(open_dataset(tmp_path / "repo")) == 6
+    scripts = int(version.split(".")[0]) < 4
+    assert len(calls) == 2
+    assert all(("trust_remote_code" in k) == scripts and k.get("trust_remote_code", False) is False for k in calls)

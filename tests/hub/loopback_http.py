@@ -6,13 +6,17 @@ wrong bytes, or stalls. ``private_caches``: vitkit's and huggingface_hub's cache
 from __future__ import annotations
 
 import re
+import shutil
 import socket
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -26,6 +30,9 @@ class Server:
     wrong: dict[str, bytes] = field(default_factory=dict)  # path -> bytes served instead of files[path]
     stall: dict[str, float] = field(default_factory=dict)  # path -> seconds to wait before answering
     no_range: set[str] = field(default_factory=set)  # paths served whole (200) even when a Range is asked
+    endless: set[str] = field(default_factory=set)  # paths whose body never ends (no Content-Length)
+    redirect: dict[str, str] = field(default_factory=dict)  # path -> URL answered with 302 Location
+    sent: dict[str, int] = field(default_factory=dict)  # path -> body bytes written, for endless paths
     log: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
 
     def url(self, path: str) -> str:
@@ -44,6 +51,26 @@ def _handler(state: Server) -> type[BaseHTTPRequestHandler]:
             state.log.append((path, self.headers.get("Range")))
             if path in state.stall:
                 time.sleep(state.stall[path])
+            if path in state.redirect:
+                self.send_response(302)
+                self.send_header("Location", state.redirect[path])
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            if path in state.endless:
+                self.send_response(200)
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                block = b"\0" * 65536
+                state.sent[path] = 0
+                try:
+                    while state.sent[path] < 1 << 30:  # 1 GiB: far past any cap a test sets
+                        self.wfile.write(block)
+                        state.sent[path] += len(block)
+                except OSError:
+                    pass  # the client hung up: what a capped download does
+                return
             if path not in state.files:
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
@@ -86,9 +113,14 @@ class _Quiet(ThreadingHTTPServer):
 
 
 @contextmanager
-def serve() -> Iterator[Server]:
+def serve(tls: ssl.SSLContext | None = None) -> Iterator[Server]:
+    """A loopback server; over TLS with ``tls`` (a server context, e.g. from :func:`self_signed`)."""
     server = _Quiet(("127.0.0.1", 0), BaseHTTPRequestHandler)
-    state = Server(base=f"http://127.0.0.1:{server.server_address[1]}")
+    scheme = "http"
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
+        scheme = "https"
+    state = Server(base=f"{scheme}://127.0.0.1:{server.server_address[1]}")
     server.RequestHandlerClass = _handler(state)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -97,6 +129,23 @@ def serve() -> Iterator[Server]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def self_signed(folder: Path) -> tuple[ssl.SSLContext, Path]:
+    """A TLS server context for 127.0.0.1 and the certificate file a client trusts it by (``SSL_CERT_FILE``),
+    made with the openssl command (the test is skipped without it)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    return ctx, cert
 
 
 @pytest.fixture(name="http_server")

@@ -34,6 +34,47 @@ def test_download_verifies_records_and_caches(http_server: Server, tmp_path: Pat
     assert again == path and len(http_server.log) == 1  # served from the cache, no second request
 
 
+def test_a_download_larger_than_its_cap_is_refused_from_its_length(http_server: Server, tmp_path: Path) -> None:
+    http_server.files["/w/big.npz"] = BODY
+    url = http_server.url("/w/big.npz")
+    with pytest.raises(DownloadError, match=rf"{len(BODY)} bytes, more than the 1048576 bytes .*max_bytes"):
+        download(url, cache=tmp_path, progress=False, max_bytes=1 << 20)
+    assert not cache_path(url, tmp_path).exists() and not partial_path(url, tmp_path).exists()
+    assert download(url, cache=tmp_path, progress=False, max_bytes=len(BODY)).read_bytes() == BODY  # at the cap
+
+
+def test_a_body_without_a_length_is_read_no_further_than_the_cap(http_server: Server, tmp_path: Path) -> None:
+    """A server that never ends its body (no Content-Length): vitkit stops at the cap + 1 and keeps nothing (the
+    code before the cap read on for the whole gigabyte the server sends)."""
+    http_server.endless.add("/endless.npz")
+    url = http_server.url("/endless.npz")
+    with pytest.raises(DownloadError, match="more than 1048576 bytes"):
+        download(url, cache=tmp_path, progress=False, max_bytes=1 << 20)
+    assert not cache_path(url, tmp_path).exists() and not partial_path(url, tmp_path).exists()
+    assert http_server.sent["/endless.npz"] < 64 << 20  # what the server got written before the hang-up
+
+
+def test_a_redirect_from_https_to_http_is_refused(
+    http_server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TLS server on loopback (its certificate trusted through SSL_CERT_FILE) redirects to the plain-HTTP one:
+    refused, nothing asked of the plain server, nothing kept; https -> https is followed."""
+    from loopback_http import self_signed, serve
+
+    tls, cert = self_signed(tmp_path)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    http_server.files["/w/model.npz"] = BODY
+    with serve(tls) as secure:
+        secure.files["/w/model.npz"] = BODY
+        secure.redirect["/down.npz"] = http_server.url("/w/model.npz")
+        secure.redirect["/moved.npz"] = secure.url("/w/model.npz")
+        url = secure.url("/down.npz")
+        with pytest.raises(DownloadError, match=r"redirected to http:// .*refused"):
+            download(url, cache=tmp_path, progress=False)
+        assert http_server.log == [] and not cache_path(url, tmp_path).exists()
+        assert download(secure.url("/moved.npz"), cache=tmp_path, progress=False).read_bytes() == BODY
+
+
 def test_cut_connection_resumes_with_range(http_server: Server, tmp_path: Path) -> None:
     http_server.files["/big.npz"] = BODY
     http_server.cut_after["/big.npz"], http_server.cut_times["/big.npz"] = 1_500_000, 2  # cut twice

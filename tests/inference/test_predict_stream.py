@@ -398,6 +398,40 @@ def test_bad_images_are_named_or_marked_failed_and_counted(
     assert len(docs) == 7 and docs[4]["image"] == str(corrupt) and docs[4]["top"] == [] and "error" in docs[4]
 
 
+def test_skip_bad_with_data_decodes_nothing_before_the_stream(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--data`` with ``--skip-bad``: opening the dataset decodes no image (before, every image of an ImageFolder
+    was decoded once, serially, before the first batch, in every process), and a corrupt image is a counted
+    failed row of the stream, in its place."""
+    import vitkit.data.folder as folder
+    from vitkit.data.stream import open_source
+
+    root = tmp_path / "data"
+    for i in range(4):
+        png(root / "test" / "a" / f"{i}.png", i)
+    corrupt = root / "test" / "a" / "2b.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not a png")
+    decoded: list[str] = []
+    real = folder.load_image
+
+    def spy(path: Any) -> Any:
+        decoded.append(str(path))
+        return real(path)
+
+    monkeypatch.setattr(folder, "load_image", spy)
+    source = open_source([], str(root), "test", skip_bad=True)
+    assert len(source) == 5 and decoded == []  # listed, nothing decoded
+    out = tmp_path / "o.jsonl"
+    code, _, err = predict_cli(capsys, ckpt, "--data", str(root), "--skip-bad", "--batch-size", "2", "--out", str(out))
+    assert code == 0, err
+    rows = read_rows(out)
+    assert [r["image"] for r in rows] == [source.item_id(i) for i in range(5)]
+    assert [r["image"] for r in rows if r.get("error")] == [str(corrupt)]
+    assert "1 of 5 image(s) failed" in err, err
+    assert sorted(decoded) == sorted(source.item_id(i) for i in range(5))  # once each: by the stream alone
+
+
 # ---- Python API ---------------------------------------------------------------------------------------
 
 

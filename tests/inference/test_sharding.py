@@ -68,3 +68,32 @@ def test_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
     knn_one, knn_two = (json.loads((d / "knn.json").read_text()) for d in (one, two))
     assert knn_one == knn_two and knn_one["num_test"] == 15 and knn_one["num_train"] == 18
     assert not list(two.glob("*.parts"))  # assembled, chunk folders removed
+
+
+@pytest.mark.slow  # ~15 s on 2 cores: two interpreters importing torch under torchrun, twice
+@pytest.mark.parametrize("command", ["predict", "embed", "eval"])
+def test_processes_that_list_different_inputs_stop_in_one_line(tmp_path: Path, command: str) -> None:
+    """Two gloo processes, each given its own folder (process 1's has one image more, and another name): every
+    process refuses in one line before any step (before: the processes' step counts differed and the job hung
+    until the process group's 30-minute timeout; equal counts mixed two inputs' rows in one output)."""
+    model = randomize_(create_model("Ti/16", patch_size=8, image_size=16, hidden_size=32, depth=1, num_heads=2,
+                                    mlp_dim=32, num_classes=1))  # fmt: skip
+    ckpt = vitkit.save_pretrained(model.eval(), tmp_path / "m", preprocess=Preprocess(image_size=16))
+    root = tmp_path / "inputs"
+    for rank, n in ((0, 5), (1, 6)):
+        for i in range(n):
+            folder = root / str(rank) / "test" / "a"  # an ImageFolder (embed --data) and a folder (predict)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((16, 16, 3), 40 * i, np.uint8)).save(folder / f"{rank}-{i}.png")
+    out = tmp_path / "out"
+    out.mkdir()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run([*launcher, str(HERE / "mismatch_run.py"), str(out), str(ckpt), str(root), command],
+                          env=ENV, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "every process must see the same input" in line]
+    # one line from each process (torchrun may stop the second before it prints once the first has exited)
+    assert 1 <= len(lines) <= 2 and all(line.startswith(f"vitkit {command}: error: ") for line in lines), proc.stderr
+    assert "process 1 of 2 lists 6 images" in lines[0] and "process 0 lists 5" in lines[0]
+    written = out / {"predict": "pred.jsonl", "embed": "emb.npy", "eval": "eval"}[command]
+    assert not written.exists() or (written.is_file() and written.stat().st_size == 0), list(out.iterdir())

@@ -99,10 +99,15 @@ def test_health_model_card_openapi(client: TestClient, ckpt: Path) -> None:
     assert card["classes"] == CLASSES and card["num_classes"] == 6 and card["image_size"] == [32, 48]
     assert card["preprocessing"]["resize"] == "crop" and card["preprocessing"]["mean"] == [0.5, 0.4, 0.3]
     assert card["precision"] == "fp32" and card["serving"]["max_batch"] == 4
-    assert card["serving"]["max_connections"] == 64 + 4 + 16 and card["serving"]["decoders"] >= 1
+    assert card["serving"]["header_timeout_s"] == 10.0 and card["serving"]["decoders"] >= 1
     spec = client.get("/openapi.json").json()
-    body = spec["paths"]["/predict"]["post"]["requestBody"]["content"]
+    predict = spec["paths"]["/predict"]["post"]
+    body = predict["requestBody"]["content"]
     assert {"image/*", "application/octet-stream", "multipart/form-data"} <= set(body)
+    # a schema-driven client learns which image files are taken, and that others are a 400
+    assert "JPEG, PNG, BMP, GIF, TIFF, WebP" in predict["requestBody"]["description"]
+    assert "answered 400" in body["image/*"]["schema"]["description"]
+    assert "WebP" in predict["responses"]["400"]["description"]
     assert {"/health", "/metrics", "/model"} <= set(spec["paths"])
     docs = client.get("/docs")
     assert docs.status_code == 200 and "swagger" in docs.text.lower()

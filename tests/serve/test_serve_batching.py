@@ -193,9 +193,8 @@ def test_a_full_queue_is_refused_before_decoding(slow_served: ServedModel, monke
 
 
 def test_images_decoded_at_once_are_bounded(slow_served: ServedModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At most ``max_decoding`` images are decoded at once, however many requests arrive; a request that times
-    out while its image is decoded keeps its slot until the decoding is done (the thread cannot be stopped), and
-    requests that time out while waiting for a slot are never decoded."""
+    """At most ``max_decoding`` images are decoded at once, however many requests arrive (timed-out decodings:
+    test_a_timed_out_decoding_gives_its_slot_to_the_next_request)."""
     spy = SlowDecoding(slow_served, seconds=0.3)
     monkeypatch.setattr(slow_served, "to_tensor", spy)
     opts = ServeOptions(max_batch=8, max_wait_ms=1, max_queue=32, max_decoding=2, timeout_s=30)
@@ -203,45 +202,88 @@ def test_images_decoded_at_once_are_bounded(slow_served: ServedModel, monkeypatc
         answers = list(pool.map(lambda i: httpx.post(f"{url}/predict", content=image_bytes(i), timeout=30), range(8)))
     assert [r.status_code for r in answers] == [200] * 8
     assert spy.calls == 8 and spy.peak == 2
-    spy = SlowDecoding(slow_served, seconds=1.0)
-    monkeypatch.setattr(slow_served, "to_tensor", spy)
-    opts = ServeOptions(max_batch=8, max_wait_ms=1, max_queue=32, max_decoding=1, timeout_s=0.2)
-    with uvicorn_thread(create_app(slow_served, opts)) as url, ThreadPoolExecutor(3) as pool:
-        answers = list(pool.map(lambda i: httpx.post(f"{url}/predict", content=image_bytes(i), timeout=30), range(3)))
-        assert [r.status_code for r in answers] == [504] * 3
-        deadline = time.monotonic() + 10
-        while spy.now:  # the abandoned decodings finish one after the other
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        time.sleep(0.5)
-    assert spy.peak == 1 and spy.calls == 1
 
 
-def test_serve_limits_open_connections(ckpt: Path) -> None:
-    """``vitkit serve`` sets uvicorn's limit_concurrency to --max-queue + --max-batch + 16: with that many
-    connections open, the next request is answered 503 by uvicorn (plain text, declared in the schema) without
-    reaching the app; once they close, requests are served again."""
+class Bomb:
+    """``served.to_tensor`` that never finishes a 7x7 image until ``gate`` is set (a decompression bomb's cost),
+    and converts every other image at once; counts the bombs being decoded."""
+
+    def __init__(self, served: ServedModel) -> None:
+        self.real, self.gate, self.lock = served.to_tensor, threading.Event(), threading.Lock()
+        self.now = self.others = 0
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        if img.size != (7, 7):
+            with self.lock:
+                self.others += 1
+            return self.real(img)
+        with self.lock:
+            self.now += 1
+        try:
+            self.gate.wait(60)
+        finally:
+            with self.lock:
+                self.now -= 1
+        return self.real(img)
+
+
+def test_a_timed_out_decoding_gives_its_slot_to_the_next_request(
+    slow_served: ServedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--max-decoding 1: a bomb that times out (504) gives its decoding slot back, so the next normal image is
+    served (before: 504 as well, the abandoned decoding held the slot). Abandoned decodings are bounded too: with
+    one running already, a second bomb keeps its slot after its 504, and the image after it times out waiting
+    for a slot, never decoded."""
+    bomb = Bomb(slow_served)
+    monkeypatch.setattr(slow_served, "to_tensor", bomb)
+    opts = ServeOptions(max_batch=8, max_wait_ms=1, max_queue=32, max_decoding=1, timeout_s=3)
+    try:
+        with uvicorn_thread(create_app(slow_served, opts)) as url:
+            post = lambda data: httpx.post(f"{url}/predict", content=data, timeout=30)  # noqa: E731
+            assert post(image_bytes(1, size=(7, 7))).status_code == 504
+            assert bomb.now == 1  # still decoding, outside the slots
+            assert post(image_bytes(2)).status_code == 200
+            assert post(image_bytes(3, size=(7, 7))).status_code == 504
+            assert bomb.now == 2
+            assert post(image_bytes(4)).status_code == 504  # the second abandoned decoding kept its slot
+            bomb.gate.set()
+            deadline = time.monotonic() + 10
+            while bomb.now:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert post(image_bytes(5)).status_code == 200
+            assert bomb.others == 2  # images 2 and 5: image 4 gave up before it had a slot
+    finally:
+        bomb.gate.set()
+
+
+def test_idle_connections_do_not_lock_out_health_checks(ckpt: Path) -> None:
+    """88 TCP connections that send nothing, on ``vitkit serve --max-batch 1 --max-queue 1`` (uvicorn's connection
+    limit was 1 + 1 + 16 = 18, idle connections counted, and /health answered 503): /health and /predict are
+    answered, and the idle connections are closed by the server after --header-timeout."""
     import socket
 
     port = free_port()
     cmd = [sys.executable, "-m", "vitkit", "serve", str(ckpt), "--port", str(port), "--precision", "fp32"]
-    cmd += ["--max-batch", "1", "--max-queue", "1", "--log-level", "error"]
+    cmd += ["--max-batch", "1", "--max-queue", "1", "--header-timeout", "2", "--log-level", "error"]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(SRC)}, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    held: list[socket.socket] = []
     try:
         wait_healthy(proc, url)
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(1 + 1 + 16)]
-        time.sleep(0.5)  # the server has accepted them
-        r = httpx.post(f"{url}/predict", content=image_bytes(1), timeout=30)
-        assert r.status_code == 503 and r.headers["content-type"].startswith("text/plain")
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(88)]
+        half = socket.create_connection(("127.0.0.1", port))
+        half.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # a head that never ends (slowloris)
+        held.append(half)
+        r = httpx.get(f"{url}/health", timeout=5)
+        assert r.status_code == 200 and r.json()["status"] == "ok"
+        assert httpx.post(f"{url}/predict", content=image_bytes(1), timeout=30).status_code == 200
+        for s in held:  # each is closed by the server: recv sees the end of the stream
+            s.settimeout(30)
+            assert s.recv(1) == b""
+    finally:
         for s in held:
             s.close()
-        deadline = time.monotonic() + 10
-        while (r := httpx.post(f"{url}/predict", content=image_bytes(1), timeout=30)).status_code == 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        assert r.status_code == 200
-    finally:
         proc.kill()
         proc.wait()
 

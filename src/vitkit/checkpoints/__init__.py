@@ -79,9 +79,10 @@ def _save_vitkit(
     )
 
 
-def _load_lora(path: Path) -> Checkpoint:
-    """An adapter folder merged onto its base checkpoint, which this package's loader reads (any format)."""
-    return lora_format.load(path, load_base=load_checkpoint)
+def _load_lora(path: Path, lora_base: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """An adapter folder merged onto its base checkpoint (``lora_base``, else the one its config names), which
+    this package's loader reads (any format)."""
+    return lora_format.load(path, lora_base, load_base=load_checkpoint)
 
 
 def _is_run(path: Path) -> bool:
@@ -91,13 +92,13 @@ def _is_run(path: Path) -> bool:
     return vitkit_format.looks_like(model) or lora_format.looks_like(model)  # LoRA runs with --save-adapters
 
 
-def _load_run(path: Path) -> Checkpoint:
+def _load_run(path: Path, lora_base: str | os.PathLike[str] | None = None) -> Checkpoint:
     """The run's ``model/``; while training replaces it (two renames), the previous one is read instead."""
     tried = None
     while True:
         folder = complete_dir(path / "model")
         try:
-            return _load_lora(folder) if lora_format.looks_like(folder) else vitkit_format.load(folder)
+            return _load_lora(folder, lora_base) if lora_format.looks_like(folder) else vitkit_format.load(folder)
         except CheckpointError:
             if folder == tried:
                 raise
@@ -180,20 +181,31 @@ def detect_format(path: str | os.PathLike[str]) -> str:
 
 
 def read_checkpoint(
-    path: str | os.PathLike[str], format: str | None = None, *, cache_dir: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    format: str | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    lora_base: str | os.PathLike[str] | None = None,
 ) -> Checkpoint:
     """The checkpoint converted to vitkit's state-dict layout, not yet placed in a model.
 
     ``path``: a local file or folder (always wins), an ``http(s)://`` / ``gs://`` URL, a registry name or a
     Hugging Face Hub id ``org/name[@revision]``; remote ones are downloaded once into the cache
-    (``cache_dir``, default :func:`vitkit.hub.cache_dir`).
+    (``cache_dir``, default :func:`vitkit.hub.cache_dir`). ``lora_base``: for a LoRA adapter folder (or a run
+    that saved one), the base checkpoint to merge onto instead of the one its config.json names; a remote base
+    that only the folder names is never fetched (see :func:`vitkit.checkpoints.lora_format.check_declared_base`).
     """
     local = complete_dir(Path(path))
     found = resolve(local if local.exists() else path, cache_dir=cache_dir)
     name = format or (found.entry.format if found.entry else None) or detect_format(found.path)
     if name not in FORMATS:
         raise ConfigError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
-    ckpt = FORMATS[name].load(found.path)
+    if lora_base is not None:
+        if name not in ("lora", "run"):
+            raise ConfigError(f"{path}: lora_base is for a LoRA adapter folder, and this is a {name} checkpoint")
+        ckpt = (_load_lora if name == "lora" else _load_run)(found.path, lora_base)
+    else:
+        ckpt = FORMATS[name].load(found.path)
     return replace(ckpt, meta=_with_source_metadata(ckpt.meta, ckpt.cfg.num_classes, found))
 
 
@@ -243,15 +255,16 @@ def load_checkpoint(
     image_size: int | tuple[int, int] | None = None,
     pos_interpolation: str = "bilinear",
     cache_dir: str | os.PathLike[str] | None = None,
+    lora_base: str | os.PathLike[str] | None = None,
 ) -> Loaded:
     """Load any supported checkpoint (a path, URL, registry name or hub id) as a ready model plus metadata.
 
     ``num_classes``: replace the head by a zero-initialised one for this many classes (dropping the
     pre-logits layer) when it differs from the checkpoint's. ``image_size``: change the resolution,
     resampling the position-embedding grid (``"bilinear"`` reproduces the official ``interpolate_posembed``
-    exactly, ``"bicubic"`` is timm's choice).
+    exactly, ``"bicubic"`` is timm's choice). ``lora_base``: see :func:`read_checkpoint`.
     """
-    ckpt = read_checkpoint(path, format, cache_dir=cache_dir)
+    ckpt = read_checkpoint(path, format, cache_dir=cache_dir, lora_base=lora_base)
     model = empty_model(ckpt.cfg)
     try:
         model.load_state_dict(ckpt.state, strict=True)
@@ -268,7 +281,7 @@ def load_checkpoint(
     return Loaded(model.eval(), meta)
 
 
-_LOAD_OPTIONS = ("format", "num_classes", "image_size", "pos_interpolation", "cache_dir")
+_LOAD_OPTIONS = ("format", "num_classes", "image_size", "pos_interpolation", "cache_dir", "lora_base")
 
 
 def loaded_from(name_or_path: str | os.PathLike[str], *, device: str | None = None, **overrides: Any) -> Loaded:

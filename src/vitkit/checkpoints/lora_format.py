@@ -10,9 +10,12 @@ A folder of four files::
     head.safetensors            what was trained besides them: the head (and pre-logits layer, if any)
 
 Loading (every command: it is a checkpoint format, ``lora``) reads the base checkpoint named in config.json
-(or ``base=``), checks that its weights are the ones the adapters were trained on (``state_digest``),
-brings it to the fine-tuned resolution and head, injects the adapters, loads them and the head, and merges
-them into the weights: the model every tool gets is a plain ViT. By hand, with peft::
+(or ``base=``, ``load_checkpoint(lora_base=)``), checks that its weights are the ones the adapters were trained
+on (``state_digest``), brings it to the fine-tuned resolution and head, injects the adapters, loads them and
+the head, and merges them into the weights: the model every tool gets is a plain ViT. A remote base (a URL, a
+Hugging Face Hub id) is fetched only when the user names it (``lora_base=``) or has downloaded it already; a
+registry name is fetched (its digest is published); every size in config.json is bounded before anything is
+allocated (:data:`MAX_TOKENS`, ``LoraSpec``'s rank, the head file's header). By hand, with peft::
 
     base = vitkit.load_checkpoint(BASE, image_size=...).model; base.reset_head(len(class_names))
     peft.inject_adapter_in_model(peft.LoraConfig.from_pretrained(FOLDER), base)
@@ -37,6 +40,9 @@ from vitkit import fileio
 from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, VitkitError
+from vitkit.hub import registry
+from vitkit.hub.download import is_cached, is_url
+from vitkit.hub.resolve import looks_like_path, parse_hub_id
 from vitkit.models.lora import LoraSpec, adapter_state, add_lora, load_adapter_state, merge_lora
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -48,7 +54,15 @@ ADAPTERS = "adapter_model.safetensors"
 HEAD = "head.safetensors"
 FILES = (CONFIG, PEFT_CONFIG, ADAPTERS, HEAD)
 MAX_TENSOR_VALUES = 1 << 31  # far above any adapter set or head; checked from the header before reading
+MAX_CONFIG_BYTES = 16 << 20  # config.json: a few KB, class names included
+#: Tokens of the adapted model's resolution (its image size over the patch size): the base's position
+#: embedding is resampled to it before anything else can be checked. 16,384 is 2048x2048 pixels at /16.
+MAX_TOKENS = 1 << 14
 _LOADING_BASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("lora_base", default=None)
+
+
+class RemoteBase(CheckpointError):
+    """An adapter folder that names a remote base (a URL or a Hugging Face Hub id) the user did not name."""
 
 
 class LoraChain(CheckpointError):
@@ -60,7 +74,9 @@ def looks_like(path: Path) -> bool:
     if not (path.is_dir() and cfg.is_file()):
         return False
     try:
-        return json.loads(cfg.read_text()).get("format") == FORMAT
+        with open(cfg, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        return len(text) <= MAX_CONFIG_BYTES and json.loads(text).get("format") == FORMAT
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -134,7 +150,11 @@ def read_config(path: Path) -> dict[str, Any]:
     """config.json of an adapter folder, its fields checked."""
     cfg_path = path / CONFIG
     try:
-        doc = json.loads(cfg_path.read_text())
+        with open(cfg_path, "rb") as f:
+            text = f.read(MAX_CONFIG_BYTES + 1)
+        if len(text) > MAX_CONFIG_BYTES:
+            raise CheckpointError(f"{cfg_path}: more than {MAX_CONFIG_BYTES >> 20} MiB, not an adapter config")
+        doc = json.loads(text)
     except FileNotFoundError:
         raise CheckpointError(f"{cfg_path}: no such file") from None
     except (OSError, ValueError) as e:
@@ -151,6 +171,18 @@ def read_config(path: Path) -> dict[str, Any]:
         names = doc.get("class_names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise CheckpointError(f'{cfg_path}: "class_names" must be a list of strings')
+        cfg, spec = doc["_cfg"], doc["_spec"]
+        if spec.rank > cfg.hidden_size:
+            raise CheckpointError(f"{cfg_path}: LoRA rank {spec.rank} is above the model's width {cfg.hidden_size}")
+        tokens = cfg.grid_size[0] * cfg.grid_size[1]
+        if tokens > MAX_TOKENS:
+            raise CheckpointError(
+                f"{cfg_path}: image size {cfg.image_size} is {tokens} tokens, more than the {MAX_TOKENS} an adapted "
+                "model may have"
+            )
+        pre = doc["_preprocess"].image_size
+        if tuple(pre) != tuple(cfg.image_size):
+            raise CheckpointError(f'{cfg_path}: "preprocess" image size {pre} is not the model\'s {cfg.image_size}')
         if not isinstance(doc.get("provenance") or {}, dict):
             raise CheckpointError(f'{cfg_path}: "provenance" must be an object')
     except CheckpointError:
@@ -158,6 +190,18 @@ def read_config(path: Path) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, AttributeError, VitkitError) as e:
         raise CheckpointError(f"{cfg_path}: invalid LoRA adapter config ({type(e).__name__}: {e})") from None
     return doc
+
+
+def _shapes(path: Path) -> dict[str, list[int]]:
+    """The tensor shapes in a safetensors file's header (nothing else read)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), "pt") as f:
+            names = list(f.keys())
+            return {k: list(f.get_slice(k).get_shape()) for k in names}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -179,6 +223,38 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: unreadable ({e})") from None
 
 
+def check_declared_base(path: Path, name: str) -> None:
+    """RemoteBase unless the base that the folder's config.json names (not the user) may be read: a local path,
+    a registry name (vitkit's own list of Google's checkpoints, digests published), or a URL already in the
+    download cache (``vitkit download URL``: the user fetched it). A URL or Hub id that only the folder names
+    is never fetched: whoever wrote the folder would choose what is downloaded."""
+    if os.path.exists(name) or (not is_url(name) and looks_like_path(name)):
+        return  # local: a missing path is "no such file" below, never a download
+    if is_url(name):
+        if is_cached(name):
+            return
+        how = f"download it yourself (vitkit download {name}) if you trust it"
+    elif registry.lookup(name) is not None:
+        return
+    elif (hub := parse_hub_id(name)) is not None:
+        if _hub_cached(*hub):
+            return
+        how = f"download it yourself (vitkit download {name}) if you trust it"
+    else:
+        return  # neither remote nor a registry name: the loader's "not found" says what was tried
+    raise RemoteBase(
+        f"{path / CONFIG}: its base checkpoint {name} is remote and named by the adapter folder, not by you; "
+        f"it is not fetched: {how}, or name a local copy with lora_base="
+    )
+
+
+def _hub_cached(repo_id: str, revision: str | None) -> bool:
+    """Whether huggingface_hub's cache holds the repository's config.json (``vitkit download org/name``)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
+
+
 def load(path: Path, base: str | os.PathLike[str] | None = None, *, load_base: Callable[[str], Loaded]) -> Checkpoint:
     """The merged model of an adapter folder and its base checkpoint (``base``: another place to find it), read
     by ``load_base`` (the package's ``load_checkpoint``, which passes itself: any format can be a base)."""
@@ -189,6 +265,11 @@ def load(path: Path, base: str | os.PathLike[str] | None = None, *, load_base: C
     cfg: ViTConfig = doc["_cfg"]
     spec: LoraSpec = doc["_spec"]
     base_name = os.fspath(base) if base is not None else doc["base"]["checkpoint"]
+    if base is None:
+        check_declared_base(path, base_name)
+    head_rows = _shapes(path / HEAD).get("head.weight", [0])[0]
+    if head_rows != cfg.num_classes:  # the head file, not the config, sizes the new head
+        raise CheckpointError(f"{path / HEAD}: does not hold the head of a {cfg.num_classes}-class model")
     token = _LOADING_BASE.set(str(path))
     try:
         loaded = load_base(base_name)

@@ -77,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=64,
         help="requests waiting at most (for the model, or being read or decoded); more get 503 before their upload "
-        "is read (default 64). More than --max-queue + --max-batch + 16 open connections are answered 503 by uvicorn",
+        "is read (default 64)",
     )
     p.add_argument(
         "--max-decoding",
@@ -86,6 +86,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "core, at most --max-queue)",
     )
     p.add_argument("--timeout", type=positive_float, default=30.0, help="request timeout in seconds, 504 (default 30)")
+    p.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds a connection may take to send a whole request head, from opening or from its last answer; "
+        "then it is closed (idle connections never hold the server; default 10)",
+    )
     p.add_argument("--max-upload-mb", type=positive_float, default=16.0, help="largest upload in MiB, 413 (default 16)")
     p.add_argument(
         "--max-pixels",
@@ -106,7 +113,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from vitkit.data.folder import list_image_files
     from vitkit.serve.app import ServeOptions, create_app
     from vitkit.serve.engine import ServedModel, check_calibration_used, uses_calibration
-    from vitkit.serve.net import bind
+    from vitkit.serve.net import bind, server_config
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")
@@ -132,6 +139,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels,
         top_k=args.top_k,
         max_decoding=args.max_decoding or 0,
+        header_timeout_s=args.header_timeout,
     )
     served = ServedModel.from_checkpoint(
         args.checkpoint,
@@ -153,13 +161,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        limit_concurrency=opts.max_connections,  # more open connections: uvicorn answers 503 itself
-        timeout_graceful_shutdown=int(args.timeout) + 5,  # in-flight requests finish, bounded
-    )
+    config = server_config(app, opts, host=args.host, port=args.port, log_level=args.log_level)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

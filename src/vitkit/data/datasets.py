@@ -46,6 +46,7 @@ def open_dataset(
     strict_classes: bool = True,
     image_column: str | None = None,
     label_column: str | None = None,
+    predecode: bool = True,
 ) -> ImageDataset:
     """Open a labelled image dataset by source and split.
 
@@ -56,7 +57,10 @@ def open_dataset(
     cache; see :mod:`vitkit.data.hf_datasets`; ``image_column`` / ``label_column`` name its columns).
 
     ``skip_bad``: drop unreadable items (zero-byte, corrupt, truncated, empty class folders, samples
-    without a label) and list them in ``ds.skipped`` instead of raising DataError.
+    without a label) and list them in ``ds.skipped`` instead of raising DataError. To find the corrupt and
+    truncated ones, every image of an ImageFolder, WebDataset or Hugging Face dataset is decoded once, here;
+    ``predecode=False`` leaves that to whoever reads the items (the batch jobs' stream, which makes a bad item a
+    counted failed row as it comes: no pass over the whole dataset before the first batch, once per process).
 
     ``classes``: the class list the labels must index into (e.g. a checkpoint's); the source's own class
     names must be a subset of it, so indices never shift between a training and an evaluation split. With
@@ -64,11 +68,11 @@ def open_dataset(
     (evaluation then compares labels by index, or by name when both sides hold the same set).
     """
     try:
-        return _open(os.fspath(source), split, skip_bad, classes, image_column, label_column)
+        return _open(os.fspath(source), split, skip_bad, classes, image_column, label_column, predecode)
     except ClassMapError:
         if strict_classes:
             raise
-        return _open(os.fspath(source), split, skip_bad, None, image_column, label_column)
+        return _open(os.fspath(source), split, skip_bad, None, image_column, label_column, predecode)
 
 
 def _open(
@@ -78,6 +82,7 @@ def _open(
     classes: Sequence[str] | None,
     image_column: str | None,
     label_column: str | None,
+    predecode: bool = True,
 ) -> ImageDataset:
     expected = list(classes) if classes is not None else None
     if name == "digits":
@@ -90,12 +95,18 @@ def _open(
     from vitkit.data.wds import is_shard_source, open_webdataset
 
     if is_shard_source(name):
-        return open_webdataset(name, split, skip_bad=skip_bad, classes=expected)
+        return open_webdataset(name, split, skip_bad=skip_bad, classes=expected, predecode=predecode)
     from vitkit.data import hf_datasets as hfd
 
     if hfd.is_hf_source(name) or hfd.is_hub_dataset_id(name):
         return hfd.open_hf_dataset(
-            name, split, skip_bad=skip_bad, classes=expected, image_column=image_column, label_column=label_column
+            name,
+            split,
+            skip_bad=skip_bad,
+            classes=expected,
+            image_column=image_column,
+            label_column=label_column,
+            predecode=predecode,
         )
     if image_column is not None or label_column is not None:
         raise DataError(f"{name}: image_column/label_column apply to Hugging Face datasets only")
@@ -118,7 +129,7 @@ def _open(
         return open_cifar(cifar, split, classes=expected)
     from vitkit.data.folder import open_image_folder
 
-    return open_image_folder(path, split, skip_bad=skip_bad, classes=expected)
+    return open_image_folder(path, split, skip_bad=skip_bad, classes=expected, predecode=predecode)
 
 
 def open_split_or_none(

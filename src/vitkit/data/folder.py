@@ -82,12 +82,18 @@ def resolve_split(root: Path, split: str) -> Path:
 
 
 def open_image_folder(
-    root: Path, split: str = "train", *, skip_bad: bool = False, classes: list[str] | None = None
+    root: Path,
+    split: str = "train",
+    *,
+    skip_bad: bool = False,
+    classes: list[str] | None = None,
+    predecode: bool = True,
 ) -> ImageFolder:
     """List an ImageFolder split; zero-byte files and empty class folders fail here (or are skipped).
 
     Corrupt or truncated images are found when decoded (DataError naming the file). With ``skip_bad``
-    every image is decoded once now, so that bad ones can be dropped before training starts.
+    every image is decoded once now, so that bad ones can be dropped before training starts (unless
+    ``predecode`` is False: the batch jobs' stream makes them failed rows as it comes to them).
     """
     base = resolve_split(root, split)
     found = _subdirs(base)
@@ -125,7 +131,7 @@ def open_image_folder(
                 continue
             paths.append(f)
             labels.append(index[cls])
-    if skip_bad:
+    if skip_bad and predecode:
         paths, labels = _drop_undecodable(paths, labels, skipped)
     if not paths:
         raise DataError(f"{base}: no readable images")

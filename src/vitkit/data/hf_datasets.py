@@ -105,6 +105,15 @@ def is_hub_dataset_id(source: str) -> bool:
     return not os.path.exists(path) and HUB_DATASET_ID.match(path) is not None
 
 
+def no_scripts(datasets: Any) -> dict[str, Any]:
+    """The keyword arguments that keep ``datasets.load_dataset`` from running a dataset's loading script (code
+    that whoever wrote the dataset chose): ``trust_remote_code=False`` for the versions that have scripts (before
+    4.0; the default since 2.20, the oldest version vitkit takes, said explicitly all the same), nothing from
+    4.0, which runs no scripts at all (and may not take the argument)."""
+    major = str(getattr(datasets, "__version__", "0")).split(".")[0]
+    return {"trust_remote_code": False} if major.isdigit() and int(major) < 4 else {}
+
+
 def _load(datasets: Any, path_text: str, split: str) -> Any:
     """The ``datasets.Dataset`` of ``split`` (aliases tried), MissingSplitError when there is none."""
     path = Path(path_text)
@@ -117,9 +126,9 @@ def _load(datasets: Any, path_text: str, split: str) -> Any:
                 raise DataError(f"{path}: no .parquet or .arrow files")
             kind = "parquet" if files[0].suffix == ".parquet" else "arrow"
             if path.is_file():
-                obj = datasets.load_dataset(kind, data_files={"train": str(path)})
+                obj = datasets.load_dataset(kind, data_files={"train": str(path)}, **no_scripts(datasets))
             else:
-                obj = datasets.load_dataset(str(path))
+                obj = datasets.load_dataset(str(path), **no_scripts(datasets))
         else:
             obj = _load_hub_dataset(datasets, path_text)
     except DataError:
@@ -159,7 +168,7 @@ def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
     try:
         for lg in loggers:  # every retry of an unreachable Hub is logged; the error that follows says it
             lg.setLevel(logging.ERROR)
-        return datasets.load_dataset(repo_id)
+        return datasets.load_dataset(repo_id, **no_scripts(datasets))
     except Exception as first:
         from huggingface_hub import snapshot_download
 
@@ -167,7 +176,7 @@ def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
             folder = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
         except Exception:
             raise first from None
-        return datasets.load_dataset(str(folder))
+        return datasets.load_dataset(str(folder), **no_scripts(datasets))
     finally:
         for lg, level in zip(loggers, levels, strict=True):
             lg.setLevel(level)
@@ -309,8 +318,10 @@ def open_hf_dataset(
     classes: list[str] | None = None,
     image_column: str | None = None,
     label_column: str | None = None,
+    predecode: bool = True,
 ) -> HFDataset:
-    """One split of a Hugging Face dataset (see the module docstring for the sources it reads)."""
+    """One split of a Hugging Face dataset (see the module docstring for the sources it reads); ``skip_bad`` and
+    ``predecode``: every image cell decoded once now, the bad rows dropped (``open_dataset``)."""
     datasets = _datasets()
     path_text, opts = split_source(source)
     table = _load(datasets, path_text, split)
@@ -337,7 +348,7 @@ def open_hf_dataset(
         raise DataError(f"{what} row {bad}: label {int(labels[bad])} outside the {len(found)} classes of {lab_col!r}")
     names = check_class_map(path_text, found, classes)
     roots = cell_roots(path_text, datasets)
-    if skip_bad:
+    if skip_bad and predecode:
         for row in np.flatnonzero(keep).tolist():
             try:
                 decode_cell(table[row][img_col], f"{what} row {row}", roots)

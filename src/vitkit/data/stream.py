@@ -136,12 +136,14 @@ def open_source(
     images: Sequence[str | os.PathLike[str]], data: str | None, split: str, *, skip_bad: bool = False
 ) -> ImageSource:
     """What a batch job (predict, embed) reads: the ``data`` dataset's ``split`` (skipped items noted), or else
-    the image files named by ``images`` (:func:`list_inputs`). Nothing is decoded here."""
+    the image files named by ``images`` (:func:`list_inputs`). Nothing is decoded here: with ``skip_bad`` a
+    dataset drops only what its listing shows bad (an empty file, a row without a label), and an image that
+    does not decode becomes a counted failed row when the stream reaches it (``predecode=False``)."""
     if data:
         from vitkit.data.base import note_skipped
         from vitkit.data.datasets import open_dataset
 
-        return DatasetSource(note_skipped(open_dataset(data, split, skip_bad=skip_bad)))
+        return DatasetSource(note_skipped(open_dataset(data, split, skip_bad=skip_bad, predecode=False)))
     return FileSource(list_inputs(images, skip_bad=skip_bad))
 
 

@@ -250,9 +250,15 @@ def _check_complete(path: Path, end: int) -> None:
 
 
 def open_webdataset(
-    name: str, split: str = "train", *, skip_bad: bool = False, classes: list[str] | None = None
+    name: str,
+    split: str = "train",
+    *,
+    skip_bad: bool = False,
+    classes: list[str] | None = None,
+    predecode: bool = True,
 ) -> WebDataset:
-    """Index the shards of ``split`` (headers and labels only) into a dataset."""
+    """Index the shards of ``split`` (headers and labels only) into a dataset; with ``skip_bad`` and
+    ``predecode``, every image is decoded once and the bad ones dropped (``open_dataset``)."""
     shards, folder = find_shards(name, split)
     skipped: list[Skipped] = []
     parts = [_index_shard(p, skip_bad, skipped) for p in shards]
@@ -274,7 +280,7 @@ def open_webdataset(
         lut = np.asarray([names.index(c) for c in found], dtype=np.int64)
         labels = lut[labels]
     ds = WebDataset(os.fspath(name), split, shards, shard_of, offsets, sizes, labels, names, skipped)
-    return _drop_undecodable(ds) if skip_bad else ds
+    return _drop_undecodable(ds) if skip_bad and predecode else ds
 
 
 def _drop_undecodable(ds: WebDataset) -> WebDataset:

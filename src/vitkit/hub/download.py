@@ -10,6 +10,9 @@
   otherwise (``<cache>/downloads/.records/...json``, with the URL it was downloaded from); a cached file whose
   size or time stamp changed since is re-hashed and refused if it no longer matches, and one whose record names
   another URL is refused;
+- a download is at most :data:`MAX_DOWNLOAD_BYTES` (or ``max_bytes``): a larger announced size is refused
+  before anything is written, and a body that runs past it is cut there and refused; a redirect from
+  ``https`` to plain ``http`` is refused (the bytes would come unauthenticated);
 - failures (offline, 404, timeout, disk full, wrong digest) are one-line :class:`DownloadError`\\ s that say
   what to do, e.g. download the file yourself and pass its path.
 
@@ -63,6 +66,9 @@ from vitkit.fileio import fsync
 from vitkit.hub.cache import ENV_VAR, cache_dir, private_dirs, untrusted
 
 CHUNK = 1 << 20
+#: The most bytes one download may have (``download(max_bytes=)``): a larger Content-Length is refused before
+#: anything is written, and the body is never read past it. The registry's largest file is about 2.5 GB.
+MAX_DOWNLOAD_BYTES = 16 << 30
 USER_AGENT = "vitkit"
 DIGEST_CHARS = 32  # of the URL's SHA-256 in its cache entry's name (128 bits: no two URLs meet by chance)
 MAX_SEGMENT = 100  # readable characters kept of one URL path segment (the digest keeps names unique)
@@ -320,12 +326,29 @@ def _what_to_do(url: str) -> str:
     return f"download {url} yourself and pass its path"
 
 
+class _NoDowngrade(urllib.request.HTTPRedirectHandler):
+    """Redirects as urllib follows them, except from ``https`` to anything else (plain ``http``)."""
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: object, code: int, msg: str, headers: object, newurl: str
+    ) -> urllib.request.Request | None:
+        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
+        if urllib.parse.urlsplit(req.full_url).scheme.lower() == "https" and scheme != "https":
+            raise DownloadError(
+                f"{req.full_url}: redirected to {scheme}:// ({newurl}), which is not encrypted; refused "
+                f"(vitkit follows https only to https): {_what_to_do(req.full_url)} if you trust it"
+            )
+        return super().redirect_request(req, fp, code, msg, headers, newurl)  # type: ignore[arg-type]
+
+
 def _request(url: str, start: int, timeout: float) -> http.client.HTTPResponse:
     headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
     if start:
         headers["Range"] = f"bytes={start}-"
+    opener = urllib.request.build_opener(_NoDowngrade)
     try:
-        return urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout)
+        resp: http.client.HTTPResponse = opener.open(urllib.request.Request(url, headers=headers), timeout=timeout)
+        return resp
     except urllib.error.HTTPError as e:
         if e.code == 416 and start:
             raise _RangeRefused() from None
@@ -367,8 +390,18 @@ def _content_range(resp: http.client.HTTPResponse) -> tuple[int, int | None]:
     return int(m.group(1)), None if m.group(2) == "*" else int(m.group(2))
 
 
-def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, label: str) -> None:
-    """Fill ``part`` with the whole body of ``url``, resuming after cuts; raises DownloadError."""
+def _too_large(url: str, size: int | str, max_bytes: int) -> DownloadError:
+    return DownloadError(
+        f"{url}: {size} bytes, more than the {max_bytes} bytes vitkit downloads for one file (max_bytes); "
+        f"{_what_to_do(url)} if you expect a file that large"
+    )
+
+
+def _fetch(
+    url: str, part: Path, timeout: float, retries: int, progress: bool, label: str, max_bytes: int = MAX_DOWNLOAD_BYTES
+) -> None:
+    """Fill ``part`` with the whole body of ``url`` (at most ``max_bytes``), resuming after cuts; raises
+    DownloadError."""
     attempts = 0
     bar: tqdm | None = None
     try:
@@ -390,6 +423,8 @@ def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, l
                     start = 0
                     length = resp.headers.get("Content-Length")
                     total = int(length) if length and length.isdigit() else None
+                if total is not None and total > max_bytes:
+                    raise _too_large(url, total, max_bytes)
                 if total is not None:
                     free = shutil.disk_usage(part.parent).free
                     if total - start > free:
@@ -405,10 +440,12 @@ def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, l
                 got = start
                 try:
                     with _open_partial(part, append=bool(start)) as f:
-                        while block := resp.read(CHUNK):
+                        while block := resp.read(min(CHUNK, max_bytes + 1 - got)):
                             f.write(block)
                             got += len(block)
                             bar.update(len(block))
+                            if got > max_bytes:
+                                break
                         f.flush()
                         os.fsync(f.fileno())
                 except OSError as e:
@@ -422,6 +459,9 @@ def _fetch(url: str, part: Path, timeout: float, retries: int, progress: bool, l
                     cut = e
                 else:
                     cut = None
+                if got > max_bytes:
+                    part.unlink()
+                    raise _too_large(url, f"more than {max_bytes}", max_bytes)
                 if cut is None and (total is None or got == total):
                     return
                 if cut is None and total is not None and got > total:
@@ -457,8 +497,10 @@ def download(
     progress: bool = True,
     timeout: float = 30.0,
     retries: int = 5,
+    max_bytes: int = MAX_DOWNLOAD_BYTES,
 ) -> Path:
-    """A verified local copy of ``url`` (``http(s)://`` or ``gs://``), downloaded once into the cache."""
+    """A verified local copy of ``url`` (``http(s)://`` or ``gs://``), downloaded once into the cache; at most
+    ``max_bytes`` long (DownloadError otherwise, and nothing is kept)."""
     url = gs_to_https(url)
     final = cache_path(url, cache)
     if not _regular_file(final):
@@ -479,7 +521,7 @@ def download(
         if _regular_file(final):  # another process finished it while we waited
             _check_cached(final, url, sha256, cache)
             return final
-        _fetch(url, part, timeout, retries, progress, final.name)
+        _fetch(url, part, timeout, retries, progress, final.name, max_bytes)
         digest = sha256_file(part)
         if sha256 and digest != sha256.lower():
             part.unlink()

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import DatasetSource, StreamBatch, stream_batches, stream_iterable
-from vitkit.distributed import DistInfo, all_gather, shard_of
+from vitkit.distributed import DistInfo, all_gather, check_same_input, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
@@ -95,6 +95,9 @@ def extract(
     if is_map_style(dataset):
         wanted: Sequence[int] = range(len(dataset)) if indices is None else indices
         total = len(wanted)
+        if info.enabled:
+            source = DatasetSource(dataset)
+            check_same_input((source.item_id(i) for i in wanted), info, "the dataset")
         mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
         batches = stream_batches(
             DatasetSource(dataset),

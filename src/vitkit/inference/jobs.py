@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
-from vitkit.distributed import DistInfo, broadcast_from_main, gather_to_main, shard_steps
+from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import DataError, VitkitError
 from vitkit.fileio import text_id
 from vitkit.hardware import resolve_device
@@ -129,6 +129,7 @@ def run_job(
     while the previous one is computed. Returns the :class:`JobSummary` (on process 0, of the whole job)."""
     info = dist or DistInfo()
     order: Sequence[int] = range(len(source)) if positions is None else positions
+    check_same_input((text_id(source.item_id(p)) for p in order), info)  # before any step is taken
     status: tuple[int, str | None] = (0, None)
     if info.is_main:
         assert sink is not None, "process 0 needs a sink"

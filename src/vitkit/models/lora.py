@@ -14,6 +14,7 @@ always runs its own forward, adapters included.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from vitkit.errors import ConfigError, VitkitError
 # short target name -> the module it names in every block
 TARGET_MODULES = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
 ADAPTER = "default"  # peft's adapter name; one adapter per model
+MAX_RANK = 4096  # far above any useful adapter (ranks of 4-64 are usual); a rank sizes every adapter matrix
 M = TypeVar("M", bound=nn.Module)
 
 
@@ -38,6 +40,13 @@ class LoraSpec:
     targets: tuple[str, ...] = tuple(TARGET_MODULES)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_RANK:
+            raise ConfigError(f"LoRA rank must be an integer in 1..{MAX_RANK}, got {self.rank!r}")
+        for name, value in (("alpha", self.alpha), ("dropout", self.dropout)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"LoRA {name} must be a finite number, got {value!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"LoRA dropout must be in [0, 1), got {self.dropout!r}")
         unknown = [t for t in self.targets if t not in TARGET_MODULES]
         if unknown or not self.targets:
             raise ConfigError(
@@ -69,7 +78,10 @@ class LoraSpec:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> LoraSpec:
-        return cls(int(d["rank"]), float(d["alpha"]), float(d["dropout"]), tuple(d["targets"]))
+        rank = d["rank"]
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise ConfigError(f"LoRA rank must be an integer, got {rank!r}")
+        return cls(rank, float(d["alpha"]), float(d["dropout"]), tuple(d["targets"]))
 
 
 def _peft() -> Any:

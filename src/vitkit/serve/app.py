@@ -14,8 +14,13 @@ content types), so generated clients and schemathesis see what the server sends.
 
 Load is bounded before any work: a request is admitted only while fewer than ``max_queue`` requests wait
 for the model or are being read or decoded (else 503 with Retry-After, before the upload is read), at most
-``decoders`` images are decoded at once (each may take hundreds of MB: 40 MP RGBA is 160 MB), and uvicorn
-answers 503 itself past ``max_connections`` open connections. A request that outlives ``timeout_s`` is 504.
+``decoders`` images are decoded at once (each may take hundreds of MB: 40 MP RGBA is 160 MB). A request that
+outlives ``timeout_s`` is 504, and gives its decoding slot back at once: its image's decoding (a thread, which
+cannot be stopped) runs on outside the slots, at most ``decoders`` such abandoned decodings at once (past that, a
+timed-out decoding keeps its slot until it is done). So at most ``2 x decoders`` images are ever decoded at once,
+and a decompression bomb that times out does not make the next request wait. Open connections are not limited
+(an idle one would count as much as a request): one that sends no whole request head within
+``header_timeout_s`` is closed (:func:`vitkit.serve.net.server_config`).
 """
 
 from __future__ import annotations
@@ -47,7 +52,6 @@ from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_im
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROUTES = ("/predict", "/health", "/metrics", "/model", "/docs", "/openapi.json")
-CONNECTION_HEADROOM = 16  # connections beyond the admitted requests and the running batch
 _LOG = logging.getLogger("vitkit.serve")
 
 
@@ -63,6 +67,7 @@ class ServeOptions:
     max_pixels: int = 40_000_000
     top_k: int = 5
     max_decoding: int = 0  # images decoded at once; 0: one per CPU core, at most max_queue
+    header_timeout_s: float = 10.0  # a connection without a whole request head this long is closed
 
     @property
     def decoders(self) -> int:
@@ -72,12 +77,6 @@ class ServeOptions:
             return self.max_decoding
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(self.max_queue, cores))
-
-    @property
-    def max_connections(self) -> int:
-        """uvicorn's ``limit_concurrency``: the admitted requests, the batch being computed, and room for
-        health checks, metrics and quick 503 answers; past it uvicorn answers 503 without running the app."""
-        return self.max_queue + self.max_batch + CONNECTION_HEADROOM
 
 
 class Metrics:
@@ -216,12 +215,19 @@ class HealthAnswer(BaseModel):
     queue_depth: int = Field(ge=0, description="requests waiting for the model")
 
 
-BINARY = {"type": "string", "format": "binary", "minLength": 1}  # an empty body or file is refused (400)
+FORMATS_TEXT = "JPEG, PNG, BMP, GIF, TIFF, WebP or PPM/PGM/PBM"  # IMAGE_FORMATS, in words
+BINARY = {
+    "type": "string",
+    "format": "binary",
+    "minLength": 1,  # an empty body or file is refused (400)
+    "description": f"the bytes of a {FORMATS_TEXT} file; anything else (another format, a truncated file) is "
+    "answered 400, a larger image than the server allows 413",
+}
 PREDICT_BODY = {
     "requestBody": {
         "required": True,
-        "description": "the image (any format Pillow decodes): raw bytes (image/*, application/octet-stream) or a "
-        "multipart upload whose first file is the image",
+        "description": f"the image, a {FORMATS_TEXT} file (other formats, however they are labelled, are answered "
+        "400): raw bytes (image/*, application/octet-stream) or a multipart upload whose first file is the image",
         "content": {
             "image/*": {"schema": BINARY},
             "application/octet-stream": {"schema": BINARY},
@@ -232,31 +238,27 @@ PREDICT_BODY = {
         },
     }
 }
-OVERLOADED = "text/plain answer: uvicorn's own, past the connection limit"
 
 
-def _error_doc(description: str, plain: bool = False) -> dict[str, Any]:
-    """An error response in the OpenAPI schema: the app's ``{"detail": ...}``, and for 503 also uvicorn's
-    plain-text answer when the connection limit is reached (it never reaches the app)."""
+def _error_doc(description: str, retry: bool = False) -> dict[str, Any]:
+    """An error response in the OpenAPI schema: the app's ``{"detail": ...}`` (with ``retry``: and Retry-After)."""
     doc: dict[str, Any] = {"model": ErrorBody, "description": description}
-    if plain:
-        doc["description"] += f"; {OVERLOADED}"
-        doc["content"] = {"text/plain": {"schema": {"type": "string"}}}
-        doc["headers"] = {
-            "Retry-After": {"description": "seconds to wait (the app's answer)", "schema": {"type": "integer"}}
-        }
+    if retry:
+        doc["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
     return doc
 
 
 PREDICT_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _error_doc("empty body, undecodable or truncated image, multipart without a file"),
+    400: _error_doc(
+        f"empty body, a file that is not a {FORMATS_TEXT} image (whatever its Content-Type says), an undecodable "
+        "or truncated image, a multipart upload without a file"
+    ),
     413: _error_doc("upload or image (pixels) over the limit, or an image the preprocessing refuses"),
     415: _error_doc("content type other than image/*, application/octet-stream, multipart/form-data"),
     422: _error_doc("a query parameter out of range or of the wrong type"),
-    503: _error_doc("queue full or shutting down (retry later)", plain=True),
+    503: _error_doc("queue full or shutting down (retry later)", retry=True),
     504: _error_doc("not answered within the request timeout"),
 }
-BUSY: dict[int | str, dict[str, Any]] = {503: _error_doc("overloaded", plain=True)}
 
 
 def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> FastAPI:
@@ -276,6 +278,7 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.decoding = asyncio.Semaphore(opts.decoders)  # of this event loop
+        app.state.abandoned = 0  # decodings of timed-out requests still running, outside the slots
         batcher.start()
         try:
             yield
@@ -341,19 +344,35 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
     async def decode(data: bytes | bytearray) -> torch.Tensor:
         """``prepare`` in a worker thread, at most ``opts.decoders`` at once (each image may take hundreds of MB
         decoded). A request that gives up while waiting for a slot never decodes; one that gives up while its
-        image is decoded leaves the slot taken until the thread is done (threads cannot be stopped), so the
-        slots bound the threads really decoding."""
+        image is decoded gives its slot to the next request (a decompression bomb that timed out must not make
+        the next image wait), while its thread runs on (threads cannot be stopped): at most ``opts.decoders``
+        such abandoned decodings at once, past that the slot stays taken until the thread is done."""
         slots: asyncio.Semaphore = app.state.decoding
         await slots.acquire()
         task = asyncio.ensure_future(run_in_threadpool(prepare, data))
+        holds, abandoned = [True], [False]
 
-        def release(done: asyncio.Future[torch.Tensor]) -> None:
-            slots.release()
-            if not done.cancelled():
-                done.exception()  # retrieved: an abandoned request's error is not logged as never retrieved
+        def give_back() -> None:
+            if holds[0]:
+                holds[0] = False
+                slots.release()
 
-        task.add_done_callback(release)
-        return await asyncio.shield(task)
+        def done(finished: asyncio.Future[torch.Tensor]) -> None:
+            give_back()
+            if abandoned[0]:
+                app.state.abandoned -= 1
+            if not finished.cancelled():
+                finished.exception()  # retrieved: an abandoned request's error is not logged as never retrieved
+
+        task.add_done_callback(done)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:  # the request timed out (or its client left) while its image decodes
+            if not task.done() and app.state.abandoned < opts.decoders:
+                app.state.abandoned += 1  # runs on outside the slots, counted until its thread is done
+                abandoned[0] = True
+                give_back()
+            raise
 
     async def answer(request: Request, top_k: int, attention: bool) -> dict[str, Any]:
         if not batcher.alive:
@@ -415,22 +434,21 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         "/health",
         summary="liveness: 200 while the model worker runs",
         response_model=HealthAnswer,
-        responses={503: _error_doc("not serving (starting up or shutting down)", plain=True)},
+        responses={503: _error_doc("not serving (starting up or shutting down)")},
     )
     async def health() -> Any:
         if not batcher.alive:
             return _error(503, "not serving (starting up or shutting down)")
         return {"status": "ok", "queue_depth": batcher.depth}
 
-    @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching", responses=BUSY)
+    @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching")
     async def model_card() -> Any:
-        return {**card, "serving": {**asdict(opts), "decoders": opts.decoders, "max_connections": opts.max_connections}}
+        return {**card, "serving": {**asdict(opts), "decoders": opts.decoders}}
 
     @app.get(
         "/metrics",
         summary="Prometheus metrics (text exposition format)",
         response_class=PlainTextResponse,
-        responses={503: {"description": OVERLOADED, "content": {"text/plain": {"schema": {"type": "string"}}}}},
     )
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
