@@ -101,7 +101,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.fileio import printable
     from vitkit.inference.embed import EmbedOptions, embed_job
-    from vitkit.inference.vectors import check_embeddings_output
+    from vitkit.outputs.arrays import check_embeddings_output
 
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if info.is_main:  # before anything else (process 0 alone: the others would see its first chunks)

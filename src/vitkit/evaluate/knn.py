@@ -27,8 +27,8 @@ from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.features import extract
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.provenance import check_comparable
-from vitkit.inference.vectors import Embeddings, read_embeddings
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
+from vitkit.outputs.arrays import Embeddings, read_embeddings
 
 DEFAULT_K = 20
 DEFAULT_TEMPERATURE = 0.07
