@@ -138,10 +138,9 @@ def open_source(
     """What a batch job (predict, embed) reads: the ``data`` dataset's ``split`` (skipped items noted), or else
     the image files named by ``images`` (:func:`list_inputs`). Nothing is decoded here."""
     if data:
-        from vitkit.data.base import note_skipped
-        from vitkit.data.datasets import open_dataset
+        from vitkit.data.datasets import open_noted
 
-        return DatasetSource(note_skipped(open_dataset(data, split, skip_bad=skip_bad)))
+        return DatasetSource(open_noted(data, split, skip_bad=skip_bad))
     return FileSource(list_inputs(images, skip_bad=skip_bad))
 
 

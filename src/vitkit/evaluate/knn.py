@@ -24,8 +24,8 @@ import torch
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
-from vitkit.evaluate.features import extract
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.features import extract
 from vitkit.inference.provenance import check_comparable
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
 from vitkit.outputs.arrays import Embeddings, read_embeddings
