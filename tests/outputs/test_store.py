@@ -119,13 +119,30 @@ def test_the_feature_cache_chunks_are_parts_of_the_store(tmp_path: Path) -> None
     chunks.path(0).write_bytes(b"damaged")
     chunks.write(0, lambda f: f.write(b"good"))
     chunks.write(1, lambda f: f.write(b"more"))
-    (tmp_path / ".chunk-000002.safetensors.tmp").write_bytes(b"cut")
+    (tmp_path / ".chunk-000002.safetensors.tmp-0123abcd").write_bytes(b"cut")
     (tmp_path / "key.json").write_text("{}")
     (tmp_path / "chunk-mine.safetensors").write_text("not a chunk name")
     assert chunks.path(0).read_bytes() == b"good" and [n for n, _ in chunks.numbered()] == [0, 1]
     assert chunks.foreign() == "chunk-mine.safetensors"
     chunks.clear()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-mine.safetensors", "key.json"]
+
+
+def test_two_writers_of_one_chunk_never_share_a_temporary_file(tmp_path: Path) -> None:
+    """Two runs filling one feature cache may compute the same chunk at once: each writes under a name of its own,
+    so neither removes or renames the other's half-written file (the last complete one wins), and starting the
+    folder anew keeps a chunk another run is writing."""
+    chunks = Parts(tmp_path, ".safetensors", prefix="chunk-", digits=6, extra=["key.json"])
+
+    def first(f: Any) -> None:
+        f.write(b"first, ")
+        chunks.write(0, lambda g: g.write(b"second"))  # the other run, meanwhile, from start to rename
+        chunks.clear(temporary=False)  # and a third one starting the folder anew
+        f.write(b"complete")
+
+    chunks.write(0, first)
+    assert chunks.path(0).read_bytes() == b"first, complete"
+    assert [p.name for p in tmp_path.iterdir()] == ["chunk-000000.safetensors"]
 
 
 def test_discard_deletes_only_the_stores_own_files(tmp_path: Path) -> None:

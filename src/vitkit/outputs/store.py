@@ -206,7 +206,7 @@ class Parts:
     ) -> None:
         self.folder, self.suffix, self.prefix, self.digits, self.extra = folder, suffix, prefix, digits, set(extra)
         self.pattern = re.compile(rf"^{re.escape(prefix)}(\d{{{digits}}}){re.escape(suffix)}$")
-        self.temporary = re.compile(rf"^\.{re.escape(prefix)}\d{{{digits}}}{re.escape(suffix)}\.tmp$")
+        self.temporary = re.compile(rf"^\.{re.escape(prefix)}\d{{{digits}}}{re.escape(suffix)}\.tmp(-[0-9a-f]{{8}})?$")
 
     @classmethod
     def beside(cls, out: Path, suffix: str, extra: Sequence[str] = ()) -> Parts:
@@ -246,12 +246,12 @@ class Parts:
             (self.folder / name).unlink()
 
     def write(self, number: int, write: Callable[[BinaryIO], object], *, sync: bool = False) -> Path:
-        """Chunk ``number`` written by ``write(file)`` under a temporary name and renamed into place (replacing
-        an earlier chunk of that number); ``sync``: flushed to disk before the rename."""
+        """Chunk ``number`` written by ``write(file)`` under a temporary name of its own (two processes filling
+        one feature cache never share one) and renamed into place, replacing an earlier chunk of that number;
+        ``sync``: flushed to disk before the rename."""
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.path(number)
-        tmp = target.with_name(f".{target.name}.tmp")
-        tmp.unlink(missing_ok=True)  # a leftover (a link planted there too): removed, never written through
+        tmp = temp_path(target)
         try:
             with create_new(tmp) as f:
                 write(f)
@@ -262,10 +262,10 @@ class Parts:
             tmp.unlink(missing_ok=True)
         return target
 
-    def clear(self) -> None:
-        """Remove every chunk (and temporary); the folder and anything else in it stay."""
-        for name in self.names() + self.names(temporary=True):
-            (self.folder / name).unlink()
+    def clear(self, temporary: bool = True) -> None:
+        """Remove every chunk (and, with ``temporary``, the chunks being written); anything else stays."""
+        for name in self.names() + (self.names(temporary=True) if temporary else []):
+            (self.folder / name).unlink(missing_ok=True)
 
     def discard(self) -> None:
         """Remove the folder: renamed aside first (a kill never leaves some of the chunks under its name), then

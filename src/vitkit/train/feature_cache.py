@@ -241,7 +241,7 @@ def cached_features(
     chunks = Parts(folder, ".safetensors", prefix="chunk-", digits=6, extra=[KEY_FILE])
     key_path = folder / KEY_FILE
     if _read_key(key_path) != key:  # absent, unreadable or another key under this digest: start the folder anew
-        chunks.clear()
+        chunks.clear(temporary=False)  # another run filling this folder now keeps the chunk it is writing
         write_file_atomic(key_path, lambda tmp: tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n"))
     source: Any = dataset if augment is None else _AugmentedView(dataset, augment)
     pre = preprocess if augment is None else _normaliser(augment.transform)
