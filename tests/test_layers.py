@@ -2,7 +2,7 @@
 
 Layers, bottom to top (docs/architecture.md)::
 
-    errors, fileio, hardware, timing  <-  models  <-  checkpoints (hub, native)  <-  data  <-  configs
+    errors, fileio, hardware, timing  <-  models  <-  checkpoints (hub, native)  <-  data  <-  configs, outputs
         <-  train / evaluate / analysis / inference  <-  bench / serve  <-  vitkit (the API)  <-  commands / cli
 
 Imports are read with ``ast`` from the source (module level and inside functions alike), so a lazy import
@@ -35,6 +35,7 @@ LAYERS: dict[str, int] = {
     "native": 2,  # run-time C kernels, cached in hub's cache directory
     "data": 3,
     "configs": 4,
+    "outputs": 4,  # the chunk store and its assemblers: under inference and train, which both write through it
     "train": 5,
     "evaluate": 5,
     "analysis": 5,
@@ -156,6 +157,14 @@ def test_no_cycle_between_modules() -> None:
 )
 def test_cycle_finder(graph: dict[str, set[str]], expected: list[list[str]]) -> None:
     assert _cycles(graph) == expected
+
+
+def test_outputs_sit_under_inference_and_train() -> None:
+    """The one output store is below both of its users, and imports nothing above the floor (issue 33)."""
+    users = {package_of(m) for m, deps in GRAPH.items() for d in deps if package_of(d) == "outputs"} - {"outputs"}
+    assert {"inference", "train"} <= users
+    deps = {package_of(d) for m, ds in GRAPH.items() if package_of(m) == "outputs" for d in ds} - {"outputs"}
+    assert all(LAYERS[d] == 0 for d in deps), deps
 
 
 def test_the_reader_sees_lazy_and_package_imports() -> None:

@@ -39,6 +39,7 @@ LAYER_ORDER = [
     "hub",
     "data",
     "configs",
+    "outputs",
     "train",
     "evaluate",
     "analysis",

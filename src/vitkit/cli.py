@@ -22,8 +22,8 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     model.add_parser,  # info, convert, export
     predict.add_parser,  # predict
     train.add_parser,  # train, finetune
-    evaluate.add_parser,  # eval, fewshot, analyze
-    embed.add_parser,  # embed, knn
+    evaluate.add_parser,  # eval, fewshot, knn, analyze
+    embed.add_parser,  # embed
     bench.add_parser,  # bench
     hub.add_parser,  # download, models
     serve.add_parser,  # serve

@@ -19,18 +19,15 @@ Rules every writer follows (README: "never delete or overwrite what vitkit did n
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
 import secrets
 import shutil
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
 
-from vitkit.errors import CheckpointError, ConfigError, DataError
+from vitkit.errors import CheckpointError, ConfigError
 
 WRITER_KEY = "vitkit.writer"  # safetensors metadata key marking a file vitkit wrote
 WRITER = "vitkit"
@@ -311,127 +308,6 @@ def write_dir_atomic(out: Path, write: Callable[[Path], object]) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-# ---- outputs written in place (batch jobs: rows appended, chunks, locks) ---------------------------------
-
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-SIDECAR_MAX_BYTES = 1 << 20  # a mark file vitkit writes is a few hundred bytes
-
-
-def refuse_link(path: Path, option: str = "--out") -> None:
-    """ConfigError naming ``path`` when it is a symbolic link (dangling or not) or exists and is not a regular
-    file: an output is never written through a link, into a FIFO or a device."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(
-            f"{option} {path}: is a symbolic link; vitkit never writes through links (name the file itself)"
-        )
-    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{option} {path}: is not a regular file (a FIFO, socket or device); choose another path")
-
-
-def refuse_link_dir(path: Path, option: str = "--out") -> None:
-    """ConfigError naming ``path`` when it is a symbolic link or exists and is not a folder."""
-    if path.is_symlink() or (os.path.lexists(path) and not path.is_dir()):
-        raise ConfigError(f"{option} {path}: is a symbolic link or not a folder; vitkit never writes through links")
-
-
-def create_new(path: Path) -> BinaryIO:
-    """A new file at ``path`` opened for writing: created here (``O_EXCL``), never through a symbolic link; an
-    existing entry of any kind (a link planted since it was checked included) is ConfigError naming it."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
-    except FileExistsError:
-        raise ConfigError(f"--out {path}: appeared while vitkit was writing it (another process?); untouched") from None
-    return os.fdopen(fd, "wb")
-
-
-def open_regular(path: Path, option: str = "--out", *, write: bool = True) -> BinaryIO:
-    """An existing regular file opened for reading (and, with ``write``, writing) without following a symbolic
-    link and without blocking on a FIFO; ConfigError naming it for a link, a FIFO, a device or a folder."""
-    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EMLINK):
-            raise ConfigError(f"{option} {path}: is a symbolic link; vitkit never writes through links") from None
-        raise ConfigError(f"{option} {path}: cannot be opened ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(f"{option} {path}: is not a regular file (a FIFO, socket, device or folder)")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "r+b" if write else "rb")
-
-
-def sidecar_path(out: Path) -> Path:
-    """The mark file beside an output that has no room for metadata of its own: ``out.jsonl.vitkit.json``."""
-    return out.with_name(out.name + ".vitkit.json")
-
-
-def read_sidecar(out: Path) -> dict[str, Any] | None:
-    """The mark :func:`write_sidecar` left beside ``out`` (None when there is none, or it is not vitkit's)."""
-    side = sidecar_path(out)
-    if not os.path.lexists(side):
-        return None
-    try:
-        with open_regular(side, write=False) as f:
-            data = f.read(SIDECAR_MAX_BYTES + 1)
-        doc = json.loads(data) if len(data) <= SIDECAR_MAX_BYTES else None
-    except (ConfigError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) and doc.get(WRITER_KEY) == WRITER else None
-
-
-def write_sidecar(out: Path, doc: dict[str, Any]) -> None:
-    """Mark ``out`` as vitkit's own: ``doc`` with the writer key, written to a temporary file and renamed (a
-    planted link in its place is replaced, never followed)."""
-    side = sidecar_path(out)
-    tmp = temp_path(side)
-    try:
-        with create_new(tmp) as f:
-            f.write(json.dumps({WRITER_KEY: WRITER, **doc}, sort_keys=True).encode())
-        os.replace(tmp, side)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def lock_path(out: Path) -> Path:
-    """The lock file of an output: ``out.vitkit.lock`` beside it (left there; it holds nothing)."""
-    return out.with_name(out.name + ".vitkit.lock")
-
-
-class OutputLock:
-    """An exclusive lock on an output, held by this process for a whole job (``filelock``: ``flock`` on
-    ``out.vitkit.lock``, opened without following links). A second job on the same output, in another process,
-    is refused at once with one line naming it. Re-entrant in one process; :meth:`release` once per acquire."""
-
-    def __init__(self, out: Path) -> None:
-        from filelock import FileLock, Timeout
-
-        self.out = out
-        lock = lock_path(out)
-        refuse_link(lock)
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        self.lock = FileLock(os.fspath(lock), is_singleton=True, thread_local=False)
-        try:
-            self.lock.acquire(timeout=0)
-        except Timeout:
-            raise DataError(
-                f"--out {out}: another vitkit job is writing it (it holds {lock.name}); wait for it to end, or write "
-                "to another --out"
-            ) from None
-        except OSError as e:
-            raise ConfigError(f"--out {out}: cannot lock it through {lock} ({e.strerror or e})") from None
-
-    def release(self) -> None:
-        """Let another job write the output (once per acquire; the process's exit releases it too)."""
-        if self.lock.is_locked:
-            self.lock.release()
 
 
 # ---- names as text -------------------------------------------------------------------------------------

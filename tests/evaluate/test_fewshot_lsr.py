@@ -117,3 +117,26 @@ def test_result_summary() -> None:
     r = FewShotResult([1], [0, 1, 2], {1: [0.5, 0.6, 0.7]}, {1: [1024.0] * 3})
     assert r.mean(1) == pytest.approx(0.6) and r.std(1) == pytest.approx(0.1)
     assert "2^10" in r.table() and r.to_dict()["shots"]["1"]["per_seed"] == [0.5, 0.6, 0.7]  # type: ignore[index]
+
+
+def test_the_two_probes_grids_are_one_definition_on_their_losses_scales() -> None:
+    """The ridge (2^-6 .. 2^16) and the linear head (1e-6 .. 1) had a grid each, on scales 10^5 apart with nothing
+    saying why. One definition now, and the reason tested: the ridge's l2 weighs a sum over rows, the head's a mean,
+    so with every row doubled the ridge needs twice its l2 for the same weights and the head the same l2."""
+    import torch
+
+    from vitkit.evaluate import fewshot
+    from vitkit.train import probe
+
+    assert probe.l2_grid(2.0, -6, 16) == fewshot.L2_GRID and len(fewshot.L2_GRID) == 23
+    assert (fewshot.L2_GRID[0], fewshot.L2_GRID[-1]) == (2.0**-6, 2.0**16)
+    assert tuple(float(10.0**e) for e in np.arange(-6.0, 0.25, 0.5)) == probe.L2_GRID  # as it always was
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(30, 5)), np.arange(30) % 3
+    x2, y2 = np.concatenate([x, x]), np.concatenate([y, y])
+    once, twice = RidgeProbe(x, y, 3), RidgeProbe(x2, y2, 3)
+    np.testing.assert_allclose(twice.weights(2 * 8.0), once.weights(8.0), rtol=1e-10)
+    assert not np.allclose(twice.weights(8.0), once.weights(8.0), rtol=1e-3)
+    w, b = probe.fit_logistic(x, y, 3, 0.01)
+    w2, b2 = probe.fit_logistic(x2, y2, 3, 0.01)
+    torch.testing.assert_close((w2, b2), (w, b), atol=1e-6, rtol=1e-5)

@@ -153,7 +153,7 @@ def test_knn_and_fewshot_refuse_embeddings_of_two_checkpoints(
 
 def test_a_huge_label_in_embeddings_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """One row labelled 2e9 would size a (rows x 2e9) vote table: refused in one line naming the file."""
-    from vitkit.inference.vectors import EmbeddingWriter
+    from vitkit.outputs.arrays import EmbeddingWriter
 
     out = tmp_path / "bank.npy"
     w = EmbeddingWriter(out, {})

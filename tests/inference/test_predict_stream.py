@@ -319,7 +319,7 @@ def test_rows_cut_mid_write_are_dropped_and_written_again(tmp_path: Path) -> Non
     """What a kill during a write leaves: a JSONL/CSV line without its newline (or a quoted field cut at a newline
     inside it), a temporary Parquet part never renamed, a merge's temporary file; reopened with resume, only the
     complete rows count, and the output ends complete and readable."""
-    from vitkit.inference.writers import Field, open_rows
+    from vitkit.outputs.rows import Field, open_rows
 
     fields = [Field("index", "int"), Field("image", "str"), Field("probs", "float_list", 2)]
 

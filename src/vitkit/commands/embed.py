@@ -1,36 +1,22 @@
-"""``vitkit embed`` (features of images to a Parquet, .npy or .safetensors file; :func:`vitkit.inference.embed.
-embed_job`) and ``vitkit knn`` (weighted k-nearest-neighbour accuracy, the DINO protocol; :mod:`vitkit.evaluate.knn`).
-
-kNN is a command of its own rather than an option of ``eval``: it measures a backbone, so it runs on checkpoints
-without a classification head (which ``eval`` refuses), takes two splits (or two ``embed`` outputs, with no
-checkpoint at all) and reports top-1/top-5 only, none of eval's per-class report.
-"""
+"""``vitkit embed``: features of images to a Parquet, .npy or .safetensors file
+(:func:`vitkit.inference.embed.embed_job`). ``vitkit knn`` and ``fewshot``, which read them, are in
+:mod:`vitkit.commands.evaluate`."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from vitkit.commands.args import (
     IntermixedParser,
-    add_checkpoint_args,
-    add_data_args,
     add_engine_args,
     add_workers_arg,
     join_processes,
     leave_processes,
-    load_for_eval,
-    positive_float,
     positive_int,
     report_engine,
     resolve_workers,
 )
-
-
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    _add_embed(sub)
-    _add_knn(sub)
 
 
 def _layer(text: str) -> int:
@@ -43,7 +29,7 @@ def _layer(text: str) -> int:
     return value
 
 
-def _add_embed(sub: argparse._SubParsersAction) -> None:
+def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "embed",
         help="features of images (files, folders, globs or a dataset) to a .parquet, .npy or .safetensors file",
@@ -101,7 +87,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.fileio import printable
     from vitkit.inference.embed import EmbedOptions, embed_job
-    from vitkit.inference.vectors import check_embeddings_output
+    from vitkit.outputs.arrays import check_embeddings_output
 
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if info.is_main:  # before anything else (process 0 alone: the others would see its first chunks)
@@ -127,92 +113,4 @@ def cmd_embed(args: argparse.Namespace) -> int:
             print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
         again = f" ({summary.resumed} were there already)" if summary.resumed else ""
         print(f"wrote {summary.resumed + summary.written} embeddings to {args.out}{again}", file=sys.stderr)
-    return 0
-
-
-def _add_knn(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "knn",
-        help="weighted k-nearest-neighbour accuracy of a backbone (the DINO protocol), from a dataset or embeddings",
-        description="k-nearest-neighbour classification on frozen features (DINO, Caron et al. 2021): train and "
-        "test features L2-normalised, each test image's k most cosine-similar training images vote for their "
-        "labels with weight exp(similarity / T), votes summed per class; top-1 and top-5 accuracy. Features are "
-        "the checkpoint's pre-logits features on --data's two splits, or read from two outputs of 'vitkit embed' "
-        "(--train-embeddings, --test-embeddings; any --pool/--layer, made from a labelled dataset). The search runs "
-        "in blocks of --query-chunk x --bank-chunk similarities, so a bank of millions fits in memory. Under "
-        "torchrun the feature extraction is shared out over the processes.",
-    )
-    add_checkpoint_args(p, optional=True)
-    add_engine_args(p, backend=False, device=False)
-    add_data_args(p, required=False)
-    p.add_argument("--train-split", default="train", help="the bank's split of --data (default: train)")
-    p.add_argument("--test-split", default="test", help="the split classified (default: test)")
-    p.add_argument("--train-embeddings", metavar="FILE", help="the bank: an output of vitkit embed (train split)")
-    p.add_argument("--test-embeddings", metavar="FILE", help="the test features: an output of vitkit embed")
-    p.add_argument("-k", "--k", type=positive_int, default=20, help="neighbours that vote (default 20)")
-    p.add_argument("--temperature", type=positive_float, default=0.07, help="T of the weights (default 0.07)")
-    p.add_argument("--query-chunk", type=positive_int, default=256, help="test rows per block (default 256)")
-    p.add_argument("--bank-chunk", type=positive_int, default=65536, help="bank rows per block (default 65536)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--out", help="also write the JSON result to this file (an existing file needs --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    p.set_defaults(func=cmd_knn)
-
-
-def check_embedding_inputs(args: argparse.Namespace) -> bool:
-    """Whether a command reads features from ``--train-embeddings``/``--test-embeddings`` (both given) or computes
-    them from a checkpoint and ``--data``; ConfigError for any other mix."""
-    from vitkit.errors import ConfigError
-
-    given = [args.train_embeddings is not None, args.test_embeddings is not None]
-    if any(given):
-        if not all(given):
-            raise ConfigError("--train-embeddings and --test-embeddings go together")
-        if args.data:
-            raise ConfigError("give --data (with a checkpoint) or --train-embeddings/--test-embeddings, not both")
-        return True
-    if not args.checkpoint or not args.data:
-        raise ConfigError("give a checkpoint and --data, or --train-embeddings and --test-embeddings")
-    return False
-
-
-def cmd_knn(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from vitkit.evaluate.knn import knn_dataset, knn_embeddings
-    from vitkit.fileio import check_output_file, write_file_atomic
-
-    info = join_processes(args.device)  # under torchrun: this process's share of the images
-    if args.out and info.is_main:  # refused before the work, never after it
-        check_output_file(Path(args.out), overwrite=args.overwrite)
-    chunks = {"k": args.k, "temperature": args.temperature, "query_chunk": args.query_chunk,
-              "bank_chunk": args.bank_chunk}  # fmt: skip
-    if check_embedding_inputs(args):
-        report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks)
-        what = f"{args.train_embeddings} -> {args.test_embeddings}"
-    else:
-        from vitkit.data.base import note_skipped
-        from vitkit.data.datasets import open_dataset
-
-        loaded = load_for_eval(args)
-        train = note_skipped(open_dataset(args.data, args.train_split, skip_bad=args.skip_bad))
-        test = note_skipped(open_dataset(args.data, args.test_split, skip_bad=args.skip_bad))
-        report = knn_dataset(
-            loaded.model, train, test, loaded.meta.preprocess, batch_size=args.batch_size, device=info.device,
-            workers=resolve_workers(args.workers, info.device), precision=args.precision, on_engine=report_engine,
-            dist=info,
-            **chunks,
-        )  # fmt: skip
-        what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"
-    leave_processes(info)
-    if not info.is_main:
-        return 0
-    doc = {"features": what, **report.to_dict()}
-    if args.out:
-        write_file_atomic(Path(args.out), lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(f"{what}: kNN (k={report.k}, T={report.temperature:g}) over {report.num_train} training images")
-        print(f"  top-1 {report.top1:.2%}   top-5 {report.top5:.2%}   ({report.num_test} test images)")
     return 0

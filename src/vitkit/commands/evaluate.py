@@ -1,4 +1,9 @@
-"""``vitkit eval``, ``vitkit fewshot``, ``vitkit analyze``: a checkpoint measured and looked inside."""
+"""``vitkit eval``, ``vitkit fewshot``, ``vitkit knn``, ``vitkit analyze``: a checkpoint measured and looked inside.
+
+kNN is a command of its own rather than an option of ``eval``: it measures a backbone, so it runs on checkpoints
+without a classification head (which ``eval`` refuses), takes two splits (or two ``embed`` outputs, with no
+checkpoint at all) and reports top-1/top-5 only, none of eval's per-class report.
+"""
 
 from __future__ import annotations
 
@@ -17,17 +22,18 @@ from vitkit.commands.args import (
     join_processes,
     leave_processes,
     load_for_eval,
+    positive_float,
     positive_int,
     report_engine,
     resolve_workers,
 )
-from vitkit.commands.embed import check_embedding_inputs
 from vitkit.errors import VitkitError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_eval(sub)
     _add_fewshot(sub)
+    _add_knn(sub)
     _add_analyze(sub)
 
 
@@ -78,8 +84,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitkit.data.base import note_skipped
-    from vitkit.data.datasets import open_dataset
+    from vitkit.data.datasets import open_noted
     from vitkit.evaluate.evaluate import check_eval_report_dir, evaluate_dataset, write_eval_report
 
     out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
@@ -87,11 +92,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if info.is_main:
         check_eval_report_dir(out)  # refused before the evaluation, never after it
     loaded = load_for_eval(args)
-    dataset = note_skipped(
-        open_dataset(
-            args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names, strict_classes=False
-        )
-    )
+    dataset = open_noted(args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names,
+                         strict_classes=False)  # fmt: skip
     report = evaluate_dataset(
         loaded.model,
         dataset,
@@ -162,8 +164,7 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitkit.data.base import note_skipped
-    from vitkit.data.datasets import open_dataset
+    from vitkit.data.datasets import open_noted
     from vitkit.evaluate.evaluate import fewshot_dataset
     from vitkit.fileio import check_output_file
     from vitkit.hardware import resolve_device
@@ -181,8 +182,8 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
         return _print_fewshot(args, source, f"{args.train_embeddings} -> {args.test_embeddings}", result)
     device = resolve_device(args.device)
     loaded = load_for_eval(args)
-    train = note_skipped(open_dataset(args.data, args.train_split, skip_bad=args.skip_bad))
-    test = note_skipped(open_dataset(args.data, args.test_split, skip_bad=args.skip_bad))
+    train = open_noted(args.data, args.train_split, skip_bad=args.skip_bad)
+    test = open_noted(args.data, args.test_split, skip_bad=args.skip_bad)
     result = fewshot_dataset(
         loaded.model,
         train,
@@ -204,19 +205,101 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
 
 def _print_fewshot(args: argparse.Namespace, source: dict[str, Any], what: str, result: Any) -> int:
+    return _report(args, {**source, **result.to_dict()}, [f"{what}: few-shot linear probe", result.table()])
+
+
+def _report(args: argparse.Namespace, doc: dict[str, Any], lines: list[str]) -> int:
+    """An evaluator's result: written to ``--out`` as JSON, then printed as JSON (``--json``) or as ``lines``."""
     from pathlib import Path
 
     from vitkit.fileio import write_file_atomic
 
-    doc = {**source, **result.to_dict()}
     if args.out:
         write_file_atomic(Path(args.out), lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
-    if args.json:
-        print(json.dumps(doc, indent=2))
-    else:
-        print(f"{what}: few-shot linear probe")
-        print(result.table())
+    print(json.dumps(doc, indent=2) if args.json else "\n".join(lines))
     return 0
+
+
+def _add_knn(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "knn",
+        help="weighted k-nearest-neighbour accuracy of a backbone (the DINO protocol), from a dataset or embeddings",
+        description="k-nearest-neighbour classification on frozen features (DINO, Caron et al. 2021): train and "
+        "test features L2-normalised, each test image's k most cosine-similar training images vote for their "
+        "labels with weight exp(similarity / T), votes summed per class; top-1 and top-5 accuracy. Features are "
+        "the checkpoint's pre-logits features on --data's two splits, or read from two outputs of 'vitkit embed' "
+        "(--train-embeddings, --test-embeddings; any --pool/--layer, made from a labelled dataset). The search runs "
+        "in blocks of --query-chunk x --bank-chunk similarities, so a bank of millions fits in memory. Under "
+        "torchrun the feature extraction is shared out over the processes.",
+    )
+    add_checkpoint_args(p, optional=True)
+    add_engine_args(p, backend=False, device=False)
+    add_data_args(p, required=False)
+    p.add_argument("--train-split", default="train", help="the bank's split of --data (default: train)")
+    p.add_argument("--test-split", default="test", help="the split classified (default: test)")
+    p.add_argument("--train-embeddings", metavar="FILE", help="the bank: an output of vitkit embed (train split)")
+    p.add_argument("--test-embeddings", metavar="FILE", help="the test features: an output of vitkit embed")
+    p.add_argument("-k", "--k", type=positive_int, default=20, help="neighbours that vote (default 20)")
+    p.add_argument("--temperature", type=positive_float, default=0.07, help="T of the weights (default 0.07)")
+    p.add_argument("--query-chunk", type=positive_int, default=256, help="test rows per block (default 256)")
+    p.add_argument("--bank-chunk", type=positive_int, default=65536, help="bank rows per block (default 65536)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--out", help="also write the JSON result to this file (an existing file needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    p.set_defaults(func=cmd_knn)
+
+
+def check_embedding_inputs(args: argparse.Namespace) -> bool:
+    """Whether a command reads features from ``--train-embeddings``/``--test-embeddings`` (both given) or computes
+    them from a checkpoint and ``--data``; ConfigError for any other mix."""
+    from vitkit.errors import ConfigError
+
+    given = [args.train_embeddings is not None, args.test_embeddings is not None]
+    if any(given):
+        if not all(given):
+            raise ConfigError("--train-embeddings and --test-embeddings go together")
+        if args.data:
+            raise ConfigError("give --data (with a checkpoint) or --train-embeddings/--test-embeddings, not both")
+        return True
+    if not args.checkpoint or not args.data:
+        raise ConfigError("give a checkpoint and --data, or --train-embeddings and --test-embeddings")
+    return False
+
+
+def cmd_knn(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitkit.evaluate.knn import knn_dataset, knn_embeddings
+    from vitkit.fileio import check_output_file
+
+    info = join_processes(args.device)  # under torchrun: this process's share of the images
+    if args.out and info.is_main:  # refused before the work, never after it
+        check_output_file(Path(args.out), overwrite=args.overwrite)
+    chunks = {"k": args.k, "temperature": args.temperature, "query_chunk": args.query_chunk,
+              "bank_chunk": args.bank_chunk}  # fmt: skip
+    if check_embedding_inputs(args):
+        report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks)
+        what = f"{args.train_embeddings} -> {args.test_embeddings}"
+    else:
+        from vitkit.data.datasets import open_noted
+
+        loaded = load_for_eval(args)
+        train = open_noted(args.data, args.train_split, skip_bad=args.skip_bad)
+        test = open_noted(args.data, args.test_split, skip_bad=args.skip_bad)
+        report = knn_dataset(
+            loaded.model, train, test, loaded.meta.preprocess, batch_size=args.batch_size, device=info.device,
+            workers=resolve_workers(args.workers, info.device), precision=args.precision, on_engine=report_engine,
+            dist=info,
+            **chunks,
+        )  # fmt: skip
+        what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"
+    leave_processes(info)
+    if not info.is_main:
+        return 0
+    return _report(args, {"features": what, **report.to_dict()}, [
+        f"{what}: kNN (k={report.k}, T={report.temperature:g}) over {report.num_train} training images",
+        f"  top-1 {report.top1:.2%}   top-5 {report.top5:.2%}   ({report.num_test} test images)",
+    ])  # fmt: skip
 
 
 def _add_analyze(sub: argparse._SubParsersAction) -> None:
@@ -250,8 +333,7 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze, check_analysis_dir
     from vitkit.checkpoints.preprocess import load_image
-    from vitkit.data.base import note_skipped
-    from vitkit.data.datasets import open_dataset, sample_images
+    from vitkit.data.datasets import open_noted, sample_images
     from vitkit.hardware import resolve_device
 
     check_analysis_dir(args.out)  # refused before loading anything, never after the analyses
@@ -260,7 +342,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     images = [load_image(path) for path in args.images]  # fail on a bad file before any compute
     names = [os.path.basename(path) for path in args.images]
     if args.data:
-        dataset = note_skipped(open_dataset(args.data, args.split, skip_bad=args.skip_bad))
+        dataset = open_noted(args.data, args.split, skip_bad=args.skip_bad)
         more, more_names = sample_images(dataset, args.num_images)
         images += more
         names += more_names

@@ -68,7 +68,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.fileio import printable
     from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
-    from vitkit.inference.writers import check_rows_output
+    from vitkit.outputs.rows import check_rows_output
 
     if bool(args.images) == bool(args.data):
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")

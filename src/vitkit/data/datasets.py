@@ -75,6 +75,15 @@ def open_dataset(
         return _open(os.fspath(source), split, skip_bad, None, image_column, label_column, predecode)
 
 
+def open_noted(source: str, split: str, *, skip_bad: bool = False, **kw: Any) -> ImageDataset:
+    """:func:`open_dataset`, and what ``skip_bad`` dropped noted on stderr (:func:`~vitkit.data.base.note_skipped`):
+    how every command opens its ``--data`` (predict and embed through ``open_source``, eval, fewshot, knn, analyze).
+    """
+    from vitkit.data.base import note_skipped
+
+    return note_skipped(open_dataset(source, split, skip_bad=skip_bad, **kw))
+
+
 def _open(
     name: str,
     split: str,

@@ -140,10 +140,9 @@ def open_source(
     dataset drops only what its listing shows bad (an empty file, a row without a label), and an image that
     does not decode becomes a counted failed row when the stream reaches it (``predecode=False``)."""
     if data:
-        from vitkit.data.base import note_skipped
-        from vitkit.data.datasets import open_dataset
+        from vitkit.data.datasets import open_noted
 
-        return DatasetSource(note_skipped(open_dataset(data, split, skip_bad=skip_bad, predecode=False)))
+        return DatasetSource(open_noted(data, split, skip_bad=skip_bad, predecode=False))
     return FileSource(list_inputs(images, skip_bad=skip_bad))
 
 

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
+from vitkit.train.probe import STD_EPS, l2_grid
 
 BIAS_CONSTANT = 100.0
 DEFAULT_L2 = 2.0**10
-L2_GRID: tuple[float, ...] = tuple(2.0**e for e in range(-6, 17))
+L2_GRID = l2_grid(2.0, -6, 16)  # 2^-6 .. 2^16, for the whole problem (the loss is a sum over rows)
 DEFAULT_SHOTS = (1, 5, 10, 25)
 
 
@@ -46,7 +47,7 @@ class RidgeProbe:
             raise ValueError(f"expected features (N, D) and labels (N,), got {x.shape} and {y.shape}")
         self.num_classes = num_classes
         self.mean = x.mean(axis=0, keepdims=True)  # (1, D)
-        self.std = x.std(axis=0, keepdims=True) + 1e-5  # (1, D), population std as jnp.std
+        self.std = x.std(axis=0, keepdims=True) + STD_EPS  # (1, D), population std as jnp.std
         xa = self.transform(x)  # (N, D+1)
         targets = 2.0 * np.eye(num_classes)[y] - 1.0  # (N, K) in {-1, 1}
         n, d = xa.shape

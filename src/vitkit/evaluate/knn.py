@@ -24,11 +24,11 @@ import torch
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
-from vitkit.evaluate.features import extract
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.features import extract
 from vitkit.inference.provenance import check_comparable
-from vitkit.inference.vectors import Embeddings, read_embeddings
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
+from vitkit.outputs.arrays import Embeddings, read_embeddings
 
 DEFAULT_K = 20
 DEFAULT_TEMPERATURE = 0.07

@@ -1,6 +1,6 @@
 """Features for search, clustering and probes: ``vitkit.embed(...)`` in Python, and :func:`embed_job` behind
 ``vitkit embed`` (any number of images, streamed, written to Parquet, ``.npy`` or ``.safetensors`` batch by batch,
-resumable; :mod:`vitkit.inference.vectors`).
+resumable; :mod:`vitkit.outputs.arrays`).
 
 What a vector is (:class:`EmbedOptions`):
 
@@ -34,7 +34,7 @@ from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import JobSummary, feeds_gpu, run_job
 from vitkit.inference.provenance import job_meta
-from vitkit.inference.vectors import DTYPES, Embeddings, EmbeddingWriter
+from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
 
 POOLS = ("cls", "gap", "tokens")
 
@@ -114,7 +114,7 @@ def embedding_vectors(engine: InferenceEngine, x: torch.Tensor, opts: EmbedOptio
 def embed_columns(
     engine: InferenceEngine, batch: StreamBatch, opts: EmbedOptions, shape: tuple[int, ...]
 ) -> dict[str, Any]:
-    """One batch through the engine as the columns :class:`~vitkit.inference.vectors.EmbeddingWriter` takes (a
+    """One batch through the engine as the columns :class:`~vitkit.outputs.arrays.EmbeddingWriter` takes (a
     failed image: NaN)."""
     vectors = np.full((len(batch), *shape), np.nan, dtype=DTYPES[opts.dtype])
     if batch.images.numel():
@@ -150,7 +150,7 @@ def embed_job(
     dist: DistInfo | None = None,
 ) -> JobSummary:
     """``vitkit embed``: every image of ``source`` through the engine, its vector (:func:`embedding_vectors`)
-    written to ``out`` batch by batch (:class:`~vitkit.inference.vectors.EmbeddingWriter`; ``resume`` continues
+    written to ``out`` batch by batch (:class:`~vitkit.outputs.arrays.EmbeddingWriter`; ``resume`` continues
     an interrupted run, ``overwrite`` starts it again). ``dist``: the processes of a ``torchrun`` job, each
     embedding its share of the images, process 0 writing them in input order."""
     info = dist or DistInfo()
@@ -203,7 +203,7 @@ def embed(
     progress: bool = False,
 ) -> Embeddings:
     """Embeddings of images (file paths or PIL images) or of a dataset (``vitkit.open_dataset(...)``, labels
-    kept), in memory, in input order: :class:`~vitkit.inference.vectors.Embeddings` (``vectors`` (N, R) or
+    kept), in memory, in input order: :class:`~vitkit.outputs.arrays.Embeddings` (``vectors`` (N, R) or
     (N, T, D), ``ids``, ``labels``). ``pool``, ``layer``, ``l2``, ``dtype``: as :class:`EmbedOptions`;
     ``precision``: ``fp32`` (default: the checkpoint's own model), ``auto``, ``bf16`` or ``int8``. For outputs
     larger than memory, use ``vitkit embed`` (or :func:`embed_job`), which writes them to a file as it goes."""

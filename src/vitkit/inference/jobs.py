@@ -6,7 +6,7 @@ A job is: an :class:`~vitkit.data.stream.ImageSource` (and the ``positions`` of 
 transform (:class:`~vitkit.data.eval_transform.EvalTransform` of the checkpoint's preprocessing), a function
 building the engine (called once the decoding workers have started, so they decode while the weights are
 packed), a function turning a :class:`~vitkit.data.stream.StreamBatch` and the engine into columns, and a sink
-that takes the columns (a :class:`~vitkit.inference.writers.RowWriter`, or anything with ``write(columns)``,
+that takes the columns (a :class:`~vitkit.outputs.rows.RowWriter`, or anything with ``write(columns)``,
 ``done`` and ``ids``: printing to the console is one). :func:`run_job` checks that the rows a resumed output
 holds are those its input starts with, and continues after them.
 

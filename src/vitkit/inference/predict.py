@@ -28,7 +28,7 @@ from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, run_job
 from vitkit.inference.provenance import job_meta
-from vitkit.inference.writers import Field, open_rows
+from vitkit.outputs.rows import Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
 

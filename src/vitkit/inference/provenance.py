@@ -25,14 +25,9 @@ from collections.abc import Mapping
 from vitkit.checkpoints import Loaded
 from vitkit.checkpoints.base import state_digest
 from vitkit.data.stream import FileSource, ImageSource
-from vitkit.errors import DataError
+from vitkit.outputs.store import BACKEND, CHECKPOINT, INPUT, PRECISION, PREPROCESS, check_same
 
-CHECKPOINT, PRECISION, BACKEND, PREPROCESS, INPUT = (
-    "vitkit.checkpoint", "vitkit.precision", "vitkit.backend", "vitkit.preprocess", "vitkit.input",
-)  # fmt: skip
 MODEL_KEYS = (CHECKPOINT, PRECISION, BACKEND, PREPROCESS)  # what makes two outputs' numbers comparable
-_NAMES = {CHECKPOINT: "checkpoint", PRECISION: "precision", BACKEND: "backend", PREPROCESS: "preprocessing",
-          INPUT: "input"}  # fmt: skip
 
 
 def input_fingerprint(source: ImageSource) -> str:
@@ -54,34 +49,6 @@ def job_meta(loaded: Loaded, source: ImageSource, *, precision: str, backend: st
         PREPROCESS: json.dumps(dataclasses.asdict(loaded.meta.preprocess), sort_keys=True),
         INPUT: input_fingerprint(source),
     }
-
-
-def _show(key: str, value: str | None) -> str:
-    if value is None:
-        return "(not recorded)"
-    return value[:12] if key == CHECKPOINT else value
-
-
-RESUME_ADVICE = "continue it with the same checkpoint and options, or write to a new --out"
-
-
-def check_same(
-    found: Mapping[str, str],
-    wanted: Mapping[str, str],
-    where: str,
-    keys: tuple[str, ...] = (),
-    advice: str = RESUME_ADVICE,
-    against: str = "this run",
-) -> None:
-    """DataError naming ``where`` and the first of ``keys`` (default: every key of ``wanted``) whose value in
-    ``found`` differs: the output was made with another checkpoint, precision, preprocessing or input."""
-    for key in keys or tuple(wanted):
-        if found.get(key) != wanted.get(key):
-            name = _NAMES.get(key, key.removeprefix("vitkit.").replace("embed.", "--"))
-            raise DataError(
-                f"{where}: was made with {name} {_show(key, found.get(key))}, {against} with "
-                f"{_show(key, wanted.get(key))}; {advice}"
-            )
 
 
 COMPARABLE = (*MODEL_KEYS, "vitkit.embed.pool", "vitkit.embed.layer", "vitkit.embed.l2", "vitkit.embed.shape")

@@ -12,9 +12,10 @@ finished and a resumed one computes only the rest. Layout::
 The key (:func:`feature_key`) names the weights by content (``state_digest``: any changed value, resolution
 or head gives another key, whatever file they came from), the data by source, split, size, labels and the
 files' sizes and modification times, the preprocessing, the augmentation pass (none, or the transform, seed
-and epoch), the feature precision, the device type and torch's version. Files are written atomically
-(``fileio.write_file_atomic``); a chunk is only used when its header, shapes, dtypes, indices and labels are
-what the key says and its values are finite -- anything else is computed again and replaced.
+and epoch), the feature precision, the device type and torch's version. The folder is a chunk store
+(:class:`vitkit.outputs.store.Parts`: each chunk written under a temporary name and renamed); a chunk is only
+used when its header, shapes, dtypes, indices and labels are what the key says and its values are finite --
+anything else is computed again and replaced.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save
 
 from vitkit.checkpoints.base import state_digest
 from vitkit.checkpoints.preprocess import LazyImage, Preprocess
@@ -43,6 +44,7 @@ from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 from vitkit.inference.fast import optimize_for_inference
 from vitkit.inference.features import extract
 from vitkit.models.vit import VisionTransformer
+from vitkit.outputs.store import Parts
 
 KEY_VERSION = 1
 CHUNK = 2048  # examples per file: what an interrupted run can lose, at most
@@ -236,10 +238,10 @@ def cached_features(
     private_dirs(base)  # missing folders 0700, as vitkit's cache
     folder = base / key_digest(key)
     folder.mkdir(exist_ok=True)
+    chunks = Parts(folder, ".safetensors", prefix="chunk-", digits=6, extra=[KEY_FILE])
     key_path = folder / KEY_FILE
     if _read_key(key_path) != key:  # absent, unreadable or another key under this digest: start the folder anew
-        for stale in folder.glob("chunk-*.safetensors"):
-            stale.unlink(missing_ok=True)
+        chunks.clear(temporary=False)  # another run filling this folder now keeps the chunk it is writing
         write_file_atomic(key_path, lambda tmp: tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n"))
     source: Any = dataset if augment is None else _AugmentedView(dataset, augment)
     pre = preprocess if augment is None else _normaliser(augment.transform)
@@ -251,8 +253,7 @@ def cached_features(
     forward: Any = None  # what computes missing chunks: built on the first one (nothing to pack when all are cached)
     for c, start in enumerate(starts):
         idx = np.arange(start, min(start + CHUNK, n), dtype=np.int64)
-        path = folder / f"chunk-{c:06d}.safetensors"
-        got = _read_chunk(path, idx, labels[idx], width)
+        got = _read_chunk(chunks.path(c), idx, labels[idx], width)
         if got is None:
             what = f"{desc} {c + 1}/{len(starts)}" if len(starts) > 1 else desc
             if forward is None:
@@ -263,7 +264,8 @@ def cached_features(
             got = out.features.astype(np.float32, copy=False)
             if not np.array_equal(out.indices, idx) or not np.isfinite(got).all():
                 raise DataError(f"{desc}: the model gave non-finite features or skipped examples")
-            _write_chunk(path, {"features": np.ascontiguousarray(got), "labels": labels[idx], "indices": idx})
+            tensors = {"features": np.ascontiguousarray(got), "labels": labels[idx], "indices": idx}
+            chunks.write(c, lambda f, t=tensors: f.write(save(t)), sync=True)  # type: ignore[misc]
             computed += 1
         else:
             cached += 1
@@ -273,13 +275,6 @@ def cached_features(
     if cached and progress:
         print(f"note: {desc}: {cached} of {len(starts)} chunk(s) from the feature cache {folder}", file=sys.stderr)
     return Features(feats, labels, cached, computed, folder)
-
-
-def _write_chunk(path: Path, tensors: dict[str, np.ndarray]) -> None:
-    def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp))
-
-    write_file_atomic(path, write)
 
 
 def _read_key(path: Path) -> dict[str, Any] | None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -36,29 +35,23 @@ from typing import Any
 
 import numpy as np
 
-from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import (
-    WRITER,
-    WRITER_KEY,
-    OutputLock,
-    check_output_location,
-    create_new,
-    fsync,
+from vitkit.errors import DataError
+from vitkit.fileio import WRITER, WRITER_KEY, text_id, write_file_atomic
+from vitkit.outputs.store import (
+    Locked,
+    Parts,
+    check_same,
     open_regular,
-    refuse_link,
-    refuse_link_dir,
-    remove_tree,
-    temp_path,
-    text_id,
+    output_suffix,
+    parquet_marked,
+    precheck,
+    pyarrow,
+    write_parquet,
 )
-from vitkit.inference.provenance import check_same
 
 EMBED_FORMATS = (".parquet", ".npy", ".safetensors")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
-_PART = re.compile(r"^part-(\d{8})\.npz$")
-_PART_TMP = re.compile(r"^\.part-(\d{8})\.npz\.tmp$")
 _META = "meta.json"
-ROW_GROUP_BYTES = 64 << 20  # the assembled Parquet file's row groups: up to this much data each
 SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
 
@@ -81,15 +74,8 @@ class Embeddings:
 
 
 def embeddings_format(path: str | os.PathLike[str]) -> str:
-    """The format of an embedding output by its suffix (ConfigError for another, or for Parquet without pyarrow)."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in EMBED_FORMATS:
-        raise ConfigError(
-            f"--out {path}: unknown format {suffix or '(no suffix)'!r}; use .parquet, .npy or .safetensors"
-        )
-    if suffix == ".parquet":
-        _pyarrow()  # an optional dependency: missing, refused here, before any image is read
-    return suffix
+    """The format of an embedding output by its suffix (:func:`~vitkit.outputs.store.output_suffix`)."""
+    return output_suffix(path, EMBED_FORMATS)
 
 
 def ids_path(path: Path) -> Path:
@@ -97,13 +83,8 @@ def ids_path(path: Path) -> Path:
     return path.with_name(path.stem + ".ids.json")
 
 
-def _parts_dir(path: Path) -> Path:
-    return path.with_name(path.name + ".parts")
-
-
-def _entries(folder: Path, temporary: bool = False) -> list[str]:
-    pattern = _PART_TMP if temporary else _PART
-    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file() and not e.is_symlink())
+def _parts(path: Path) -> Parts:
+    return Parts.beside(path, ".npz", extra=[_META])
 
 
 def _is_ours(path: Path) -> bool:
@@ -115,9 +96,7 @@ def _is_ours(path: Path) -> bool:
             return side.is_file() and json.loads(side.read_text()).get(WRITER_KEY) == WRITER
         if suffix == ".safetensors":
             return _safetensors_header(path)[0].get("__metadata__", {}).get(WRITER_KEY) == WRITER
-        import pyarrow.parquet as pq
-
-        return (pq.read_schema(path).metadata or {}).get(WRITER_KEY.encode()) == WRITER.encode()
+        return parquet_marked(path)
     except Exception:  # unreadable: not something vitkit finished writing
         return False
 
@@ -125,40 +104,13 @@ def _is_ours(path: Path) -> bool:
 def check_embeddings_output(path: Path, *, resume: bool, overwrite: bool) -> None:
     """May ``path`` be written as an embedding output? New: yes. Existing (with its ids file or chunk folder):
     only with ``resume`` or ``overwrite``, and only what vitkit wrote; a folder never."""
-    fmt = embeddings_format(path)
-    refuse_link(path)
-    if path.is_dir():
-        raise ConfigError(f"--out {path}: is a folder; name a .parquet, .npy or .safetensors file")
-    check_output_location(path)
-    parts = _parts_dir(path)
-    refuse_link_dir(parts)
-    if fmt == ".npy":
-        refuse_link(ids_path(path))
-    if parts.exists():
-        foreign = [
-            e.name
-            for e in parts.iterdir()
-            if not (_PART.match(e.name) or _PART_TMP.match(e.name) or e.name == _META)
-            or e.is_symlink()
-            or not e.is_file()
-        ]
-        if foreign or not parts.is_dir():
-            raise ConfigError(
-                f"--out {path}: {parts} holds {foreign[0] if foreign else 'a file'!r}, which vitkit did not write; "
-                "vitkit never deletes what it did not write"
-            )
-    side = ids_path(path) if fmt == ".npy" else None
-    existing = [p for p in (path, side) if p is not None and p.exists()]
-    if (existing or parts.exists()) and not (resume or overwrite):
-        raise ConfigError(
-            f"--out {path}: already exists (or a run into it was interrupted); pass --resume to continue it, or "
-            "--overwrite to start again"
-        )
-    if existing and not parts.exists() and not _is_ours(path):
-        raise ConfigError(f"--out {existing[0]}: not written by vitkit embed; vitkit never overwrites what it did not")
+    sides = [ids_path(path)] if embeddings_format(path) == ".npy" else []
+    parts = _parts(path)
+    precheck(path, parts, formats=".parquet, .npy or .safetensors", resume=resume, overwrite=overwrite, sides=sides,
+             ours=None if parts.folder.exists() else _is_ours)  # fmt: skip
 
 
-class EmbeddingWriter:
+class EmbeddingWriter(Locked):
     """An embedding output being written (see the module docstring). ``meta``: the options the vectors are made
     with (strings), stored in the output; a resumed output must have been started with the same. ``done`` and
     ``ids``: rows complete (as found when opened, then counting what was written)."""
@@ -168,50 +120,42 @@ class EmbeddingWriter:
     ) -> None:
         self.path = Path(path)
         embeddings_format(self.path)
-        self.lock: OutputLock | None = OutputLock(self.path)  # held until close (or release): one job per output
-        try:
-            self._open(meta, resume, overwrite)
-        except BaseException:
-            self.release()
-            raise
+        Locked.locked(self.path, lambda: self._open(meta, resume, overwrite))  # held until close: one job per output
 
-    def _open(self, meta: Mapping[str, str], resume: bool, overwrite: bool) -> None:
+    def _open(self, meta: Mapping[str, str], resume: bool, overwrite: bool) -> EmbeddingWriter:
         check_embeddings_output(self.path, resume=resume, overwrite=overwrite)
         self.format = embeddings_format(self.path)
         self.meta = dict(meta)
-        self.parts = _parts_dir(self.path)
+        self.parts = _parts(self.path)
         self.ids: list[str] = []
         self.next_part = 0
         self.finished = False  # resumed from a finished output: nothing to assemble unless more is written
         if not resume:
             self._remove_earlier()
-        elif self.parts.is_dir():
+        elif self.parts.folder.is_dir():
             self._reopen()
         elif self.path.exists():
             ids, found = _finished_ids(self.path)  # the ids and options alone: never the vectors
             self._check_meta(found, self.path)
             self.ids, self.finished = ids, True
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.finished and not self.parts.is_dir():
-            self.parts.mkdir()
-            _write_atomic(self.parts / _META, json.dumps(self.meta).encode())
+        if not self.finished and not self.parts.folder.is_dir():
+            self.parts.folder.mkdir()
+            self._write_meta()
+        return self
 
     @property
     def done(self) -> int:
         return len(self.ids)
 
+    def _write_meta(self) -> None:
+        write_file_atomic(self.parts.folder / _META, lambda tmp: tmp.write_text(json.dumps(self.meta)))
+
     def _remove_earlier(self) -> None:
-        if self.parts.is_dir():
-            remove_tree(self.parts)
+        self.parts.discard()
         for p in (self.path, ids_path(self.path) if self.format == ".npy" else None):
             if p is not None and p.exists():
                 p.unlink()
-
-    def release(self) -> None:
-        """Let another job write the output (:meth:`close` does it; an error's path calls this alone)."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
 
     def _check_meta(self, found: Mapping[str, str], where: Path) -> None:
         ours = {k: v for k, v in found.items() if k.startswith("vitkit.embed.")}
@@ -223,17 +167,16 @@ class EmbeddingWriter:
         check_same(found, self.meta, str(where))  # the checkpoint, precision, preprocessing and input
 
     def _reopen(self) -> None:
-        for name in _entries(self.parts, temporary=True):
-            (self.parts / name).unlink()  # a chunk cut mid-write (never renamed into place)
-        meta = self.parts / _META
+        self.parts.drop_temporaries()  # a chunk cut mid-write (never renamed into place)
+        meta = self.parts.folder / _META
         if meta.is_file():
-            self._check_meta(_read_meta(meta), self.parts)
+            self._check_meta(_read_meta(meta), self.parts.folder)
         else:
-            _write_atomic(meta, json.dumps(self.meta).encode())
-        for name in _entries(self.parts):
-            with np.load(self.parts / name, allow_pickle=False) as z:
+            self._write_meta()
+        for number, part in self.parts.numbered():
+            with np.load(part, allow_pickle=False) as z:
                 self.ids += [str(v) for v in z["id"]]
-            self.next_part = int(_PART.match(name).group(1)) + 1  # type: ignore[union-attr]
+            self.next_part = number + 1
 
     def write(self, columns: Mapping[str, Any]) -> None:
         """One batch: ``index``, ``id``, ``label``, ``vector`` (B, ...) and optionally ``error`` (""; a reason).
@@ -245,34 +188,21 @@ class EmbeddingWriter:
             raise DataError(f"--out {self.path}: is finished; pass --overwrite to start it again")
         vectors = np.asarray(columns["vector"])
         errors = [text_id(str(e)) for e in (columns.get("error") or [""] * len(ids))]
-        name = f"part-{self.next_part:08d}.npz"
-        tmp = self.parts / f".{name}.tmp"
-        tmp.unlink(missing_ok=True)  # a leftover (a link planted there too): removed, never written through
-        with create_new(tmp) as f:
-            np.savez(
-                f, index=np.asarray(columns["index"], dtype=np.int64), id=np.asarray(ids, dtype=str),
-                label=np.asarray(columns["label"], dtype=np.int64), vector=vectors, error=np.asarray(errors, dtype=str),
-            )  # fmt: skip
-        os.replace(tmp, self.parts / name)
+        self.parts.write(self.next_part, lambda f: np.savez(
+            f, index=np.asarray(columns["index"], dtype=np.int64), id=np.asarray(ids, dtype=str),
+            label=np.asarray(columns["label"], dtype=np.int64), vector=vectors, error=np.asarray(errors, dtype=str),
+        ))  # fmt: skip
         self.next_part += 1
         self.ids += ids
 
-    def close(self) -> None:
-        """Assemble the chunks into the output file (and its ids file), then remove the chunk folder; the
-        output's lock is released."""
-        try:
-            if self.finished or not self.parts.is_dir():
-                return
-            chunks = [self.parts / n for n in _entries(self.parts)]
-            if self.format == ".parquet":
-                _assemble_parquet(self.path, chunks, self.meta)
-            elif self.format == ".npy":
-                _assemble_npy(self.path, chunks, self.meta)
-            else:
-                _assemble_safetensors(self.path, chunks, self.meta)
-            remove_tree(self.parts)
-        finally:
-            self.release()
+    def _finish(self) -> None:
+        """Assemble the chunks into the output file (and its ids file), then remove the chunk folder."""
+        if self.finished or not self.parts.folder.is_dir():
+            return
+        chunks = [p for _, p in self.parts.numbered()]
+        assemble = {".parquet": _assemble_parquet, ".npy": _assemble_npy, ".safetensors": _assemble_safetensors}
+        assemble[self.format](self.path, chunks, self.meta)
+        self.parts.discard()
 
 
 def _read_meta(path: Path) -> dict[str, str]:
@@ -303,17 +233,6 @@ def _finished_ids(path: Path) -> tuple[list[str], dict[str, str]]:
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, KeyError...
         raise DataError(f"{path}: not a readable Parquet file of vitkit embed ({e})") from None
     return ids, meta
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = temp_path(path)
-    try:
-        with create_new(tmp) as f:
-            f.write(data)
-        fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _chunks(chunks: list[Path]) -> Iterator[dict[str, np.ndarray]]:
@@ -354,8 +273,8 @@ def _side_doc(chunks: list[Path]) -> tuple[list[str], list[int], list[int], dict
 
 def _assemble_npy(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
     n, shape, dtype = _layout(chunks, meta)
-    tmp = temp_path(path)
-    try:
+
+    def write(tmp: Path) -> None:  # the array, then its ids file: both in place before the array is renamed
         arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(n, *shape))
         row = 0
         for c in _chunks(chunks):
@@ -363,13 +282,11 @@ def _assemble_npy(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> No
             row += len(c["vector"])
         arr.flush()
         del arr
-        fsync(tmp)
         ids, labels, index, errors = _side_doc(chunks)
         doc = {WRITER_KEY: WRITER, "ids": ids, "labels": labels, "index": index, "errors": errors, "meta": dict(meta)}
-        _write_atomic(ids_path(path), json.dumps(doc).encode())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        write_file_atomic(ids_path(path), lambda side: side.write_text(json.dumps(doc)))
+
+    write_file_atomic(path, write)
 
 
 def _st_dtype(dtype: np.dtype) -> str:
@@ -394,8 +311,8 @@ def _assemble_safetensors(path: Path, chunks: list[Path], meta: Mapping[str, str
         raise DataError(
             f"--out {path}: the ids of {n} images do not fit a .safetensors header (100 MB at most); use .parquet"
         )
-    tmp = temp_path(path)
-    try:
+
+    def write(tmp: Path) -> None:
         with tmp.open("wb") as f:
             f.write(struct.pack("<Q", len(text)))
             f.write(text)
@@ -403,20 +320,8 @@ def _assemble_safetensors(path: Path, chunks: list[Path], meta: Mapping[str, str
                 f.write(np.ascontiguousarray(c["vector"], dtype=dtype).astype(dtype.newbyteorder("<")).tobytes())
             f.write(np.asarray(index, dtype="<i8").tobytes())
             f.write(np.asarray(labels, dtype="<i8").tobytes())
-        fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
-
-def _pyarrow() -> Any:
-    try:
-        import pyarrow
-    except ImportError:
-        raise ConfigError(
-            "--out *.parquet needs pyarrow: pip install 'vitkit[parquet]' (or pip install pyarrow)"
-        ) from None
-    return pyarrow
+    write_file_atomic(path, write)
 
 
 def _parquet_schema(pa: Any, width: int, dtype: np.dtype, meta: Mapping[str, str], shape: tuple[int, ...]) -> Any:
@@ -434,38 +339,19 @@ def _parquet_schema(pa: Any, width: int, dtype: np.dtype, meta: Mapping[str, str
 
 
 def _assemble_parquet(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
-    pa = _pyarrow()
-    import pyarrow.parquet as pq
-
+    pa = pyarrow()
     _, shape, dtype = _layout(chunks, meta)
     width = max(1, math.prod(shape))
     schema = _parquet_schema(pa, width, dtype, meta, shape)
-    tmp = temp_path(path)
-    try:
-        with pq.ParquetWriter(tmp, schema) as out:
-            pending: list[Any] = []
-            size = 0
-            for c in _chunks(chunks):
-                flat = np.ascontiguousarray(c["vector"]).reshape(-1)
-                emb = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=schema.field("embedding").type.value_type),
-                                                        width)  # fmt: skip
-                errs = [str(e) or None for e in c["error"]]
-                table = pa.Table.from_arrays(
-                    [pa.array(c["index"]), pa.array([str(v) for v in c["id"]]), pa.array(c["label"]), emb,
-                     pa.array(errs, type=pa.string())],
-                    schema=schema,
-                )  # fmt: skip
-                pending.append(table)
-                size += table.nbytes
-                if size >= ROW_GROUP_BYTES:
-                    out.write_table(pa.concat_tables(pending))
-                    pending, size = [], 0
-            if pending or not chunks:
-                out.write_table(pa.concat_tables(pending) if pending else schema.empty_table())
-        fsync(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    def table(c: dict[str, np.ndarray]) -> Any:
+        flat = np.ascontiguousarray(c["vector"]).reshape(-1)
+        emb = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=schema.field("embedding").type.value_type), width)
+        errs = pa.array([str(e) or None for e in c["error"]], type=pa.string())
+        columns = [pa.array(c["index"]), pa.array([str(v) for v in c["id"]]), pa.array(c["label"]), emb, errs]
+        return pa.Table.from_arrays(columns, schema=schema)
+
+    write_parquet(path, schema, (table(c) for c in _chunks(chunks)))
 
 
 # ---- reading ----------------------------------------------------------------------------------------------
@@ -540,7 +426,7 @@ def _read_embeddings(p: Path, fmt: str) -> Embeddings:
         except (KeyError, ValueError):
             raise DataError(f"{p}: no ids in its metadata (vitkit.ids); not written by vitkit embed") from None
     else:
-        _pyarrow()
+        pyarrow()
         import pyarrow.parquet as pq
 
         try:

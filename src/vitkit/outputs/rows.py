@@ -16,20 +16,11 @@ failed image's labels). When ``write`` returns, the batch is complete on disk as
 ``open_rows(..., resume=True)`` reopens an interrupted output: it drops a row cut mid-write (a JSONL/CSV line
 without its newline; a part file never appears half-written), and reports the rows already there (``done``,
 and their ids, so the job can check they are the ones its input starts with). A finished Parquet file is
-reopened as the first part. Outputs are never replaced without ``overwrite``, and only files of the shapes
-written here are ever removed.
-
-What is never done to a file vitkit did not write (issue 32):
-
-- an output, its parts folder, mark and lock file are never opened through a symbolic link (refused in one
-  line, even a dangling one), nor when they are FIFOs, sockets or devices; new files are created with
-  ``O_EXCL``, existing ones opened with ``O_NOFOLLOW``;
-- only an output vitkit marked as its own is resumed or overwritten: a JSONL/CSV file by ``NAME.vitkit.json``
-  beside it (its columns and the job's ``meta``), a Parquet file by its schema metadata; the ``meta`` (the
-  checkpoint's digest, precision, backend, preprocessing, input: :mod:`vitkit.inference.provenance`) must be
-  this job's. Any damage besides a last row cut mid-write is refused, naming the file and line;
-- one job writes an output at a time: :func:`open_rows` takes ``NAME.vitkit.lock`` (released by ``close``);
-- resume streams the file, one row in memory at a time (at most :data:`MAX_ROW_BYTES`), keeping the ids.
+reopened as the first part. The store's rules hold (:mod:`vitkit.outputs.store`: no links, one lock, one
+pre-check, only vitkit's own outputs resumed or overwritten): a JSONL/CSV file is vitkit's by the mark
+``NAME.vitkit.json`` beside it (its columns and the job's ``meta``), a Parquet file by its schema metadata. Any
+damage besides a last row cut mid-write is refused, naming the file and line; resume streams the file, one row
+in memory at a time (at most :data:`MAX_ROW_BYTES`).
 """
 
 from __future__ import annotations
@@ -38,7 +29,6 @@ import csv
 import io
 import json
 import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,30 +37,26 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import (
-    WRITER,
-    WRITER_KEY,
-    OutputLock,
-    clean_stale,
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, text_id
+from vitkit.outputs.store import (
+    Locked,
+    Parts,
+    check_same,
     create_new,
-    fsync,
     open_regular,
+    output_suffix,
+    parquet_marked,
+    precheck,
+    pyarrow,
     read_sidecar,
     refuse_link,
-    refuse_link_dir,
-    remove_tree,
     sidecar_path,
-    temp_path,
-    text_id,
+    write_parquet,
     write_sidecar,
 )
-from vitkit.inference.provenance import check_same
 
 FORMATS = (".jsonl", ".csv", ".parquet")
 KINDS = ("int", "float", "str", "bool", "int_list", "float_list", "str_list")
-_PART = re.compile(r"^part-(\d{8})\.parquet$")
-_PART_TMP = re.compile(r"^\.part-(\d{8})\.parquet\.tmp$")
-PARQUET_ROW_GROUP_BYTES = 64 << 20  # the merged file's row groups: up to this much data each
 MAX_ROW_BYTES = 64 << 20  # one JSONL/CSV row read back on resume (K = 21843 logits take ~0.5 MB)
 _FORMULA = ("=", "+", "-", "@", "\t", "\r", "'")  # a CSV text cell starting so is prefixed with '
 
@@ -96,11 +82,8 @@ class Field:
 
 
 def output_format(path: str | os.PathLike[str]) -> str:
-    """The format of an output file by its suffix: ``.jsonl``, ``.csv`` or ``.parquet`` (ConfigError otherwise)."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in FORMATS:
-        raise ConfigError(f"--out {path}: unknown format {suffix or '(no suffix)'!r}; use .jsonl, .csv or .parquet")
-    return suffix
+    """The format of a row output by its suffix (:func:`~vitkit.outputs.store.output_suffix` of :data:`FORMATS`)."""
+    return output_suffix(path, FORMATS)
 
 
 def _rows(fields: Sequence[Field], columns: Mapping[str, Any]) -> tuple[int, list[list[Any]]]:
@@ -136,7 +119,7 @@ def _csv_uncell(v: str) -> str:
     return v[1:] if v[:1] == "'" else v
 
 
-class RowWriter:
+class RowWriter(Locked):
     """An output being written (see the module docstring). ``done``: rows complete in it, ``ids``: their
     ``id_field`` values, in order (both as found when it was opened, then counting what was written)."""
 
@@ -145,7 +128,6 @@ class RowWriter:
         if id_field not in {f.name for f in fields}:
             raise ValueError(f"id field {id_field!r} is not among the fields")
         self.ids: list[str] = []
-        self.lock: OutputLock | None = None  # held from open_rows to close
 
     @property
     def done(self) -> int:
@@ -159,18 +141,6 @@ class RowWriter:
             self.ids += [text_id(str(v)) for v in columns[self.id_field]]
 
     def _write(self, n: int, values: list[list[Any]]) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        """Finish the output (Parquet: merge the parts into the file), and let another job write it."""
-        try:
-            self._finish()
-        finally:
-            if self.lock is not None:
-                self.lock.release()
-                self.lock = None
-
-    def _finish(self) -> None:
         raise NotImplementedError
 
 
@@ -346,36 +316,32 @@ class _ParquetWriter(RowWriter):
         self, path: Path, fields: Sequence[Field], id_field: str, resume: bool, meta: Mapping[str, str]
     ) -> None:
         super().__init__(path, fields, id_field)
-        pa = _pyarrow()
+        pa = pyarrow()
         self.pa = pa
         self.schema = pa.schema(
             [pa.field(f.name, _arrow_type(pa, f.kind)) for f in self.fields],
             metadata={WRITER_KEY: WRITER, **meta},
         )
         self.meta = dict(meta)
-        self.parts = path.with_name(path.name + ".parts")
+        self.parts = Parts.beside(path, ".parquet")
         self.next_part = 0
         if resume:
             self._reopen()
-        self.parts.mkdir(exist_ok=True)
+        self.parts.folder.mkdir(exist_ok=True)
 
     def _reopen(self) -> None:
         import pyarrow.parquet as pq
 
-        if self.path.exists() and not self.parts.exists():  # a finished file: reopened as the first part
+        if self.path.exists() and not self.parts.folder.exists():  # a finished file: reopened as the first part
             self._check_ours(self.path)
-            self.parts.mkdir()
-            os.replace(self.path, self.parts / "part-00000000.parquet")
-        if not self.parts.is_dir():
-            return
-        for name in _our_entries(self.parts, temporary=True):
-            (self.parts / name).unlink()  # a part cut mid-write (never renamed into place)
-        for name in _our_entries(self.parts):
-            part = self.parts / name
+            self.parts.folder.mkdir()
+            os.replace(self.path, self.parts.path(0))
+        self.parts.drop_temporaries()
+        for number, part in self.parts.numbered():
             self._check_ours(part)
             for batch in pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed
                 self.ids += [str(v) for v in batch.column(0).to_pylist()]
-            self.next_part = int(_PART.match(name).group(1)) + 1  # type: ignore[union-attr]
+            self.next_part = number + 1
 
     def _check_ours(self, file: Path) -> None:
         import pyarrow.parquet as pq
@@ -405,53 +371,15 @@ class _ParquetWriter(RowWriter):
             },
             schema=self.schema,
         )
-        name = f"part-{self.next_part:08d}.parquet"
-        tmp = self.parts / f".{name}.tmp"
-        tmp.unlink(missing_ok=True)  # a leftover (a link planted there too): removed, never written through
-        with create_new(tmp) as f:
-            pq.write_table(table, f)
-        os.replace(tmp, self.parts / name)
+        self.parts.write(self.next_part, lambda f: pq.write_table(table, f))
         self.next_part += 1
 
     def _finish(self) -> None:
         import pyarrow.parquet as pq
 
-        parts = [self.parts / n for n in _our_entries(self.parts)]
-        tmp = temp_path(self.path)
-        try:
-            with pq.ParquetWriter(tmp, self.schema) as out:
-                pending: list[Any] = []
-                size = 0
-                for part in parts:
-                    for batch in pq.ParquetFile(part).iter_batches():
-                        pending.append(batch)
-                        size += batch.nbytes
-                        if size >= PARQUET_ROW_GROUP_BYTES:
-                            out.write_table(self.pa.Table.from_batches(pending, self.schema))
-                            pending, size = [], 0
-                if pending or not parts:
-                    out.write_table(self.pa.Table.from_batches(pending, self.schema))
-            fsync(tmp)
-            os.replace(tmp, self.path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        remove_tree(self.parts)  # renamed aside first: a kill never leaves some of the parts beside the file
-
-
-def _our_entries(folder: Path, temporary: bool = False) -> list[str]:
-    """The part files (or, with ``temporary``, the temporary part files) in a parts folder, sorted."""
-    pattern = _PART_TMP if temporary else _PART
-    return sorted(e.name for e in folder.iterdir() if pattern.match(e.name) and e.is_file() and not e.is_symlink())
-
-
-def _pyarrow() -> Any:
-    try:
-        import pyarrow
-    except ImportError:
-        raise ConfigError(
-            "--out *.parquet needs pyarrow: pip install 'vitkit[parquet]' (or pip install pyarrow)"
-        ) from None
-    return pyarrow
+        batches = (b for _, p in self.parts.numbered() for b in pq.ParquetFile(p).iter_batches())  # streamed
+        write_parquet(self.path, self.schema, (self.pa.Table.from_batches([b], self.schema) for b in batches))
+        self.parts.discard()  # renamed aside first: a kill never leaves some of the parts beside the file
 
 
 def _arrow_type(pa: Any, kind: str) -> Any:
@@ -464,48 +392,18 @@ def check_rows_output(path: Path, *, resume: bool, overwrite: bool) -> None:
     with ``resume`` (continue it) or ``overwrite`` (start it again); a folder, or a parts folder holding files
     vitkit did not write, never."""
     output_format(path)
-    refuse_link(path)
-    if path.is_dir():
-        raise ConfigError(f"--out {path}: is a folder; name a .jsonl, .csv or .parquet file")
-    parts = path.with_name(path.name + ".parts")
-    refuse_link_dir(parts)
     side = sidecar_path(path)
     refuse_link(side)
     if os.path.lexists(side) and read_sidecar(path) is None:
         raise ConfigError(f"--out {path}: {side.name} beside it is not vitkit's mark; vitkit never overwrites it")
-    if parts.exists():
-        foreign = [
-            e.name
-            for e in parts.iterdir()
-            if not (_PART.match(e.name) or _PART_TMP.match(e.name)) or e.is_symlink() or not e.is_file()
-        ]
-        if foreign or not parts.is_dir():
-            raise ConfigError(
-                f"--out {path}: {parts} holds {foreign[0] if foreign else 'a file'!r}, which vitkit did not write; "
-                "vitkit never deletes what it did not write"
-            )
-    if (path.exists() or parts.exists()) and not (resume or overwrite):
-        raise ConfigError(
-            f"--out {path}: already exists (or a run into it was interrupted); pass --resume to continue it, or "
-            "--overwrite to start again"
-        )
-    if path.exists() and overwrite and not resume and not _is_ours(path):
-        raise ConfigError(f"--out {path}: not written by vitkit; vitkit never overwrites what it did not write")
+    precheck(path, Parts.beside(path, ".parquet"), formats=".jsonl, .csv or .parquet", resume=resume,
+             overwrite=overwrite, ours=_is_ours if overwrite and not resume else None)  # fmt: skip
 
 
 def _is_ours(path: Path) -> bool:
     """Whether an existing output carries vitkit's mark (a Parquet file's schema metadata, a text file's
     ``NAME.vitkit.json``)."""
-    if path.suffix.lower() != ".parquet":
-        return read_sidecar(path) is not None
-    import pyarrow.parquet as pq
-
-    try:
-        with open_regular(path, write=False) as f:
-            meta = pq.read_schema(f).metadata or {}
-    except Exception:  # pyarrow raises ArrowInvalid, OSError...
-        return False
-    return meta.get(WRITER_KEY.encode()) == WRITER.encode()
+    return parquet_marked(path) if path.suffix.lower() == ".parquet" else read_sidecar(path) is not None
 
 
 def open_rows(
@@ -524,14 +422,7 @@ def open_rows(
     resume. The output is locked against other processes until :meth:`RowWriter.close`."""
     out = Path(path)
     output_format(out)
-    lock = OutputLock(out)  # before anything is looked at: a second job on this output is refused here
-    try:
-        writer = _open_locked(out, fields, id_field, resume, overwrite, meta or {})
-    except BaseException:
-        lock.release()
-        raise
-    writer.lock = lock
-    return writer
+    return Locked.locked(out, lambda: _open_locked(out, fields, id_field, resume, overwrite, meta or {}))
 
 
 def _open_locked(
@@ -541,11 +432,7 @@ def _open_locked(
     clean_stale(out.parent, [out.name, out.name + ".parts"])  # a merge or a removal a kill cut short
     fmt = output_format(out)
     if not resume:  # overwrite: what an earlier run left goes first (only vitkit's own file shapes)
-        parts = out.with_name(out.name + ".parts")
-        if parts.is_dir():
-            for name in _our_entries(parts) + _our_entries(parts, temporary=True):
-                (parts / name).unlink()
-            parts.rmdir()
+        Parts.beside(out, ".parquet").discard()
         if out.exists():
             out.unlink()  # a regular file (check_rows_output refused links and the rest): replaced, not truncated
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Embedding files read back (``vitkit.inference.vectors.read_embeddings``): a damaged ids file or metadata
+"""Embedding files read back (``vitkit.outputs.arrays.read_embeddings``): a damaged ids file or metadata
 field is one line naming the file, never a traceback (issue 32, section 4)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import run_cli
-from vitkit.inference.vectors import EmbeddingWriter
+from vitkit.outputs.arrays import EmbeddingWriter
 
 
 def _bank(path: Path) -> Path:

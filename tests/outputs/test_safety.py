@@ -263,8 +263,8 @@ def test_embed_resume_refuses_another_checkpoint_or_precision(
 
 def _hold(kind: str, out: str, ready: Any, done: Any) -> None:
     """In another process: open ``out`` for writing as a job does, and keep it open until ``done``."""
-    from vitkit.inference.vectors import EmbeddingWriter
-    from vitkit.inference.writers import Field, open_rows
+    from vitkit.outputs.arrays import EmbeddingWriter
+    from vitkit.outputs.rows import Field, open_rows
 
     if kind == "rows":
         w = open_rows(out, [Field("index", "int"), Field("image", "str")], id_field="image", resume=True)
@@ -330,7 +330,7 @@ def test_two_real_predict_processes_on_one_output(tmp_path: Path) -> None:
 
 _RSS = """
 import sys
-from vitkit.inference.writers import Field, open_rows
+from vitkit.outputs.rows import Field, open_rows
 fields = [Field("index", "int"), Field("image", "str"), Field("logits", "float_list", 1000)]
 def hwm():  # this process's peak RSS in MiB (VmHWM: getrusage's maxrss carries the parent's over exec)
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
@@ -343,7 +343,7 @@ print(hwm() - base)
 
 def test_resume_reads_a_large_output_in_bounded_memory(tmp_path: Path) -> None:
     """Resuming a 60 MB JSONL output costs a few MB of memory (its ids), not a multiple of the file."""
-    from vitkit.inference.writers import Field, open_rows
+    from vitkit.outputs.rows import Field, open_rows
 
     out = tmp_path / "big.jsonl"
     fields = [Field("index", "int"), Field("image", "str"), Field("logits", "float_list", 1000)]
