@@ -57,14 +57,17 @@ def test_random_images_with_flips_and_downscaled_rows_equal_the_host(interpolati
     assert torch.equal(loader.augment(2, idx), _host(ds, t, 11, 2, idx))
 
 
-def test_batches_order_and_resumption_equal_the_host_loader() -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_batches_order_and_resumption_equal_the_host_loader(prefetch: bool) -> None:
     """Rank 1 of 2 with 2 accumulation steps, from step 3 of epoch 4 (a resumed run): the same micro-batches --
-    images, labels and indices -- as TrainLoader's."""
+    images, labels and indices -- as TrainLoader's; with the host's share computed ahead on a thread (as on a GPU)
+    or in turn (as on a CPU)."""
     ds = open_dataset("digits", "train")
     t = _digits_transform(flip=True)
     kw = dict(global_batch=64, seed=7, accum_steps=2, rank=1, world=2)
     host = TrainLoader(ds, t, **kw)  # type: ignore[arg-type]
-    dev = resident_loader(ds, t, device=CPU, **kw)  # type: ignore[arg-type]
+    dev = resident_loader(ds, t, device=CPU, prefetch=prefetch, **kw)  # type: ignore[arg-type]
+    assert dev is not None and (dev._pool is not None) == prefetch
     assert dev is not None and dev.steps_per_epoch == host.steps_per_epoch
     n = 0
     for a, b in zip(host.epoch(4, 3), dev.epoch(4, 3), strict=True):
