@@ -144,21 +144,32 @@ class ResidentTrainLoader(TrainLoader):
 
     def augment(self, epoch: int, indices: np.ndarray) -> torch.Tensor:
         """The training transform of ``indices`` in ``epoch``, as (n, 1, H, W) float32 on the device."""
-        return self._apply(indices, self.plan(epoch, indices))
+        return self._apply(indices, self.plan(epoch, indices))[0]
 
-    def _apply(self, indices: np.ndarray, plan: tuple[np.ndarray, np.ndarray, np.ndarray]) -> torch.Tensor:
-        wh, wv, flips = (torch.from_numpy(a).to(self.device, non_blocking=True) for a in plan)
-        idx = torch.from_numpy(np.asarray(indices, dtype=np.int64)).to(self.device)
+    def _apply(
+        self, indices: np.ndarray, plan: tuple[np.ndarray, np.ndarray, np.ndarray]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(augmented images, labels) on the device: the plan and the indices travel in one copy."""
+        wh, wv, flips = plan
+        n = len(indices)
+        packed = np.concatenate(
+            [np.asarray(indices, dtype=np.float64), flips.astype(np.float64), wh.ravel(), wv.ravel()]
+        )
+        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        idx = dev[:n].long()
+        flip = dev[n : 2 * n].bool().view(-1, 1, 1)
+        twh = dev[2 * n : 2 * n + wh.size].view(wh.shape)
+        twv = dev[2 * n + wh.size :].view(wv.shape)
         src = self.pixels.index_select(0, idx)  # (n, h, w)
         half = float(1 << (PRECISION_BITS - 1))
-        rows = _clip8(torch.bmm(src, wh.transpose(1, 2)) + half)  # horizontal pass: (n, h, W)
-        out = _clip8(torch.bmm(wv, rows) + half)  # vertical pass: (n, H, W)
-        if plan[2].any():
-            out = torch.where(flips.view(-1, 1, 1), out.flip(-1), out)
+        rows = _clip8(torch.bmm(src, twh.transpose(1, 2)) + half)  # horizontal pass: (n, h, W)
+        out = _clip8(torch.bmm(twv, rows) + half)  # vertical pass: (n, H, W)
+        if flips.any():
+            out = torch.where(flip, out.flip(-1), out)
         x = out.to(torch.float32)[:, None]  # (n, 1, H, W): whole numbers 0..255, exact in float32
-        return x.div_(255.0).sub_(self._mean).div_(self._std)
+        return x.div_(255.0).sub_(self._mean).div_(self._std), self.labels.index_select(0, idx)
 
-    def _pass_weights(self, lo: np.ndarray, hi: np.ndarray, size: int, out_size: int) -> torch.Tensor:
+    def _pass_weights(self, lo: np.ndarray, hi: np.ndarray, size: int, out_size: int) -> np.ndarray:
         """Pillow's coefficients for one pass over boxes [lo, hi) of a dimension of ``size`` pixels, computed on
         the part of the image ``pillow_resize`` hands to Pillow (the same numbers as on the whole image)."""
         support = _SUPPORT[self.transform.interpolation]
@@ -179,9 +190,8 @@ class ResidentTrainLoader(TrainLoader):
         for s in range(0, len(micros), self.accum_steps):
             group = []
             for micro in micros[s : s + self.accum_steps]:
-                idx = torch.from_numpy(np.asarray(micro, dtype=np.int64))
-                labels = self.labels.index_select(0, idx.to(self.device))
-                group.append(Batch(self._apply(micro, next(plans)), labels, idx))
+                images, labels = self._apply(micro, next(plans))
+                group.append(Batch(images, labels, torch.from_numpy(np.asarray(micro, dtype=np.int64))))
             yield group
 
     def _plans(self, epoch: int, micros: list[np.ndarray]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
