@@ -10,7 +10,7 @@ import torch
 from vitkit.data.base import ArrayDataset
 from vitkit.data.datasets import open_dataset
 from vitkit.data.loader import TrainLoader
-from vitkit.data.resident import ResidentTrainLoader, resident_loader
+from vitkit.data.resident import ResidentTrainLoader, prefetches, resident_loader
 from vitkit.data.transforms import RandAugment, TrainTransform, sample_rng
 
 CPU = torch.device("cpu")
@@ -89,3 +89,12 @@ def test_the_host_loader_keeps_what_the_resident_one_does_not_compute() -> None:
     assert resident_loader(ds, _digits_transform(crop="pad", pad=2), **kw) is None  # type: ignore[arg-type]
     assert resident_loader(ds, _digits_transform(image_size=(4, 4)), **kw) is None  # type: ignore[arg-type]
     assert resident_loader(ds, _digits_transform(image_size=(4, 8)), **kw) is not None  # type: ignore[arg-type]
+
+
+def test_the_host_share_is_prefetched_on_accelerators_only() -> None:
+    """The decision alone (no CUDA here): a thread ahead of a GPU's steps, none beside a CPU's."""
+    assert prefetches(torch.device("cuda")) and prefetches(torch.device("cuda:1"))
+    assert not prefetches(CPU)
+    ds = open_dataset("digits", "train")
+    loader = resident_loader(ds, _digits_transform(), device=CPU, global_batch=128, seed=0)
+    assert loader is not None and loader._pool is None

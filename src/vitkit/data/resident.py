@@ -95,6 +95,12 @@ def _clip8(acc: torch.Tensor) -> torch.Tensor:
     return torch.floor(acc * (1.0 / (1 << PRECISION_BITS))).clamp_(0.0, 255.0)
 
 
+def prefetches(device: torch.device) -> bool:
+    """Whether a resident loader computes its host share ahead on a thread by default: on an accelerator, whose
+    steps leave the host waiting; not on a CPU, whose cores compute the steps themselves."""
+    return device.type != "cpu"
+
+
 class ResidentTrainLoader(TrainLoader):
     """:class:`TrainLoader` for a small greyscale data set held on ``device`` (see the module)."""
 
@@ -111,7 +117,7 @@ class ResidentTrainLoader(TrainLoader):
         None: on a GPU (whose steps leave the host waiting), not on a CPU (whose cores compute the steps)."""
         super().__init__(dataset, transform, **kwargs)
         self.transform, self.device = transform, device
-        on = device.type != "cpu" if prefetch is None else prefetch
+        on = prefetches(device) if prefetch is None else prefetch
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="vitkit-augment") if on else None
         pixels = np.stack([np.asarray(convert_image(dataset[i][0], "L")) for i in range(len(dataset))])
         self.height, self.width = int(pixels.shape[1]), int(pixels.shape[2])
