@@ -18,17 +18,79 @@ Public API::
 Analyses (the paper's figures 6, 7, 11) are in :mod:`vitkit.analysis`, benchmarks in :mod:`vitkit.bench`.
 """
 
-from vitkit.checkpoints import load_checkpoint, load_pretrained, model_from
-from vitkit.checkpoints.preprocess import Preprocess
-from vitkit.checkpoints.vitkit_format import save as save_pretrained
-from vitkit.configs import TrainConfig, get_recipe
-from vitkit.data.datasets import open_dataset
-from vitkit.evaluate import evaluate_dataset, fewshot_dataset
-from vitkit.inference import optimize_for_inference, predict
-from vitkit.inference.embed import embed
-from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
-from vitkit.train import train
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
 from vitkit.version import __version__
+
+if TYPE_CHECKING:  # what the names below are, for type checkers; imported on first use (``__getattr__``)
+    from vitkit.checkpoints import load_checkpoint, load_pretrained, model_from
+    from vitkit.checkpoints.preprocess import Preprocess
+    from vitkit.checkpoints.vitkit_format import save as save_pretrained
+    from vitkit.configs import TrainConfig, get_recipe
+    from vitkit.data.datasets import open_dataset
+    from vitkit.evaluate import evaluate_dataset, fewshot_dataset
+    from vitkit.inference import optimize_for_inference
+    from vitkit.inference.embed import embed
+    from vitkit.inference.predict import predict
+    from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
+    from vitkit.train import train
+
+# public name -> (module, attribute): ``import vitkit`` (and so every ``vitkit`` command, whose modules live
+# under this package) imports none of the library until a name is used -- a command loads what it runs
+_LAZY: dict[str, tuple[str, str]] = {
+    "load_checkpoint": ("vitkit.checkpoints", "load_checkpoint"),
+    "load_pretrained": ("vitkit.checkpoints", "load_pretrained"),
+    "model_from": ("vitkit.checkpoints", "model_from"),
+    "Preprocess": ("vitkit.checkpoints.preprocess", "Preprocess"),
+    "save_pretrained": ("vitkit.checkpoints.vitkit_format", "save"),
+    "TrainConfig": ("vitkit.configs", "TrainConfig"),
+    "get_recipe": ("vitkit.configs", "get_recipe"),
+    "open_dataset": ("vitkit.data.datasets", "open_dataset"),
+    "evaluate_dataset": ("vitkit.evaluate", "evaluate_dataset"),
+    "fewshot_dataset": ("vitkit.evaluate", "fewshot_dataset"),
+    "optimize_for_inference": ("vitkit.inference", "optimize_for_inference"),
+    "predict": ("vitkit.inference", "predict"),
+    "embed": ("vitkit.inference.embed", "embed"),
+    "VisionTransformer": ("vitkit.models", "VisionTransformer"),
+    "ViTConfig": ("vitkit.models", "ViTConfig"),
+    "create_model": ("vitkit.models", "create_model"),
+    "list_models": ("vitkit.models", "list_models"),
+    "train": ("vitkit.train", "train"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The public API's names, each imported on first use (PEP 562) and then kept in the module."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'vitkit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where[0]), where[1])
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+class _Package(ModuleType):
+    """The ``vitkit`` module, whose ``train`` stays the function when the subpackage ``vitkit.train`` is
+    imported (the import system sets a package's attribute to each submodule it loads; an eager
+    ``from vitkit.train import train`` used to rebind it last)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "train" and isinstance(value, ModuleType):
+            value = value.train
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
 
 __all__ = [
     "Preprocess",

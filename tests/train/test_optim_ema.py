@@ -8,6 +8,7 @@ import pytest
 import torch
 from train_helpers import assert_close_weights
 
+from helpers import DEVICES
 from vitkit import create_model
 from vitkit.configs import RECIPES, OptimConfig, TrainConfig, get_recipe
 from vitkit.errors import ConfigError
@@ -80,6 +81,23 @@ def test_ema_math_and_swap() -> None:
     assert warm.current_decay() == pytest.approx(0.1)  # (1 + 0) / (10 + 0)
     warm.updates = 10_000
     assert warm.current_decay() == 0.999
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ema_update_of_all_tensors_at_once_equals_one_by_one(device: str) -> None:
+    """The averages are updated by one foreach kernel: bit for bit the tensor-by-tensor lerp_ it replaced."""
+    model = create_model("Ti/16", image_size=32, depth=2, num_classes=3).to(device)
+    ema = EMA(model, decay=0.99, warmup=True)
+    ref = {k: v.clone() for k, v in ema.shadow.items()}
+    for step in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        w = 1.0 - ema.current_decay()
+        ema.update(model)
+        for name, p in model.named_parameters():
+            ref[name].lerp_(p, w)
+        assert all(torch.equal(ema.shadow[k], ref[k]) for k in ref), step
 
 
 def test_config_round_trip_and_overrides() -> None:

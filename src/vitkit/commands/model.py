@@ -70,10 +70,13 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_convert(sub: argparse._SubParsersAction) -> None:
-    from vitkit.checkpoints import FORMATS
+# the formats ``convert --to`` writes: those of vitkit.checkpoints.FORMATS with a writer (a test holds them equal),
+# named here so that building the parser imports no checkpoint code
+WRITABLE_FORMATS = ("vitkit", "official", "big_vision", "hf", "timm")
 
-    writable = [f.name for f in FORMATS.values() if f.save is not None]
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    writable = list(WRITABLE_FORMATS)
     p = sub.add_parser(
         "convert",
         help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm)",

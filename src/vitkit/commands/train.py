@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vitkit.commands.args import image_size, nonnegative_int, note_emulated_bf16, positive_float, positive_int
-from vitkit.configs import TrainConfig
 from vitkit.errors import VitkitError
+
+if TYPE_CHECKING:
+    from vitkit.configs import TrainConfig
 
 # flag, the config field it sets, argparse keywords (store_true flags default to None: "not given")
 OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
@@ -122,7 +124,7 @@ def _changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from vitkit.configs import RECIPES
+    from vitkit.configs.recipes import RECIPES
 
     p = sub.add_parser(
         "train",
@@ -179,7 +181,7 @@ def _note_emulated_bf16(cfg: TrainConfig) -> None:
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
-    from vitkit.configs import RECIPES
+    from vitkit.configs.recipes import RECIPES
     from vitkit.configs.schema import ADAPT_METHODS
 
     p = sub.add_parser(

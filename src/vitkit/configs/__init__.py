@@ -4,9 +4,37 @@ changes to them (``overrides``: the command line's options and ``--set KEY=VALUE
 Both sit below ``vitkit.train``: a config is data, the trainer consumes it.
 """
 
-from vitkit.configs.overrides import apply_overrides, finetune_config, parse_sets
-from vitkit.configs.recipes import FINETUNE_STEPS, RECIPES, get_recipe
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from vitkit.configs.schema import AdaptConfig, AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
+
+if TYPE_CHECKING:
+    from vitkit.configs.overrides import apply_overrides, finetune_config, parse_sets
+    from vitkit.configs.recipes import FINETUNE_STEPS, RECIPES, get_recipe
+
+# imported on first use (PEP 562): the recipes and overrides import the model code (torch), which the command
+# line's parser, building ``train``'s flags from the recipe names, does not need
+_LAZY = {
+    "apply_overrides": "vitkit.configs.overrides",
+    "finetune_config": "vitkit.configs.overrides",
+    "parse_sets": "vitkit.configs.overrides",
+    "FINETUNE_STEPS": "vitkit.configs.recipes",
+    "RECIPES": "vitkit.configs.recipes",
+    "get_recipe": "vitkit.configs.recipes",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vitkit.configs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "FINETUNE_STEPS",

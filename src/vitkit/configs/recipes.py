@@ -31,10 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD
 from vitkit.configs.schema import AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from vitkit.errors import ConfigError
-from vitkit.models.variants import VARIANTS, parse_name
 
 
 def digits() -> TrainConfig:
@@ -104,6 +102,8 @@ def paper_pretrain(variant: str = "B/16", dataset: str = "imagenet21k", source: 
     224 px, inception crop + flip, pre-logits layer of width D, sigmoid loss with head bias -10 (the
     official multi-label pre-training heads). ImageNet-21k: 90 epochs, lr 1e-3, wd 0.03, dropout 0.1.
     JFT-300M: 7 epochs (14 for H/14), lr by model (8e-4 B, 6e-4 L/32, 4e-4 L/16, 3e-4 H/14), wd 0.1."""
+    from vitkit.models.variants import VARIANTS, parse_name  # here: the recipe table imports no torch
+
     size, patch = parse_name(variant)
     name = f"{size}/{patch}"
     if dataset == "imagenet21k":
@@ -192,6 +192,9 @@ def deit_i1k(variant: str = "S/16", source: str = "imagenet") -> TrainConfig:
     """DeiT: AdamW lr 5e-4 x batch/512 (1e-3 at 1024), wd 0.05, 300 epochs, 5 warmup epochs, cosine to 1e-5,
     RandAugment (2, 9), Mixup 0.8 / CutMix 1.0, label smoothing 0.1, stochastic depth 0.1, ImageNet mean/std,
     bicubic, eval resize 256 / crop 224. Not reproduced: repeated augmentation and random erasing."""
+    from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD  # here: no torch for the table
+    from vitkit.models.variants import parse_name
+
     size, patch = parse_name(variant)
     return TrainConfig(
         name=f"deit-{size}{patch}",

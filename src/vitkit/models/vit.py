@@ -403,7 +403,8 @@ class VisionTransformer(nn.Module):
         rep = cfg.representation_size
         self.pre_logits: nn.Module = nn.Sequential(nn.Linear(D, rep), nn.Tanh()) if rep else nn.Identity()
         self.head: nn.Module = nn.Linear(rep or D, cfg.num_classes) if cfg.num_classes > 0 else nn.Identity()
-        self.init_weights()
+        if self.norm.weight.device.type != "meta":  # meta tensors hold no values to initialise, and PyTorch's
+            self.init_weights()  # normal_ there goes through its compiler stack (a second of import per command)
 
     @torch.no_grad()
     def init_buffers(self) -> None:

@@ -32,10 +32,12 @@ class EMA:
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         d = self.current_decay()
-        for name, t in _tensors(model):
-            s = self.shadow.get(name)
-            if s is not None:
-                s.lerp_(t.detach(), 1.0 - d)  # s + (1 - d) * (t - s) = d * s + (1 - d) * t
+        pairs = [(s, t.detach()) for name, t in _tensors(model) if (s := self.shadow.get(name)) is not None]
+        if all(type(s) is torch.Tensor for s, _ in pairs):  # one kernel for all (a GPU step launches ~50 fewer)
+            torch._foreach_lerp_([s for s, _ in pairs], [t for _, t in pairs], 1.0 - d)
+        else:  # sharded (FSDP2's DTensors): tensor by tensor
+            for s, t in pairs:
+                s.lerp_(t, 1.0 - d)  # s + (1 - d) * (t - s) = d * s + (1 - d) * t
         self.updates += 1
 
     @contextmanager

@@ -26,7 +26,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
+from vitkit.data.resident import resident_eval_batches, resident_loader
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine, resolve_precision
 from vitkit.models.vit import ViTConfig
@@ -97,16 +98,17 @@ class Trainer(Run):
         self.forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(self.model) if cfg.compile else self.model
         self.opt = build_optimizer(self.net, cfg.optim)
         self.ema = EMA(self.net, cfg.ema_decay, cfg.ema_warmup) if cfg.ema_decay else None
-        self.loader = TrainLoader(
-            self.train_set,
-            build.train_transform(cfg, self.preprocess),
-            global_batch=cfg.data.batch_size,
-            seed=cfg.seed,
-            accum_steps=cfg.accum_steps,
-            rank=self.dist.rank,
+        transform = build.train_transform(cfg, self.preprocess)
+        order: dict[str, Any] = dict(
+            global_batch=cfg.data.batch_size, seed=cfg.seed, accum_steps=cfg.accum_steps, rank=self.dist.rank,
             world=self.dist.world,
-            workers=self.workers,
-            pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
+        # a small greyscale array set (the default digits job) is held and augmented on the device, the same
+        # batches bit for bit (data/resident.py); anything else goes through the host loader
+        self.loader: TrainLoader = resident_loader(
+            self.train_set, transform, device=self.device, **order
+        ) or TrainLoader(
+            self.train_set, transform, workers=self.workers, pin_memory=self.device.type == "cuda", **order
         )
         if self.device.type == "cpu" and not cfg.compile:  # inductor fuses on its own
             # the C kernels (bf16 tensors only), or PyTorch's ops where a race on one block says they are faster
@@ -117,6 +119,7 @@ class Trainer(Run):
             self.net.set_fused_attention(not self.explicit_attention)
             if self.training_path.changed and self.dist.is_main:
                 print(f"note: {self.training_path.describe()}", file=sys.stderr)
+        self._resident_eval: dict[int, list[Batch]] = {}  # id(dataset) -> its evaluation batches on the device
         aug = cfg.aug.resolved()
         self.mixer = Mixer(
             len(self.classes), aug.mixup, aug.cutmix, aug.mix_prob, aug.mix_switch_prob, aug.label_smoothing
@@ -236,15 +239,7 @@ class Trainer(Run):
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
         with ctx:
             forward, autocast = self._validation_forward(ds)
-            for b in eval_batches(
-                ds,
-                self.preprocess.to_tensor,
-                self.cfg.data.eval_batch_size,
-                rank=self.dist.rank,
-                world=self.dist.world,
-                workers=self.workers,
-                pin_memory=self.device.type == "cuda",
-            ):
+            for b in self._eval_batches(ds):
                 x, y = b.images.to(self.device, non_blocking=True), b.labels.to(self.device, non_blocking=True)
                 with autocast:
                     logits = forward(x).float()
@@ -262,6 +257,29 @@ class Trainer(Run):
         totals = distr.all_reduce_sum(totals, self.dist)
         n = max(float(totals[2]), 1.0)
         return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
+
+    def _eval_batches(self, ds: ImageDataset) -> Iterable[Batch]:
+        """The evaluation batches of ``ds``: for a small in-memory set (``resident_eval_batches``), prepared on
+        the device at the first pass and kept (the transform is deterministic: the same tensors every pass)."""
+        kept = self._resident_eval.get(id(ds))
+        if kept is None:
+            kept = resident_eval_batches(
+                ds, self.preprocess.to_tensor, self.cfg.data.eval_batch_size,
+                rank=self.dist.rank, world=self.dist.world, device=self.device,
+            )  # fmt: skip
+            if kept is not None:
+                self._resident_eval[id(ds)] = kept
+        if kept is not None:
+            return kept
+        return eval_batches(
+            ds,
+            self.preprocess.to_tensor,
+            self.cfg.data.eval_batch_size,
+            rank=self.dist.rank,
+            world=self.dist.world,
+            workers=self.workers,
+            pin_memory=self.device.type == "cuda",
+        )
 
     def _validation_forward(self, dataset: ImageDataset) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
         """(forward, autocast context) of a validation pass over ``dataset``. One process on the CPU, and a pass
