@@ -420,7 +420,28 @@ def stream_batches(
         pin_memory=pin_memory,
         timeout=WORKER_TIMEOUT if workers else 0,
     )
-    return _checked(iter(loader), skip_bad, buffers)  # iter(): the workers start now
+    batches: Iterator[StreamBatch] = iter(loader)  # the workers start now
+    if workers:
+        batches = _released_after(batches, len(keys))
+    return _checked(batches, skip_bad, buffers)
+
+
+def _released_after(batches: Iterator[StreamBatch], count: int) -> Iterator[StreamBatch]:
+    """The DataLoader's ``count`` batches; once the last has arrived, its workers are shut down in a background
+    thread. The DataLoader does it in the job's thread when asked for a batch after the last (a loop to the end)
+    or when the iterator is collected (a job that stops at its count, as ``run_job`` does): it joins each
+    worker in turn, waiting for the process to exit, and the job waited with it -- 2.9 s of an H100 eval's main
+    process (cProfile, 15 workers; 40-60 ms for 2-8 workers on 2 cores). The workers are idle then (every batch
+    has arrived), and the thread holds the iterator until they are gone, so it is not collected meanwhile."""
+    import threading
+
+    for k in range(count):
+        b = next(batches)
+        if k == count - 1:
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                threading.Thread(target=shutdown, name="vitkit-workers-exit", daemon=True).start()
+        yield b
 
 
 def stream_iterable(
