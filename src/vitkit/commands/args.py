@@ -141,6 +141,17 @@ def add_workers_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_decode_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--decode",
+        choices=["auto", "cpu", "gpu"],
+        default="auto",
+        help="where JPEGs are decoded: cpu (the workers), gpu (batched on the job's CUDA device with nvImageCodec, "
+        "then resized there; pip install 'vitkit[gpu]'), auto (default: gpu where it is installed, the job runs on "
+        "CUDA and a sample of the input decodes faster there)",
+    )
+
+
 def resolve_workers(workers: int | None, device: Any = "auto") -> int:
     """``--workers`` as given, or the default for this machine and ``device`` (a name or a torch.device; "auto":
     a GPU where there is one), see :func:`vitkit.data.stream.default_workers`."""

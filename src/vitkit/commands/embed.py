@@ -9,6 +9,7 @@ import sys
 
 from vitkit.commands.args import (
     IntermixedParser,
+    add_decode_arg,
     add_engine_args,
     add_workers_arg,
     join_processes,
@@ -71,6 +72,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass (default 32)")
     add_engine_args(p, backend=False)
     add_workers_arg(p)
+    add_decode_arg(p)
     p.add_argument(
         "--skip-bad", action="store_true", help="a bad image: a row of NaN marked failed, counted at the end"
     )
@@ -99,7 +101,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     opts = EmbedOptions(
         pool=args.pool, layer=args.layer, dtype=args.dtype, l2=args.l2, batch_size=args.batch_size,
         precision=args.precision, device=args.device, workers=resolve_workers(args.workers, args.device),
-        skip_bad=args.skip_bad,
+        skip_bad=args.skip_bad, decode=args.decode,
     )  # fmt: skip
     opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
     summary = embed_job(
@@ -108,9 +110,9 @@ def cmd_embed(args: argparse.Namespace) -> int:
     )  # fmt: skip
     leave_processes(info)
     if info.is_main:
-        note = summary.failure_note()
-        if note:
-            print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
+        for note in (summary.decode_note, summary.failure_note()):
+            if note:
+                print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
         again = f" ({summary.resumed} were there already)" if summary.resumed else ""
         print(f"wrote {summary.resumed + summary.written} embeddings to {args.out}{again}", file=sys.stderr)
     return 0

@@ -17,6 +17,7 @@ from vitkit.commands.args import (
     IntermixedParser,
     add_checkpoint_args,
     add_data_args,
+    add_decode_arg,
     add_engine_args,
     image_size,
     join_processes,
@@ -74,6 +75,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     add_checkpoint_args(p)
     add_engine_args(p, device=False)
     add_data_args(p, required=True)
+    add_decode_arg(p)
     p.add_argument("--split", default="test", help="dataset split (default: test)")
     p.add_argument("--real-labels", metavar="FILE", help="label-set file for ReaL-style accuracy (format below)")
     p.add_argument("--out", help="output folder (default: eval/<checkpoint name>-<split>)")
@@ -107,6 +109,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         backend=args.backend,
         on_engine=report_engine,
         dist=info,
+        decode=args.decode,
     )
     leave_processes(info)
     if not info.is_main:

@@ -9,6 +9,7 @@ import sys
 
 from vitkit.commands.args import (
     IntermixedParser,
+    add_decode_arg,
     add_engine_args,
     add_workers_arg,
     join_processes,
@@ -53,6 +54,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass (default 32)")
     add_engine_args(p)
     add_workers_arg(p)
+    add_decode_arg(p)
     p.add_argument("--skip-bad", action="store_true", help="a bad image: a row marked failed, counted at the end")
     p.add_argument("--out", metavar="FILE", help="write rows to FILE: .jsonl, .csv or .parquet (pip install pyarrow)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run that --out holds")
@@ -90,6 +92,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         workers=resolve_workers(args.workers, args.device),
         skip_bad=args.skip_bad,
         logits=args.logits,
+        decode=args.decode,
     )
 
     def echo(text: str) -> None:  # rows on stdout, the progress bar on stderr: tqdm clears and redraws it around them
@@ -105,9 +108,9 @@ def cmd_predict(args: argparse.Namespace) -> int:
     leave_processes(info)
     if not info.is_main:
         return 0
-    note = summary.failure_note()
-    if note:
-        print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
+    for note in (summary.decode_note, summary.failure_note()):
+        if note:
+            print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
     if args.out is not None:
         from pathlib import Path
 

@@ -39,7 +39,8 @@ from vitkit.checkpoints.preprocess import LazyImage, load_image, open_lazy
 from vitkit.data.folder import IMAGE_EXTENSIONS
 from vitkit.errors import DataError
 
-Transform = Callable[[LazyImage, str], torch.Tensor]  # (image, its id for errors) -> (C, H, W)
+# (image, its id for errors) -> (C, H, W), or the JPEG's bytes for a decoder downstream (``--decode gpu``)
+Transform = Callable[[LazyImage, str], "torch.Tensor | EncodedImage"]
 GLOB_CHARS = frozenset("*?[")
 
 
@@ -159,6 +160,39 @@ def _images_under(folder: Path) -> list[str]:
 # ---- streaming --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EncodedImage:
+    """A JPEG that a worker read and checked (:func:`~vitkit.checkpoints.preprocess.open_lazy`: a regular file
+    under the byte cap, a bounded number of scans, the header's size under the pixel limit and accepted by the
+    preprocessing) and hands over undecoded, for a batched decoder on the job's device
+    (:mod:`vitkit.data.gpu_decode`)."""
+
+    data: bytes
+    width: int
+    height: int
+    name: str
+
+
+@dataclass
+class EncodedBatch:
+    """The undecoded JPEGs of a batch, their bytes concatenated into one uint8 tensor (in shared memory when a
+    worker made it: one transfer, not one pickle per image). ``rows[i]``: where image ``i`` goes among the
+    batch's decoded items; ``sizes[i]``: its (width, height) from the header."""
+
+    data: torch.Tensor  # (total bytes,) uint8
+    offsets: np.ndarray  # (n + 1,) int64
+    rows: np.ndarray  # (n,) int64
+    sizes: np.ndarray  # (n, 2) int64
+    names: list[str]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def blob(self, i: int) -> np.ndarray:
+        """Image ``i``'s bytes (a view, no copy)."""
+        return self.data.numpy()[self.offsets[i] : self.offsets[i + 1]]
+
+
 @dataclass
 class StreamBatch:
     """Consecutive items of a stream: every item's position in the source, id, label and error (None when it
@@ -168,8 +202,11 @@ class StreamBatch:
     ids: list[str]  # (B,)
     labels: np.ndarray  # (B,) int64, -1 without labels
     errors: list[str | None]  # (B,) the reason an item failed (DataError message), else None
-    images: torch.Tensor  # (G, C, H, W): the items without an error, G <= B
+    images: torch.Tensor  # (G, C, H, W): the items without an error, G <= B (less ``encoded``: see there)
     slot: int = -1  # the worker's shared buffer holding ``images`` (_Buffers), -1 for none
+    # JPEGs left for a decoder on the device (``--decode gpu``): ``images`` then holds the other decoded items,
+    # in order, and the engine's feed puts the two together (InferenceEngine.feed)
+    encoded: EncodedBatch | None = None
 
     @property
     def ok(self) -> np.ndarray:
@@ -186,8 +223,9 @@ class StreamBatch:
 
 
 class _Decoded(torch.utils.data.Dataset):
-    """Source items by position -> (tensor or None, error or None, label, position, id). Errors are returned,
-    not raised, so that a worker process's DataError reaches the job as its one-line message."""
+    """Source items by position -> (tensor, or a JPEG's bytes for the device, or None; error or None, label,
+    position, id). Errors are returned, not raised, so that a worker process's DataError reaches the job as its
+    one-line message."""
 
     def __init__(self, source: ImageSource, transform: Transform, lazy: bool, on_load: Callable[[], None] | None):
         self.source, self.transform, self.lazy, self.on_load = source, transform, lazy, on_load
@@ -195,7 +233,7 @@ class _Decoded(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, pos: int) -> tuple[torch.Tensor | None, str | None, int, int, str]:
+    def __getitem__(self, pos: int) -> tuple[torch.Tensor | EncodedImage | None, str | None, int, int, str]:
         item_id = self.source.item_id(pos)
         try:
             img, label = self.source.load(pos, self.lazy)
@@ -207,10 +245,13 @@ class _Decoded(torch.utils.data.Dataset):
         return x, None, label, pos, item_id
 
 
-def _collate(
-    items: list[tuple[torch.Tensor | None, str | None, int, int, str]], buffers: _Buffers | None = None
-) -> StreamBatch:
-    good = [x for x, *_ in items if x is not None]
+Item = tuple[torch.Tensor | EncodedImage | None, str | None, int, int, str]
+
+
+def _collate(items: list[Item], buffers: _Buffers | None = None) -> StreamBatch:
+    decoded = [x for x, *_ in items if x is not None]
+    good = [x for x in decoded if isinstance(x, torch.Tensor)]
+    encoded = [(k, x) for k, x in enumerate(decoded) if isinstance(x, EncodedImage)]
     images, slot = torch.empty(0), -1
     if good:
         images, slot = buffers.stack(good) if buffers is not None else (_stack(good), -1)
@@ -221,6 +262,26 @@ def _collate(
         errors=[e for _, e, *_ in items],
         images=images,
         slot=slot,
+        encoded=_pack(encoded) if encoded else None,
+    )
+
+
+def _pack(encoded: list[tuple[int, EncodedImage]]) -> EncodedBatch:
+    """The JPEGs' bytes in one uint8 tensor (shared memory in a worker), with where each starts."""
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(e.data) for _, e in encoded], out=offsets[1:])
+    total = int(offsets[-1])
+    in_worker = torch.utils.data.get_worker_info() is not None
+    data = _shared((total,), torch.empty(0, dtype=torch.uint8)) if in_worker else torch.empty(total, dtype=torch.uint8)
+    flat = data.numpy()
+    for (_, e), start, end in zip(encoded, offsets[:-1], offsets[1:], strict=True):
+        flat[start:end] = np.frombuffer(e.data, dtype=np.uint8)
+    return EncodedBatch(
+        data=data,
+        offsets=offsets,
+        rows=np.array([k for k, _ in encoded], dtype=np.int64),
+        sizes=np.array([(e.width, e.height) for _, e in encoded], dtype=np.int64).reshape(-1, 2),
+        names=[e.name for _, e in encoded],
     )
 
 
@@ -360,7 +421,28 @@ def stream_batches(
         pin_memory=pin_memory,
         timeout=WORKER_TIMEOUT if workers else 0,
     )
-    return _checked(iter(loader), skip_bad, buffers)  # iter(): the workers start now
+    batches: Iterator[StreamBatch] = iter(loader)  # the workers start now
+    if workers:
+        batches = _released_after(batches, len(keys))
+    return _checked(batches, skip_bad, buffers)
+
+
+def _released_after(batches: Iterator[StreamBatch], count: int) -> Iterator[StreamBatch]:
+    """The DataLoader's ``count`` batches; once the last has arrived, its workers are shut down in a background
+    thread. The DataLoader does it in the job's thread when asked for a batch after the last (a loop to the end)
+    or when the iterator is collected (a job that stops at its count, as ``run_job`` does): it joins each
+    worker in turn, waiting for the process to exit, and the job waited with it -- 2.9 s of an H100 eval's main
+    process (cProfile, 15 workers; 40-60 ms for 2-8 workers on 2 cores). The workers are idle then (every batch
+    has arrived), and the thread holds the iterator until they are gone, so it is not collected meanwhile."""
+    import threading
+
+    for k in range(count):
+        b = next(batches)
+        if k == count - 1:
+            shutdown = getattr(batches, "_shutdown_workers", None)
+            if shutdown is not None:
+                threading.Thread(target=shutdown, name="vitkit-workers-exit", daemon=True).start()
+        yield b
 
 
 def stream_iterable(
@@ -374,9 +456,9 @@ def stream_iterable(
     """:func:`stream_batches` for an iterable of (image file path or PIL image, id, label), consumed lazily in
     this process, ``batch_size`` items at a time (positions count from 0)."""
     lazy = bool(getattr(transform, "lazy", False)) if lazy is None else lazy
-    chunk: list[tuple[torch.Tensor | None, str | None, int, int, str]] = []
+    chunk: list[Item] = []
 
-    def decode(pos: int, img: Any, item_id: str, label: int) -> tuple[torch.Tensor | None, str | None, int, int, str]:
+    def decode(pos: int, img: Any, item_id: str, label: int) -> Item:
         try:
             if not isinstance(img, Image.Image):
                 img = open_lazy(img) if lazy else load_image(img)

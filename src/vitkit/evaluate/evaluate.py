@@ -113,6 +113,7 @@ def evaluate_dataset(
     backend: str = "torch",
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
+    decode: str = "cpu",
 ) -> EvalReport:
     """Top-1/top-5, per-class accuracy and confusion matrix (plus ReaL accuracy given a label-set file).
 
@@ -120,7 +121,8 @@ def evaluate_dataset(
     ``fp32``: the model itself, the reference numbers) on ``backend`` (``on_engine`` is called with the engine
     once built, after the inputs are checked), or an engine already built. ``workers``: decoding processes
     (0: this one). ``dist``: the processes of a ``torchrun`` job, each running its share of the dataset; every
-    process gets the report of the whole dataset, the one a single process computes."""
+    process gets the report of the whole dataset, the one a single process computes. ``decode``: where JPEGs
+    are decoded (``cpu``, ``gpu``, ``auto``: :func:`vitkit.inference.jobs.plan_decode`)."""
     K = model.num_classes if isinstance(model, InferenceEngine) else model.cfg.num_classes
     if K <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); use 'vitkit fewshot' instead")
@@ -134,9 +136,11 @@ def evaluate_dataset(
             raise DataError(f"{label_file}: no such label file")
     out = extract(
         model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers, desc="eval",
-        progress=progress, precision=precision, backend=backend, on_engine=on_engine, dist=dist,
+        progress=progress, precision=precision, backend=backend, on_engine=on_engine, dist=dist, decode=decode,
     )  # fmt: skip
     assert out.logits is not None
+    if out.decode_note:
+        notes = [*notes, out.decode_note]
     labels = out.labels if mapping is None else mapping[out.labels]
     if labels.min() < 0 or labels.max() >= K:
         raise DataError(f"labels outside 0..{K - 1} in the dataset")

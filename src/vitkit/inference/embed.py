@@ -32,7 +32,7 @@ from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBat
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, feeds_gpu, run_job
+from vitkit.inference.jobs import JobSummary, feeds_gpu, plan_decode, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
 
@@ -56,6 +56,7 @@ class EmbedOptions:
     prefetch: int = 2
     skip_bad: bool = False
     progress: bool = True
+    decode: str = "auto"  # cpu, gpu or auto: where JPEGs are decoded (vitkit.inference.jobs.plan_decode)
 
     def check(self, depth: int, prefix_tokens: int) -> None:
         """ConfigError naming the option that does not fit a model of ``depth`` blocks with ``prefix_tokens``."""
@@ -159,6 +160,9 @@ def embed_job(
     shape = vector_shape(loaded, opts)
     gpu = feeds_gpu(info.device if info.enabled else opts.device)  # uint8 batches, normalised on the GPU
     transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32", uint8=gpu)
+    device = info.device if info.enabled else opts.device
+    worker_transform, decoder = plan_decode(opts.decode, transform, device, "torch", source, range(len(source)),
+                                            opts.workers)  # fmt: skip
     meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
     if info.is_main:  # what the vectors were made from, compared on --resume and by knn/fewshot
         meta.update(job_meta(loaded, source, precision=opts.precision, backend="torch"))
@@ -172,9 +176,10 @@ def embed_job(
 
     try:
         summary = run_job(
-            source, transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
+            source, worker_transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
             batch_size=opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
             progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info,
+            decoder=decoder,
         )  # fmt: skip
         if sink is not None:  # on an error the chunks written so far stay, for --resume
             sink.close()

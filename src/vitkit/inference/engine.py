@@ -39,6 +39,7 @@ import torch
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess, load_image
 from vitkit.data.eval_transform import Normalizer
+from vitkit.data.gpu_decode import GpuDecoder
 from vitkit.data.stream import StreamBatch
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16, resolve_device
@@ -277,31 +278,41 @@ class InferenceEngine:
             x = x.to(self.device, non_blocking=self.device.type == "cuda")
         return self.normalizer(x) if x.dtype == torch.uint8 and x.numel() else x
 
-    def feed(self, batches: Iterable[StreamBatch]) -> Iterator[StreamBatch]:
+    def feed(self, batches: Iterable[StreamBatch], decoder: GpuDecoder | None = None) -> Iterator[StreamBatch]:
         """``batches`` with their images already :meth:`prepare` d. On CUDA the copy and normalisation of each
         batch are issued on a side stream as soon as it arrives, and the batch is handed over only once the
         next one has arrived and been issued: the copy of batch n+1 overlaps the forward pass of batch n (one
         more batch is held, on the device). Elsewhere the batches pass through as they are (``forward``
-        prepares them)."""
+        prepares them). ``decoder`` (``--decode gpu``): a batch's undecoded JPEGs (``StreamBatch.encoded``)
+        are decoded, resized and put among its other images there, on the same stream, before normalising."""
         if self.device.type != "cuda":
-            yield from batches
+            for b in batches:
+                if decoder is not None and b.encoded is not None:
+                    b = dataclasses.replace(b, images=decoder.images(b)[0], encoded=None)
+                yield b
             return
         side = torch.cuda.Stream(device=self.device)
-        ahead: tuple[StreamBatch, Any] | None = None
+        ahead: tuple[StreamBatch, Any, list[Any]] | None = None
         for b in batches:
+            keep: list[Any] = []
             with torch.cuda.stream(side):
-                staged = dataclasses.replace(b, images=self.prepare(b.images))
+                images = b.images
+                if decoder is not None and b.encoded is not None:
+                    images, keep = decoder.images(b)
+                staged = dataclasses.replace(b, images=self.prepare(images), encoded=None)
                 ready = torch.cuda.Event()
                 ready.record(side)
             if ahead is not None:
                 yield self._on_main_stream(*ahead)
-            ahead = (staged, ready)
+            ahead = (staged, ready, keep)
         if ahead is not None:
             yield self._on_main_stream(*ahead)
 
-    def _on_main_stream(self, b: StreamBatch, ready: Any) -> StreamBatch:
+    def _on_main_stream(self, b: StreamBatch, ready: Any, keep: list[Any]) -> StreamBatch:
         main = torch.cuda.current_stream(self.device)
         main.wait_event(ready)  # the forward pass waits for the copy on the GPU, not the CPU
+        if keep:  # the decoder's outputs, read by work on the side stream: freed only once that is done
+            ready.synchronize()
         if b.images.device.type == "cuda":
             b.images.record_stream(main)  # made on the side stream, used (and freed) on this one
         return b

@@ -25,7 +25,7 @@ from vitkit.distributed import DistInfo, all_gather, check_same_input, shard_of
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import calibration_sample, feeds_gpu
+from vitkit.inference.jobs import calibration_sample, feeds_gpu, plan_decode
 from vitkit.models.vit import VisionTransformer
 
 
@@ -43,6 +43,7 @@ class Extracted:
     logits: np.ndarray | None = None  # (N, K) float32
     features: np.ndarray | None = None  # (N, R) float32, pre-logits representation
     engine: InferenceEngine | None = None  # what computed them (its precision and path, for a report)
+    decode_note: str | None = None  # with --decode gpu: what decoded the images (DecodeCounts.note)
 
 
 def extract(
@@ -62,6 +63,7 @@ def extract(
     backend: str = "torch",
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
+    decode: str = "cpu",
 ) -> Extracted:
     """Run the model over a dataset in batches, collecting logits and/or pre-logits features.
 
@@ -77,6 +79,9 @@ def extract(
     ``dist``: the processes of a ``torchrun`` job. Each extracts every ``world``-th batch of a map-style
     dataset (from its rank on) and every process gets the whole result, in the order one process gives (an
     iterable-only dataset is extracted whole by every process).
+
+    ``decode``: where JPEGs are decoded, ``cpu`` (default), ``gpu`` or ``auto``
+    (:func:`vitkit.inference.jobs.plan_decode`).
     """
     info = dist or DistInfo()
     if not (logits or features):
@@ -90,6 +95,16 @@ def extract(
         gpu = feeds_gpu(info.device if info.enabled else (device if device is not None else "auto"), backend)
     # on a GPU: uint8 batches, normalised on the GPU (jobs.feeds_gpu)
     transform = EvalTransform(preprocess, reference=reference and backend == "torch", uint8=gpu)
+    if isinstance(model, InferenceEngine):
+        job_device: torch.device | str = model.device
+    else:
+        job_device = info.device if info.enabled else (device if device is not None else "auto")
+    map_style = is_map_style(dataset)
+    everything: Sequence[int] = range(len(dataset)) if map_style else []
+    worker_transform, decoder = plan_decode(
+        decode, transform, job_device, backend, DatasetSource(dataset), everything if indices is None else indices,
+        workers,
+    )  # fmt: skip
     total = None
     batches: Iterator[StreamBatch]
     if is_map_style(dataset):
@@ -101,7 +116,7 @@ def extract(
         mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
         batches = stream_batches(
             DatasetSource(dataset),
-            transform,
+            worker_transform,
             batch_size,
             positions=mine,
             workers=workers,
@@ -110,7 +125,7 @@ def extract(
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
     else:
         items = ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
-        batches = stream_iterable(items, transform, batch_size)
+        batches = stream_iterable(items, worker_transform, batch_size)
     engine = model
     if not isinstance(engine, InferenceEngine):
         dev = device if isinstance(device, torch.device) else resolve_device(device)
@@ -126,8 +141,9 @@ def extract(
     out_labels: list[np.ndarray] = []
     out_idx: list[np.ndarray] = []
     show = progress and info.is_main
+    gpu_decoder = decoder() if decoder is not None else None
     with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not show) as bar:
-        for b in engine.feed(batches):  # on a GPU: copied one batch ahead, normalised there
+        for b in engine.feed(batches, gpu_decoder):  # on a GPU: copied one batch ahead, normalised there
             out = engine.forward(b.images, logits=logits, features=features)
             if features:
                 assert out.features is not None
@@ -138,9 +154,10 @@ def extract(
             out_labels.append(b.labels)
             out_idx.append(b.positions)
             bar.update(len(b) * (info.world if info.enabled and total is not None else 1))
+    note = gpu_decoder.counts.note() if gpu_decoder is not None else None
     if info.enabled and total is not None:  # every process's share, interleaved back into the one order
         shares = all_gather((out_labels, out_idx, out_logits, out_feats), info)
-        return dataclasses.replace(_interleave(shares, batch_size, logits, features), engine=engine)
+        return dataclasses.replace(_interleave(shares, batch_size, logits, features), engine=engine, decode_note=note)
     if not out_labels:
         raise DataError("the dataset has no examples")
     return Extracted(
@@ -149,6 +166,7 @@ def extract(
         logits=np.concatenate(out_logits) if logits else None,
         features=np.concatenate(out_feats) if features else None,
         engine=engine,
+        decode_note=note,
     )
 
 

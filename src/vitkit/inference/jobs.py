@@ -30,9 +30,17 @@ import torch
 from tqdm import tqdm
 
 from vitkit.data.eval_transform import EvalTransform
+from vitkit.data.gpu_decode import (
+    DECODES,
+    GpuDecoder,
+    GpuDecodeTransform,
+    choose_decode,
+    measure_rates,
+    nvimgcodec_module,
+)
 from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
-from vitkit.errors import DataError, VitkitError
+from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
@@ -62,6 +70,7 @@ class JobSummary:
     first_failure: str | None = None
     engine: str | None = None
     seconds: float = 0.0
+    decode_note: str | None = None  # with --decode gpu: what decoded the images (DecodeCounts.note)
 
     def failure_note(self) -> str | None:
         """The one-line account of the images that failed (None when none did)."""
@@ -83,6 +92,46 @@ def feeds_gpu(device: torch.device | str, backend: str = "torch") -> bool:
     if backend != "torch":
         return False
     return (device if isinstance(device, torch.device) else resolve_device(device)).type == "cuda"
+
+
+def plan_decode(
+    decode: str,
+    transform: Transform,
+    device: torch.device | str,
+    backend: str,
+    source: ImageSource,
+    positions: Sequence[int],
+    workers: int,
+) -> tuple[Transform, Callable[[], GpuDecoder] | None]:
+    """``--decode`` for a job: the transform its workers run and, when its JPEGs are decoded on the GPU, a
+    function giving the :class:`~vitkit.data.gpu_decode.GpuDecoder` (made once, when first called: after the
+    engine, so that the workers start before CUDA does). ``gpu`` needs a CUDA job, nvImageCodec and the fast
+    path (``--precision fp32`` is Pillow's decode bit for bit): else one-line ConfigError. ``auto``: the GPU
+    where :func:`~vitkit.data.gpu_decode.choose_decode` measures it faster on the job's first JPEGs."""
+    if decode not in DECODES:
+        raise ConfigError(f"--decode {decode!r}: choose one of {', '.join(DECODES)}")
+    if decode == "cpu":
+        return transform, None
+    if not isinstance(transform, EvalTransform) or transform.reference:
+        if decode == "gpu":
+            raise ConfigError(
+                "--decode gpu: --precision fp32 is the reference, decoded by Pillow bit for bit; choose another "
+                "--precision, or --decode cpu"
+            )
+        return transform, None
+    cpu = dataclasses.replace(transform, uint8=True)
+    made: list[GpuDecoder] = []
+
+    def decoder() -> GpuDecoder:
+        if not made:
+            dev = device if isinstance(device, torch.device) else resolve_device(device)
+            made.append(GpuDecoder(cpu.preprocess, nvimgcodec_module(), dev))
+        return made[0]
+
+    gpu_job = feeds_gpu(device, backend)
+    if not choose_decode(decode, gpu_job, rates=lambda: measure_rates(source, positions, cpu, decoder(), workers)):
+        return transform, None
+    return GpuDecodeTransform(cpu), decoder
 
 
 def check_resume(ids: Sequence[str], source: ImageSource, positions: Sequence[int], where: str) -> None:
@@ -116,6 +165,7 @@ def run_job(
     where: str = "output",
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
+    decoder: Callable[[], GpuDecoder] | None = None,
 ) -> JobSummary:
     """Stream ``source`` (at ``positions``, default all) through the engine ``build`` returns into ``sink``.
 
@@ -126,7 +176,8 @@ def run_job(
     image raises DataError naming it unless ``skip_bad``. ``dist``: the processes of a ``torchrun`` job (see the
     module docstring); only process 0 has a ``sink`` (None elsewhere), a progress bar and ``on_engine``.
     On a CUDA engine, its :meth:`~vitkit.inference.engine.InferenceEngine.feed` copies each batch to the device
-    while the previous one is computed. Returns the :class:`JobSummary` (on process 0, of the whole job)."""
+    while the previous one is computed; ``decoder`` (from :func:`plan_decode`, with the transform it gave)
+    decodes the batches' JPEGs there. Returns the :class:`JobSummary` (on process 0, of the whole job)."""
     info = dist or DistInfo()
     order: Sequence[int] = range(len(source)) if positions is None else positions
     check_same_input((text_id(source.item_id(p)) for p in order), info)  # before any step is taken
@@ -152,7 +203,8 @@ def run_job(
         source, transform, batch_size, positions=mine, workers=workers, prefetch=prefetch, skip_bad=skip_bad,
     )  # fmt: skip
     engine = build()
-    batches = engine.feed(decoded)
+    gpu_decoder = decoder() if decoder is not None else None
+    batches = engine.feed(decoded, gpu_decoder)
     first = next(batches, None)  # a bad image among the first is its error line alone, before any other output
     summary.engine = engine.describe()
     if on_engine is not None and info.is_main:
@@ -182,6 +234,8 @@ def run_job(
                         summary.first_failure = err if err.startswith(item) else f"{item}: {err}"
             bar.update(len(ids))
     summary.seconds = time.perf_counter() - start
+    if gpu_decoder is not None:
+        summary.decode_note = gpu_decoder.counts.note()
     return summary
 
 

@@ -26,7 +26,7 @@ from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, run_job
+from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, plan_decode, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.rows import Field, open_rows
 
@@ -219,6 +219,7 @@ class PredictOptions:
     skip_bad: bool = False
     logits: bool = False
     progress: bool = True
+    decode: str = "auto"  # cpu, gpu or auto: where JPEGs are decoded (vitkit.inference.jobs.plan_decode)
 
 
 class ConsoleRows:
@@ -277,6 +278,8 @@ def predict_job(
     device = info.device if info.enabled else opts.device
     gpu = feeds_gpu(device, opts.backend)  # uint8 batches, normalised on the GPU
     transform = EvalTransform(loaded.meta.preprocess, reference=reference, uint8=gpu)
+    worker_transform, decoder = plan_decode(opts.decode, transform, device, opts.backend, source,
+                                            range(len(source)), opts.workers)  # fmt: skip
     sink: Any = None
     if not info.is_main:
         pass  # its rows go to process 0
@@ -298,9 +301,9 @@ def predict_job(
 
     try:
         return run_job(
-            source, transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
+            source, worker_transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
             prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
-            where=f"--out {out}", on_engine=on_engine, dist=info,
+            where=f"--out {out}", on_engine=on_engine, dist=info, decoder=decoder,
         )  # fmt: skip
     finally:
         close = getattr(sink, "close", None)
