@@ -39,7 +39,7 @@ def fake_nvimgcodec(log: list[Any] | None = None) -> types.ModuleType:
     cuda_stream)`` -> per blob an (h, w, 3) uint8 array (Pillow's decode) or None (refused)."""
     m = types.ModuleType("nvidia.nvimgcodec")
     m.BackendKind = types.SimpleNamespace(GPU_ONLY="gpu", HYBRID_CPU_GPU="hybrid", CPU_ONLY="cpu")  # type: ignore[attr-defined]
-    m.ColorSpec = types.SimpleNamespace(RGB="rgb")  # type: ignore[attr-defined]
+    m.ColorSpec = types.SimpleNamespace(SRGB="srgb")  # type: ignore[attr-defined]
     m.Backend = lambda kind: ("backend", kind)  # type: ignore[attr-defined]
     m.DecodeParams = lambda **kw: kw  # type: ignore[attr-defined]
     calls = log if log is not None else []
@@ -163,7 +163,7 @@ def test_the_decoder_puts_a_batch_together_in_order_and_falls_back_to_the_cpu(tm
         assert first.encoded.data.is_shared()  # one transfer through shared memory, not a pickle per image
     got = torch.cat([decoder.images(b)[0] for b in batches])
     assert [c[0] for c in log].count("decode") == 2  # one batched call per batch
-    assert log[1][2] == {"color_spec": "rgb", "apply_exif_orientation": False}  # as Pillow: EXIF ignored
+    assert log[1][2] == {"color_spec": "srgb", "apply_exif_orientation": False}  # as Pillow: EXIF ignored
     want = torch.stack([pixels(pre, load_image(f)) for f in files])
     for i, f in enumerate(files):
         if f.endswith(".png") or i == 5:  # the workers' pixels / nvImageCodec refused: the CPU path, exactly

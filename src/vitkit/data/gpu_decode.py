@@ -136,7 +136,7 @@ class GpuDecoder:
         index = self.device.index if self.device.index is not None else 0
         self._codec = m.Decoder(device_id=index, backends=backends)
         # Pillow and libjpeg-turbo (the CPU path) ignore EXIF orientation; so must the GPU
-        self._params = m.DecodeParams(color_spec=m.ColorSpec.RGB, apply_exif_orientation=False)
+        self._params = m.DecodeParams(color_spec=m.ColorSpec.SRGB, apply_exif_orientation=False)
         self._fallback = EvalTransform(self.preprocess, uint8=True)
 
     def images(self, batch: StreamBatch) -> tuple[torch.Tensor, list[Any]]:
