@@ -159,7 +159,8 @@ def paper_finetune(
     """Paper Table 4 / vit_jax fine-tuning: SGD momentum 0.9, batch 512, cosine decay, no weight decay,
     global-norm clip 1, inception crop + flip, 384 px. Steps by ``task`` (ImageNet 20k, CIFAR 10k, Pets
     and Flowers 500, VTAB 2.5k), else ``steps``. Warmup: vit_jax's 500 steps, capped at a fifth of the run.
-    This is ``vitkit finetune``'s default recipe."""
+    ``vitkit finetune --recipe paper-finetune``; without a recipe, ``finetune`` sizes its schedule by the data
+    (:func:`finetune_for_data`)."""
     if task is not None:
         if task not in FINETUNE_STEPS:
             raise ConfigError(f"paper-finetune: task must be one of {', '.join(FINETUNE_STEPS)}, got {task!r}")
