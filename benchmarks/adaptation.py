@@ -49,7 +49,8 @@ path), alternating ``--rounds`` times: images per second of each, and their feat
 ``defaults``: ``vitkit finetune backbone --data upper.npz --method M --seed S`` for every method and ``--seeds``
 (0-3), exactly as a user types it -- no recipe, so the schedule sized by the data -- each in a fresh process:
 wall time from the process's start to its saved checkpoint, the test top-1 it prints (the 179 test images of
-5-9; the weights were selected on a tenth of the training split), and the step it kept.
+5-9; the weights were selected on a tenth of the training split), and the step it kept. ``--target photos``:
+the same on the sample-photo regions (which no default was chosen on).
 
 ``memory VARIANT``: a randomly initialised VARIANT checkpoint fine-tuned to 10 classes of random 224 px
 images, batch 32, bf16 autocast (the training kernels on), ``--steps`` steps per method, each method in a
@@ -384,15 +385,16 @@ TOP1_LINE = re.compile(r"^test accuracy: ([0-9.]+)%", re.M)
 KEPT_LINE = re.compile(r"^kept the weights of step (\d+) of (\d+)", re.M)
 
 
-def cmd_defaults(work: Path, seeds: list[int], out: Path | None = None) -> None:
+def cmd_defaults(work: Path, seeds: list[int], target: str = "digits", out: Path | None = None) -> None:
     """``vitkit finetune backbone --data upper.npz --method M --seed S`` as a user types it (no recipe: the
     schedule sized by the data; a cold feature cache of its own), each in a fresh process: the process's wall
     time from start to saved checkpoint, the test top-1 it prints, and the step whose weights it kept."""
-    backbone, upper = work / "backbone", work / "upper.npz"
+    backbone = work / "backbone"
+    upper = work / "upper.npz" if target == "digits" else photos_npz(work / "photos.npz")
     rows: dict[str, dict[str, Any]] = {m: {} for m in METHODS}
     for seed in seeds:
         for method in METHODS:
-            run, cache = work / f"default-{method}-{seed}", work / f"default-cache-{method}-{seed}"
+            run, cache = work / f"default-{target}-{method}-{seed}", work / f"default-cache-{target}-{method}-{seed}"
             shutil.rmtree(run, ignore_errors=True)  # this script's own run folders and caches
             shutil.rmtree(cache, ignore_errors=True)
             cache.mkdir(mode=0o700, parents=True)
@@ -419,14 +421,16 @@ def cmd_defaults(work: Path, seeds: list[int], out: Path | None = None) -> None:
             if schedule:
                 rows[method]["schedule"] = schedule[0].removeprefix("note: ")
             print(method, seed, rows[method][str(seed)], flush=True)
-    name = "defaults" if list(seeds) == list(DEFAULT_SEEDS) else f"defaults-{'-'.join(map(str, seeds))}"
-    save(name, {"target": "digits 5-9, full split", "seeds": seeds, "methods": rows}, out)
+    name = "defaults" + ("" if target == "digits" else f"-{target}")
+    name += "" if list(seeds) == list(DEFAULT_SEEDS) else f"-{'-'.join(map(str, seeds))}"
+    label = "digits 5-9, full split" if target == "digits" else "sample photos, 4 regions, full split"
+    save(name, {"target": label, "seeds": seeds, "methods": rows}, out)
 
 
 def defaults_table(doc: dict[str, Any]) -> None:
     seeds = [str(s) for s in doc["seeds"]]
     rows = doc["methods"]
-    print(f"\ndefaults, digits 5-9 (seeds {', '.join(seeds)}): test top-1 %, wall s per run\n")
+    print(f"\ndefaults, {doc['target']} (seeds {', '.join(seeds)}): test top-1 %, wall s per run\n")
     print("| method | mean | min | per seed | wall mean | wall max | step kept (of) |\n|---|---|---|---|---|---|---|")
     stat: dict[str, dict[str, float]] = {}
     for m in METHODS:
@@ -507,6 +511,7 @@ def main() -> None:
     p.add_argument("args", nargs="*")
     p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
     p.add_argument("--seeds", default="0,1,2,3", help="defaults: comma-separated seeds")
+    p.add_argument("--target", choices=["digits", "photos"], default="digits", help="defaults: the transfer")
     p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
     p.add_argument("--steps", type=int, default=5, help="memory: training steps per method")
     p.add_argument("--batch", type=int, default=32, help="memory: batch size")
@@ -517,7 +522,7 @@ def main() -> None:
     if a.piece == "backbone":
         cmd_backbone(a.work, a.json)
     elif a.piece == "defaults":
-        cmd_defaults(a.work, [int(s) for s in a.seeds.split(",")], a.json)
+        cmd_defaults(a.work, [int(s) for s in a.seeds.split(",")], a.target, a.json)
     elif a.piece == "digits":
         cmd_digits(a.work, a.shots.split(","), a.json)
     elif a.piece == "photos":

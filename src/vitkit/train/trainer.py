@@ -516,7 +516,9 @@ class Trainer(Run):
         assert self._best_state is not None and self.best_top1 is not None
         if self.best_step != self.step:
             state: dict[str, Any] = {k: v.to(self.device) for k, v in self._best_state.items()}
-            set_model_state_dict(self.net, state, options=StateDictOptions(full_state_dict=True))
+            # several processes: _full_model_state gave the full copy to process 0 only (cpu_offload), which sends it
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.dist.world > 1)
+            set_model_state_dict(self.net, state, options=opts)
         self.ema = None
         return (
             f"kept the weights of step {self.best_step} of {self.step}: {100 * self.best_top1:.2f}% top-1 on "
