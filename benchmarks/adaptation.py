@@ -1,4 +1,5 @@
-"""Feeds the tables "Adaptation: accuracy and wall time per method" (``python benchmarks/run_all.py adaptation``),
+"""Feeds the tables "Adaptation: every method's default, seeds 0-3" and "Adaptation: accuracy and wall time per method"
+(``python benchmarks/run_all.py adaptation``),
 "Adaptation: LoRA memory and step time" (``python benchmarks/run_all.py adaptation_memory``) and "Adaptation:
 features through the fast path" (``python benchmarks/run_all.py adaptation_features``) of BENCHMARKS.md:
 ``vitkit finetune --method linear|lp-ft|lora|full`` against ``vitkit fewshot``'s ridge probe, LoRA's training
@@ -26,6 +27,7 @@ from the cache).
 Pieces, each a few minutes on 2 cores (results in benchmarks/results/adaptation/<piece>.json)::
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py backbone
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py defaults --seeds 0,1,2,3
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 1,5
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 10,25
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots full
@@ -44,6 +46,12 @@ it) that file instead, so a ``--quick`` smoke run never replaces the measured pi
 over ``--images`` random images, fp32 against ``--feature-precision bf16`` and ``int8`` (the fast inference
 path), alternating ``--rounds`` times: images per second of each, and their features' relative error.
 
+``defaults``: ``vitkit finetune backbone --data upper.npz --method M --seed S`` for every method and ``--seeds``
+(0-3), exactly as a user types it -- no recipe, so the schedule sized by the data -- each in a fresh process:
+wall time from the process's start to its saved checkpoint, the test top-1 it prints (the 179 test images of
+5-9; the weights were selected on a tenth of the training split), and the step it kept. ``--target photos``:
+the same on the sample-photo regions (which no default was chosen on).
+
 ``memory VARIANT``: a randomly initialised VARIANT checkpoint fine-tuned to 10 classes of random 224 px
 images, batch 32, bf16 autocast (the training kernels on), ``--steps`` steps per method, each method in a
 process of its own: peak resident memory (``getrusage`` maximum RSS, taken after the last step and before any
@@ -55,7 +63,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
+import re
 import resource
 import shutil
 import statistics
@@ -368,6 +378,82 @@ def cmd_memory_one(ckpt: str, data: str, method: str, steps: int, batch: int, wo
     }))  # fmt: skip
 
 
+# ---- defaults: every method as a user runs it ---------------------------------------------------------------
+
+DEFAULT_SEEDS = (0, 1, 2, 3)
+TOP1_LINE = re.compile(r"^test accuracy: ([0-9.]+)%", re.M)
+KEPT_LINE = re.compile(r"^kept the weights of step (\d+) of (\d+)", re.M)
+
+
+def cmd_defaults(work: Path, seeds: list[int], target: str = "digits", out: Path | None = None) -> None:
+    """``vitkit finetune backbone --data upper.npz --method M --seed S`` as a user types it (no recipe: the
+    schedule sized by the data; a cold feature cache of its own), each in a fresh process: the process's wall
+    time from start to saved checkpoint, the test top-1 it prints, and the step whose weights it kept."""
+    backbone = work / "backbone"
+    upper = work / "upper.npz" if target == "digits" else photos_npz(work / "photos.npz")
+    rows: dict[str, dict[str, Any]] = {m: {} for m in METHODS}
+    for seed in seeds:
+        for method in METHODS:
+            run, cache = work / f"default-{target}-{method}-{seed}", work / f"default-cache-{target}-{method}-{seed}"
+            shutil.rmtree(run, ignore_errors=True)  # this script's own run folders and caches
+            shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir(mode=0o700, parents=True)
+            cmd = [sys.executable, "-m", "vitkit", "finetune", str(backbone), "--data", str(upper), "--method", method,
+                   "--seed", str(seed), "--out", str(run), "--quiet"]  # fmt: skip
+            if method in ("linear", "lp-ft"):  # a cold cache of their own
+                cmd += ["--feature-cache", str(cache)]
+            t0 = time.perf_counter()
+            env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            seconds = time.perf_counter() - t0
+            if done.returncode != 0:
+                raise SystemExit(f"{' '.join(cmd)}: {done.stderr.strip().splitlines()[-1]}")
+            top1 = TOP1_LINE.search(done.stdout)
+            kept = KEPT_LINE.search(done.stdout)
+            assert top1 is not None, done.stdout
+            rows[method][str(seed)] = {
+                "top1": float(top1.group(1)) / 100,
+                "seconds": seconds,
+                "kept_step": int(kept.group(1)) if kept else None,
+                "steps": int(kept.group(2)) if kept else 0,
+            }
+            schedule = [line for line in done.stderr.splitlines() if "schedule:" in line]
+            if schedule:
+                rows[method]["schedule"] = schedule[0].removeprefix("note: ")
+            print(method, seed, rows[method][str(seed)], flush=True)
+    name = "defaults" + ("" if target == "digits" else f"-{target}")
+    name += "" if list(seeds) == list(DEFAULT_SEEDS) else f"-{'-'.join(map(str, seeds))}"
+    label = "digits 5-9, full split" if target == "digits" else "sample photos, 4 regions, full split"
+    save(name, {"target": label, "seeds": seeds, "methods": rows}, out)
+
+
+def defaults_table(doc: dict[str, Any]) -> None:
+    seeds = [str(s) for s in doc["seeds"]]
+    rows = doc["methods"]
+    print(f"\ndefaults, {doc['target']} (seeds {', '.join(seeds)}): test top-1 %, wall s per run\n")
+    print("| method | mean | min | per seed | wall mean | wall max | step kept (of) |\n|---|---|---|---|---|---|---|")
+    stat: dict[str, dict[str, float]] = {}
+    for m in METHODS:
+        r = [rows[m][s] for s in seeds]
+        top = [100 * x["top1"] for x in r]
+        wall = [x["seconds"] for x in r]
+        stat[m] = {"mean": statistics.mean(top), "min": min(top)}
+        kept = ", ".join(f"{x['kept_step']}" for x in r) + f" ({r[0]['steps']})" if r[0]["steps"] else "-"
+        print(f"| {m} | {statistics.mean(top):.2f} | {min(top):.2f} | {' / '.join(f'{t:.1f}' for t in top)} | "
+              f"{statistics.mean(wall):.1f} | {max(wall):.1f} | {kept} |")  # fmt: skip
+    lin = [100 * rows["linear"][s]["top1"] for s in seeds]
+    lpft = [100 * rows["lp-ft"][s]["top1"] for s in seeds]
+    walls = [rows[m][s]["seconds"] for m in METHODS for s in seeds]
+    goals = {
+        "every run <= 60 s": max(walls) <= 60,
+        "lp-ft >= linear on every seed": all(a >= b for a, b in zip(lpft, lin, strict=True)),
+        "lp-ft >= full - 0.5 (mean)": stat["lp-ft"]["mean"] >= stat["full"]["mean"] - 0.5,
+        "full >= linear (mean)": stat["full"]["mean"] >= stat["linear"]["mean"],
+        "lora >= full - 1 (mean)": stat["lora"]["mean"] >= stat["full"]["mean"] - 1,
+    }
+    print("\n" + "; ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals.items()))
+
+
 # ---- table ------------------------------------------------------------------------------------------------
 
 
@@ -376,6 +462,9 @@ def cmd_table() -> None:
         return json.loads((RESULTS / f"{name}.json").read_text())
 
     pieces = sorted(p.stem for p in RESULTS.glob("*.json"))
+    for name in pieces:
+        if name.startswith("defaults"):
+            defaults_table(load(name))
     back = load("backbone")
     print(f"Backbone (digits 0-4, default recipe): {100 * back['top1']:.2f}% test top-1, {back['seconds']:.0f} s")
     for target in ("digits", "photos"):
@@ -416,9 +505,13 @@ def cmd_table() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("piece", choices=["backbone", "digits", "photos", "memory", "memory-one", "features", "table"])
+    p.add_argument(
+        "piece", choices=["backbone", "defaults", "digits", "photos", "memory", "memory-one", "features", "table"]
+    )
     p.add_argument("args", nargs="*")
     p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
+    p.add_argument("--seeds", default="0,1,2,3", help="defaults: comma-separated seeds")
+    p.add_argument("--target", choices=["digits", "photos"], default="digits", help="defaults: the transfer")
     p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
     p.add_argument("--steps", type=int, default=5, help="memory: training steps per method")
     p.add_argument("--batch", type=int, default=32, help="memory: batch size")
@@ -428,6 +521,8 @@ def main() -> None:
     a = p.parse_args()
     if a.piece == "backbone":
         cmd_backbone(a.work, a.json)
+    elif a.piece == "defaults":
+        cmd_defaults(a.work, [int(s) for s in a.seeds.split(",")], a.target, a.json)
     elif a.piece == "digits":
         cmd_digits(a.work, a.shots.split(","), a.json)
     elif a.piece == "photos":

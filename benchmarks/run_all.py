@@ -280,14 +280,17 @@ TABLES = [
     ),
     Table(
         "adaptation",
-        "Adaptation: accuracy and wall time of finetune --method linear, lp-ft, lora and full on new classes",
+        "Adaptation: every method's default (seeds 0-3), and accuracy and wall time per method on new classes",
         [
             [PY, "benchmarks/adaptation.py", "backbone"],
+            [PY, "benchmarks/adaptation.py", "defaults", "--seeds", "0,1,2,3"],
+            [PY, "benchmarks/adaptation.py", "defaults", "--target", "photos", "--seeds", "0,1,2,3"],
             [PY, "benchmarks/adaptation.py", "digits", "--shots", "1,5,10,25,full"],
             [PY, "benchmarks/adaptation.py", "photos"],
         ],
         [
             [PY, "benchmarks/adaptation.py", "backbone"],
+            [PY, "benchmarks/adaptation.py", "defaults", "--seeds", "0"],
             [PY, "benchmarks/adaptation.py", "digits", "--shots", "5"],
         ],
     ),

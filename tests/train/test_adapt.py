@@ -241,7 +241,8 @@ def test_lp_ft_starts_from_the_linear_head_and_resumes_before_its_first_state(
 ) -> None:
     lin = train(adapt_config(base, upper, "linear", tmp_path / "cache"), tmp_path / "lin", progress=False)
     cfg = adapt_config(base, upper, "lp-ft", tmp_path / "cache")
-    with Trainer(cfg, tmp_path / "probe", progress=False) as t:
+    # the linear method fits on all of train; lp-ft on what its held-out slice leaves (without: the same images)
+    with Trainer(cfg.override(**{"adapt.select": False}), tmp_path / "probe", progress=False) as t:
         t._linear_probe_head()
         head = {k: v.clone() for k, v in t.net.head.state_dict().items()}
     linear_head = load_checkpoint(tmp_path / "lin").model.head.state_dict()
@@ -391,3 +392,138 @@ def test_linear_on_features_of_the_fast_path(
     acc32, acc16 = (json.loads((tmp_path / r / "probe.json").read_text())["val_top1"] for r in ("fp32", "b"))
     assert acc16 == pytest.approx(acc32, abs=0.03) and acc16 > 0.5
     assert load_checkpoint(tmp_path / "b").meta.class_names == NAMES
+
+
+# ---- model selection on held-out data (adapt.select) ------------------------------------------------------
+
+
+def _heldout_top1(model_dir: Path, data: Path, seed: int, fraction: float = 0.1) -> float:
+    """Top-1 of a saved model on the slice of ``data``'s training split that a run with ``seed`` holds out."""
+    from vitkit.data.subset import split_off
+
+    parts = split_off(open_dataset(data, "train"), fraction, seed)
+    assert parts is not None
+    loaded = load_checkpoint(model_dir)
+    got = extract(loaded.model, parts[1], loaded.meta.preprocess, logits=True, batch_size=512, progress=False)
+    assert got.logits is not None
+    return float((got.logits.argmax(1) == got.labels).mean())
+
+
+def _selection(run: Path) -> list[dict[str, float]]:
+    import csv
+
+    with open(run / "selection.csv") as f:
+        return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
+
+
+def test_lp_ft_never_ends_below_the_linear_head_it_started_from(base: Path, upper: Path, tmp_path: Path) -> None:
+    """A learning rate that wrecks the fine-tuning stage: the run keeps the linear head of step 0, and model/
+    (what every command loads) is that head's model, measured again on the held-out slice."""
+    cfg = adapt_config(base, upper, "lp-ft", tmp_path / "cache", **{"optim.lr": 3.0, "optim.clip_norm": None})
+    result = train(cfg, tmp_path / "run", progress=False)
+    rows = _selection(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 6]  # step 0, then every ceil(6 / 20) = 1 step
+    assert max(r["val_top1"] for r in rows[1:]) < rows[0]["val_top1"]  # fine-tuning made it worse here...
+    assert result.selected_step == 0  # ...so the linear head is kept
+    assert _heldout_top1(tmp_path / "run" / "model", upper, seed=0) == pytest.approx(rows[0]["val_top1"], abs=1e-9)
+    prov = load_checkpoint(tmp_path / "run").meta.provenance
+    assert prov["selected_step"] == 0 and prov["step"] == 6 and prov["selected_on"] == "train[heldout] (71 images)"
+    assert "kept the weights of step 0 of 6" in result.summary()
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_model_is_the_best_step_on_the_held_out_slice(base: Path, upper: Path, tmp_path: Path, method: str) -> None:
+    extra = {"adapt.lora_rank": 4} if method == "lora" else {}
+    cfg = adapt_config(base, upper, method, tmp_path / "cache", seed=3, steps=12, **{"adapt.eval_every_steps": 4})
+    result = train(cfg.override(**extra), tmp_path / "run", progress=False)
+    rows = _selection(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 4, 8, 12]
+    best = max(rows, key=lambda r: (r["val_top1"], -r["val_loss"]))
+    assert result.selected_step == best["step"] and result.best_top1 == best["val_top1"]
+    assert load_checkpoint(tmp_path / "run").meta.provenance["selected_step"] == best["step"]
+    assert _heldout_top1(tmp_path / "run" / "model", upper, seed=3) == pytest.approx(best["val_top1"], abs=1e-9)
+    assert not (tmp_path / "run" / "best").exists()  # model/ is the selected weights: no second copy
+
+
+def test_the_held_out_slice_is_stratified_and_never_trained_on(base: Path, upper: Path, tmp_path: Path) -> None:
+    cfg = adapt_config(base, upper, "full", tmp_path / "cache")
+    with Trainer(cfg, tmp_path / "run", progress=False) as t:
+        assert t.select_set is not None and t.val_set is not None and t.val_set.split == "test"
+        train_idx, held_idx = t.train_set.indices, t.select_set.indices  # type: ignore[attr-defined]
+    whole = open_dataset(upper, "train")
+    assert len(train_idx) + len(held_idx) == len(whole) and not set(train_idx) & set(held_idx)
+    counts = np.bincount(whole.labels[held_idx], minlength=5)
+    totals = np.bincount(whole.labels, minlength=5)
+    assert np.all(counts == np.round(0.1 * totals))  # a tenth of every class
+
+
+def test_a_data_set_with_a_validation_split_selects_on_it(base: Path, upper: Path, tmp_path: Path) -> None:
+    z = dict(np.load(upper))
+    z["val_images"], z["val_labels"] = z["test_images"][:50], z["test_labels"][:50]
+    data = tmp_path / "with_val.npz"
+    np.savez(data, **z)
+    cfg = adapt_config(base, data, "full", tmp_path / "cache")
+    with Trainer(cfg, tmp_path / "run", progress=False) as t:
+        assert t.select_set is not None and t.select_set.split == "val" and len(t.select_set) == 50
+        assert len(t.train_set) == len(open_dataset(upper, "train"))  # all of train is trained on
+
+
+def test_a_class_of_one_image_trains_on_everything_and_keeps_the_last_step(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    z = dict(np.load(upper))
+    keep = np.concatenate([np.flatnonzero(z["train_labels"] != 4), np.flatnonzero(z["train_labels"] == 4)[:1]])
+    z["train_images"], z["train_labels"] = z["train_images"][keep], z["train_labels"][keep]
+    np.savez(tmp_path / "one.npz", **z)
+    result = train(adapt_config(base, tmp_path / "one.npz", "full", tmp_path / "cache"), tmp_path / "r", progress=False)
+    assert result.selected_step is None and result.step == 6
+    assert "nothing to select the weights on; the last step's are kept" in capsys.readouterr().err
+
+
+# ---- the default schedule, sized by the data -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("images", "batch", "epochs", "steps", "warmup"),
+    [
+        (646, 64, 30.0, None, 3.0),  # the digits transfer: 10 steps an epoch, 300 steps
+        (25, 8, 100.0, None, 10.0),  # five shots of five classes: 3 steps an epoch, capped at 100 epochs
+        (5, 5, 100.0, None, 10.0),  # the batch never passes the data
+        (20_000, 64, 5.0, None, 0.5),  # 312 steps an epoch: at least 5 epochs
+        (60_000, 512, None, 10_000, 0.0),  # the paper's CIFAR steps
+        (2_000_000, 512, None, 20_000, 0.0),  # the paper's ImageNet steps
+    ],
+)
+def test_the_default_schedule_is_sized_by_the_data(
+    images: int, batch: int, epochs: float | None, steps: int | None, warmup: float
+) -> None:
+    from vitkit.configs.recipes import finetune_for_data
+
+    cfg, why = finetune_for_data(images, (16, 16), "ckpt", "data")
+    assert (cfg.data.batch_size, cfg.epochs, cfg.steps, cfg.optim.warmup_epochs) == (batch, epochs, steps, warmup)
+    assert cfg.data.image_size == (16, 16) and f"{images:,}" in why
+    if steps is not None:
+        assert cfg.optim.warmup_steps == 500 and cfg.optim.lr == 0.01  # the paper's
+    cfg.validate()
+
+
+def test_finetune_prints_the_schedule_it_chose_and_runs_at_the_backbone_resolution(
+    base: Path, upper: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["finetune", str(base), "--data", str(upper), "--out", str(tmp_path / "r"), "--quiet", "--steps", "3"]
+    code, out, err = run_cli(capsys, *argv, "--set", "data.workers=0")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "schedule:" in line]
+    assert len(lines) == 1, err
+    line = lines[0]
+    for needle in ("30 epochs = 300 steps of batch 64", "warm-up 30 steps", "lr 0.03", "8x8 px (the checkpoint's own)",
+                   "sized for 646 training images", "71 more held out"):  # fmt: skip
+        assert needle in line, line
+    doc = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert doc["data"]["image_size"] == [8, 8] and doc["steps"] == 3 and doc["adapt"]["select"]
+    assert "kept the weights of step" in out
+    # the paper's recipe by name, exactly
+    paper = finetune_config(str(base), str(upper), "paper-finetune")
+    assert (paper.steps, paper.data.batch_size, paper.optim.lr, paper.optim.warmup_steps) == (500, 512, 0.01, 100)
+    assert paper.data.image_size == (12, 12)  # 8 px x 384/224, to the stride
+    assert paper.aug.crop_scale == (0.05, 1.0) and paper.aug.flip

@@ -26,18 +26,23 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]), "OMP_
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
-def _torchrun(out: Path, strategy: str, nproc: int = 2, eval_batch: int = 512) -> dict:
+def _torchrun(out: Path, strategy: str, nproc: int = 2, eval_batch: int = 512, select: bool = False) -> dict:
     cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", str(HERE / "ddp_run.py"), str(out), strategy, str(eval_batch)]
+    cmd += ["select"] if select else []
     proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads((out / "losses.json").read_text())
 
 
-def _single(out: Path, eval_batch: int = 512) -> dict:
+def _single(out: Path, eval_batch: int = 512, select: bool = False) -> dict:
+    from ddp_run import SELECT
+
     cfg = tiny_config(
         **{"ema_decay": 0.9, "aug.randaug_layers": 1, "aug.randaug_magnitude": 5, "data.eval_batch_size": eval_batch},
         device="cpu",  # what the gloo processes compute on
     )
+    if select:
+        cfg = cfg.override(**SELECT)
     torch.set_num_threads(1)  # the same per-process arithmetic as the workers
     try:
         result = train(cfg, out, progress=False)
@@ -46,6 +51,7 @@ def _single(out: Path, eval_batch: int = 512) -> dict:
     return {
         "steps": [{"step": r["step"], "loss": r["loss"], "lr": r["lr"]} for r in result.steps],
         "top1": result.final_top1,
+        "selected_step": result.selected_step,
     }
 
 
@@ -71,6 +77,18 @@ def test_fsdp2_two_gloo_processes_equal_one_process(tmp_path: Path) -> None:
     one = _single(tmp_path / "one", eval_batch=179)
     two = _torchrun(tmp_path / "two", "fsdp", eval_batch=179)
     _compare(one, two, rtol=2e-5)
+    assert_close_weights(weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_keep_the_step_one_process_keeps(tmp_path: Path, strategy: str) -> None:
+    """adapt.select: the held-out slice, its evaluations and the weights put back at the end agree across
+    processes (under FSDP only process 0 holds the kept copy, and sends it)."""
+    one = _single(tmp_path / "one", select=True)
+    two = _torchrun(tmp_path / "two", strategy, select=True)
+    _compare(one, two, rtol=2e-5)
+    assert one["selected_step"] is not None and two["selected_step"] == one["selected_step"]
     assert_close_weights(weights(tmp_path / "one" / "model"), weights(tmp_path / "two" / "model"))
 
 

@@ -47,10 +47,11 @@ def test_warmup_shrinks_with_a_shorter_run() -> None:
 def test_finetune_15_steps_on_a_16px_checkpoint(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     assert main(["train", "--steps", "2", "--out", str(tmp_path / "base"), "--quiet"]) == 0
     notes: list[str] = []
-    cfg = finetune_config(str(tmp_path / "base"), "digits", notes=notes)
+    cfg = finetune_config(str(tmp_path / "base"), "digits", "paper-finetune", notes=notes)
     assert cfg.data.image_size == (28, 28) and "28x28 px" in notes[0] and "16x16" in notes[0]
     capsys.readouterr()
-    argv = ["finetune", str(tmp_path / "base"), "--data", "digits", "--steps", "15", "--batch-size", "32"]
+    argv = ["finetune", str(tmp_path / "base"), "--data", "digits", "--recipe", "paper-finetune", "--steps", "15"]
+    argv += ["--batch-size", "32"]
     assert main([*argv, "--out", str(tmp_path / "ft"), "--quiet"]) == 0
     assert "note: fine-tuning at 28x28 px" in capsys.readouterr().err
     config = json.loads((tmp_path / "ft" / "config.json").read_text())

@@ -189,10 +189,12 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         help="adapt a checkpoint to your images: full fine-tuning, a linear head, LP-FT or LoRA",
         description="Adapt any supported checkpoint to the dataset's classes; the run folder's model/ is a normal "
         "checkpoint with the class names for predict, eval, serve and export. --method full (default): every weight "
-        "trained from a zero-initialised head (the pre-logits layer dropped), the position embeddings interpolated "
-        "to the new resolution (default 384 px for a 224 px checkpoint), the paper's SGD recipe (momentum 0.9, "
-        "cosine, no weight decay, clip 1). --method linear: the backbone frozen, a multinomial logistic-regression "
-        "head fitted on its pre-logits features (cached on disk, so another --l2 costs seconds), at the "
+        "trained from a zero-initialised head (the pre-logits layer dropped), the paper's SGD (momentum 0.9, "
+        "cosine, no weight decay, clip 1) for a schedule sized by the data (printed; --recipe paper-finetune: the "
+        "paper's Table 4 recipe at 384 px for a 224 px checkpoint), at the checkpoint's resolution. Methods that "
+        "train keep the weights that do best on a validation split (the data set's own, else a tenth of train). "
+        "--method linear: the backbone frozen, a multinomial logistic-regression head fitted on its pre-logits "
+        "features (cached on disk, so another --l2 costs seconds), at the "
         "checkpoint's own resolution, no gradient steps. --method lp-ft: that head, then full fine-tuning from it "
         "(Kumar et al., ICLR 2022). --method lora: low-rank adapters (peft) on the blocks' projections and the head "
         "trained, the rest frozen; merged into the weights on save unless --save-adapters. "
@@ -203,7 +205,12 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         "--data", dest="data.source", required=True, help="dataset: an ImageFolder root, CIFAR folder, .npz, digits"
     )
     fine = sorted(k for k in RECIPES if "finetune" in k)
-    p.add_argument("--recipe", default="paper-finetune", choices=fine, help="recipe (default: paper-finetune)")
+    p.add_argument(
+        "--recipe",
+        choices=fine,
+        help="recipe (default: a schedule sized by the number of training images, printed; paper-finetune: the "
+        "paper's Table 4 recipe exactly)",
+    )
     p.add_argument("--method", choices=ADAPT_METHODS, default="full", help="how to adapt (default: full)")
     _add_options(p)
     for flag, field, kwargs, methods in ADAPT_OPTIONS:
@@ -245,7 +252,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_run_dir(Path(args.out))
     else:  # runs/<name>, numbered when taken (finetune_config names a method's run <recipe>-<method>)
-        name = get_recipe(args.recipe).name + ("" if args.method == "full" else f"-{args.method}")
+        name = (get_recipe(args.recipe).name if args.recipe else "finetune") + (
+            "" if args.method == "full" else f"-{args.method}"
+        )
         check_run_dir(Path("runs") / name, numbered=True)
     if args.method in ("linear", "lp-ft"):  # and where their features are kept
         from vitkit.train.feature_cache import check_root

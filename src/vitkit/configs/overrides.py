@@ -13,7 +13,9 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from vitkit.configs.recipes import get_recipe
+import numpy as np
+
+from vitkit.configs.recipes import finetune_for_data, get_recipe
 from vitkit.configs.schema import TrainConfig, coerce
 from vitkit.errors import ConfigError
 from vitkit.models.vit import ViTConfig
@@ -159,26 +161,38 @@ def apply_overrides(cfg: TrainConfig, changes: Mapping[str, Any] = {}, sets: Seq
 def finetune_config(
     checkpoint: str,
     data: str,
-    recipe: str = "paper-finetune",
+    recipe: str | None = None,
     image_size: tuple[int, int] | None = None,
     *,
     method: str = "full",
     notes: list[str] | None = None,
 ) -> TrainConfig:
-    """A fine-tuning recipe starting from ``checkpoint`` on ``data`` (``vitkit finetune``).
+    """A fine-tuning run starting from ``checkpoint`` on ``data`` (``vitkit finetune``).
 
-    Without an image size: the recipe's resolution relative to the paper's 224 px pre-training (384 px for
-    ``paper-finetune``: x 384/224), applied to the checkpoint's own resolution and rounded to its stride --
+    ``recipe`` None (the command's default): the schedule sized by the number of training images
+    (:func:`vitkit.configs.recipes.finetune_for_data`) at the checkpoint's own resolution unless ``image_size``;
+    the line that says what was chosen and why is appended to ``notes`` (the CLI prints it). A named recipe is
+    kept as it is; without an image size its resolution relative to the paper's 224 px pre-training (384 px for
+    ``paper-finetune``: x 384/224) is applied to the checkpoint's own resolution and rounded to its stride --
     224 -> 384 px for a paper checkpoint, 16 -> 28 px for the digits model (384 px would be 9,216 tokens
     there) -- never above the larger of the checkpoint's and the recipe's resolution. ``method`` linear (a head
-    on frozen features, nothing to adapt to a new resolution): the checkpoint's own resolution. The choice is
-    appended to ``notes`` (the CLI prints it).
+    on frozen features, nothing to adapt to a new resolution): the checkpoint's own resolution. Methods that
+    train select their weights on held-out data (``adapt.select``).
     """
     from vitkit.checkpoints import read_checkpoint
 
-    cfg = get_recipe(recipe)
-    if not cfg.model.init_from and cfg.model.name is not None:
-        raise ConfigError(f"recipe {recipe!r} trains from scratch; use a fine-tuning recipe (paper-finetune, ...)")
+    if recipe is None:
+        native = read_checkpoint(checkpoint).cfg.image_size
+        size = image_size or native
+        cfg = get_recipe("paper-finetune")  # only to read the adaptation defaults from
+        trained, held = training_images(data, cfg.adapt.val_fraction, select=method != "linear")
+        cfg, why = finetune_for_data(trained, size, checkpoint, data, method)
+        if notes is not None and method != "linear":
+            notes.append(schedule_line(cfg, trained, held, native, why))
+    else:
+        cfg = get_recipe(recipe)
+        if not cfg.model.init_from and cfg.model.name is not None:
+            raise ConfigError(f"recipe {recipe!r} trains from scratch; use a fine-tuning recipe (paper-finetune, ...)")
     if image_size is None and method == "linear":
         image_size = read_checkpoint(checkpoint).cfg.image_size
         if notes is not None:
@@ -186,7 +200,7 @@ def finetune_config(
                 f"linear head on the checkpoint's own {image_size[0]}x{image_size[1]} px features; --image-size to "
                 "choose"
             )
-    elif image_size is None:
+    elif image_size is None and recipe is not None:
         ckpt_cfg = read_checkpoint(checkpoint).cfg
         image_size = finetune_image_size(ckpt_cfg.image_size, ckpt_cfg.stride, cfg.data.image_size)
         if notes is not None:
@@ -195,10 +209,53 @@ def finetune_config(
                 f"fine-tuning at {image_size[0]}x{image_size[1]} px: the checkpoint's {h}x{w} px scaled as recipe "
                 f"{recipe} scales the paper's {PRETRAIN_RESOLUTION} px ({rh}x{rw}); --image-size to choose"
             )
-    changes: dict[str, Any] = {"model.init_from": checkpoint, "data.source": data, "data.image_size": image_size}
+    changes: dict[str, Any] = {"model.init_from": checkpoint, "data.source": data}
+    if image_size is not None:
+        changes["data.image_size"] = image_size
     if method != "full":
         changes.update({"adapt.method": method, "name": f"{cfg.name}-{method}"})
+    if method != "linear":
+        changes["adapt.select"] = True
     return cfg.override(**changes)
+
+
+def training_images(data: str, val_fraction: float, *, select: bool) -> tuple[int, int]:
+    """(images trained on, images held out of them to select the weights on) of ``data``'s training split: a
+    data set with a validation split of its own is trained on whole; else ``val_fraction`` of every class of at
+    least two images is held out (``vitkit.data.subset``, as the run draws it)."""
+    from vitkit.data.datasets import open_dataset, open_split_or_none
+    from vitkit.data.subset import holdout_count
+
+    train = open_dataset(data, "train")
+    n = len(train)
+    if not select or open_split_or_none(data, "val", classes=train.classes) is not None:
+        return n, 0
+    counts = np.bincount(train.labels, minlength=train.num_classes)
+    if n == 0 or counts.min() < 2:
+        return n, 0
+    held = sum(holdout_count(int(c), val_fraction) for c in counts)
+    return n - held, held
+
+
+def schedule_line(cfg: TrainConfig, trained: int, held: int, native: tuple[int, int], why: str) -> str:
+    """The one line ``vitkit finetune`` prints about the schedule it chose from the data."""
+    batch = cfg.data.batch_size
+    per_epoch = max(1, trained // batch)
+    if cfg.steps is not None:
+        length = f"{cfg.steps:,} steps of batch {batch} ({cfg.steps / per_epoch:.1f} epochs)"
+        warm = f"{cfg.optim.warmup_steps} steps"
+    else:
+        epochs = cfg.epochs or 0.0
+        length = f"{epochs:g} epochs = {round(epochs * per_epoch):,} steps of batch {batch}"
+        warm = f"{round(cfg.optim.warmup_epochs * per_epoch)} steps"
+    h, w = cfg.data.image_size
+    res = "the checkpoint's own" if (h, w) == tuple(native) else f"the checkpoint's is {native[0]}x{native[1]}"
+    kept = f"; {held} more held out to select the weights on" if held else ""
+    return (
+        f"schedule: {length}, warm-up {warm}, lr {cfg.optim.lr:g} ({cfg.optim.name}, {cfg.optim.schedule}), "
+        f"{h}x{w} px ({res}); {why}{kept}. --recipe paper-finetune for the paper's recipe; --epochs, --steps, "
+        "--batch-size, --lr, --image-size replace these"
+    )
 
 
 def finetune_image_size(native: tuple[int, int], stride: int, recipe_size: tuple[int, int]) -> tuple[int, int]:

@@ -153,6 +153,12 @@ class AdaptConfig:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = LORA_TARGETS
     save_adapters: bool = False  # save the adapters and head apart from the base weights instead of merged
+    # full / lp-ft / lora: evaluate on a validation split (the data set's own "val", else a stratified
+    # ``val_fraction`` of the training split, not trained on) at step 0 and every ``eval_every_steps`` (None: a
+    # twentieth of the run), keep the best weights, and save those as model/
+    select: bool = False
+    val_fraction: float = 0.1
+    eval_every_steps: int | None = None
 
     def validate(self) -> None:
         if self.method not in ADAPT_METHODS:
@@ -171,6 +177,11 @@ class AdaptConfig:
             raise ConfigError(f"adapt.lora_alpha must be a positive number, got {self.lora_alpha}")
         if not 0.0 <= self.lora_dropout < 1.0:
             raise ConfigError(f"adapt.lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"adapt.val_fraction must be in (0, 1), got {self.val_fraction}")
+        n = self.eval_every_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"adapt.eval_every_steps must be a positive integer or null, got {n!r}")
         unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
         if unknown or not self.lora_targets:
             raise ConfigError(

@@ -20,8 +20,9 @@ import torch
 from vitkit.checkpoints import load_checkpoint, lora_format, vitkit_format
 from vitkit.checkpoints.base import empty_model, state_digest
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset, note_skipped
+from vitkit.data.base import ImageDataset, note_skipped, split_candidates
 from vitkit.data.datasets import open_dataset, open_split_or_none
+from vitkit.data.subset import split_off
 from vitkit.errors import ConfigError
 from vitkit.fileio import check_output_location, clean_stale
 from vitkit.hardware import has_native_bf16, restore_tf32, use_tf32
@@ -50,6 +51,7 @@ class TrainResult:
     rank: int = 0  # the process that produced this result (only process 0 writes and prints)
     notes: list[str] = field(default_factory=list)  # e.g. how a linear head's L2 strength was chosen
     val_precision: str | None = None  # what final_top1 was computed in: "fp32", "bf16" or "int8"
+    selected_step: int | None = None  # adapt.select: the step whose weights model/ holds
 
     def summary(self) -> str:
         """The lines ``vitkit train`` prints at the end."""
@@ -109,6 +111,9 @@ class Run:
         for ds in (self.train_set, self.val_set):
             if ds is not None and self.dist.is_main:
                 note_skipped(ds)
+        self.select_set: ImageDataset | None = None  # the split the weights are selected on (adapt.select)
+        if cfg.adapt.select and cfg.adapt.method != "linear":
+            self.train_set, self.select_set = self._selection_split(self.train_set, self.val_set)
         self.classes = self.train_set.classes
         net, pre = build.build_model(cfg, self.classes)
         self.preprocess = pre
@@ -154,6 +159,29 @@ class Run:
                     return train, val
             return train, None
         return train, open_dataset(d.source, d.val_split, skip_bad=d.skip_bad, classes=train.classes)
+
+    def _selection_split(
+        self, train: ImageDataset, val: ImageDataset | None
+    ) -> tuple[ImageDataset, ImageDataset | None]:
+        """(what to train on, what to select the weights on): the data set's own validation split with all of
+        train, else a stratified ``adapt.val_fraction`` of train (drawn from the seed) and the rest of it. Never
+        the test split: the selected model is then measured there."""
+        d = self.cfg.data
+        own = val if val is not None and val.split in split_candidates("val") else None
+        if own is None:
+            own = open_split_or_none(d.source, "val", skip_bad=d.skip_bad, classes=train.classes)
+        if own is not None:
+            return train, own
+        parts = split_off(train, self.cfg.adapt.val_fraction, self.cfg.seed)
+        if parts is None:
+            if self.dist.is_main:
+                print(
+                    "note: a class has a single training example and the data set has no validation split: nothing "
+                    "to select the weights on; the last step's are kept",
+                    file=sys.stderr,
+                )
+            return train, None
+        return parts
 
     # ---- saving ---------------------------------------------------------------------------------------
 
@@ -262,6 +290,7 @@ RUN_ENTRIES = (
     "curves.png",
     "tb",
     "probe.json",  # finetune --method linear / lp-ft
+    "selection.csv",  # finetune --method full / lp-ft / lora: the held-out evaluations the weights are chosen by
 )
 
 

@@ -143,6 +143,11 @@ class Trainer(Run):
                 "optim.warmup_epochs=0)",
                 file=sys.stderr,
             )
+        # adapt.select: the weights kept are the best on select_set, evaluated every select_every steps
+        self.select_every = cfg.adapt.eval_every_steps or max(1, math.ceil(self.total_steps / 20))
+        self.best_step: int | None = None
+        self._best_loss = math.inf
+        self._best_state: dict[str, torch.Tensor] | None = None
         self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
         self._val_used = self.precision  # what the last validation pass computed in
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
@@ -318,10 +323,13 @@ class Trainer(Run):
             tensors = {f"model/{k}": v for k, v in model_sd.items()}
             tensors.update(opt_tensors)
             tensors.update({f"ema/{k}": v for k, v in ema.items()})
+            tensors.update({f"best/{k}": v for k, v in (self._best_state or {}).items()})
             meta = {
                 "epoch_loss": self.epoch_loss,
                 "skipped_steps": self.skipped,
                 "best_top1": self.best_top1,
+                "best_step": self.best_step,
+                "best_loss": self._best_loss if self.best_step is not None else None,
                 "ema_updates": self.ema.updates if self.ema else 0,
                 "optimizer": opt_doc,
                 "class_names": self.classes,
@@ -361,6 +369,10 @@ class Trainer(Run):
         self.step = int(meta["step"])
         self.skipped = int(meta["skipped_steps"])
         self.best_top1 = meta.get("best_top1")
+        self.best_step = meta.get("best_step")
+        if self.best_step is not None:  # the weights selected so far (adapt.select)
+            self._best_loss = float(meta["best_loss"])
+            self._best_state = {k[len("best/") :]: v for k, v in tensors.items() if k.startswith("best/")}
         self.epoch_loss = [float(meta["epoch_loss"][0]), int(meta["epoch_loss"][1])]
 
     # ---- logs -------------------------------------------------------------------------------------------
@@ -391,11 +403,11 @@ class Trainer(Run):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         if resumed:  # drop what the interrupted run logged after its last checkpoint
-            for name in ("steps.csv", "metrics.csv"):
+            for name in ("steps.csv", "metrics.csv", "selection.csv"):
                 logs.truncate_csv(self.run_dir / name, self.step)
             self.epoch_rows = logs.read_csv(self.run_dir / "metrics.csv")
         else:
-            for name in ("steps.csv", "metrics.csv"):
+            for name in ("steps.csv", "metrics.csv", "selection.csv"):
                 (self.run_dir / name).unlink(missing_ok=True)
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -417,6 +429,8 @@ class Trainer(Run):
         self._open_logs(resumed=resume is not None)  # config.json first: a stage-1 crash leaves a resumable run
         if resume is None and self.cfg.adapt.method == "lp-ft":
             notes.append(self._linear_probe_head())
+        if self.select_set is not None and self.step == 0:
+            self._select()  # step 0 is a candidate: for lp-ft, the linear head it starts from
         cfg, spe = self.cfg, self.loader.steps_per_epoch
         from tqdm import tqdm
 
@@ -438,6 +452,10 @@ class Trainer(Run):
                 for micro in self.loader.epoch(epoch, self.step % spe):
                     rec = self.train_step(micro)
                     self.history.append(rec)
+                    if self.select_set is not None and (
+                        self.step % self.select_every == 0 or self.step == self.total_steps
+                    ):
+                        self._select()
                     now = time.perf_counter()
                     ips = cfg.data.batch_size / max(now - t_last, 1e-9)
                     t_last = now
@@ -456,7 +474,8 @@ class Trainer(Run):
                 # end of an epoch (or of training)
                 ep = (self.step - 1) // spe
                 done = self.step >= self.total_steps
-                last_eval = self.evaluate() if (done or (ep + 1) % cfg.eval_every_epochs == 0) else {}
+                due = done or (ep + 1) % cfg.eval_every_epochs == 0
+                last_eval = self.evaluate() if due and self.select_set is None else {}  # selecting: after the loop
                 seconds = time.perf_counter() - epoch_t0
                 row = {
                     "epoch": ep + 1 if self.step % spe == 0 else round(self.step / spe, 3),
@@ -476,7 +495,13 @@ class Trainer(Run):
                     self.best_top1 = top1
                     self.save_model("best", val_top1=top1)
                 self.save_state()
-        self.save_model("model", val_top1=last_eval.get("val_top1"))
+        kept: dict[str, Any] = {}
+        if self.select_set is not None:
+            notes.append(self._keep_selected())
+            last_eval = self.evaluate()
+            kept = {"selected_step": self.best_step, "selected_top1": self.best_top1}
+            kept["selected_on"] = self._select_name()
+        self.save_model("model", val_top1=last_eval.get("val_top1"), **kept)
         if self.dist.is_main:
             logs.plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png")
             if self._tb is not None:
@@ -496,6 +521,43 @@ class Trainer(Run):
             self.dist.rank,
             notes,
             self._val_used if last_eval else None,
+            selected_step=self.best_step if self.select_set is not None else None,
+        )
+
+    # ---- model selection (adapt.select) -------------------------------------------------------------------
+
+    def _select_name(self) -> str:
+        assert self.select_set is not None
+        return f"{self.select_set.split} ({len(self.select_set)} images)"
+
+    def _select(self) -> None:
+        """Evaluate the current weights on the selection split; keep a copy when they are the best so far
+        (higher top-1, then lower loss; a later step wins a tie)."""
+        m = self.evaluate(self.select_set)
+        top1, loss = m["val_top1"], m["val_loss"]
+        if self.dist.is_main:
+            logs.append_csv(self.run_dir / "selection.csv", {"step": self.step, "val_top1": top1, "val_loss": loss})
+        if self.best_step is None or self.best_top1 is None or (top1, -loss) >= (self.best_top1, -self._best_loss):
+            self.best_step, self.best_top1, self._best_loss = self.step, top1, loss
+            ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
+            with ctx:
+                self._best_state = self._full_model_state()
+
+    def _keep_selected(self) -> str:
+        """Put the selected weights back into the model (they are the EMA weights when EMA is on, so EMA is
+        done with); returns the line that says which step was kept."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        assert self._best_state is not None and self.best_top1 is not None
+        if self.best_step != self.step:
+            state: dict[str, Any] = {k: v.to(self.device) for k, v in self._best_state.items()}
+            # several processes: _full_model_state gave the full copy to process 0 only (cpu_offload), which sends it
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.dist.world > 1)
+            set_model_state_dict(self.net, state, options=opts)
+        self.ema = None
+        return (
+            f"kept the weights of step {self.best_step} of {self.step}: {100 * self.best_top1:.2f}% top-1 on "
+            f"{self._select_name()}, evaluated every {self.select_every} steps"
         )
 
     def _linear_probe_head(self) -> str:
