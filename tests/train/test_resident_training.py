@@ -49,7 +49,23 @@ def test_a_run_equals_the_host_loaders_run_exactly(tmp_path: Path, monkeypatch: 
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_resume_mid_epoch_equals_the_uninterrupted_run(tmp_path: Path, device: str) -> None:
+def test_resume_mid_epoch_equals_the_uninterrupted_run(
+    tmp_path: Path, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda = device.startswith("cuda")
+    if cuda:
+        # CUDA's memory-efficient attention backward adds with atomics: two identical runs differed in the 7th
+        # decimal of step 7's loss on an H100 (with deterministic algorithms on, they were equal bit for bit)
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _resume_mid_epoch(tmp_path, device)
+    finally:
+        if cuda:
+            torch.use_deterministic_algorithms(False)
+
+
+def _resume_mid_epoch(tmp_path: Path, device: str) -> None:
     cfg = _inception(device=device, checkpoint_every_steps=4)
     ref = train(cfg, tmp_path / "ref", progress=False)
 
