@@ -98,14 +98,15 @@ def test_the_trainer_runs_what_the_race_chose(tmp_path: Path, monkeypatch: pytes
         **{"model.overrides": {"patch_size": 4, "hidden_size": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64}},
         **{"optim.weight_decay": 0.0, "optim.schedule": "constant", "optim.warmup_steps": 0, "epochs": 60},
     )
-    with Trainer(cfg, tmp_path / "run", progress=False) as trainer:
+    with Trainer(cfg.override(attention="measure"), tmp_path / "run", progress=False) as trainer:
         assert trainer.training_path is not None and trainer.training_path.choice == "sdpa"
         assert not trainer.explicit_attention
         attn = [m for m in trainer.net.modules() if isinstance(m, Attention)]
         assert attn and all(m.fused and m.kernels is None for m in attn)
         result = trainer.fit()
     assert result.steps[-1]["loss"] < 0.05  # the chosen path still learns (memorises the batch)
-    # set by hand: no race
-    with Trainer(cfg.override(attention="explicit"), tmp_path / "run2", progress=False) as trainer:
-        assert trainer.explicit_attention and trainer.training_path is not None
-        assert trainer.training_path.source == "as set"
+    # the default and a kernel set by hand: no race (two runs of one seed must not differ by a timing)
+    for attention in ("auto", "explicit"):
+        with Trainer(cfg.override(attention=attention), tmp_path / f"run-{attention}", progress=False) as trainer:
+            assert trainer.explicit_attention and trainer.training_path is not None
+            assert trainer.training_path.source == "as set" and not trainer.training_path.times_ms

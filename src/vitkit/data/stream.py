@@ -441,7 +441,10 @@ def _released_after(batches: Iterator[StreamBatch], count: int) -> Iterator[Stre
         if k == count - 1:
             shutdown = getattr(batches, "_shutdown_workers", None)
             if shutdown is not None:
-                threading.Thread(target=shutdown, name="vitkit-workers-exit", daemon=True).start()
+                # not a daemon: the interpreter joins it before finalising (a daemon thread still inside the
+                # DataLoader's shutdown at exit aborted a predict process: "terminate called without an active
+                # exception")
+                threading.Thread(target=shutdown, name="vitkit-workers-exit").start()
         yield b
 
 

@@ -69,7 +69,7 @@ def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micr
     fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
     keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
     sequences."""
-    if choice != "auto":
+    if choice not in ("auto", "measure"):  # "measure": the rule is the race's built-in candidate (vitkit.train.tune)
         return choice == "explicit"
     if device.type != "cpu":
         return False
@@ -159,8 +159,8 @@ class Trainer(Run):
         return explicit_attention(self.cfg.attention, self.device, self.net.cfg, self._micro_batch())
 
     def _training_path(self) -> TrainingPath:
-        """The CPU step's kernels: raced (``vitkit.train.tune``) unless ``attention`` was set by hand."""
-        if self.cfg.attention != "auto":
+        """The CPU step's kernels: the built-in rule, or raced (``vitkit.train.tune``) with ``attention="measure"``."""
+        if self.cfg.attention != "measure":  # the built-in rule (or the kernel set by hand): reproducible
             return TrainingPath(self.explicit_attention, kernels.load(), self.cfg.attention, {}, "as set")
         return choose_training_path(self.net, self._micro_batch(), self.precision, self.explicit_attention)
 
