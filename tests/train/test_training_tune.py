@@ -19,6 +19,8 @@ from vitkit.train import Trainer
 from vitkit.train import kernels as cpu_kernels
 from vitkit.train.tune import choose_training_path
 
+REAL_TIMER = inference_tune.default_timer  # taken at import: --cpu-kind replaces the module's with a fake
+
 
 class FakeKernels:
     """Stands for the C kernels where this CPU cannot load them (the choice logic only hands them over)."""
@@ -76,7 +78,7 @@ def test_every_candidate_is_a_real_forward_and_backward() -> None:
     seen: dict[str, float] = {}
 
     def timer(fns: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
-        out = inference_tune.default_timer(fns)
+        out = REAL_TIMER(fns)
         seen.update(out)
         return {k: v + 5.0 for k, v in out.items()}
 
