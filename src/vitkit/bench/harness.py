@@ -15,7 +15,6 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -501,7 +500,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     else:
-        info["cpu"] = _cpu_model()
+        info["cpu"] = hardware.cpu_model() or "unknown"
         info["threads"] = torch.get_num_threads()
     import importlib.metadata
 
@@ -509,18 +508,6 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             info[package] = importlib.metadata.version(package)
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or "unknown"
 
 
 # ---- text report -------------------------------------------------------------------------------------

@@ -292,6 +292,25 @@ def _scaled_qkv(qkv: nn.Linear, scale: float) -> nn.Linear:
     return out
 
 
+def block_parts(kernels: Kernels, dtype: torch.dtype, int8: bool, cpu: bool, pack: bool) -> dict[str, Any]:
+    """The keyword arguments of :class:`FastBlock` that ``kernels`` chooses on a CPU (``cpu``) whose weights are
+    packed by hand (``pack``; else compiled), the C kernels loaded where they run: the quantiser, the fused
+    attention (bf16; for int8 its VNNI variant where the CPU has VNNI), the int8 GEMM, the C LayerNorm, and the
+    overrides of the explicit attention and of packing."""
+    bf16 = cpu and dtype == torch.bfloat16
+    fused = None
+    if pack and bf16 and kernels.attention in (None, "c"):
+        fused = (load_int8_attention() if int8 else None) or load_fused_attention()
+    return {
+        "quantize": fast_quantizer() if int8 else None,
+        "fused": fused,
+        "gemm": load_int8_gemm() if int8 and bf16 and kernels.gemm != "onednn" else None,
+        "layernorm": load_layernorm() if pack and bf16 and not int8 and kernels.layernorm != "torch" else None,
+        "explicit": None if kernels.attention in (None, "c") else kernels.attention == "explicit",
+        "pack_gemm": None if kernels.gemm is None else kernels.gemm != "plain",
+    }
+
+
 class InferenceViT(nn.Module):
     """What ``optimize_for_inference`` returns: ``forward(images) -> logits`` in the serving dtype;
     ``forward_features`` (final tokens) and ``forward_head(tokens, pre_logits=True)`` (pre-logits features)
@@ -309,17 +328,9 @@ class InferenceViT(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.dtype = dtype
-        k = self.kernels = kernels or Kernels()
-        quantize = fast_quantizer() if int8 else None
+        self.kernels = kernels or Kernels()
         cpu = next(model.parameters()).device.type == "cpu"
-        fused = None
-        if pack and cpu and dtype == torch.bfloat16 and k.attention in (None, "c"):
-            fused = (load_int8_attention() if int8 else None) or load_fused_attention()  # int8: its VNNI variant
-        gemm = load_int8_gemm() if int8 and cpu and dtype == torch.bfloat16 and k.gemm != "onednn" else None
-        native_ln = pack and cpu and dtype == torch.bfloat16 and not int8 and k.layernorm != "torch"
-        layernorm = load_layernorm() if native_ln else None
-        explicit = None if k.attention in (None, "c") else k.attention == "explicit"
-        pack_gemm = None if k.gemm is None else k.gemm != "plain"
+        parts = block_parts(self.kernels, dtype, int8, cpu, pack)
         base = copy.deepcopy(model).eval()
         # CPU: the patch embedding as one pre-packed GEMM (``vitkit.inference.stem``; constants from ``base``)
         self.stem = PackedStem(base, dtype, rows, PackedLinear) if pack and cpu and PackedStem.handles(base) else None
@@ -327,10 +338,8 @@ class InferenceViT(nn.Module):
         blocks = [cast(Block, b) for b in base.blocks]
         base.blocks = nn.ModuleList()  # the stem, pos-emb, norm and head stay; blocks are replaced
         self.base = base.to(dtype)
-        self.blocks = nn.ModuleList(
-            FastBlock(b, dtype, rows, quantize, pack, fused, gemm, layernorm, explicit, pack_gemm) for b in blocks
-        )
-        self.norm = NativeLayerNorm(self.base.norm, layernorm)  # the final norm
+        self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, pack=pack, **parts) for b in blocks)
+        self.norm = NativeLayerNorm(self.base.norm, parts["layernorm"])  # the final norm
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:

@@ -48,9 +48,8 @@ from vitkit.errors import CheckpointError
 from vitkit.fileio import write_file_atomic
 from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
-from vitkit.inference.fast import FastBlock, Kernels
+from vitkit.inference.fast import FastBlock, Kernels, block_parts
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
-from vitkit.inference.int8 import fast_quantizer
 from vitkit.inference.layernorm import load as load_layernorm
 from vitkit.models.vit import Block, VisionTransformer
 from vitkit.timing import time_alternating
@@ -168,7 +167,7 @@ def default_timer(fns: Mapping[str, Callable[[], Any]]) -> dict[str, float]:
 def cache_key(model: VisionTransformer, dtype: torch.dtype, batch_size: int, int8: bool) -> str:
     """What a measurement depends on: the CPU, PyTorch, the thread count, the shapes, the dtype and the batch."""
     cfg = model.cfg
-    cpu = _cpu_model()
+    cpu = hardware.cpu_model()
     flags = sorted(hardware.cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
     facts = [
         cpu,
@@ -182,16 +181,6 @@ def cache_key(model: VisionTransformer, dtype: torch.dtype, batch_size: int, int
         batch_size,
     ]
     return hashlib.sha256(json.dumps(facts, default=str).encode()).hexdigest()[:24]
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _cache_file() -> Path | None:
@@ -297,18 +286,9 @@ def _block_call(
 
 
 def _block_with(block: Block, dtype: torch.dtype, rows: int, int8: bool, kernels: Kernels) -> nn.Module:
-    # the same construction as InferenceViT's, for one block (a one-block model would copy the whole embedding)
-    one = copy.deepcopy(block)
-    fused = None
-    if dtype == torch.bfloat16 and kernels.attention in (None, "c"):
-        fused = (load_int8_attention() if int8 else None) or load_fused_attention()
-    gemm = load_int8_gemm() if int8 and dtype == torch.bfloat16 and kernels.gemm != "onednn" else None
-    native_ln = dtype == torch.bfloat16 and not int8 and kernels.layernorm != "torch"
-    layernorm = load_layernorm() if native_ln else None
-    explicit = None if kernels.attention in (None, "c") else kernels.attention == "explicit"
-    pack_gemm = None if kernels.gemm is None else kernels.gemm != "plain"
-    quantize = fast_quantizer() if int8 else None
-    return FastBlock(one, dtype, rows, quantize, True, fused, gemm, layernorm, explicit, pack_gemm).eval()
+    # InferenceViT's construction, for one block (a one-block model would copy the whole embedding)
+    parts = block_parts(kernels, dtype, int8, cpu=True, pack=True)
+    return FastBlock(copy.deepcopy(block), dtype, rows, pack=True, **parts).eval()
 
 
 def _plain_wins(
