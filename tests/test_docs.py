@@ -4,6 +4,7 @@ benchmark script feeding a table of the report."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 import sys
@@ -115,13 +116,49 @@ def test_every_table_of_the_report_has_its_section_command_and_scripts() -> None
         assert doc.startswith("Feeds the table"), f"benchmarks/{script}: its docstring must say which table it feeds"
 
 
-def test_getting_started_names_every_command_of_the_cli() -> None:
-    """The command table of getting-started.md against the CLI's own subcommands: a new command is listed there."""
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
     from vitkit.cli import build_parser
 
-    parser = build_parser()
-    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
-    commands = set(sub.choices)  # type: ignore[attr-defined]
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def _command_table() -> list[str]:
+    """The first cells of getting-started.md's table under "## Commands" (``vitkit predict -c CKPT ...``)."""
     text = (ROOT / "docs" / "getting-started.md").read_text()
-    listed = set(re.findall(r"^\| `vitkit (\w+)", text, flags=re.M))
+    section = text.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `(vitkit [^`]+)` \|", section, flags=re.M)
+
+
+def test_getting_started_names_every_command_of_the_cli() -> None:
+    """The command table of getting-started.md against the CLI's own subcommands, both ways: a new command is
+    listed there, and a row names no command the CLI lacks."""
+    listed = {cell.split()[1] for cell in _command_table()}
+    commands = set(_subcommands())
     assert listed == commands, f"missing: {sorted(commands - listed)}, not commands: {sorted(listed - commands)}"
+
+
+def test_getting_started_names_every_finetune_method() -> None:
+    """The table's ``finetune ... --method {a,b}`` row lists exactly the methods the parser accepts."""
+    rows = [cell for cell in _command_table() if cell.startswith("vitkit finetune") and "--method" in cell]
+    assert len(rows) == 1, rows
+    choices = re.search(r"--method \{([^}]*)\}", rows[0])
+    assert choices, rows[0]
+    listed = set(choices.group(1).split(","))
+    method = next(a for a in _subcommands()["finetune"]._actions if "--method" in a.option_strings)
+    assert listed == set(method.choices or ()), f"the table: {sorted(listed)}, the CLI: {method.choices}"
+
+
+def test_readme_links_every_page_of_the_site() -> None:
+    """README's documentation table links every page of docs/index.md's toctrees (a page that only includes
+    another file, as performance.md includes BENCHMARKS.md, counts as that file)."""
+    index = (ROOT / "docs" / "index.md").read_text()
+    blocks = re.findall(r"```\{toctree\}\n(.*?)```", index, flags=re.S)
+    pages = [line for block in blocks for line in block.splitlines() if line and not line.startswith(":")]
+    table = (ROOT / "README.md").read_text().split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    linked = {(ROOT / target.split("#", 1)[0]).resolve() for target in LINK.findall(table)}
+    for page in pages:
+        path = next(p for p in (ROOT / "docs").glob(f"{page}.*") if p.suffix in (".md", ".rst"))
+        include = re.match(r"```\{include\} (\S+)", path.read_text())
+        target = (path.parent / include.group(1)).resolve() if include else path.resolve()
+        assert target in linked, f"README's documentation table has no line for docs/{page} ({target.name})"
