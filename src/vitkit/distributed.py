@@ -110,17 +110,13 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def shard_of(n: int, batch_size: int, info: DistInfo) -> list[int]:
-    """Which of ``n`` items this process takes: batch ``c`` (items ``c*batch_size ..``) goes to process
-    ``c % world``, so every batch is the one a single process forms (the same images together: the same
-    floating-point rounding) and one step of all processes covers consecutive batches."""
-    return [j for j in range(n) if (j // batch_size) % info.world == info.rank]
-
-
 def shard_steps(positions: Sequence[int], batch_size: int, info: DistInfo) -> tuple[list[int], int]:
-    """This process's share of ``positions`` (:func:`shard_of`) and the number of steps of ``batch_size`` that
-    every process runs (the last steps of some processes may be empty)."""
-    mine = [positions[j] for j in shard_of(len(positions), batch_size, info)]
+    """This process's share of ``positions`` and the number of steps of ``batch_size`` every process runs (the
+    last steps of some processes may be empty): batch ``c`` (``positions[c*batch_size ..]``) goes to process
+    ``c % world``, so every batch is the one a single process forms (the same images together: the same
+    floating-point rounding) and one step of all processes covers consecutive batches, in rank order. The one
+    sharding scheme: the batch jobs' and a training run's validation (``vitkit.data.loader.eval_batches``)."""
+    mine = [p for j, p in enumerate(positions) if (j // batch_size) % info.world == info.rank]
     batches = -(-len(positions) // batch_size)
     return mine, -(-batches // info.world)
 

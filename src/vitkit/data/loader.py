@@ -24,6 +24,7 @@ from PIL import Image
 
 from vitkit.data.base import ImageDataset
 from vitkit.data.transforms import sample_rng
+from vitkit.distributed import DistInfo, shard_steps
 from vitkit.errors import ConfigError, DataError
 
 SampleTransform = Callable[[Image.Image, np.random.Generator], torch.Tensor]
@@ -226,21 +227,24 @@ def eval_batches(
     workers: int = 0,
     pin_memory: bool = False,
 ) -> Iterator[Batch]:
-    """Every sample once, rank r taking indices r, r + world, ... (nothing dropped).
+    """Every sample once, in batches dealt out as every batch job deals them (:func:`vitkit.distributed.shard_steps`:
+    batch ``c`` to rank ``c % world``), the batch no larger than ``ceil(n / world)`` so that every rank has one.
 
     Every rank yields the same number of batches of the same sizes: a sharded (FSDP) model enters collectives
     in every forward pass, so a rank that stopped one batch early would leave the others waiting forever.
-    A rank with fewer samples than rank 0 repeats one of its samples (or sample 0) to fill up, and marks the
-    repeats with ``Batch.valid`` False; leave them out of every count.
+    A rank short of rank 0's batches fills up with repeats of sample 0, marked with ``Batch.valid`` False;
+    leave them out of every count.
     """
     n = len(dataset)
-    idx = list(range(rank, n, world))
-    real = len(idx)
-    if world > 1 and n:
-        idx += [idx[-1] if idx else 0] * (-(-n // world) - real)  # up to rank 0's count, ceil(n / world)
-    keys = [[(0, i) for i in idx[s : s + batch_size]] for s in range(0, len(idx), batch_size)]
+    size = min(batch_size, max(1, -(-n // world)))
+    mine, steps = shard_steps(range(n), size, DistInfo(rank=rank, world=world))
+    full, _ = shard_steps(range(n), size, DistInfo(rank=0, world=world))  # rank 0's batches: the largest
+    want = [len(full[s : s + size]) for s in range(0, len(full), size)]
+    keys = [[(0, i) for i in mine[k * size : (k + 1) * size]] for k in range(steps)]
+    real = [len(k) for k in keys]
+    keys = [k + [(0, 0)] * (w - len(k)) for k, w in zip(keys, want, strict=True)]
     batches = _loader(_Samples(dataset, transform, 0, train=False), keys, workers, pin_memory)
-    for start, b in zip(range(0, len(idx), batch_size), batches, strict=True):
-        if start + len(b.labels) > real:
-            b.valid = torch.arange(start, start + len(b.labels)) < real
+    for count, b in zip(real, batches, strict=True):
+        if count < len(b.labels):
+            b.valid = torch.arange(len(b.labels)) < count
         yield b

@@ -17,7 +17,8 @@ batches ahead, so memory is bounded by ``(workers x prefetch + 1) x batch_size``
 number of inputs (each worker keeps ``prefetch + 1`` batch buffers in shared memory and reuses them once the
 job's process lets them go). A bad image is an error naming it (DataError), or with ``skip_bad`` an item marked
 failed in its batch. :func:`stream_iterable` does the same for a plain iterable (a generator of paths or images), in
-this process. Sharding a job across processes is choosing ``positions`` (e.g. ``range(rank, n, world)``).
+this process. A job sharded across processes streams the ``positions`` :func:`vitkit.distributed.shard_steps`
+gives it (:mod:`vitkit.inference.jobs`).
 """
 
 from __future__ import annotations

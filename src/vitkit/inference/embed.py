@@ -27,12 +27,11 @@ import torch
 from PIL import Image
 
 from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.data.eval_transform import EvalTransform
-from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
+from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, feeds_gpu, plan_decode, run_job
+from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
 
@@ -158,29 +157,15 @@ def embed_job(
     cfg = loaded.model.cfg
     opts.check(cfg.depth, cfg.num_prefix_tokens)
     shape = vector_shape(loaded, opts)
-    gpu = feeds_gpu(info.device if info.enabled else opts.device)  # uint8 batches, normalised on the GPU
-    transform = EvalTransform(loaded.meta.preprocess, reference=opts.precision == "fp32", uint8=gpu)
-    device = info.device if info.enabled else opts.device
-    worker_transform, decoder = plan_decode(opts.decode, transform, device, "torch", source, range(len(source)),
-                                            opts.workers)  # fmt: skip
     meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
     if info.is_main:  # what the vectors were made from, compared on --resume and by knn/fewshot
         meta.update(job_meta(loaded, source, precision=opts.precision, backend="torch"))
     sink = EmbeddingWriter(out, meta, resume=resume, overwrite=overwrite) if info.is_main else None
-
-    def build() -> InferenceEngine:
-        return InferenceEngine.from_loaded(
-            loaded, precision=opts.precision, batch_size=opts.batch_size,
-            device=info.device if info.enabled else opts.device,
-        )  # fmt: skip
-
+    job = Job(source, EngineSpec.of(loaded, precision=opts.precision, device=opts.device), opts.batch_size,
+              workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad, decode=opts.decode,
+              progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info)  # fmt: skip
     try:
-        summary = run_job(
-            source, worker_transform, build, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink,
-            batch_size=opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
-            progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info,
-            decoder=decoder,
-        )  # fmt: skip
+        summary = run_job(job, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink)
         if sink is not None:  # on an error the chunks written so far stay, for --resume
             sink.close()
     finally:
@@ -216,30 +201,27 @@ def embed(
     opts = EmbedOptions(pool=pool, layer=layer, dtype=dtype, l2=l2, batch_size=batch_size, precision=precision)
     opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
     shape = vector_shape(loaded, opts)
-    engine = InferenceEngine.from_loaded(loaded, precision=precision, device=device, batch_size=batch_size)
-    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode)
+    engine = EngineSpec.of(loaded, precision=precision, device=device).build(batch_size, None)
+    source: Any
     if hasattr(images, "__getitem__") and hasattr(images, "classes"):  # a dataset
-        batches: Iterable[StreamBatch] = stream_batches(DatasetSource(images), transform, batch_size, workers=workers)
+        source = DatasetSource(images)
     elif isinstance(images, list | tuple) and all(not isinstance(i, Image.Image) for i in images):
         source = FileSource([os.fspath(i) for i in images])
-        batches = stream_batches(source, transform, batch_size, workers=workers)
     else:
-        named = (
+        source = (
             (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
             for i, img in enumerate(images)
         )
-        batches = stream_iterable(named, transform, batch_size)
-    from tqdm import tqdm
-
-    cols: list[dict[str, Any]] = []
-    for batch in tqdm(batches, desc="embed", unit="batch", disable=not progress):
-        cols.append(embed_columns(engine, batch, opts, shape))
+    job = Job(source, engine, batch_size, workers=workers, progress=progress, desc="embed")
+    got = Collect()
+    run_job(job, lambda engine, batch: embed_columns(engine, batch, opts, shape), got)
+    cols = got.columns()
     if not cols:
         raise VitkitError("no images to embed")
     return Embeddings(
-        ids=[i for c in cols for i in c["id"]],
-        index=np.concatenate([c["index"] for c in cols]),
-        labels=np.concatenate([c["label"] for c in cols]),
-        vectors=np.concatenate([c["vector"] for c in cols]),
+        ids=cols["id"],
+        index=cols["index"],
+        labels=cols["label"],
+        vectors=cols["vector"],
         meta=opts.meta(),
     )

@@ -8,24 +8,19 @@ decoded as needed (:mod:`vitkit.data.stream`) and run on the :class:`~vitkit.inf
 
 from __future__ import annotations
 
-import dataclasses
-import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from vitkit.checkpoints.preprocess import Preprocess
-from vitkit.data.eval_transform import EvalTransform
-from vitkit.data.stream import DatasetSource, StreamBatch, stream_batches, stream_iterable
-from vitkit.distributed import DistInfo, all_gather, check_same_input, shard_of
+from vitkit.data.stream import DatasetSource, StreamBatch
+from vitkit.distributed import DistInfo, broadcast_from_main
 from vitkit.errors import ConfigError, DataError
-from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import calibration_sample, feeds_gpu, plan_decode
+from vitkit.inference.jobs import Collect, EngineSpec, Job, run_job
 from vitkit.models.vit import VisionTransformer
 
 
@@ -76,124 +71,42 @@ def extract(
     its own). A map-style dataset is decoded by ``workers`` processes (0: this one), which start before the
     engine is built; ``indices`` restricts it to those examples. An iterable-only dataset is streamed in order.
 
-    ``dist``: the processes of a ``torchrun`` job. Each extracts every ``world``-th batch of a map-style
-    dataset (from its rank on) and every process gets the whole result, in the order one process gives (an
-    iterable-only dataset is extracted whole by every process).
+    ``dist``: the processes of a ``torchrun`` job. Each extracts its share of a map-style dataset (the batch
+    jobs' sharding, :func:`vitkit.inference.jobs.run_job`) and every process gets the whole result, in the
+    order one process gives (an iterable-only dataset is extracted whole by every process).
 
     ``decode``: where JPEGs are decoded, ``cpu`` (default), ``gpu`` or ``auto``
     (:func:`vitkit.inference.jobs.plan_decode`).
     """
-    info = dist or DistInfo()
     if not (logits or features):
         raise ValueError("nothing to extract: ask for logits, features or both")
     if not isinstance(model, InferenceEngine) and logits and model.cfg.num_classes <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
-    reference = not model.reduced_decode if isinstance(model, InferenceEngine) else precision == "fp32"
-    if isinstance(model, InferenceEngine):
-        gpu = model.device.type == "cuda"
-    else:
-        gpu = feeds_gpu(info.device if info.enabled else (device if device is not None else "auto"), backend)
-    # on a GPU: uint8 batches, normalised on the GPU (jobs.feeds_gpu)
-    transform = EvalTransform(preprocess, reference=reference and backend == "torch", uint8=gpu)
-    if isinstance(model, InferenceEngine):
-        job_device: torch.device | str = model.device
-    else:
-        job_device = info.device if info.enabled else (device if device is not None else "auto")
-    map_style = is_map_style(dataset)
-    everything: Sequence[int] = range(len(dataset)) if map_style else []
-    worker_transform, decoder = plan_decode(
-        decode, transform, job_device, backend, DatasetSource(dataset), everything if indices is None else indices,
-        workers,
+    engine: EngineSpec | InferenceEngine = model if isinstance(model, InferenceEngine) else EngineSpec(
+        model, preprocess, precision=precision, backend=backend, device="auto" if device is None else device
     )  # fmt: skip
-    total = None
-    batches: Iterator[StreamBatch]
-    if is_map_style(dataset):
-        wanted: Sequence[int] = range(len(dataset)) if indices is None else indices
-        total = len(wanted)
-        if info.enabled:
-            source = DatasetSource(dataset)
-            check_same_input((source.item_id(i) for i in wanted), info, "the dataset")
-        mine = [wanted[j] for j in shard_of(total, batch_size, info)] if info.enabled else wanted
-        batches = stream_batches(
-            DatasetSource(dataset),
-            worker_transform,
-            batch_size,
-            positions=mine,
-            workers=workers,
-        )
-    elif indices is not None:
-        raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
-    else:
-        items = ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
-        batches = stream_iterable(items, worker_transform, batch_size)
-    engine = model
-    if not isinstance(engine, InferenceEngine):
-        dev = device if isinstance(device, torch.device) else resolve_device(device)
-        calibrate = (lambda: calibration_sample(DatasetSource(dataset), transform)) if total is not None else None
-        engine = InferenceEngine(
-            engine, preprocess, precision=precision, backend=backend, batch_size=batch_size, calibration=calibrate,
-            device=info.device if info.enabled else dev,
-        )  # fmt: skip
-        if on_engine is not None and info.is_main:
-            on_engine(engine)
-    out_logits: list[np.ndarray] = []
-    out_feats: list[np.ndarray] = []
-    out_labels: list[np.ndarray] = []
-    out_idx: list[np.ndarray] = []
-    show = progress and info.is_main
-    gpu_decoder = decoder() if decoder is not None else None
-    with tqdm(desc=desc, total=total, unit="img", file=sys.stderr, disable=not show) as bar:
-        for b in engine.feed(batches, gpu_decoder):  # on a GPU: copied one batch ahead, normalised there
-            out = engine.forward(b.images, logits=logits, features=features)
-            if features:
-                assert out.features is not None
-                out_feats.append(out.features.numpy())  # (B, R)
-            if logits:
-                assert out.logits is not None
-                out_logits.append(out.logits.numpy())  # (B, K)
-            out_labels.append(b.labels)
-            out_idx.append(b.positions)
-            bar.update(len(b) * (info.world if info.enabled and total is not None else 1))
-    note = gpu_decoder.counts.note() if gpu_decoder is not None else None
-    if info.enabled and total is not None:  # every process's share, interleaved back into the one order
-        shares = all_gather((out_labels, out_idx, out_logits, out_feats), info)
-        return dataclasses.replace(_interleave(shares, batch_size, logits, features), engine=engine, decode_note=note)
-    if not out_labels:
+    source: Any = DatasetSource(dataset)
+    if not is_map_style(dataset):
+        if indices is not None:
+            raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
+        source = ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
+    job = Job(source, engine, batch_size, positions=indices, workers=workers, decode=decode, progress=progress,
+              desc=desc, where="the dataset", on_engine=on_engine, dist=dist)  # fmt: skip
+
+    def outputs(e: InferenceEngine, b: StreamBatch) -> dict[str, np.ndarray]:
+        out = e.forward(b.images, logits=logits, features=features)
+        cols = {"labels": b.labels, "indices": b.positions}
+        if features:
+            assert out.features is not None
+            cols["features"] = out.features.numpy()  # (B, R)
+        if logits:
+            assert out.logits is not None
+            cols["logits"] = out.logits.numpy()  # (B, K)
+        return cols
+
+    sink = Collect() if job.info.is_main else None
+    summary = run_job(job, outputs, sink)
+    cols = broadcast_from_main(sink.columns() if sink is not None else None, job.info)  # every process: the whole
+    if not cols:
         raise DataError("the dataset has no examples")
-    return Extracted(
-        labels=np.concatenate(out_labels),
-        indices=np.concatenate(out_idx),
-        logits=np.concatenate(out_logits) if logits else None,
-        features=np.concatenate(out_feats) if features else None,
-        engine=engine,
-        decode_note=note,
-    )
-
-
-def _interleave(shares: list[Any], batch_size: int, logits: bool, features: bool) -> Extracted:
-    """The per-process results of a sharded :func:`extract` (process ``r`` took every ``world``-th batch from the
-    ``r``-th on, :func:`vitkit.distributed.shard_of`), merged back into the order of the examples."""
-    world = len(shares)
-    parts = [[np.concatenate(a) if a else None for a in share] for share in shares]
-    n = sum(0 if p[0] is None else len(p[0]) for p in parts)
-    if n == 0:
-        raise DataError("the dataset has no examples")
-
-    def merged(j: int) -> np.ndarray:
-        got: list[tuple[int, np.ndarray]] = []
-        for r, p in enumerate(parts):
-            a = p[j]
-            if a is not None:
-                got.append((r, a))
-        first = got[0][1]
-        out = np.empty((n, *first.shape[1:]), dtype=first.dtype)
-        for r, share in got:
-            out[shard_of(n, batch_size, DistInfo(rank=r, world=world))] = share
-        return out
-
-    return Extracted(
-        labels=merged(0),
-        indices=merged(1),
-        logits=merged(2) if logits else None,
-        features=merged(3) if features else None,
-    )
+    return Extracted(**cols, engine=summary.built, decode_note=summary.decode_note)

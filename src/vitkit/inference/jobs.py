@@ -1,19 +1,19 @@
-"""The loop every batch job runs (``predict`` now, ``embed`` and sharded runs on the same pieces): a source's
-images streamed through an :class:`~vitkit.inference.engine.InferenceEngine` into rows, batch by batch, with a
-progress bar, resuming where an earlier run's output stops.
+"""The one runner of every batch job (``predict``, ``embed``, the features of ``eval``/``fewshot``/``knn`` and of
+``finetune --method linear``, and ``vitkit.predict``/``vitkit.embed`` in Python): a source's images streamed
+through an :class:`~vitkit.inference.engine.InferenceEngine`, a *task* turning each batch into columns, and a
+sink taking them, batch by batch, with a progress bar, resuming where an earlier output stops.
 
-A job is: an :class:`~vitkit.data.stream.ImageSource` (and the ``positions`` of it this process takes), a
-transform (:class:`~vitkit.data.eval_transform.EvalTransform` of the checkpoint's preprocessing), a function
-building the engine (called once the decoding workers have started, so they decode while the weights are
-packed), a function turning a :class:`~vitkit.data.stream.StreamBatch` and the engine into columns, and a sink
-that takes the columns (a :class:`~vitkit.outputs.rows.RowWriter`, or anything with ``write(columns)``,
-``done`` and ``ids``: printing to the console is one). :func:`run_job` checks that the rows a resumed output
-holds are those its input starts with, and continues after them.
+A :class:`Job` is the source, the engine (an :class:`EngineSpec`, planned before anything is built: its
+precision and backend say whether JPEGs are decoded in full, so the transform and ``--decode`` follow and the
+decoding workers start while the weights are packed; or an engine already built), the batch and the
+decoding. A task is a function ``(engine, batch) -> columns``; a sink is anything with ``write(columns)``,
+``done`` and ``ids``: an output file (:mod:`vitkit.outputs`), the console, or memory (:class:`Collect`).
 
-Under ``torchrun`` (``dist``: :func:`vitkit.distributed.setup`), the positions still to do are dealt out over
-the processes in batches (:func:`vitkit.distributed.shard_steps`: batch ``c`` to process ``c % world``) and process 0,
-the only one with a sink, gathers every step's rows and writes them in input order: the output is the file one
-process writes, and it resumes the same way (with any number of processes).
+Under ``torchrun`` (``dist``: :func:`vitkit.distributed.setup`) the positions still to do are dealt out over the
+processes in batches (:func:`vitkit.distributed.shard_steps`: batch ``c`` to process ``c % world``, the one
+sharding scheme) and process 0, the only one with a sink, gathers every step's rows and writes them in input
+order: the output is the one a single process writes, and it resumes the same way (with any number of
+processes).
 """
 
 from __future__ import annotations
@@ -21,14 +21,16 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from vitkit.checkpoints import Loaded
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.gpu_decode import (
     DECODES,
@@ -38,12 +40,13 @@ from vitkit.data.gpu_decode import (
     measure_rates,
     nvimgcodec_module,
 )
-from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
+from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches, stream_iterable
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
 from vitkit.hardware import resolve_device
 from vitkit.inference.engine import InferenceEngine
+from vitkit.models.vit import VisionTransformer
 
 
 class Sink(Protocol):
@@ -71,6 +74,7 @@ class JobSummary:
     engine: str | None = None
     seconds: float = 0.0
     decode_note: str | None = None  # with --decode gpu: what decoded the images (DecodeCounts.note)
+    built: InferenceEngine | None = field(default=None, repr=False)  # the engine that ran (None: nothing left)
 
     def failure_note(self) -> str | None:
         """The one-line account of the images that failed (None when none did)."""
@@ -148,117 +152,232 @@ def check_resume(ids: Sequence[str], source: ImageSource, positions: Sequence[in
             )
 
 
-def run_job(
-    source: ImageSource,
-    transform: Transform,
-    build: Callable[[], InferenceEngine],
-    rows: Callable[[InferenceEngine, StreamBatch], Mapping[str, Any]],
-    sink: Sink | None,
-    *,
-    batch_size: int,
-    positions: Sequence[int] | None = None,
-    workers: int = 0,
-    prefetch: int = 2,
-    skip_bad: bool = False,
-    progress: bool = True,
-    desc: str = "images",
-    where: str = "output",
-    on_engine: Callable[[InferenceEngine], None] | None = None,
-    dist: DistInfo | None = None,
-    decoder: Callable[[], GpuDecoder] | None = None,
-) -> JobSummary:
-    """Stream ``source`` (at ``positions``, default all) through the engine ``build`` returns into ``sink``.
+@dataclass(frozen=True)
+class EngineSpec:
+    """The engine a job will run, known before it is built: a model and its preprocessing in ``precision`` on
+    ``backend`` and ``device`` (``labels``: class names). Whether JPEGs are decoded in full (:attr:`full_decode`)
+    follows from it, so the job starts decoding before the weights are packed."""
+
+    model: VisionTransformer
+    preprocess: Preprocess
+    precision: str = "fp32"
+    backend: str = "torch"
+    device: torch.device | str = "cpu"
+    labels: Sequence[str] | None = None
+
+    @classmethod
+    def of(cls, loaded: Loaded, **kwargs: Any) -> EngineSpec:
+        """The spec of a loaded checkpoint: its model, preprocessing and class names."""
+        names = loaded.meta.class_names
+        labels = [loaded.label(i) for i in range(loaded.model.cfg.num_classes)] if names else None
+        return cls(loaded.model, loaded.meta.preprocess, labels=labels, **kwargs)
+
+    @property
+    def full_decode(self) -> bool:
+        """An explicit fp32 on vitkit's own path is the reference: JPEGs decoded in full, bit for bit."""
+        return self.backend == "torch" and self.precision == "fp32"
+
+    def build(self, batch_size: int, calibration: Callable[[], torch.Tensor] | None) -> InferenceEngine:
+        """The engine (weights packed, kernels chosen) for batches of about ``batch_size``."""
+        return InferenceEngine(
+            self.model, self.preprocess, precision=self.precision, backend=self.backend, device=self.device,
+            batch_size=batch_size, calibration=calibration, labels=self.labels,
+        )  # fmt: skip
+
+
+Items = Iterable[tuple[Any, str, int]]  # (file path or PIL image, id, label): a source read once, in order
+
+
+@dataclass
+class Job:
+    """One batch job: its ``source`` (an :class:`~vitkit.data.stream.ImageSource`, taken at ``positions``
+    (default all), shardable and resumable; or an iterable of items, read once in order, by every process
+    whole), the ``engine`` (a spec, built once the decoding has started, or an engine already built), the batch
+    and the decoding (``workers`` processes, ``prefetch`` batches ahead, ``skip_bad``, ``decode`` cpu/gpu/auto:
+    :func:`plan_decode`), the progress bar (``desc``), ``where`` its output is (for errors), ``on_engine``
+    (called with the engine once built, on process 0) and the processes of a ``torchrun`` job (``dist``)."""
+
+    source: ImageSource | Items
+    engine: EngineSpec | InferenceEngine
+    batch_size: int = 32
+    positions: Sequence[int] | None = None
+    workers: int = 0
+    prefetch: int = 2
+    skip_bad: bool = False
+    decode: str = "cpu"
+    progress: bool = True
+    desc: str = "images"
+    where: str = "output"
+    on_engine: Callable[[InferenceEngine], None] | None = None
+    dist: DistInfo | None = None
+
+    @property
+    def info(self) -> DistInfo:
+        """The processes that share the job: none for an iterable source (every process reads it whole)."""
+        return self.dist if self.dist is not None and isinstance(self.source, ImageSource) else DistInfo()
+
+    def order(self) -> Sequence[int]:
+        """The positions of a sized source the job takes, in output order."""
+        assert isinstance(self.source, ImageSource)
+        return range(len(self.source)) if self.positions is None else self.positions
+
+
+Task = Callable[[InferenceEngine, StreamBatch], Mapping[str, Any]]  # a batch -> its columns, a value per item
+
+
+class Collect:
+    """A sink in memory: every batch's columns, joined by :meth:`columns` (arrays concatenated, lists joined)."""
+
+    def __init__(self) -> None:
+        self.parts: list[Mapping[str, Any]] = []
+        self.ids: list[str] = []
+        self.done = 0
+
+    def write(self, columns: Mapping[str, Any]) -> None:
+        self.parts.append(columns)
+
+    def columns(self) -> dict[str, Any]:
+        """The job's columns, one value per item ({} when nothing was written)."""
+        return join(self.parts)
+
+
+def run_job(job: Job, task: Task, sink: Sink | None) -> JobSummary:
+    """Run ``task`` over every batch of ``job`` into ``sink``: the one loop of every batch job.
 
     Rows already in ``sink`` (``sink.ids``) are checked against the input (:func:`check_resume`) and skipped.
-    The decoding workers start before ``build`` is called; ``on_engine`` is called with the engine once built
-    (the commands print its description there). ``rows(engine, batch)`` gives the batch's columns, one value
-    per item of the batch (failed items included, with ``skip_bad``; a column is a list or an array). A bad
-    image raises DataError naming it unless ``skip_bad``. ``dist``: the processes of a ``torchrun`` job (see the
-    module docstring); only process 0 has a ``sink`` (None elsewhere), a progress bar and ``on_engine``.
-    On a CUDA engine, its :meth:`~vitkit.inference.engine.InferenceEngine.feed` copies each batch to the device
-    while the previous one is computed; ``decoder`` (from :func:`plan_decode`, with the transform it gave)
-    decodes the batches' JPEGs there. Returns the :class:`JobSummary` (on process 0, of the whole job)."""
-    info = dist or DistInfo()
-    order: Sequence[int] = range(len(source)) if positions is None else positions
-    check_same_input((text_id(source.item_id(p)) for p in order), info)  # before any step is taken
-    status: tuple[int, str | None] = (0, None)
-    if info.is_main:
-        assert sink is not None, "process 0 needs a sink"
-        try:
-            check_resume(sink.ids, source, order, where)
-            status = (sink.done, None)
-        except DataError as e:
-            status = (0, str(e))
-            if not info.enabled:
-                raise
-    done, error = broadcast_from_main(status, info)  # every process continues from the same row, or stops
-    if error is not None:
-        raise DataError(error)
-    summary = JobSummary(total=len(order), resumed=done)
-    if summary.resumed == summary.total:
-        return summary
+    Under ``torchrun`` the positions still to do are dealt out by :func:`vitkit.distributed.shard_steps` and
+    process 0 (the only one with a ``sink``) writes every step's rows in input order. ``task(engine, batch)``
+    gives the batch's columns, one value per item (failed items included, with ``skip_bad``). Returns the
+    :class:`JobSummary` (on process 0, of the whole job)."""
+    info = job.info
+    summary = JobSummary(total=-1)
+    if isinstance(job.source, ImageSource):
+        order = job.order()
+        check_same_input((text_id(job.source.item_id(p)) for p in order), info)  # before any step is taken
+        status: tuple[int, str | None] = (0, None)
+        if info.is_main:
+            assert sink is not None, "process 0 needs a sink"
+            try:
+                check_resume(sink.ids, job.source, order, job.where)
+                status = (sink.done, None)
+            except DataError as e:
+                status = (0, str(e))
+                if not info.enabled:
+                    raise
+        done, error = broadcast_from_main(status, info)  # every process continues from the same row, or stops
+        if error is not None:
+            raise DataError(error)
+        summary = JobSummary(total=len(order), resumed=done)
+        if summary.resumed == summary.total:
+            return summary
     start = time.perf_counter()
-    mine, steps = shard_steps(order[done:], batch_size, info)
-    decoded = stream_batches(
-        source, transform, batch_size, positions=mine, workers=workers, prefetch=prefetch, skip_bad=skip_bad,
-    )  # fmt: skip
+    for ids, errors, columns in job_steps(job, task, summary):
+        assert sink is not None
+        sink.write(columns)
+        summary.written += len(ids)
+        for item, err in zip(ids, errors, strict=True):
+            if err is not None:
+                summary.failed += 1
+                if summary.first_failure is None:
+                    summary.first_failure = err if err.startswith(item) else f"{item}: {err}"
+    if summary.total < 0:
+        summary.total = summary.written
+    summary.seconds = time.perf_counter() - start
+    return summary
+
+
+def job_steps(
+    job: Job, task: Task, summary: JobSummary | None = None
+) -> Iterator[tuple[list[str], list[str | None], dict[str, Any]]]:
+    """The job's batches through the engine, as (ids, errors, columns) of each step in input order, on process 0
+    (nothing on the others: their rows go to process 0). The decoding starts first, from the engine's plan;
+    then the engine is built. ``summary`` (resumed rows, total) is filled in with the engine and decoding."""
+    info = job.info
+    if summary is None:
+        summary = JobSummary(total=len(job.order()) if isinstance(job.source, ImageSource) else -1)
+    decoded, decoder, steps, build = _start(job, summary.resumed)
     engine = build()
     gpu_decoder = decoder() if decoder is not None else None
     batches = engine.feed(decoded, gpu_decoder)
     first = next(batches, None)  # a bad image among the first is its error line alone, before any other output
-    summary.engine = engine.describe()
-    if on_engine is not None and info.is_main:
-        on_engine(engine)
+    summary.engine, summary.built = engine.describe(), engine
+    if job.on_engine is not None and info.is_main:
+        job.on_engine(engine)
+    total = summary.total if summary.total >= 0 else None
     bar = tqdm(
-        total=summary.total, initial=summary.resumed, desc=desc, unit="img", file=sys.stderr,
-        disable=not (progress and info.is_main), smoothing=0.1, dynamic_ncols=True,
+        total=total, initial=summary.resumed, desc=job.desc, unit="img", file=sys.stderr,
+        disable=not (job.progress and info.is_main), smoothing=0.1, dynamic_ncols=True,
     )  # fmt: skip
     with bar:
-        for step in range(steps):
+        step = 0
+        while steps < 0 or step < steps:
             batch = first if step == 0 else next(batches, None)
-            mine_rows = None if batch is None else (batch.positions, batch.ids, batch.errors, rows(engine, batch))
+            step += 1
+            if batch is None and steps < 0:
+                break
+            mine_rows = None if batch is None else (batch.positions, batch.ids, batch.errors, task(engine, batch))
             gathered = gather_to_main(mine_rows, info)
-            if gathered is None:  # not process 0: its rows went to process 0
-                continue
-            merged = _in_order([g for g in gathered if g is not None])
-            if merged is None:
-                continue
-            ids, errors, columns = merged
-            assert sink is not None
-            sink.write(columns)
-            summary.written += len(ids)
-            for item, err in zip(ids, errors, strict=True):
-                if err is not None:
-                    summary.failed += 1
-                    if summary.first_failure is None:
-                        summary.first_failure = err if err.startswith(item) else f"{item}: {err}"
-            bar.update(len(ids))
-    summary.seconds = time.perf_counter() - start
+            merged = None if gathered is None else _in_order([g for g in gathered if g is not None])
+            if merged is not None:
+                bar.update(len(merged[0]))
+                yield merged
     if gpu_decoder is not None:
         summary.decode_note = gpu_decoder.counts.note()
-    return summary
+
+
+def _start(
+    job: Job, resumed: int
+) -> tuple[Iterator[StreamBatch], Callable[[], GpuDecoder] | None, int, Callable[[], InferenceEngine]]:
+    """The job's plan, then its decoding started: (batches, the GPU decoder's maker, the steps every process
+    runs (-1: until the source ends), the engine's maker). The transform follows from the engine's plan (full
+    or reduced decode, uint8 for a GPU), the decoding workers start now, and the engine is built after."""
+    info, spec = job.info, job.engine
+    device: torch.device | str
+    if isinstance(spec, InferenceEngine):
+        device, backend, full = spec.device, spec.backend, not spec.reduced_decode
+    else:
+        device, backend, full = info.device if info.enabled else spec.device, spec.backend, spec.full_decode
+    transform = EvalTransform(spec.preprocess, reference=full, uint8=feeds_gpu(device, backend))
+    source = job.source
+    calibration: Callable[[], torch.Tensor] | None = None
+    if isinstance(source, ImageSource):
+        todo = job.order()[resumed:]
+        worker_transform, decoder = plan_decode(job.decode, transform, device, backend, source, todo, job.workers)
+        mine, steps = shard_steps(todo, job.batch_size, info)
+        decoded = stream_batches(
+            source, worker_transform, job.batch_size, positions=mine, workers=job.workers, prefetch=job.prefetch,
+            skip_bad=job.skip_bad,
+        )  # fmt: skip
+        calibration = lambda: calibration_sample(source, transform)  # noqa: E731
+    else:
+        decoder, steps = None, -1
+        decoded = stream_iterable(source, transform, job.batch_size, skip_bad=job.skip_bad)
+    if isinstance(spec, InferenceEngine):
+        return decoded, decoder, steps, lambda: spec
+    planned = dataclasses.replace(spec, device=device)
+    return decoded, decoder, steps, lambda: planned.build(job.batch_size, calibration)
 
 
 def _in_order(
     parts: list[tuple[np.ndarray, list[str], list[str | None], Mapping[str, Any]]],
 ) -> tuple[list[str], list[str | None], dict[str, Any]] | None:
-    """The rows of one step of every process, merged into input order (by position): (ids, errors, columns)."""
+    """The rows of one step of every process, in rank order, joined: (ids, errors, columns). Process ``r``'s
+    batch of step ``s`` is the input's batch ``s * world + r``, so rank order is input order."""
     if not parts:
         return None
-    if len(parts) == 1:
-        return list(parts[0][1]), list(parts[0][2]), dict(parts[0][3])
-    order = np.argsort(np.concatenate([p[0] for p in parts]), kind="stable")
-    ids = [i for p in parts for i in p[1]]
-    errors = [e for p in parts for e in p[2]]
-    columns: dict[str, Any] = {}
-    for name in parts[0][3]:
-        values = [p[3][name] for p in parts]
-        if isinstance(values[0], np.ndarray):
-            columns[name] = np.concatenate(values)[order]
-        else:
-            flat = [v for vs in values for v in vs]
-            columns[name] = [flat[i] for i in order]
-    return [ids[i] for i in order], [errors[i] for i in order], columns
+    return [i for p in parts for i in p[1]], [e for p in parts for e in p[2]], join([p[3] for p in parts])
+
+
+def join(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The columns of several batches as one: arrays concatenated, lists chained ({} for none)."""
+    if not parts:
+        return {}
+    return {
+        name: np.concatenate([p[name] for p in parts])
+        if isinstance(parts[0][name], np.ndarray)
+        else [v for p in parts for v in p[name]]
+        for name in parts[0]
+    }
 
 
 def calibration_sample(source: ImageSource, transform: Transform, limit: int = 300) -> torch.Tensor:

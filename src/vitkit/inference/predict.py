@@ -9,7 +9,6 @@ whatever the number of images.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +19,12 @@ import torch
 from PIL import Image
 
 from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.data.eval_transform import EvalTransform
-from vitkit.data.stream import FileSource, ImageSource, StreamBatch, stream_batches, stream_iterable
+from vitkit.data.stream import FileSource, ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import JobSummary, calibration_sample, feeds_gpu, plan_decode, run_job
+from vitkit.inference.jobs import EngineSpec, Job, JobSummary, job_steps, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.rows import Field, open_rows
 
@@ -168,21 +166,14 @@ def predict(
     if loaded.model.cfg.num_classes <= 0:
         where = loaded.meta.source if isinstance(checkpoint, Loaded) else os.fspath(checkpoint)
         raise VitkitError(f"{where}: the model has no classification head; nothing to predict")
-    engine = InferenceEngine.from_loaded(
-        loaded, precision=precision, backend=backend, device=device, batch_size=batch_size
-    )
-    gpu = engine.device.type == "cuda"  # uint8 batches, normalised on the GPU (jobs.feeds_gpu)
-    transform = EvalTransform(loaded.meta.preprocess, reference=not engine.reduced_decode, uint8=gpu)
-    if isinstance(images, list | tuple):
-        files = all(not isinstance(img, Image.Image) for img in images)
-        if files:
-            source = FileSource([os.fspath(img) for img in images if not isinstance(img, Image.Image)])
-            batches = stream_batches(source, transform, batch_size, workers=workers, skip_bad=skip_bad)
-        else:
-            batches = stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad)
-        return list(_predict(engine, batches, top_k, len(images), progress))
-    return _predict(engine, stream_iterable(_named(images), transform, batch_size, skip_bad=skip_bad), top_k, None,
-                    progress)  # fmt: skip
+    spec = EngineSpec.of(loaded, precision=precision, backend=backend, device=device)
+    engine = spec.build(batch_size, None)  # now: a bad option is an error of this call, not of the first image
+    source: Any = _named(images)
+    if isinstance(images, list | tuple) and all(not isinstance(img, Image.Image) for img in images):
+        source = FileSource([os.fspath(img) for img in images])
+    job = Job(source, engine, batch_size, workers=workers, skip_bad=skip_bad, progress=progress, desc="predict")
+    found = _predict(job, top_k)
+    return list(found) if isinstance(images, list | tuple) else found
 
 
 def _named(images: Iterable[ImageInput]) -> Iterator[tuple[Any, str, int]]:
@@ -190,15 +181,9 @@ def _named(images: Iterable[ImageInput]) -> Iterator[tuple[Any, str, int]]:
         yield (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
 
 
-def _predict(
-    engine: InferenceEngine, batches: Iterable[StreamBatch], top_k: int, total: int | None, progress: bool
-) -> Iterator[Prediction]:
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc="predict", unit="img", disable=not progress, file=sys.stderr) as bar:
-        for batch in engine.feed(batches):
-            yield from _predictions(prediction_columns(engine, batch, top_k, errors=True))
-            bar.update(len(batch))
+def _predict(job: Job, top_k: int) -> Iterator[Prediction]:
+    for _, _, columns in job_steps(job, lambda engine, batch: prediction_columns(engine, batch, top_k, errors=True)):
+        yield from _predictions(columns)
 
 
 # ---- the job behind ``vitkit predict`` -------------------------------------------------------------------
@@ -273,38 +258,25 @@ def predict_job(
     info = dist or DistInfo()
     if loaded.model.cfg.num_classes <= 0:
         raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
-    K = loaded.model.cfg.num_classes
-    reference = opts.backend == "torch" and opts.precision == "fp32"
-    device = info.device if info.enabled else opts.device
-    gpu = feeds_gpu(device, opts.backend)  # uint8 batches, normalised on the GPU
-    transform = EvalTransform(loaded.meta.preprocess, reference=reference, uint8=gpu)
-    worker_transform, decoder = plan_decode(opts.decode, transform, device, opts.backend, source,
-                                            range(len(source)), opts.workers)  # fmt: skip
+    spec = EngineSpec.of(loaded, precision=opts.precision, backend=opts.backend, device=opts.device)
+    job = Job(source, spec, opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
+              decode=opts.decode, progress=opts.progress, desc="predict", where=f"--out {out}", on_engine=on_engine,
+              dist=info)  # fmt: skip
     sink: Any = None
     if not info.is_main:
         pass  # its rows go to process 0
     elif out is not None:
-        fields = prediction_fields(opts.top_k, K, logits=opts.logits, errors=opts.skip_bad)
+        fields = prediction_fields(opts.top_k, loaded.model.cfg.num_classes, logits=opts.logits, errors=opts.skip_bad)
         meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend)}
         sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
     else:
         sink = ConsoleRows(as_json, echo)
 
-    def build() -> InferenceEngine:
-        return InferenceEngine.from_loaded(
-            loaded, precision=opts.precision, backend=opts.backend, batch_size=opts.batch_size, device=device,
-            calibration=lambda: calibration_sample(source, transform),
-        )  # fmt: skip
-
     def rows(engine: InferenceEngine, batch: StreamBatch) -> dict[str, list[Any]]:
         return prediction_columns(engine, batch, opts.top_k, logits=opts.logits, errors=opts.skip_bad or out is None)
 
     try:
-        return run_job(
-            source, worker_transform, build, rows, sink, batch_size=opts.batch_size, workers=opts.workers,
-            prefetch=opts.prefetch, skip_bad=opts.skip_bad, progress=opts.progress, desc="predict",
-            where=f"--out {out}", on_engine=on_engine, dist=info, decoder=decoder,
-        )  # fmt: skip
+        return run_job(job, rows, sink)
     finally:
         close = getattr(sink, "close", None)
         if close is not None:
