@@ -329,7 +329,6 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
     say("building runners")
     runners = inference_runners(spec, model, x) if spec.task == "inference" else train_runners(spec, model, x)
     runners += [_engine_runner(m, x) for m in engine_models(spec.compare, spec.precisions, model, pre)]
-    _warm_up(spec, runners, device, say)
     timings, latencies = _time(spec, runners, device, say)
     say("measuring peak again")
     peaks = _peaks(spec, model, device, before=peaks)
@@ -395,8 +394,11 @@ def _peaks(
     return peaks
 
 
-def _warm_up(spec: BenchSpec, runners: list[Runner], device: torch.device, say: Callable[[str], None]) -> None:
-    """The warm-up calls; the first includes compilation / lazy packing (``first_call_s``)."""
+def _time(
+    spec: BenchSpec, runners: list[Runner], device: torch.device, say: Callable[[str], None]
+) -> tuple[dict[str, Timing], dict[str, Timing]]:
+    """(timings, latencies at batch 1) of the runners, alternating call by call, after the warm-up calls (the
+    first includes compilation / lazy packing: ``first_call_s``)."""
     for r in runners:
         say(f"warm-up {r.name}")
         for i in range(max(spec.warmup, 1 if spec.compile else 0)):
@@ -406,12 +408,6 @@ def _warm_up(spec: BenchSpec, runners: list[Runner], device: torch.device, say: 
             synchronize(device)
             if i == 0:
                 r.first_call_s = time.perf_counter() - t0
-
-
-def _time(
-    spec: BenchSpec, runners: list[Runner], device: torch.device, say: Callable[[str], None]
-) -> tuple[dict[str, Timing], dict[str, Timing]]:
-    """(timings, latencies at batch 1) of the runners, alternating call by call."""
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     settle = SETTLE_S if engines_in(spec.compare) else 0.0
     say(f"timing {len(runners)} runners x {spec.repeats} repeats")

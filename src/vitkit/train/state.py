@@ -281,10 +281,7 @@ def _head_first_config(run: Path) -> TrainConfig | None:
     path = run / "config.json"
     if list_states(run / "checkpoints") or not path.is_file():
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
+    doc = _run_config(path)
     method = (
         doc.get("adapt", {}).get("method") if isinstance(doc, dict) and isinstance(doc.get("adapt"), dict) else None
     )
@@ -296,17 +293,21 @@ def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
     ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
     if not path.is_file():
         return
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
-    diffs = _differences(saved, _older_defaults(doc), "")
+    diffs = _differences(saved, _older_defaults(_run_config(path)), "")
     if diffs:
         shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
         raise ConfigError(
             f"{path}: edited since its checkpoint was written ({shown}); --resume continues a run exactly as it "
             "was configured: undo the edit, or start a new run with the new settings"
         )
+
+
+def _run_config(path: Path) -> Any:
+    """A run's ``config.json``, as JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
 
 
 def _differences(old: Any, new: Any, where: str) -> list[str]:
