@@ -11,8 +11,9 @@ import torch
 
 from vitkit import hardware, native
 from vitkit.bench import peak as peak_mod
-from vitkit.bench.harness import BenchSpec, format_report, run_bench
+from vitkit.bench.harness import BenchSpec, run_bench
 from vitkit.bench.measure import peak_memory
+from vitkit.bench.report import format_report
 from vitkit.errors import ConfigError
 from vitkit.timing import Timing
 
@@ -196,14 +197,14 @@ def _row(runner: str, impl: str, precision: str, ips: float, rel_err: float, top
 
 def test_a_peer_computing_another_function_is_left_out_of_the_ratios() -> None:
     """vitkit's own bench found OpenVINO int8 (NNCF, random weights) at rel err 0.38, top-1 agreement 0.375."""
-    from vitkit.bench.harness import _add_ratios
+    from vitkit.bench.report import add_ratios
 
     rows = [
         _row("vitkit-fast [int8]", "vitkit-fast", "int8", 24.4, 0.03, 0.97),
         _row("openvino [int8]", "openvino", "int8", 34.7, 0.38, 0.375),
         _row("onnxruntime [int8]", "onnxruntime", "int8", 20.0, 0.05, 0.95),
     ]
-    _add_ratios(rows)
+    add_ratios(rows)
     fast, ov, ort = rows
     assert "different function" in str(ov["left_out"]) and "0.375" in str(ov["left_out"])
     assert "left_out" not in ort
@@ -235,5 +236,5 @@ def test_a_peer_computing_another_function_is_left_out_of_the_ratios() -> None:
         _row("vitkit-fast [int8]", "vitkit-fast", "int8", 24.4, 0.12, 0.8),
         _row("openvino [int8]", "openvino", "int8", 34.7, 0.15, 0.8),
     ]
-    _add_ratios(rows)
+    add_ratios(rows)
     assert "left_out" not in rows[1] and rows[0]["peer_best"] == "openvino [int8]"

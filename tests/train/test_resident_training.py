@@ -17,6 +17,7 @@ from vitkit.data.loader import TrainLoader
 from vitkit.data.resident import ResidentTrainLoader
 from vitkit.train import Trainer, train
 from vitkit.train import trainer as trainer_module
+from vitkit.train import validation as validation_module
 
 
 def _inception(**changes: object) -> TrainConfig:
@@ -41,7 +42,7 @@ def test_a_run_equals_the_host_loaders_run_exactly(tmp_path: Path, monkeypatch: 
     cfg = _inception()
     dev = train(cfg, tmp_path / "resident", progress=False)
     monkeypatch.setattr(trainer_module, "resident_loader", lambda *a, **k: None)
-    monkeypatch.setattr(trainer_module, "resident_eval_batches", lambda *a, **k: None)
+    monkeypatch.setattr(validation_module, "resident_eval_batches", lambda *a, **k: None)
     host = train(cfg, tmp_path / "host", progress=False)
     assert [r["loss"] for r in dev.steps] == [r["loss"] for r in host.steps]
     assert_same_weights(weights(tmp_path / "resident" / "model"), weights(tmp_path / "host" / "model"))
@@ -119,7 +120,7 @@ def test_evaluation_batches_are_prepared_once(tmp_path: Path, monkeypatch: pytes
     with Trainer(_inception(epochs=3), tmp_path / "run", progress=False) as t:
         kept = t.evaluate()
         assert t.evaluate() == kept and len(calls) == 1
-        monkeypatch.setattr(trainer_module, "resident_eval_batches", lambda *a, **k: None)
+        monkeypatch.setattr(validation_module, "resident_eval_batches", lambda *a, **k: None)
         t._resident_eval.clear()
         assert t.evaluate() == kept  # the host loader's batches: the same numbers
         assert all(b.images.device == torch.device("cpu") for b in t._eval_batches(t.val_set))

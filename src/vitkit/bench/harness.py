@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -25,6 +24,7 @@ from vitkit import hardware
 from vitkit.bench.engines import SETTLE_S, check_engines, engine_models, engines_in
 from vitkit.bench.measure import peak_memory
 from vitkit.bench.peak import Peak, measure_peak
+from vitkit.bench.report import add_ratios
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.inference import optimize_for_inference
@@ -311,7 +311,7 @@ def _agreement(out: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
 
 
 def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run one benchmark and return the results as a JSON-ready dict (see ``format_report``).
+    """Run one benchmark and return the results as a JSON-ready dict (see ``report.format_report``).
 
     Training steps run with freed memory kept in the heap, as ``vitkit train`` runs them (``heap_kept``),
     for every runner alike: the ratios compare the steps' kernels, not the allocator."""
@@ -322,81 +322,21 @@ def run_bench(spec: BenchSpec, progress: Callable[[str], None] | None = None) ->
 
 def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[str, Any]:
     say = progress or (lambda msg: None)
-    device = hardware.resolve_device(spec.device)
-    threads = torch.get_num_threads() if device.type == "cpu" else 1
-    model, pre = build_model(spec)
-    if spec.compare and "transformers" in spec.compare:
-        from vitkit.bench.peers import transformers_config
-
-        transformers_config(model)  # fail early, naming what transformers cannot represent
-    check_engines(spec.compare, spec.precisions, spec.task, spec.device)
-    gen = torch.Generator().manual_seed(spec.seed)
-    x = torch.randn(spec.batch_size, model.cfg.in_channels, spec.image_size, spec.image_size, generator=gen)
-    x = x.to(device)
+    device, model, pre, x = _set_up(spec)
     fpi = flops_per_image(model, spec.image_size)
     say("measuring peak")
-    peaks: dict[str, Peak] = {}
-    shapes = gemm_shapes(model, spec.batch_size, spec.image_size)
-    for p in spec.precisions:
-        kind = _PEAK_KIND[p]
-        if kind not in peaks:
-            peaks[kind] = measure_peak(kind, device, gemm_shapes=shapes)
+    peaks = _peaks(spec, model, device)
     say("building runners")
     runners = inference_runners(spec, model, x) if spec.task == "inference" else train_runners(spec, model, x)
     runners += [_engine_runner(m, x) for m in engine_models(spec.compare, spec.precisions, model, pre)]
-    settle = SETTLE_S if engines_in(spec.compare) else 0.0
-    for r in runners:  # warm-up; the first call includes compilation / lazy packing
-        say(f"warm-up {r.name}")
-        for i in range(max(spec.warmup, 1 if spec.compile else 0)):
-            synchronize(device)
-            t0 = time.perf_counter()
-            r.step()
-            synchronize(device)
-            if i == 0:
-                r.first_call_s = time.perf_counter() - t0
-    say(f"timing {len(runners)} runners x {spec.repeats} repeats")
-    timings = time_alternating({r.name: r.step for r in runners}, spec.repeats, device, threads, settle)
-    latencies: dict[str, Timing] = {}
-    if spec.task == "inference" and spec.latency:
-        say("latency at batch 1")
-        lat_fns: dict[str, Callable[[], Any]] = {r.name: r.latency_step for r in runners if r.latency_step is not None}
-        for fn in lat_fns.values():
-            fn()
-        latencies = time_alternating(lat_fns, max(spec.repeats, 5), device, threads, settle)
+    timings, latencies = _time(spec, runners, device, say)
     say("measuring peak again")
-    for kind, before in peaks.items():  # a busy machine only lowers a reading: keep the higher one
-        after = measure_peak(kind, device, gemm_shapes=shapes)
-        peaks[kind] = after if after.flops > before.flops else before
-    reference = None
-    real: tuple[torch.Tensor, torch.Tensor] | None = None
-    if spec.task == "inference":
-        with torch.inference_mode():
-            reference = model(x).float()
-            if spec.real_images:
-                from vitkit.bench.images import real_image_batch
-
-                images = real_image_batch(pre).to(device)
-                real = (images, _batched(lambda t: model(t).float(), images, spec.batch_size))
-    flop_factor = 1.0 if spec.task == "inference" else 3.0  # a training step: forward + 2x for backward
+    peaks = _peaks(spec, model, device, before=peaks)
+    reference, real = _references(spec, model, pre, x)
     rows = []
     for r in runners:
         say(f"memory {r.name}")
-        t = timings[r.name]
-        kind = _PEAK_KIND[r.precision]
-        flops = flop_factor * fpi * spec.batch_size / t.median
-        row: dict[str, Any] = {
-            "runner": r.name,
-            "impl": r.impl,
-            "precision": r.precision,
-            "img_per_s": spec.batch_size / t.median,
-            "img_per_s_best": spec.batch_size / min(t.times),
-            "timing": t.to_dict(),
-            "first_call_s": r.first_call_s,
-            "achieved_flops": flops,
-            "fraction_of_peak": flops / peaks[kind].flops,
-            "memory": peak_memory(r.step, device),
-            **r.info,
-        }
+        row = _row(spec, r, timings[r.name], fpi, peaks[_PEAK_KIND[r.precision]], device)
         if r.name in latencies:
             row["latency_b1_ms"] = 1e3 * latencies[r.name].median
         if reference is not None and r.output is not None:
@@ -406,7 +346,7 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
             row["agreement_real_images"] = _agreement(_batched(r.output, real[0], spec.batch_size), real[1])
             row["agreement_real_images"]["images"] = real[0].shape[0]
         rows.append(row)
-    _add_ratios(rows)
+    add_ratios(rows)
     vendor = _vendor_peaks(device, peaks)
     for row in rows:
         kind = _PEAK_KIND[row["precision"]]
@@ -426,6 +366,96 @@ def _run_bench(spec: BenchSpec, progress: Callable[[str], None] | None) -> dict[
     }
 
 
+def _set_up(spec: BenchSpec) -> tuple[torch.device, VisionTransformer, Preprocess, torch.Tensor]:
+    """(device, model, preprocessing, the timed batch); fails early on a peer that cannot run the spec."""
+    device = hardware.resolve_device(spec.device)
+    model, pre = build_model(spec)
+    if spec.compare and "transformers" in spec.compare:
+        from vitkit.bench.peers import transformers_config
+
+        transformers_config(model)  # fail early, naming what transformers cannot represent
+    check_engines(spec.compare, spec.precisions, spec.task, spec.device)
+    gen = torch.Generator().manual_seed(spec.seed)
+    x = torch.randn(spec.batch_size, model.cfg.in_channels, spec.image_size, spec.image_size, generator=gen)
+    return device, model, pre, x.to(device)
+
+
+def _peaks(
+    spec: BenchSpec, model: VisionTransformer, device: torch.device, before: dict[str, Peak] | None = None
+) -> dict[str, Peak]:
+    """The peak rate of each kind the precisions need; measured again after the timing (``before``), a busy
+    machine only lowers a reading: the higher one is kept."""
+    shapes = gemm_shapes(model, spec.batch_size, spec.image_size)
+    peaks: dict[str, Peak] = {}
+    for kind in before or dict.fromkeys(_PEAK_KIND[p] for p in spec.precisions):
+        peaks[kind] = measure_peak(kind, device, gemm_shapes=shapes)
+        if before is not None and before[kind].flops >= peaks[kind].flops:
+            peaks[kind] = before[kind]
+    return peaks
+
+
+def _time(
+    spec: BenchSpec, runners: list[Runner], device: torch.device, say: Callable[[str], None]
+) -> tuple[dict[str, Timing], dict[str, Timing]]:
+    """(timings, latencies at batch 1) of the runners, alternating call by call, after the warm-up calls (the
+    first includes compilation / lazy packing: ``first_call_s``)."""
+    for r in runners:
+        say(f"warm-up {r.name}")
+        for i in range(max(spec.warmup, 1 if spec.compile else 0)):
+            synchronize(device)
+            t0 = time.perf_counter()
+            r.step()
+            synchronize(device)
+            if i == 0:
+                r.first_call_s = time.perf_counter() - t0
+    threads = torch.get_num_threads() if device.type == "cpu" else 1
+    settle = SETTLE_S if engines_in(spec.compare) else 0.0
+    say(f"timing {len(runners)} runners x {spec.repeats} repeats")
+    timings = time_alternating({r.name: r.step for r in runners}, spec.repeats, device, threads, settle)
+    if spec.task != "inference" or not spec.latency:
+        return timings, {}
+    say("latency at batch 1")
+    lat_fns: dict[str, Callable[[], Any]] = {r.name: r.latency_step for r in runners if r.latency_step is not None}
+    for fn in lat_fns.values():
+        fn()
+    return timings, time_alternating(lat_fns, max(spec.repeats, 5), device, threads, settle)
+
+
+def _references(
+    spec: BenchSpec, model: VisionTransformer, pre: Preprocess, x: torch.Tensor
+) -> tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Inference: fp32 vitkit's logits on the timed batch, and (images, logits) on real images when asked for."""
+    if spec.task != "inference":
+        return None, None
+    with torch.inference_mode():
+        reference = model(x).float()
+        if not spec.real_images:
+            return reference, None
+        from vitkit.bench.images import real_image_batch
+
+        images = real_image_batch(pre).to(x.device)
+        return reference, (images, _batched(lambda t: model(t).float(), images, spec.batch_size))
+
+
+def _row(spec: BenchSpec, r: Runner, t: Timing, fpi: float, peak: Peak, device: torch.device) -> dict[str, Any]:
+    """A runner's throughput, FLOP/s against the peak, and memory."""
+    flop_factor = 1.0 if spec.task == "inference" else 3.0  # a training step: forward + 2x for backward
+    flops = flop_factor * fpi * spec.batch_size / t.median
+    return {
+        "runner": r.name,
+        "impl": r.impl,
+        "precision": r.precision,
+        "img_per_s": spec.batch_size / t.median,
+        "img_per_s_best": spec.batch_size / min(t.times),
+        "timing": t.to_dict(),
+        "first_call_s": r.first_call_s,
+        "achieved_flops": flops,
+        "fraction_of_peak": flops / peak.flops,
+        "memory": peak_memory(r.step, device),
+        **r.info,
+    }
+
+
 def _vendor_peaks(device: torch.device, peaks: dict[str, Peak]) -> dict[str, Any]:
     """On a known GPU, the vendor's dense peak too (the usual MFU denominator)."""
     if device.type != "cuda":
@@ -435,61 +465,6 @@ def _vendor_peaks(device: torch.device, peaks: dict[str, Peak]) -> dict[str, Any
     name = torch.cuda.get_device_name(device)
     found = {k: gpu_spec_peak(name, k) for k in peaks}
     return {k: v.to_dict() for k, v in found.items() if v is not None}
-
-
-# A peer whose logits are this far from fp32's (relative error), and farther than PEER_ERR_FACTOR x vitkit's own
-# at that precision, computes a different function (OpenVINO's NNCF int8 on a random-weight model: rel err 0.38,
-# top-1 agreement 0.375): it is reported, but not a peer to be faster than
-PEER_MAX_REL_ERR = 0.1
-PEER_ERR_FACTOR = 5.0
-
-
-def _invalid_peers(rows: list[dict[str, Any]]) -> None:
-    """Mark (``left_out``, with the reason) the peer rows whose outputs fail the bound above."""
-    for p in rows:
-        agree = p.get("agreement_vs_fp32")
-        if p["impl"] in ("vitkit", "vitkit-fast") or not agree:
-            continue
-        ours = [
-            r["agreement_vs_fp32"]["rel_err"]
-            for r in rows
-            if r["impl"] in ("vitkit", "vitkit-fast")
-            and r["precision"] == p["precision"]
-            and r.get("agreement_vs_fp32")
-        ]
-        bound = max([PEER_MAX_REL_ERR, *(PEER_ERR_FACTOR * e for e in ours)])
-        if agree["rel_err"] > bound:
-            p["left_out"] = (
-                f"relative error {agree['rel_err']:.2g} against fp32 (> {bound:.2g}), top-1 agreement "
-                f"{agree['top1_agreement']:.3f}: it computes a different function, not a peer to compare speed with"
-            )
-
-
-def _add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Each vitkit row: speed over the peer at the same precision, and over the peer's fastest run of the same
-    kind (floating point or int8; with or without activation checkpointing). Peers whose outputs are not the
-    model's function (:func:`_invalid_peers`) are left out, with the reason in their row."""
-    _invalid_peers(rows)
-    peers = [r for r in rows if r["impl"] not in ("vitkit", "vitkit-fast") and "left_out" not in r]
-    if not peers:
-        return
-    for r in rows:
-        if r["impl"] not in ("vitkit", "vitkit-fast"):
-            continue
-        same = [p for p in peers if p["precision"] == r["precision"] and "+ckpt" not in p["runner"]]
-        if "+ckpt" in r["runner"]:
-            same = [p for p in peers if p["precision"] == r["precision"] and "+ckpt" in p["runner"]] or same
-        comparable = [
-            p
-            for p in peers
-            if ("+ckpt" in p["runner"]) == ("+ckpt" in r["runner"])
-            and (p["precision"] == "int8") == (r["precision"] == "int8")  # floating point vs int8
-        ]
-        best = max(comparable or peers, key=lambda p: p["img_per_s"])
-        r["speedup_vs_peer_same_precision"] = r["img_per_s"] / same[0]["img_per_s"] if same else None
-        r["speedup_vs_peers"] = {p["runner"]: r["img_per_s"] / p["img_per_s"] for p in same}
-        r["speedup_vs_peer_best"] = r["img_per_s"] / best["img_per_s"]
-        r["peer_best"] = best["runner"]
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -510,85 +485,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     return info
 
 
-# ---- text report -------------------------------------------------------------------------------------
-
-
 def gemm_shapes(model: VisionTransformer, batch_size: int, image_size: int) -> list[tuple[int, int, int]]:
     """The (M, K, N) of the model's four GEMMs per block (qkv, proj, fc1, fc2) at this batch and resolution."""
     cfg = model.cfg
     rows, d, h = batch_size * cfg.num_tokens(image_size), cfg.hidden_size, cfg.mlp_dim
     return [(rows, d, 3 * d), (rows, d, d), (rows, d, h), (rows, h, d)]
-
-
-def format_report(result: dict[str, Any]) -> str:
-    """A human-readable table of ``run_bench``'s result."""
-    spec = result["spec"]
-    lines = [
-        f"{result['model_name']} {spec['task']} @ {spec['image_size']}px ({result['tokens']} tokens), batch "
-        f"{spec['batch_size']}, {result['machine'].get('cpu') or result['machine'].get('gpu')} "
-        f"({result['machine'].get('threads', 1)} threads), {result['gflops_per_image']:.2f} GFLOP/image forward",
-    ]
-    for kind, p in result["peaks"].items():
-        lines.append(
-            f"  peak {kind}: {p['flops'] / 1e9:.0f} G{'OP' if kind == 'int8' else 'FLOP'}/s ({p['method']}, "
-            f"{p['threads']} threads{'; ' + p['detail'] if p['method'] in ('fma-loop', 'amx-matmul') else ''})"
-        )
-    for kind, p in result.get("vendor_peaks", {}).items():
-        lines.append(
-            f"  vendor dense peak {kind}: {p['flops'] / 1e12:.0f} TFLOP/s ({p['detail']}); rows carry "
-            "fraction_of_vendor_peak in the JSON"
-        )
-    real = any("agreement_real_images" in r for r in result["results"])
-    head = f"  {'runner':<44}{'img/s':>8}{'best':>8}{'IQR':>15}{'GFLOP/s':>9}{'%peak':>7}{'cpu':>5}{'mem MiB':>9}"
-    if spec["task"] == "inference":
-        head += f"{'b1 ms':>8}{'rel err':>9}{'top1':>7}" + (f"{'real t1':>8}" if real else "")
-    head += f"{'x same':>8}{'x best':>8}"
-    lines.append(head)
-    for r in result["results"]:
-        t = r["timing"]
-        ips_iqr = f"{spec['batch_size'] / t['q3_s']:.2f}-{spec['batch_size'] / t['q1_s']:.2f}"
-        mem = r["memory"]["delta_mib"]
-        line = (
-            f"  {r['runner']:<44}{r['img_per_s']:>8.2f}{r['img_per_s_best']:>8.2f}{ips_iqr:>15}"
-            f"{r['achieved_flops'] / 1e9:>9.0f}"
-            f"{100 * r['fraction_of_peak']:>6.0f}%{t['cpu_util']:>5.2f}{_fmt(mem, '.0f'):>9}"
-        )
-        if spec["task"] == "inference":
-            agree = r.get("agreement_vs_fp32", {})
-            line += (
-                f"{_fmt(r.get('latency_b1_ms'), '.1f'):>8}{_fmt(agree.get('rel_err'), '.1e'):>9}"
-                f"{_fmt(agree.get('top1_agreement'), '.3f'):>7}"
-            )
-            if real:
-                line += f"{_fmt(r.get('agreement_real_images', {}).get('top1_agreement'), '.3f'):>8}"
-        line += (
-            f"{_fmt(r.get('speedup_vs_peer_same_precision'), '.2f'):>8}{_fmt(r.get('speedup_vs_peer_best'), '.2f'):>8}"
-        )
-        lines.append(line)
-    if any("speedup_vs_peer_best" in r for r in result["results"]):
-        lines.append(
-            "  x same: speed over the peer at the same precision; x best: over the peer's fastest run here "
-            "(float vs float, int8 vs int8)"
-        )
-    for r in result["results"]:
-        if "left_out" in r:
-            lines.append(f"  {r['runner']}: left out of x same / x best: {r['left_out']}")
-    for r in result["results"]:
-        if r["impl"] == "vitkit-fast" and "kernels" in r:
-            lines.append(f"  {r['runner']}: {r['kernels']['describe']}")
-    for r in result["results"]:
-        if r["impl"] == "vitkit-fast" and r.get("speedup_vs_peers") and r["peer_best"] != r["runner"]:
-            each = ", ".join(f"{v:.2f}x {k}" for k, v in r["speedup_vs_peers"].items())
-            lines.append(f"  {r['runner']}: {each}")
-    lines.append(
-        "  %peak: achieved FLOP/s over the peak above (training counts 3x the forward FLOPs); cpu: CPU "
-        "share the process got (<0.9: the machine was busy); mem: peak memory increase of one call; rel err, "
-        "top1: against fp32 vitkit on the timed batch (real t1: on real images)"
-    )
-    return "\n".join(lines)
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return format(value, spec)

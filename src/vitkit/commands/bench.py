@@ -67,7 +67,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vitkit.bench.curve import attention_share, plot_cost_curve
-    from vitkit.bench.harness import BenchSpec, default_precisions, format_report, run_bench
+    from vitkit.bench.harness import BenchSpec, default_precisions, run_bench
+    from vitkit.bench.report import format_report
     from vitkit.checkpoints import model_from
     from vitkit.fileio import check_output_file, write_file_atomic
 

@@ -1,6 +1,7 @@
 """Downloads that never hand over a bad file.
 
-``download(url)`` returns the path of a complete, verified copy of ``url`` in the cache:
+``download(url)`` returns the path of a complete, verified copy of ``url`` in the cache (the HTTP transfer
+itself is :mod:`vitkit.hub.transfer`):
 
 - the bytes go to ``<cache>/downloads/.partial/...`` and are renamed into place only once complete and
   checked, so the cache never serves a partial or corrupt file;
@@ -40,47 +41,37 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import http.client
 import json
 import logging
 import os
 import re
 import secrets
-import shutil
-import socket
 import stat
-import sys
-import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from filelock import FileLock
-from tqdm import tqdm
 
-from vitkit.errors import VitkitError
 from vitkit.fileio import fsync
 from vitkit.hub.cache import ENV_VAR, cache_dir, private_dirs, untrusted
+from vitkit.hub.transfer import (
+    CHUNK,
+    MAX_DOWNLOAD_BYTES,
+    NEW_FILE,
+    NOFOLLOW,
+    DownloadError,
+    disk_full,
+    fetch,
+    regular_file,
+    what_to_do,
+)
 
-CHUNK = 1 << 20
-#: The most bytes one download may have (``download(max_bytes=)``): a larger Content-Length is refused before
-#: anything is written, and the body is never read past it. The registry's largest file is about 2.5 GB.
-MAX_DOWNLOAD_BYTES = 16 << 30
-USER_AGENT = "vitkit"
 DIGEST_CHARS = 32  # of the URL's SHA-256 in its cache entry's name (128 bits: no two URLs meet by chance)
 MAX_SEGMENT = 100  # readable characters kept of one URL path segment (the digest keeps names unique)
 _UNSAFE = re.compile(r"[^\w.+=,-]")  # no "@": it marks the digest folders
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW
 
 logger = logging.getLogger("vitkit.hub")
-
-
-class DownloadError(VitkitError):
-    """A file could not be fetched or verified; the message says what to do instead."""
 
 
 @dataclass(frozen=True)
@@ -164,7 +155,7 @@ def record_path(url: str, cache: str | os.PathLike[str] | None = None) -> Path:
 def _read_json(path: Path) -> Record | None:
     """The record at ``path`` (not through a symbolic link), None if missing or unreadable."""
     try:
-        fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | NOFOLLOW)
         with os.fdopen(fd, "rb") as f:
             return Record(**json.loads(f.read(1 << 20)))
     except (OSError, ValueError, TypeError):
@@ -211,7 +202,7 @@ def _write_record(path: Path, url: str, digest: str, published: bool, cache: str
 def _put_json(target: Path, doc: dict[str, object]) -> None:
     """Write ``doc`` to a new hidden file beside ``target`` (never through a link) and rename it onto it."""
     tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
-    fd = os.open(tmp, _NEW_FILE, 0o666)
+    fd = os.open(tmp, NEW_FILE, 0o666)
     try:
         with os.fdopen(fd, "w") as f:
             f.write(json.dumps(doc, indent=1) + "\n")
@@ -239,29 +230,16 @@ def _private_folder(folder: Path, cache: str | os.PathLike[str] | None) -> None:
         private_dirs(folder)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise _disk_full(folder) from None
+            raise disk_full(folder) from None
         raise _cannot_store(cache, e) from None
     _check_private(folder, cache)
-
-
-def _regular_file(path: Path) -> bool:
-    """Whether ``path`` is a regular file (False if missing); DownloadError for anything else there (a
-    symbolic link, a folder), which vitkit did not put there and neither follows nor removes."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(st.st_mode):
-        kind = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a regular file"
-        raise DownloadError(f"{path}: {kind} where vitkit keeps its own file; remove it and try again")
-    return True
 
 
 def _check_cached(path: Path, url: str, sha256: str | None, cache: str | os.PathLike[str] | None) -> None:
     """Refuse a cached file that no longer matches what was recorded (or the published digest), or that was
     recorded for another URL."""
     _check_private(path.parent, cache)
-    _regular_file(path)
+    regular_file(path)
     rec = read_record(url, cache)
     if rec is not None and rec.url != url:
         raise DownloadError(f"{path}: cached for another URL ({rec.url}), not {url}; delete it and download again")
@@ -322,173 +300,6 @@ def _adopt_legacy(url: str, final: Path, cache: str | os.PathLike[str] | None) -
         return  # a read-only cache: the old entry stays where it is; the URL is downloaded anew
 
 
-def _what_to_do(url: str) -> str:
-    return f"download {url} yourself and pass its path"
-
-
-class _NoDowngrade(urllib.request.HTTPRedirectHandler):
-    """Redirects as urllib follows them, except from ``https`` to anything else (plain ``http``)."""
-
-    def redirect_request(
-        self, req: urllib.request.Request, fp: object, code: int, msg: str, headers: object, newurl: str
-    ) -> urllib.request.Request | None:
-        scheme = urllib.parse.urlsplit(newurl).scheme.lower()
-        if urllib.parse.urlsplit(req.full_url).scheme.lower() == "https" and scheme != "https":
-            raise DownloadError(
-                f"{req.full_url}: redirected to {scheme}:// ({newurl}), which is not encrypted; refused "
-                f"(vitkit follows https only to https): {_what_to_do(req.full_url)} if you trust it"
-            )
-        return super().redirect_request(req, fp, code, msg, headers, newurl)  # type: ignore[arg-type]
-
-
-def _request(url: str, start: int, timeout: float) -> http.client.HTTPResponse:
-    headers = {"User-Agent": USER_AGENT, "Accept-Encoding": "identity"}
-    if start:
-        headers["Range"] = f"bytes={start}-"
-    opener = urllib.request.build_opener(_NoDowngrade)
-    try:
-        resp: http.client.HTTPResponse = opener.open(urllib.request.Request(url, headers=headers), timeout=timeout)
-        return resp
-    except urllib.error.HTTPError as e:
-        if e.code == 416 and start:
-            raise _RangeRefused() from None
-        if e.code in (404, 410):
-            raise DownloadError(f"{url}: not found (HTTP {e.code}); check the name or URL") from None
-        if e.code in (401, 403):
-            raise DownloadError(
-                f"{url}: access denied (HTTP {e.code}); the file is not public: {_what_to_do(url)}"
-            ) from None
-        raise DownloadError(f"{url}: HTTP {e.code} {e.reason}; try again later or {_what_to_do(url)}") from None
-    except urllib.error.URLError as e:
-        raise _network_error(url, e.reason, timeout) from None
-    except (TimeoutError, OSError) as e:
-        raise _network_error(url, e, timeout) from None
-
-
-class _RangeRefused(Exception):
-    pass
-
-
-def _network_error(url: str, reason: object, timeout: float) -> DownloadError:
-    if isinstance(reason, TimeoutError | socket.timeout):
-        return DownloadError(f"{url}: timed out after {timeout:g} s; try again later or {_what_to_do(url)}")
-    host = urllib.parse.urlsplit(url).netloc
-    return DownloadError(f"{url}: cannot reach {host} ({reason}); offline? {_what_to_do(url)}")
-
-
-def _disk_full(path: Path) -> DownloadError:
-    return DownloadError(
-        f"{path}: disk full; free some space, or put the cache on a larger disk with --cache-dir or {ENV_VAR}"
-    )
-
-
-def _content_range(resp: http.client.HTTPResponse) -> tuple[int, int | None]:
-    """(first byte, total size or None) of a 206 response."""
-    m = re.match(r"bytes (\d+)-\d+/(\d+|\*)", resp.headers.get("Content-Range", ""))
-    if not m:
-        return -1, None
-    return int(m.group(1)), None if m.group(2) == "*" else int(m.group(2))
-
-
-def _too_large(url: str, size: int | str, max_bytes: int) -> DownloadError:
-    return DownloadError(
-        f"{url}: {size} bytes, more than the {max_bytes} bytes vitkit downloads for one file (max_bytes); "
-        f"{_what_to_do(url)} if you expect a file that large"
-    )
-
-
-def _fetch(
-    url: str, part: Path, timeout: float, retries: int, progress: bool, label: str, max_bytes: int = MAX_DOWNLOAD_BYTES
-) -> None:
-    """Fill ``part`` with the whole body of ``url`` (at most ``max_bytes``), resuming after cuts; raises
-    DownloadError."""
-    attempts = 0
-    bar: tqdm | None = None
-    try:
-        while True:
-            start = part.stat().st_size if _regular_file(part) else 0
-            try:
-                resp = _request(url, start, timeout)
-            except _RangeRefused:
-                part.unlink()  # the partial does not fit the file any more: start again
-                continue
-            with resp:
-                total: int | None
-                if start and resp.status == 206:
-                    first, total = _content_range(resp)
-                    if first != start:
-                        part.unlink()
-                        continue
-                else:
-                    start = 0
-                    length = resp.headers.get("Content-Length")
-                    total = int(length) if length and length.isdigit() else None
-                if total is not None and total > max_bytes:
-                    raise _too_large(url, total, max_bytes)
-                if total is not None:
-                    free = shutil.disk_usage(part.parent).free
-                    if total - start > free:
-                        raise _disk_full(part.parent)
-                if bar is None:
-                    bar = tqdm(
-                        total=total, initial=start, unit="B", unit_scale=True, unit_divisor=1024, desc=label,
-                        file=sys.stderr, disable=not progress, dynamic_ncols=True,
-                    )  # fmt: skip
-                else:
-                    bar.reset(total=total)
-                    bar.update(start)
-                got = start
-                try:
-                    with _open_partial(part, append=bool(start)) as f:
-                        while block := resp.read(min(CHUNK, max_bytes + 1 - got)):
-                            f.write(block)
-                            got += len(block)
-                            bar.update(len(block))
-                            if got > max_bytes:
-                                break
-                        f.flush()
-                        os.fsync(f.fileno())
-                except OSError as e:
-                    if e.errno == errno.ENOSPC:
-                        raise _disk_full(part.parent) from None
-                    if isinstance(e, TimeoutError | ConnectionError):
-                        cut: Exception | None = e
-                    else:
-                        raise DownloadError(f"{part}: cannot write ({e.strerror or e})") from None
-                except http.client.IncompleteRead as e:
-                    cut = e
-                else:
-                    cut = None
-                if got > max_bytes:
-                    part.unlink()
-                    raise _too_large(url, f"more than {max_bytes}", max_bytes)
-                if cut is None and (total is None or got == total):
-                    return
-                if cut is None and total is not None and got > total:
-                    part.unlink()
-                    raise DownloadError(f"{url}: server sent {got} bytes for a {total}-byte file; try again later")
-            attempts += 1
-            if attempts > retries:
-                raise DownloadError(
-                    f"{url}: connection cut after {got} of {total if total is not None else '?'} bytes "
-                    f"({attempts} attempts); run the command again to resume, or {_what_to_do(url)}"
-                )
-            time.sleep(min(0.2 * attempts, 2.0))
-    finally:
-        if bar is not None:
-            bar.close()
-
-
-def _open_partial(part: Path, append: bool) -> BinaryIO:
-    """The partial file opened for writing without following a link: to go on at its end (``append``), or
-    new (O_EXCL: a partial file left from before, vitkit's own regular file, is removed first)."""
-    if append:
-        return os.fdopen(os.open(part, os.O_WRONLY | os.O_APPEND | _NOFOLLOW), "ab")
-    if _regular_file(part):
-        part.unlink()
-    return os.fdopen(os.open(part, _NEW_FILE, 0o666), "wb")
-
-
 def download(
     url: str,
     *,
@@ -503,9 +314,9 @@ def download(
     ``max_bytes`` long (DownloadError otherwise, and nothing is kept)."""
     url = gs_to_https(url)
     final = cache_path(url, cache)
-    if not _regular_file(final):
+    if not regular_file(final):
         _adopt_legacy(url, final, cache)
-    if _regular_file(final):
+    if regular_file(final):
         _check_cached(final, url, sha256, cache)
         return final
     part = partial_path(url, cache)
@@ -518,16 +329,16 @@ def download(
     except OSError as e:
         raise _cannot_store(cache, e) from None
     try:
-        if _regular_file(final):  # another process finished it while we waited
+        if regular_file(final):  # another process finished it while we waited
             _check_cached(final, url, sha256, cache)
             return final
-        _fetch(url, part, timeout, retries, progress, final.name, max_bytes)
+        fetch(url, part, timeout, retries, progress, final.name, max_bytes)
         digest = sha256_file(part)
         if sha256 and digest != sha256.lower():
             part.unlink()
             raise DownloadError(
                 f"{url}: sha256 {digest} does not match the published {sha256.lower()}; the download was "
-                f"discarded (a changed or corrupted file); {_what_to_do(url)} if you trust it"
+                f"discarded (a changed or corrupted file); {what_to_do(url)} if you trust it"
             )
         os.replace(part, final)
         fsync(final.parent)

@@ -30,6 +30,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,7 +40,6 @@ from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -48,6 +48,7 @@ from vitkit.checkpoints.preprocess import ImageTooLarge
 from vitkit.errors import DataError
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
 from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_image, png_base64
+from vitkit.serve.schema import PREDICT_BODY, PREDICT_ERRORS, HealthAnswer, PredictAnswer, error_doc
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -185,171 +186,75 @@ async def _image_bytes(request: Request, limit: int) -> bytes | bytearray:
     return body
 
 
-class ErrorBody(BaseModel):
-    """Every error the app answers: one sentence."""
-
-    detail: str = Field(description="what is wrong, in one sentence")
-
-
-class TopClass(BaseModel):
-    label: str
-    index: int = Field(ge=0, description="class index in the model's output")
-    prob: float = Field(ge=0, le=1, description="softmax probability")
-
-
-class AttentionMap(BaseModel):
-    rollout_png: str = Field(description="base64 PNG, 8-bit greyscale")
-    size: list[int] = Field(description="(height, width) of the map: the model input's size")
-    query: str
-    encoding: str
-
-
-class PredictAnswer(BaseModel):
-    model: str = Field(description="the served model's name")
-    top: list[TopClass] = Field(description="most probable first")
-    attention: AttentionMap | None = Field(None, description="the attention rollout, with ?attention=1")
-
-
-class HealthAnswer(BaseModel):
-    status: str = Field(description='"ok"')
-    queue_depth: int = Field(ge=0, description="requests waiting for the model")
-
-
-FORMATS_TEXT = "JPEG, PNG, BMP, GIF, TIFF, WebP or PPM/PGM/PBM"  # IMAGE_FORMATS, in words
-BINARY = {
-    "type": "string",
-    "format": "binary",
-    "minLength": 1,  # an empty body or file is refused (400)
-    "description": f"the bytes of a {FORMATS_TEXT} file; anything else (another format, a truncated file) is "
-    "answered 400, a larger image than the server allows 413",
-}
-PREDICT_BODY = {
-    "requestBody": {
-        "required": True,
-        "description": f"the image, a {FORMATS_TEXT} file (other formats, however they are labelled, are answered "
-        "400): raw bytes (image/*, application/octet-stream) or a multipart upload whose first file is the image",
-        "content": {
-            "image/*": {"schema": BINARY},
-            "application/octet-stream": {"schema": BINARY},
-            "multipart/form-data": {
-                "schema": {"type": "object", "properties": {"file": BINARY}, "required": ["file"]},
-                "encoding": {"file": {"contentType": "image/*"}},
-            },
-        },
-    }
-}
-
-
-def _error_doc(description: str, retry: bool = False) -> dict[str, Any]:
-    """An error response in the OpenAPI schema: the app's ``{"detail": ...}`` (with ``retry``: and Retry-After)."""
-    doc: dict[str, Any] = {"model": ErrorBody, "description": description}
-    if retry:
-        doc["headers"] = {"Retry-After": {"description": "seconds to wait", "schema": {"type": "integer"}}}
-    return doc
-
-
-PREDICT_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: _error_doc(
-        f"empty body, a file that is not a {FORMATS_TEXT} image (whatever its Content-Type says), an undecodable "
-        "or truncated image, a multipart upload without a file"
-    ),
-    413: _error_doc("upload or image (pixels) over the limit, or an image the preprocessing refuses"),
-    415: _error_doc("content type other than image/*, application/octet-stream, multipart/form-data"),
-    422: _error_doc("a query parameter out of range or of the wrong type"),
-    503: _error_doc("queue full or shutting down (retry later)", retry=True),
-    504: _error_doc("not answered within the request timeout"),
-}
-
-
 def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> FastAPI:
     """The FastAPI application; the batcher starts and stops with the application's lifespan (on shutdown
     the server stops accepting, in-flight requests are answered, then the worker drains and exits)."""
-
-    def run(items: list[tuple[torch.Tensor, bool]]) -> list[Prediction]:
-        return served.run_batch([x for x, _ in items], [a for _, a in items])
-
-    batcher: Batcher[tuple[torch.Tensor, bool], Prediction] = Batcher(
-        run, opts.max_batch, opts.max_wait_ms, opts.max_queue
+    server = _Server(served, opts)
+    assets = _swagger_assets()
+    app = FastAPI(
+        title="vitkit serve",
+        summary=f"{server.card['name']} ({server.card['checkpoint']}): image classification with a Vision Transformer",
+        version=_version(),
+        lifespan=server.lifespan,
+        docs_url=None if assets else "/docs",
+        exception_handlers=ERROR_HANDLERS,
     )
-    metrics = Metrics(lambda: batcher.depth)
-    batcher.on_batch = metrics.observe_batch
-    card = served.card()
+    if assets:  # the docs page's JavaScript and CSS from the installed bundle, not from a CDN
+        _local_docs(app, assets)
+    _add_routes(app, server)
+    app.add_middleware(_CountRequests, metrics=server.metrics)
+    return app
+
+
+class _Server:
+    """What the routes share: the model and its batcher, the limits, the metrics, and two counters that only the
+    event loop touches -- requests admitted (past the queue check and not yet in the batcher's queue: reading
+    their upload, waiting for a decoding slot, decoding) and decodings abandoned by timed-out requests."""
+
+    def __init__(self, served: ServedModel, opts: ServeOptions) -> None:
+        self.served, self.opts, self.card = served, opts, served.card()
+        self.batcher: Batcher[tuple[torch.Tensor, bool], Prediction] = Batcher(
+            self._run, opts.max_batch, opts.max_wait_ms, opts.max_queue
+        )
+        self.metrics = Metrics(lambda: self.batcher.depth)
+        self.batcher.on_batch = self.metrics.observe_batch
+        self.admitted = 0
+        self.abandoned = 0  # decodings of timed-out requests still running, outside the slots
+        self.decoding = asyncio.Semaphore(opts.decoders)  # replaced by one of the serving event loop
+
+    def _run(self, items: list[tuple[torch.Tensor, bool]]) -> list[Prediction]:
+        return self.served.run_batch([x for x, _ in items], [a for _, a in items])
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.decoding = asyncio.Semaphore(opts.decoders)  # of this event loop
-        app.state.abandoned = 0  # decodings of timed-out requests still running, outside the slots
-        batcher.start()
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        """The batcher's worker runs while the application does."""
+        self.decoding = asyncio.Semaphore(self.opts.decoders)  # of this event loop
+        self.abandoned = 0
+        self.batcher.start()
         try:
             yield
         finally:
-            await run_in_threadpool(batcher.close)
+            await run_in_threadpool(self.batcher.close)
 
-    app = FastAPI(
-        title="vitkit serve",
-        summary=f"{card['name']} ({card['checkpoint']}): image classification with a Vision Transformer",
-        version=_version(),
-        lifespan=lifespan,
-        docs_url=None if _swagger_assets() else "/docs",
-    )
-    assets = _swagger_assets()
-    if assets:  # the docs page's JavaScript and CSS from the installed bundle, not from a CDN
-        from fastapi.openapi.docs import get_swagger_ui_html
-        from fastapi.staticfiles import StaticFiles
-
-        app.mount("/docs-assets", StaticFiles(directory=assets), name="docs-assets")
-
-        @app.get("/docs", include_in_schema=False)
-        async def docs() -> Response:
-            return get_swagger_ui_html(
-                openapi_url="/openapi.json",
-                title="vitkit serve - API docs",
-                swagger_js_url="/docs-assets/swagger-ui-bundle.js",
-                swagger_css_url="/docs-assets/swagger-ui.css",
-                swagger_favicon_url="/docs-assets/favicon-32x32.png",
-            )
-
-    app.state.batcher, app.state.metrics, app.state.served = batcher, metrics, served
-    admitted = _Admitted()
-
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, exc: RequestError) -> JSONResponse:
-        return _error(exc.status, exc.message)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = [f"{' '.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()]
-        return _error(422, "; ".join(parts) or "invalid request")
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        # the detail (paths, library internals) goes to the server's log, never to the client
-        _LOG.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
-        return _error(500, "internal error")
-
-    def prepare(data: bytes | bytearray) -> torch.Tensor:
+    def prepare(self, data: bytes | bytearray) -> torch.Tensor:
         """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large)."""
-        img = decode_image(data, opts.max_pixels)
+        img = decode_image(data, self.opts.max_pixels)
         try:
-            return served.to_tensor(img)
+            return self.served.to_tensor(img)
         except ImageTooLarge as e:  # e.g. a centre crop of a line of pixels
             raise RequestError(413, str(e)) from None
         except DataError as e:
             raise RequestError(400, str(e)) from None
 
-    async def decode(data: bytes | bytearray) -> torch.Tensor:
+    async def decode(self, data: bytes | bytearray) -> torch.Tensor:
         """``prepare`` in a worker thread, at most ``opts.decoders`` at once (each image may take hundreds of MB
         decoded). A request that gives up while waiting for a slot never decodes; one that gives up while its
         image is decoded gives its slot to the next request (a decompression bomb that timed out must not make
         the next image wait), while its thread runs on (threads cannot be stopped): at most ``opts.decoders``
         such abandoned decodings at once, past that the slot stays taken until the thread is done."""
-        slots: asyncio.Semaphore = app.state.decoding
+        slots = self.decoding
         await slots.acquire()
-        task = asyncio.ensure_future(run_in_threadpool(prepare, data))
+        task = asyncio.ensure_future(run_in_threadpool(self.prepare, data))
         holds, abandoned = [True], [False]
 
         def give_back() -> None:
@@ -360,7 +265,7 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         def done(finished: asyncio.Future[torch.Tensor]) -> None:
             give_back()
             if abandoned[0]:
-                app.state.abandoned -= 1
+                self.abandoned -= 1
             if not finished.cancelled():
                 finished.exception()  # retrieved: an abandoned request's error is not logged as never retrieved
 
@@ -368,44 +273,55 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:  # the request timed out (or its client left) while its image decodes
-            if not task.done() and app.state.abandoned < opts.decoders:
-                app.state.abandoned += 1  # runs on outside the slots, counted until its thread is done
+            if not task.done() and self.abandoned < self.opts.decoders:
+                self.abandoned += 1  # runs on outside the slots, counted until its thread is done
                 abandoned[0] = True
                 give_back()
             raise
 
-    async def answer(request: Request, top_k: int, attention: bool) -> dict[str, Any]:
-        if not batcher.alive:
+    async def admit(self, request: Request, attention: bool) -> Future[Prediction]:
+        """Read and decode the request's image and queue it for the model, refusing (503) before any of that
+        while ``max_queue`` requests wait or are being read or decoded."""
+        if not self.batcher.alive:
             raise _Unavailable("not serving (starting up or shutting down)")
-        busy = batcher.depth + admitted.count
-        if busy >= opts.max_queue:  # before the upload is read or anything decoded
+        busy = self.batcher.depth + self.admitted
+        if busy >= self.opts.max_queue:  # before the upload is read or anything decoded
             raise _Unavailable(
-                f"server busy: {busy} requests are waiting or being decoded already (limit {opts.max_queue}); "
+                f"server busy: {busy} requests are waiting or being decoded already (limit {self.opts.max_queue}); "
                 "retry shortly"
             )
-        admitted.count += 1
+        self.admitted += 1
         try:
-            data = await _image_bytes(request, opts.max_upload_bytes)
-            x = await decode(data)
+            data = await _image_bytes(request, self.opts.max_upload_bytes)
+            x = await self.decode(data)
             del data
             try:
-                future = batcher.submit((x, attention))
+                return self.batcher.submit((x, attention))
             except QueueFull as e:
                 raise _Unavailable(f"server busy: {e}; retry shortly") from None
             except Closed as e:
                 raise _Unavailable(str(e)) from None
         finally:
-            admitted.count -= 1
+            self.admitted -= 1
+
+    async def answer(self, request: Request, top_k: int, attention: bool) -> dict[str, Any]:
+        """The ``/predict`` answer: top-k labels, and the attention rollout when asked for."""
+        future = await self.admit(request, attention)
         pred: Prediction = await asyncio.wrap_future(future)  # cancelled with the request on timeout
-        out: dict[str, Any] = {"model": card["name"], "top": served.top_k(pred.probs, top_k)}
+        out: dict[str, Any] = {"model": self.card["name"], "top": self.served.top_k(pred.probs, top_k)}
         if attention and pred.rollout is not None:
             out["attention"] = {
                 "rollout_png": png_base64(pred.rollout),
                 "size": list(pred.rollout.shape),
-                "query": "class token" if served.model.cfg.num_prefix_tokens else "mean over tokens (GAP)",
+                "query": "class token" if self.served.model.cfg.num_prefix_tokens else "mean over tokens (GAP)",
                 "encoding": "base64 PNG, 8-bit greyscale, the model input's size; bright = attended",
             }
         return out
+
+
+def _add_routes(app: FastAPI, server: _Server) -> None:
+    """The endpoints, around ``server``."""
+    opts = server.opts
 
     @app.post(
         "/predict",
@@ -424,7 +340,7 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         attention: bool = Query(False, description="add the attention rollout map (base64 PNG)"),
     ) -> Any:
         try:
-            return await asyncio.wait_for(answer(request, top_k, attention), opts.timeout_s)
+            return await asyncio.wait_for(server.answer(request, top_k, attention), opts.timeout_s)
         except TimeoutError:
             return _error(504, f"not answered within the request timeout of {opts.timeout_s:g} s")
         except _Unavailable as e:
@@ -434,39 +350,70 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
         "/health",
         summary="liveness: 200 while the model worker runs",
         response_model=HealthAnswer,
-        responses={503: _error_doc("not serving (starting up or shutting down)")},
+        responses={503: error_doc("not serving (starting up or shutting down)")},
     )
     async def health() -> Any:
-        if not batcher.alive:
+        if not server.batcher.alive:
             return _error(503, "not serving (starting up or shutting down)")
-        return {"status": "ok", "queue_depth": batcher.depth}
+        return {"status": "ok", "queue_depth": server.batcher.depth}
 
     @app.get("/model", summary="the model card: name, classes, resolution, preprocessing, batching")
     async def model_card() -> Any:
-        return {**card, "serving": {**asdict(opts), "decoders": opts.decoders}}
+        return {**server.card, "serving": {**asdict(opts), "decoders": opts.decoders}}
 
-    @app.get(
-        "/metrics",
-        summary="Prometheus metrics (text exposition format)",
-        response_class=PlainTextResponse,
-    )
+    @app.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse)
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.add_middleware(_CountRequests, metrics=metrics)
-    return app
+
+async def _request_error(request: Request, exc: RequestError) -> Response:
+    return _error(exc.status, exc.message)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    parts = [f"{' '.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', '')}" for e in exc.errors()]
+    return _error(422, "; ".join(parts) or "invalid request")
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    # the detail (paths, library internals) goes to the server's log, never to the client
+    _LOG.error("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error(500, "internal error")
+
+
+#: Every error as ``{"detail": "<one sentence>"}``.
+ERROR_HANDLERS: dict[Any, Any] = {
+    RequestError: _request_error,
+    StarletteHTTPException: _http_error,
+    RequestValidationError: _validation_error,
+    Exception: _internal_error,
+}
 
 
 class _Unavailable(Exception):
     pass
 
 
-class _Admitted:
-    """Requests past the queue check and not yet in the batcher's queue (reading their upload, waiting for a
-    decoding slot, decoding). Only the event loop touches it."""
+def _local_docs(app: FastAPI, assets: str) -> None:
+    """``/docs`` with Swagger UI's files served from ``assets`` (the installed bundle)."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
 
-    def __init__(self) -> None:
-        self.count = 0
+    app.mount("/docs-assets", StaticFiles(directory=assets), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="vitkit serve - API docs",
+            swagger_js_url="/docs-assets/swagger-ui-bundle.js",
+            swagger_css_url="/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/docs-assets/favicon-32x32.png",
+        )
 
 
 def _swagger_assets() -> str | None:

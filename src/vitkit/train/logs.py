@@ -1,10 +1,53 @@
-"""A run's logs: ``metrics.csv`` (per epoch), ``steps.csv`` (every few steps) and ``curves.png``."""
+"""A run's logs: ``config.json``, ``metrics.csv`` (per epoch), ``steps.csv`` (every few steps), ``selection.csv``
+(the evaluations the weights are selected by), TensorBoard events in ``tb/`` (when tensorboard is installed) and
+``curves.png``. Written by process 0 only (the callers check)."""
 
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
+
+CSV_LOGS = ("steps.csv", "metrics.csv", "selection.csv")
+
+
+def start(run_dir: Path, config: dict[str, Any], step: int, resumed: bool) -> tuple[list[dict[str, Any]], Any]:
+    """Write ``config.json`` and start the CSV logs: a resumed run's cut back to ``step`` (what the interrupted
+    run logged after its last checkpoint goes), a new run's removed. Returns the epoch rows kept and a
+    TensorBoard writer (None without tensorboard)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in CSV_LOGS:
+        if resumed:
+            truncate_csv(run_dir / name, step)
+        else:
+            (run_dir / name).unlink(missing_ok=True)
+    rows = read_csv(run_dir / "metrics.csv") if resumed else []
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return rows, None
+    return rows, SummaryWriter(str(run_dir / "tb"), purge_step=step if resumed else None)
+
+
+def log_step(run_dir: Path, tb: Any, rec: dict[str, float], images_per_s: float) -> None:
+    """One line of ``steps.csv`` (and the TensorBoard scalars ``train/*``)."""
+    row = {"step": int(rec["step"]), "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"]}
+    append_csv(run_dir / "steps.csv", {**row, "images_per_s": round(images_per_s, 1)})
+    if tb is not None:
+        for k in ("loss", "lr", "grad_norm"):
+            tb.add_scalar(f"train/{k}", rec[k], int(rec["step"]))
+        tb.add_scalar("train/images_per_s", images_per_s, int(rec["step"]))
+
+
+def log_epoch(run_dir: Path, tb: Any, row: dict[str, Any]) -> None:
+    """One line of ``metrics.csv`` (and the TensorBoard scalars ``epoch/*`` of its numbers)."""
+    append_csv(run_dir / "metrics.csv", row)
+    if tb is not None:
+        for k, v in row.items():
+            if k not in ("epoch", "step") and isinstance(v, (int, float)) and v == v:
+                tb.add_scalar(f"epoch/{k}", v, int(row["step"]))
 
 
 def append_csv(path: Path, row: dict[str, Any]) -> None:

@@ -27,16 +27,21 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from vitkit.configs import TrainConfig
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import clean_stale, complete_dir, remove_tree, write_dir_atomic
+from vitkit.train import distributed as distr
+from vitkit.train.ema import EMA
 
 STATE_FORMAT = "vitkit-train-state"
 STATE_VERSION = 1
 TENSORS = "state.safetensors"
 META = "state.json"
 _NAME = re.compile(r"^step-(\d{9})$")
+#: what a training state holds of a run: the bare model, its optimiser, the EMA (None: off), the processes
+Trained = tuple[nn.Module, torch.optim.Optimizer, EMA | None, distr.DistInfo]
 
 
 def state_name(step: int) -> str:
@@ -168,6 +173,81 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], doc: dict[str, Any]) -
     return {"state": state, "param_groups": groups}
 
 
+# ---- a run's model, optimiser and EMA <-> one training state ------------------------------------------------
+
+
+def save_training(
+    folder: Path,
+    step: int,
+    run: Trained,
+    model_state: dict[str, torch.Tensor],
+    best: dict[str, torch.Tensor],
+    counters: dict[str, Any],
+    classes: list[str],
+    config: dict[str, Any],
+    keep_last: int,
+) -> None:
+    """Write a run's training state: ``model_state`` (the full weights, gathered by the caller), the optimiser
+    and the EMA weights of ``run`` (net, optimiser, EMA, processes), the selected weights ``best`` and the run's
+    ``counters``. Every process takes part (the full tensors are gathered); process 0 writes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    net, opt, ema, dist = run
+    osd = get_optimizer_state_dict(net, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    shadow = {k: distr.full_tensor(v).cpu() for k, v in ema.shadow.items()} if ema else {}
+    if dist.is_main:
+        opt_tensors, opt_doc = flatten_optimizer(osd)
+        tensors = {f"model/{k}": v for k, v in model_state.items()}
+        tensors.update(opt_tensors)
+        tensors.update({f"ema/{k}": v for k, v in shadow.items()})
+        tensors.update({f"best/{k}": v for k, v in best.items()})
+        meta = {
+            **counters,
+            "ema_updates": ema.updates if ema else 0,
+            "optimizer": opt_doc,
+            "class_names": classes,
+            "world_size": dist.world,
+            "config": config,
+        }
+        write_state(folder, step, tensors, meta, keep_last)
+    distr.barrier(dist)
+
+
+def load_training(
+    path: str | Path,
+    run: Trained,
+    classes: list[str],
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Restore the model, optimiser and EMA of ``run`` from a state written by :func:`save_training`; returns
+    its meta (the counters) and the selected weights it holds."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    net, opt, ema, dist = run
+    tensors, meta = read_state(path)
+    if meta.get("class_names") != classes:
+        raise CheckpointError(f"{path}: the checkpoint's classes differ from the dataset's")
+    opts = StateDictOptions(full_state_dict=True)
+    model_sd: dict[str, Any] = {
+        k[len("model/") :]: v.to(dist.device) for k, v in tensors.items() if k.startswith("model/")
+    }
+    try:
+        set_model_state_dict(net, model_sd, options=opts)
+        set_optimizer_state_dict(net, opt, unflatten_optimizer(tensors, meta["optimizer"]), options=opts)
+    except (RuntimeError, KeyError, ValueError) as e:
+        raise CheckpointError(f"{path}: does not match this model/optimiser ({e})") from None
+    if ema is not None:
+        for name, shadow in ema.shadow.items():
+            if f"ema/{name}" not in tensors:
+                raise CheckpointError(f"{path}: no EMA weights for {name}")
+            distr.load_full_into(shadow, tensors[f"ema/{name}"])
+        ema.updates = int(meta["ema_updates"])
+    return meta, {k[len("best/") :]: v for k, v in tensors.items() if k.startswith("best/")}
+
+
 def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path | None]:
     """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder).
 
@@ -201,10 +281,7 @@ def _head_first_config(run: Path) -> TrainConfig | None:
     path = run / "config.json"
     if list_states(run / "checkpoints") or not path.is_file():
         return None
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
+    doc = _run_config(path)
     method = (
         doc.get("adapt", {}).get("method") if isinstance(doc, dict) and isinstance(doc.get("adapt"), dict) else None
     )
@@ -216,17 +293,21 @@ def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
     ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
     if not path.is_file():
         return
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
-    diffs = _differences(saved, _older_defaults(doc), "")
+    diffs = _differences(saved, _older_defaults(_run_config(path)), "")
     if diffs:
         shown = "; ".join(diffs[:4]) + ("; ..." if len(diffs) > 4 else "")
         raise ConfigError(
             f"{path}: edited since its checkpoint was written ({shown}); --resume continues a run exactly as it "
             "was configured: undo the edit, or start a new run with the new settings"
         )
+
+
+def _run_config(path: Path) -> Any:
+    """A run's ``config.json``, as JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: unreadable ({e}); --resume needs the run's config as it was written") from None
 
 
 def _differences(old: Any, new: Any, where: str) -> list[str]:

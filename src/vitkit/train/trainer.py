@@ -22,26 +22,22 @@ and two running sums are enough, and a resumed run equals an uninterrupted one e
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset
-from vitkit.data.loader import Batch, TrainLoader, eval_batches
+from vitkit.data.loader import Batch, TrainLoader
 from vitkit.data.mix import Mixer, soft_cross_entropy
-from vitkit.data.resident import resident_eval_batches, resident_loader
-from vitkit.errors import CheckpointError, ConfigError, VitkitError
-from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.data.resident import resident_loader
+from vitkit.errors import ConfigError, VitkitError
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
@@ -49,14 +45,12 @@ from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
-from vitkit.train.run import Run, TrainResult, check_run_dir, step_seed, train_precision
+from vitkit.train.run import TrainResult, check_run_dir, step_seed, train_precision
 from vitkit.train.state import resume_config
 from vitkit.train.tune import TrainingPath, choose_training_path
+from vitkit.train.validation import ValidatedRun
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
-# a validation pass of at least this many tokens (images x tokens per image) runs on the inference fast path,
-# packed from the current weights; smaller ones on the model itself (see Trainer._validation_forward)
-VALIDATION_FAST_TOKENS = 20_000
 
 
 class NonFiniteLossError(VitkitError):
@@ -77,7 +71,7 @@ def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micr
     return kept <= EXPLICIT_ATTENTION_BYTES
 
 
-class Trainer(Run):
+class Trainer(ValidatedRun):
     """Owns the model, optimiser, data and state of one run; ``fit()`` runs it to the end."""
 
     def __init__(
@@ -119,7 +113,6 @@ class Trainer(Run):
             self.net.set_fused_attention(not self.explicit_attention)
             if self.training_path.changed and self.dist.is_main:
                 print(f"note: {self.training_path.describe()}", file=sys.stderr)
-        self._resident_eval: dict[int, list[Batch]] = {}  # id(dataset) -> its evaluation batches on the device
         aug = cfg.aug.resolved()
         self.mixer = Mixer(
             len(self.classes), aug.mixup, aug.cutmix, aug.mix_prob, aug.mix_switch_prob, aug.label_smoothing
@@ -148,8 +141,6 @@ class Trainer(Run):
         self.best_step: int | None = None
         self._best_loss = math.inf
         self._best_state: dict[str, torch.Tensor] | None = None
-        self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
-        self._val_used = self.precision  # what the last validation pass computed in
         self._sigterm = distr.StopSignal(self.dist)  # from here to close(), SIGTERM raises Terminated
 
     def _micro_batch(self) -> int:
@@ -165,11 +156,6 @@ class Trainer(Run):
         return choose_training_path(self.net, self._micro_batch(), self.precision, self.explicit_attention)
 
     # ---- one optimiser step -------------------------------------------------------------------------
-
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
 
     def _sync_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         """No gradient all-reduce on accumulation micro-batches except the last."""
@@ -230,190 +216,33 @@ class Trainer(Run):
         self.step += 1
         return {"step": float(self.step), "loss": loss_mean, "lr": lr, "grad_norm": float(gnorm)}
 
-    # ---- evaluation ----------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def evaluate(self, dataset: ImageDataset | None = None) -> dict[str, float]:
-        """Top-1 and mean loss of the current (EMA, when on) weights over the validation set."""
-        ds = dataset or self.val_set
-        if ds is None:
-            return {}
-        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-        self.model.eval()
-        self.net.set_fused_attention(True)  # no backward: the fused kernel, which never holds (B, h, T, T)
-        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
-        with ctx:
-            forward, autocast = self._validation_forward(ds)
-            for b in self._eval_batches(ds):
-                x, y = b.images.to(self.device, non_blocking=True), b.labels.to(self.device, non_blocking=True)
-                with autocast:
-                    logits = forward(x).float()
-                if b.valid is not None:  # padding that keeps every process's forward passes in step
-                    keep = b.valid.to(self.device)
-                    logits, y = logits[keep], y[keep]
-                totals[0] += (logits.argmax(-1) == y).sum()
-                totals[1] += F.cross_entropy(logits, y, reduction="sum")
-                totals[2] += y.numel()
-            reshard = getattr(self.net, "reshard", None)  # FSDP2 keeps the root unsharded after a forward
-            if reshard is not None:
-                reshard()
-        self.model.train()
-        self.net.set_fused_attention(not self.explicit_attention)
-        totals = distr.all_reduce_sum(totals, self.dist)
-        n = max(float(totals[2]), 1.0)
-        return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
-
-    def _eval_batches(self, ds: ImageDataset) -> Iterable[Batch]:
-        """The evaluation batches of ``ds``: for a small in-memory set (``resident_eval_batches``), prepared on
-        the device at the first pass and kept (the transform is deterministic: the same tensors every pass)."""
-        kept = self._resident_eval.get(id(ds))
-        if kept is None:
-            kept = resident_eval_batches(
-                ds, self.preprocess.to_tensor, self.cfg.data.eval_batch_size,
-                rank=self.dist.rank, world=self.dist.world, device=self.device,
-            )  # fmt: skip
-            if kept is not None:
-                self._resident_eval[id(ds)] = kept
-        if kept is not None:
-            return kept
-        return eval_batches(
-            ds,
-            self.preprocess.to_tensor,
-            self.cfg.data.eval_batch_size,
-            rank=self.dist.rank,
-            world=self.dist.world,
-            workers=self.workers,
-            pin_memory=self.device.type == "cuda",
-        )
-
-    def _validation_forward(self, dataset: ImageDataset) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
-        """(forward, autocast context) of a validation pass over ``dataset``. One process on the CPU, and a pass
-        of at least ``VALIDATION_FAST_TOKENS`` tokens (images x tokens per image): the inference engine's fast
-        path, built now from the current (EMA, when on) weights, in fp32 for an fp32 run (the model's function up
-        to fp32 rounding), for a bf16 run in bf16 where that is native and faster than fp32 (else fp32).
-        Otherwise (smaller passes, GPUs, several processes, torch.compile): the training model under the run's
-        autocast. Packing the weights costs about what the fast path saves on ~12,000 tokens (B/16 and S/16 at
-        224 px, 64 images: 0.98-0.99x the model's own pass; the default digits job's 5,700: 1.51x; BENCHMARKS.md,
-        benchmarks/validation_pass.py), so smaller passes keep the model."""
-        small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
-        if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
-            self._val_used = self.precision
-            return self.forward, self._autocast()
-        if self._val_precision is None:
-            self._val_precision = "fp32" if self.precision == "fp32" else resolve_precision("auto", self.device)
-        self._val_used = self._val_precision
-        engine = InferenceEngine(
-            self.net, self.preprocess, precision=self._val_precision, device=self.device,
-            batch_size=self.cfg.data.eval_batch_size, fp32_reference=False,
-        )  # fmt: skip
-        return engine.logits, contextlib.nullcontext()
-
     # ---- saving ---------------------------------------------------------------------------------------
 
     def save_state(self) -> None:
         """Write the resumable state (every process takes part; process 0 writes)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = self._full_model_state()
-        osd = get_optimizer_state_dict(self.net, self.opt, options=opts)
-        ema = {k: distr.full_tensor(v).cpu() for k, v in self.ema.shadow.items()} if self.ema else {}
-        if self.dist.is_main:
-            opt_tensors, opt_doc = train_state.flatten_optimizer(osd)
-            tensors = {f"model/{k}": v for k, v in model_sd.items()}
-            tensors.update(opt_tensors)
-            tensors.update({f"ema/{k}": v for k, v in ema.items()})
-            tensors.update({f"best/{k}": v for k, v in (self._best_state or {}).items()})
-            meta = {
-                "epoch_loss": self.epoch_loss,
-                "skipped_steps": self.skipped,
-                "best_top1": self.best_top1,
-                "best_step": self.best_step,
-                "best_loss": self._best_loss if self.best_step is not None else None,
-                "ema_updates": self.ema.updates if self.ema else 0,
-                "optimizer": opt_doc,
-                "class_names": self.classes,
-                "world_size": self.dist.world,
-                "config": self.cfg.to_dict(),
-            }
-            train_state.write_state(self.run_dir / "checkpoints", self.step, tensors, meta, self.cfg.keep_last)
-        distr.barrier(self.dist)
+        counters = {
+            "epoch_loss": self.epoch_loss,
+            "skipped_steps": self.skipped,
+            "best_top1": self.best_top1,
+            "best_step": self.best_step,
+            "best_loss": self._best_loss if self.best_step is not None else None,
+        }
+        train_state.save_training(
+            self.run_dir / "checkpoints", self.step, self._trained(), self._full_model_state(),
+            self._best_state or {}, counters, self.classes, self.cfg.to_dict(), self.cfg.keep_last,
+        )  # fmt: skip
 
     def load_state(self, path: str | Path) -> None:
         """Restore everything from a checkpoint written by :meth:`save_state`."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        tensors, meta = train_state.read_state(path)
-        if meta.get("class_names") != self.classes:
-            raise CheckpointError(f"{path}: the checkpoint's classes differ from the dataset's")
-        opts = StateDictOptions(full_state_dict=True)
-        model_sd: dict[str, Any] = {
-            k[len("model/") :]: v.to(self.device) for k, v in tensors.items() if k.startswith("model/")
-        }
-        try:
-            set_model_state_dict(self.net, model_sd, options=opts)
-            osd = train_state.unflatten_optimizer(tensors, meta["optimizer"])
-            set_optimizer_state_dict(self.net, self.opt, osd, options=opts)
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{path}: does not match this model/optimiser ({e})") from None
-        if self.ema is not None:
-            for name, shadow in self.ema.shadow.items():
-                if f"ema/{name}" not in tensors:
-                    raise CheckpointError(f"{path}: no EMA weights for {name}")
-                distr.load_full_into(shadow, tensors[f"ema/{name}"])
-            self.ema.updates = int(meta["ema_updates"])
-        self.step = int(meta["step"])
-        self.skipped = int(meta["skipped_steps"])
-        self.best_top1 = meta.get("best_top1")
-        self.best_step = meta.get("best_step")
+        meta, best = train_state.load_training(path, self._trained(), self.classes)
+        self.step, self.skipped = int(meta["step"]), int(meta["skipped_steps"])
+        self.best_top1, self.best_step = meta.get("best_top1"), meta.get("best_step")
         if self.best_step is not None:  # the weights selected so far (adapt.select)
-            self._best_loss = float(meta["best_loss"])
-            self._best_state = {k[len("best/") :]: v for k, v in tensors.items() if k.startswith("best/")}
+            self._best_loss, self._best_state = float(meta["best_loss"]), best
         self.epoch_loss = [float(meta["epoch_loss"][0]), int(meta["epoch_loss"][1])]
 
-    # ---- logs -------------------------------------------------------------------------------------------
-
-    def _log_step(self, rec: dict[str, float], images_per_s: float) -> None:
-        if not self.dist.is_main:
-            return
-        row = {"step": int(rec["step"]), "loss": rec["loss"], "lr": rec["lr"], "grad_norm": rec["grad_norm"]}
-        logs.append_csv(self.run_dir / "steps.csv", {**row, "images_per_s": round(images_per_s, 1)})
-        if self._tb is not None:
-            for k in ("loss", "lr", "grad_norm"):
-                self._tb.add_scalar(f"train/{k}", rec[k], int(rec["step"]))
-            self._tb.add_scalar("train/images_per_s", images_per_s, int(rec["step"]))
-
-    def _log_epoch(self, row: dict[str, Any]) -> None:
-        self.epoch_rows.append(row)
-        if not self.dist.is_main:
-            return
-        logs.append_csv(self.run_dir / "metrics.csv", row)
-        if self._tb is not None:
-            for k, v in row.items():
-                if k not in ("epoch", "step") and isinstance(v, (int, float)) and v == v:
-                    self._tb.add_scalar(f"epoch/{k}", v, int(row["step"]))
-
-    def _open_logs(self, resumed: bool) -> None:
-        if not self.dist.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
-        if resumed:  # drop what the interrupted run logged after its last checkpoint
-            for name in ("steps.csv", "metrics.csv", "selection.csv"):
-                logs.truncate_csv(self.run_dir / name, self.step)
-            self.epoch_rows = logs.read_csv(self.run_dir / "metrics.csv")
-        else:
-            for name in ("steps.csv", "metrics.csv", "selection.csv"):
-                (self.run_dir / name).unlink(missing_ok=True)
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is optional
-            return
-        self._tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=self.step if resumed else None)
+    def _trained(self) -> train_state.Trained:
+        return self.net, self.opt, self.ema, self.dist
 
     # ---- the loop ---------------------------------------------------------------------------------------
 
@@ -421,21 +250,12 @@ class Trainer(Run):
         self, resume: str | Path | None = None, *, on_step: Callable[[Trainer, dict[str, float]], None] | None = None
     ) -> TrainResult:
         """Train to ``total_steps``; ``on_step(trainer, record)`` is called after every step (tests, hooks)."""
-        t0 = time.perf_counter()
-        self._clean_after_kill()
-        notes: list[str] = []
-        if resume is not None:
-            self.load_state(train_state.resolve_resume(resume))
-        self._open_logs(resumed=resume is not None)  # config.json first: a stage-1 crash leaves a resumable run
-        if resume is None and self.cfg.adapt.method == "lp-ft":
-            notes.append(self._linear_probe_head())
-        if self.select_set is not None and self.step == 0:
-            self._select()  # step 0 is a candidate: for lp-ft, the linear head it starts from
-        cfg, spe = self.cfg, self.loader.steps_per_epoch
         from tqdm import tqdm
 
+        t0 = time.perf_counter()
+        notes = self._start(resume)
         last_eval: dict[str, float] = {}
-        epoch_t0, epoch_images = time.perf_counter(), 0
+        started = time.perf_counter()
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -443,58 +263,88 @@ class Trainer(Run):
             file=sys.stderr,
             dynamic_ncols=True,
             disable=not (self.progress and self.dist.is_main),
-            desc=cfg.name,
+            desc=self.cfg.name,
         )
         with heap_kept(), bar:  # freed activations stay in the heap for the next step (heap.py)
             while self.step < self.total_steps:
-                epoch = self.step // spe
-                t_last = time.perf_counter()
-                for micro in self.loader.epoch(epoch, self.step % spe):
-                    rec = self.train_step(micro)
-                    self.history.append(rec)
-                    if self.select_set is not None and (
-                        self.step % self.select_every == 0 or self.step == self.total_steps
-                    ):
-                        self._select()
-                    now = time.perf_counter()
-                    ips = cfg.data.batch_size / max(now - t_last, 1e-9)
-                    t_last = now
-                    epoch_images += cfg.data.batch_size
-                    bar.update(1)
-                    if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
-                        bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}")
-                        self._log_step(rec, ips)
-                    every = cfg.checkpoint_every_steps
-                    if every and self.step % every == 0 and self.step % spe and self.step < self.total_steps:
-                        self.save_state()  # mid-epoch; epoch ends are checkpointed below, after the metrics
-                    if on_step is not None:
-                        on_step(self, rec)
-                    if self.step >= self.total_steps:
-                        break
-                # end of an epoch (or of training)
-                ep = (self.step - 1) // spe
-                done = self.step >= self.total_steps
-                due = done or (ep + 1) % cfg.eval_every_epochs == 0
-                last_eval = self.evaluate() if due and self.select_set is None else {}  # selecting: after the loop
-                seconds = time.perf_counter() - epoch_t0
-                row = {
-                    "epoch": ep + 1 if self.step % spe == 0 else round(self.step / spe, 3),
-                    "step": self.step,
-                    "train_loss": self.epoch_loss[0] / max(self.epoch_loss[1], 1),
-                    "val_loss": last_eval.get("val_loss", float("nan")),
-                    "val_top1": last_eval.get("val_top1", float("nan")),
-                    "lr": self.opt.param_groups[0]["lr"],
-                    "images_per_s": round(epoch_images / max(seconds, 1e-9), 1),
-                    "skipped_steps": self.skipped,
-                }
-                self.epoch_loss = [0.0, 0]
-                epoch_t0, epoch_images = time.perf_counter(), 0
-                self._log_epoch(row)
-                top1 = last_eval.get("val_top1")
-                if top1 is not None and (self.best_top1 is None or top1 > self.best_top1):
-                    self.best_top1 = top1
-                    self.save_model("best", val_top1=top1)
-                self.save_state()
+                images = self._run_epoch(bar, on_step)
+                last_eval, started = self._end_epoch(images, started)
+        return self._finish(notes, last_eval, t0)
+
+    def _start(self, resume: str | Path | None) -> list[str]:
+        """Clean what a killed run left, restore the state to resume from, start the logs (config.json first: a
+        stage-1 crash leaves a resumable run), and LP-FT's first stage; returns the notes for the result."""
+        self._clean_after_kill()
+        notes: list[str] = []
+        if resume is not None:
+            self.load_state(train_state.resolve_resume(resume))
+        if self.dist.is_main:
+            self.epoch_rows, self._tb = logs.start(self.run_dir, self.cfg.to_dict(), self.step, resume is not None)
+        if resume is None and self.cfg.adapt.method == "lp-ft":
+            notes.append(self._linear_probe_head())
+        if self.select_set is not None and self.step == 0:
+            self._select()  # step 0 is a candidate: for lp-ft, the linear head it starts from
+        return notes
+
+    def _run_epoch(self, bar: Any, on_step: Callable[[Trainer, dict[str, float]], None] | None) -> int:
+        """The steps of the current epoch, from where it stands to its end or the last step (selection, step
+        logs and mid-epoch states on their schedules); returns the images trained on."""
+        cfg, spe = self.cfg, self.loader.steps_per_epoch
+        images, t_last = 0, time.perf_counter()
+        for micro in self.loader.epoch(self.step // spe, self.step % spe):
+            rec = self.train_step(micro)
+            self.history.append(rec)
+            if self.select_set is not None and (self.step % self.select_every == 0 or self.step == self.total_steps):
+                self._select()
+            now = time.perf_counter()
+            ips, t_last = cfg.data.batch_size / max(now - t_last, 1e-9), now
+            images += cfg.data.batch_size
+            bar.update(1)
+            if self.step % cfg.log_every_steps == 0 or self.step == self.total_steps:
+                bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.2e}", img_s=f"{ips:.0f}")
+                if self.dist.is_main:
+                    logs.log_step(self.run_dir, self._tb, rec, ips)
+            every = cfg.checkpoint_every_steps
+            if every and self.step % every == 0 and self.step % spe and self.step < self.total_steps:
+                self.save_state()  # mid-epoch; epoch ends are checkpointed by _end_epoch, after the metrics
+            if on_step is not None:
+                on_step(self, rec)
+            if self.step >= self.total_steps:
+                break
+        return images
+
+    def _end_epoch(self, images: int, started: float) -> tuple[dict[str, float], float]:
+        """The end of an epoch (or of training): validation when due, the epoch's metrics row, the best weights so
+        far, the training state. Returns the validation metrics and the time the next epoch's clock starts."""
+        spe = self.loader.steps_per_epoch
+        ep = (self.step - 1) // spe
+        due = self.step >= self.total_steps or (ep + 1) % self.cfg.eval_every_epochs == 0
+        last_eval = self.evaluate() if due and self.select_set is None else {}  # selecting: after the loop
+        seconds = time.perf_counter() - started
+        row = {
+            "epoch": ep + 1 if self.step % spe == 0 else round(self.step / spe, 3),
+            "step": self.step,
+            "train_loss": self.epoch_loss[0] / max(self.epoch_loss[1], 1),
+            "val_loss": last_eval.get("val_loss", float("nan")),
+            "val_top1": last_eval.get("val_top1", float("nan")),
+            "lr": self.opt.param_groups[0]["lr"],
+            "images_per_s": round(images / max(seconds, 1e-9), 1),
+            "skipped_steps": self.skipped,
+        }
+        self.epoch_loss = [0.0, 0]
+        started = time.perf_counter()
+        self.epoch_rows.append(row)
+        if self.dist.is_main:
+            logs.log_epoch(self.run_dir, self._tb, row)
+        top1 = last_eval.get("val_top1")
+        if top1 is not None and (self.best_top1 is None or top1 > self.best_top1):
+            self.best_top1 = top1
+            self.save_model("best", val_top1=top1)
+        self.save_state()
+        return last_eval, started
+
+    def _finish(self, notes: list[str], last_eval: dict[str, float], t0: float) -> TrainResult:
+        """The selected weights kept (adapt.select), the final model saved, the curves drawn; the result."""
         kept: dict[str, Any] = {}
         if self.select_set is not None:
             notes.append(self._keep_selected())

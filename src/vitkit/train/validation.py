@@ -1,0 +1,124 @@
+"""The validation pass of a :class:`~vitkit.train.trainer.Trainer`: top-1 and mean loss of the current (EMA,
+when on) weights over a split, on the training model or, for a large pass on one CPU process, on the inference
+engine's fast path packed from those weights."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitkit.configs import TrainConfig
+from vitkit.data.base import ImageDataset
+from vitkit.data.loader import Batch, eval_batches
+from vitkit.data.resident import resident_eval_batches
+from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.train import distributed as distr
+from vitkit.train.run import Run
+
+# a validation pass of at least this many tokens (images x tokens per image) runs on the inference fast path,
+# packed from the current weights; smaller ones on the model itself (see Trainer._validation_forward)
+VALIDATION_FAST_TOKENS = 20_000
+
+
+class ValidatedRun(Run):
+    """A run that trains a model (set by :class:`~vitkit.train.trainer.Trainer`: ``model``, the wrapped one;
+    ``forward``, compiled or not; ``explicit_attention``, the training steps' choice), and validates it."""
+
+    model: nn.Module
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    explicit_attention: bool
+
+    def __init__(
+        self, cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, claim: bool | str = "exclusive"
+    ) -> None:
+        super().__init__(cfg, run_dir, progress=progress, claim=claim)
+        self._resident_eval: dict[int, list[Batch]] = {}  # id(dataset) -> its evaluation batches on the device
+        self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
+        self._val_used = self.precision  # what the last validation pass computed in
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, dataset: ImageDataset | None = None) -> dict[str, float]:
+        """Top-1 and mean loss of the current (EMA, when on) weights over the validation set."""
+        ds = dataset or self.val_set
+        if ds is None:
+            return {}
+        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
+        self.model.eval()
+        self.net.set_fused_attention(True)  # no backward: the fused kernel, which never holds (B, h, T, T)
+        totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
+        with ctx:
+            forward, autocast = self._validation_forward(ds)
+            for b in self._eval_batches(ds):
+                x, y = b.images.to(self.device, non_blocking=True), b.labels.to(self.device, non_blocking=True)
+                with autocast:
+                    logits = forward(x).float()
+                if b.valid is not None:  # padding that keeps every process's forward passes in step
+                    keep = b.valid.to(self.device)
+                    logits, y = logits[keep], y[keep]
+                totals[0] += (logits.argmax(-1) == y).sum()
+                totals[1] += F.cross_entropy(logits, y, reduction="sum")
+                totals[2] += y.numel()
+            reshard = getattr(self.net, "reshard", None)  # FSDP2 keeps the root unsharded after a forward
+            if reshard is not None:
+                reshard()
+        self.model.train()
+        self.net.set_fused_attention(not self.explicit_attention)
+        totals = distr.all_reduce_sum(totals, self.dist)
+        n = max(float(totals[2]), 1.0)
+        return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
+
+    def _eval_batches(self, ds: ImageDataset) -> Iterable[Batch]:
+        """The evaluation batches of ``ds``: for a small in-memory set (``resident_eval_batches``), prepared on
+        the device at the first pass and kept (the transform is deterministic: the same tensors every pass)."""
+        kept = self._resident_eval.get(id(ds))
+        if kept is None:
+            kept = resident_eval_batches(
+                ds, self.preprocess.to_tensor, self.cfg.data.eval_batch_size,
+                rank=self.dist.rank, world=self.dist.world, device=self.device,
+            )  # fmt: skip
+            if kept is not None:
+                self._resident_eval[id(ds)] = kept
+        if kept is not None:
+            return kept
+        return eval_batches(
+            ds,
+            self.preprocess.to_tensor,
+            self.cfg.data.eval_batch_size,
+            rank=self.dist.rank,
+            world=self.dist.world,
+            workers=self.workers,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    def _validation_forward(self, dataset: ImageDataset) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
+        """(forward, autocast context) of a validation pass over ``dataset``. One process on the CPU, and a pass
+        of at least ``VALIDATION_FAST_TOKENS`` tokens (images x tokens per image): the inference engine's fast
+        path, built now from the current (EMA, when on) weights, in fp32 for an fp32 run (the model's function up
+        to fp32 rounding), for a bf16 run in bf16 where that is native and faster than fp32 (else fp32).
+        Otherwise (smaller passes, GPUs, several processes, torch.compile): the training model under the run's
+        autocast. Packing the weights costs about what the fast path saves on ~12,000 tokens (B/16 and S/16 at
+        224 px, 64 images: 0.98-0.99x the model's own pass; the default digits job's 5,700: 1.51x; BENCHMARKS.md,
+        benchmarks/validation_pass.py), so smaller passes keep the model."""
+        small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
+        if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
+            self._val_used = self.precision
+            return self.forward, self._autocast()
+        if self._val_precision is None:
+            self._val_precision = "fp32" if self.precision == "fp32" else resolve_precision("auto", self.device)
+        self._val_used = self._val_precision
+        engine = InferenceEngine(
+            self.net, self.preprocess, precision=self._val_precision, device=self.device,
+            batch_size=self.cfg.data.eval_batch_size, fp32_reference=False,
+        )  # fmt: skip
+        return engine.logits, contextlib.nullcontext()
