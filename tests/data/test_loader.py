@@ -37,3 +37,17 @@ def test_one_process_is_never_padded() -> None:
     batches = list(eval_batches(ds, _to_tensor, 100))
     assert [len(b.labels) for b in batches] == [100, 100, 100, 59]
     assert all(b.valid is None for b in batches)
+
+
+@pytest.mark.parametrize(("n_world", "batch"), [(2, 179), (3, 100), (4, 512)])
+def test_validation_deals_batches_as_the_batch_jobs_do(n_world: int, batch: int) -> None:
+    """One sharding scheme: a rank's real samples in a training run's validation are its share of the batch jobs'
+    deal (vitkit.distributed.shard_steps, the batch capped at ceil(n / world)), in the same order."""
+    from vitkit.distributed import DistInfo, shard_steps
+
+    ds = open_dataset("digits", "test")
+    size = min(batch, -(-len(ds) // n_world))
+    for r in range(n_world):
+        got = [i for b in eval_batches(ds, _to_tensor, batch, rank=r, world=n_world)
+               for i in (b.indices if b.valid is None else b.indices[b.valid]).tolist()]  # fmt: skip
+        assert got == shard_steps(range(len(ds)), size, DistInfo(rank=r, world=n_world))[0]
