@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess, load_image, normalize, open_lazy
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess, normalize
 from vitkit.data.eval_transform import EvalTransform, Normalizer, normalize_batch, reduced_scale
+from vitkit.images import load_image, open_lazy
 
 
 def photo(path: Path, width: int, height: int) -> Path:
@@ -144,7 +145,8 @@ _LINE_RSS = """
 import io, sys
 import numpy as np
 from PIL import Image
-from vitkit.checkpoints.preprocess import Preprocess, open_lazy
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.images import open_lazy
 from vitkit.data.eval_transform import EvalTransform
 t = EvalTransform(Preprocess(image_size=224, resize="crop", crop_pct=0.875), reference=False)
 def hwm():  # this process's peak RSS in MiB (VmHWM: getrusage's maxrss carries the parent's over exec)

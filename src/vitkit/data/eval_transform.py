@@ -5,7 +5,7 @@
 - ``reference=True``: exactly :meth:`Preprocess.to_tensor` of the fully decoded image (Pillow's decode and
   resize), bit for bit what ``vitkit predict`` and ``vitkit eval`` computed before the fast path became their
   default; ``--precision fp32`` uses it;
-- otherwise a JPEG read but not decoded (:class:`~vitkit.checkpoints.preprocess.EncodedJpeg`) is decoded by
+- otherwise a JPEG read but not decoded (:class:`~vitkit.images.EncodedJpeg`) is decoded by
   libjpeg-turbo straight into an array, at 1/2, 1/4 or 1/8 scale (DCT scaling, what Pillow's ``draft`` does)
   when the reduced image still holds ``REDUCED_MARGIN`` times the pixels the resize needs in each direction,
   and resized by PyTorch's antialiased uint8 kernel (Pillow's filter; the same pixels within rounding, 3x
@@ -30,8 +30,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import RESAMPLE, EncodedJpeg, LazyImage, Preprocess, convert_image, decode_image
+from vitkit.checkpoints.preprocess import RESAMPLE, Preprocess
 from vitkit.errors import DataError
+from vitkit.images import EncodedJpeg, LazyImage, convert_image, decode_image
 
 # A JPEG is decoded at 1/s scale only when the reduced image keeps this many times the resize's output pixels
 # in each direction, so the final resize still low-passes what DCT scaling leaves. Measured on tiles of the

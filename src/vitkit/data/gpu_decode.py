@@ -2,7 +2,7 @@
 process decodes each batch's JPEGs at once with NVIDIA's nvImageCodec (nvJPEG; the optional extra
 ``vitkit[gpu]``), then resizes and crops them on the device.
 
-- :class:`GpuDecodeTransform` runs in the workers: a JPEG that :func:`~vitkit.checkpoints.preprocess.open_lazy`
+- :class:`GpuDecodeTransform` runs in the workers: a JPEG that :func:`~vitkit.images.open_lazy`
   read and checked (a regular file under the byte cap, at most ``MAX_JPEG_SCANS`` scans, a header under the pixel
   limit, the preprocessing's size check) is handed over as its bytes (:class:`~vitkit.data.stream.EncodedImage`);
   anything else (PNG, greyscale or CMYK JPEGs, a greyscale model, an interpolation without an antialiased
@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import _TORCH_MODES, MAX_CROP_AMPLIFICATION, EvalTransform, resize_target
 from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch
 from vitkit.errors import ConfigError, DataError
+from vitkit.images import EncodedJpeg, LazyImage
 
 DECODES = ("cpu", "gpu", "auto")
 # JPEGs of more pixels than this are decoded by the workers at reduced scale instead: a batch of 256 full-scale

@@ -23,16 +23,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 
-from vitkit.checkpoints.preprocess import (
-    INCEPTION_MEAN,
-    INCEPTION_STD,
-    RESAMPLE,
-    LazyImage,
-    Preprocess,
-    convert_image,
-    decode_crop,
-    decode_crop_rgb,
-)
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, RESAMPLE, Preprocess
+from vitkit.images import LazyImage, convert_image, decode_crop, decode_crop_rgb
 
 Rng = np.random.Generator
 
@@ -81,7 +73,7 @@ def inception_crop(
     mode: str | None = None,
 ) -> Image.Image:
     """Random-resized crop to ``size`` = (H, W); given a ``mode`` ("RGB" or "L"), the crop is converted to it
-    (:func:`~vitkit.checkpoints.preprocess.convert_image`) before it is resized."""
+    (:func:`~vitkit.images.convert_image`) before it is resized."""
     box = inception_crop_box(img.width, img.height, rng, scale, ratio)
     img, region = decode_crop(img, box, size)  # a lazy JPEG: decoded at the smallest scale the crop allows
     img = img if mode is None else convert_image(img, mode)
@@ -284,7 +276,7 @@ class TrainTransform:
     def _crop_flip_normalise(self, img: LazyImage, rng: Rng) -> torch.Tensor:
         """``to_tensor(augment(img, rng))`` for an inception crop without RandAugment, with the same random
         draws and the same region: a JPEG is decoded straight into an array (at reduced scale when the crop
-        allows and the image has at least ``REDUCED_DECODE_PIXELS``, see ``preprocess.decode_crop_rgb``);
+        allows and the image has at least ``REDUCED_DECODE_PIXELS``, see ``images.decode_crop_rgb``);
         a crop on whole pixels is resized by PyTorch's antialiased uint8 kernel (Pillow's filter, 3x
         faster; the same pixels within rounding, except on the outermost rows and columns, where Pillow's
         filter also reads pixels just outside the box); flipped and normalised in CHW. Crops of a

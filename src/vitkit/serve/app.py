@@ -44,8 +44,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vitkit.checkpoints.preprocess import ImageTooLarge
 from vitkit.errors import DataError
+from vitkit.images import ImageTooLarge
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
 from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_image, png_base64
 

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vitkit import images
 from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
-from vitkit.checkpoints import Loaded, load_checkpoint, preprocess
+from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
     CALIBRATION_MAX_IMAGES,
@@ -69,8 +70,8 @@ def decode_image(data: bytes | bytearray, max_pixels: int) -> Image.Image:
     if not data:
         raise RequestError(400, "empty body: send the image file's bytes")
     try:
-        return preprocess.decode_image(bytes(data), "image", max_pixels=max_pixels)
-    except preprocess.ImageTooLarge as e:
+        return images.decode_image(bytes(data), "image", max_pixels=max_pixels)
+    except images.ImageTooLarge as e:
         raise RequestError(413, str(e)) from None
     except DataError as e:
         raise RequestError(400, str(e)) from None
