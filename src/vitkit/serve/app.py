@@ -45,9 +45,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vitkit.errors import DataError
-from vitkit.images import ImageTooLarge
+from vitkit.images import ImageTooLarge, decode_image
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
-from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_image, png_base64
+from vitkit.serve.engine import Prediction, RequestError, ServedModel, png_base64
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -333,10 +333,9 @@ def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> Fast
 
     def prepare(data: bytes | bytearray) -> torch.Tensor:
         """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large)."""
-        img = decode_image(data, opts.max_pixels)
-        try:
-            return served.to_tensor(img)
-        except ImageTooLarge as e:  # e.g. a centre crop of a line of pixels
+        try:  # bytes(data): the upload buffer copied here, in the decoding thread
+            return served.to_tensor(decode_image(bytes(data), "image", max_pixels=opts.max_pixels))
+        except ImageTooLarge as e:  # a decompression bomb, or a centre crop of a line of pixels
             raise RequestError(413, str(e)) from None
         except DataError as e:
             raise RequestError(400, str(e)) from None
