@@ -36,6 +36,8 @@ RESAMPLE = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
+# the interpolations PyTorch resizes as Pillow does (antialiased uint8 kernels), by ``F.interpolate``'s mode name
+TORCH_RESIZE = {"bilinear": "bilinear", "bicubic": "bicubic"}
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import RESAMPLE, Preprocess
-from vitkit.errors import DataError
-from vitkit.images import EncodedJpeg, LazyImage, convert_image, decode_image
+from vitkit.checkpoints.preprocess import RESAMPLE, TORCH_RESIZE, Preprocess
+from vitkit.images import EncodedJpeg, LazyImage, convert_image, decode_image, decode_scaled
 
 # A JPEG is decoded at 1/s scale only when the reduced image keeps this many times the resize's output pixels
 # in each direction, so the final resize still low-passes what DCT scaling leaves. Measured on tiles of the
@@ -43,7 +42,6 @@ REDUCED_MARGIN = 1.5
 # A centre crop whose resized image would hold more than this many times the crop's pixels (an image far from
 # the crop's shape: 1000x1 -> 256000x256 for a 224 crop) resizes only the crop's box, as the reference does
 MAX_CROP_AMPLIFICATION = 4
-_TORCH_MODES = {"bilinear": "bilinear", "bicubic": "bicubic"}  # antialiased uint8 kernels in PyTorch and Pillow
 
 
 def resize_target(width: int, height: int, pre: Preprocess) -> tuple[int, int, int, int]:
@@ -87,7 +85,7 @@ class EvalTransform:
         pre = self.preprocess
         if isinstance(img, EncodedJpeg):
             pre.check_size(img.width, img.height, img.name)  # refused from the header, before any decoding
-            if self.reference or pre.grayscale or img.mode != "RGB" or pre.interpolation not in _TORCH_MODES:
+            if self.reference or pre.grayscale or img.mode != "RGB" or pre.interpolation not in TORCH_RESIZE:
                 name = img.name
                 img = decode_image(img.data, name)
             else:
@@ -97,18 +95,10 @@ class EvalTransform:
         return pre.to_tensor(img, name)
 
     def _jpeg(self, jpeg: EncodedJpeg) -> torch.Tensor:
-        import simplejpeg
-
         pre = self.preprocess
         new_w, new_h, left, top = resize_target(jpeg.width, jpeg.height, pre)
         s = reduced_scale(jpeg.width, jpeg.height, pre)
-        h, w = -(-jpeg.height // s), -(-jpeg.width // s)
-        try:
-            arr = simplejpeg.decode_jpeg(jpeg.data, "RGB", min_height=h, min_width=w, min_factor=s, strict=True)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{jpeg.name}: corrupt or truncated image ({e})") from None
-        if arr.shape[:2] != (h, w):  # libjpeg scales by 1/s exactly; never silently
-            raise DataError(f"{jpeg.name}: decoded to {arr.shape[1]}x{arr.shape[0]}, expected {w}x{h} (1/{s} scale)")
+        arr = decode_scaled(jpeg, s)  # (ceil(height / s), ceil(width / s), 3) uint8
         H, W = pre.image_size
         if pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W:  # a line of pixels: resize
             # only the crop's box (Pillow maps it as the whole resize would), never the 256000x256 intermediate
@@ -125,8 +115,8 @@ class EvalTransform:
             x = torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1)  # (3, new_h, new_w) uint8
         else:
             x = torch.from_numpy(arr).permute(2, 0, 1)  # (3, h, w) uint8
-            if (h, w) != (new_h, new_w):
-                mode = _TORCH_MODES[pre.interpolation]
+            if arr.shape[:2] != (new_h, new_w):
+                mode = TORCH_RESIZE[pre.interpolation]
                 x = F.interpolate(x[None], size=(new_h, new_w), mode=mode, antialias=True)[0]
         return self._normalise(x[:, top : top + H, left : left + W])  # (3, H, W) uint8
 

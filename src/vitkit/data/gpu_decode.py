@@ -28,8 +28,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitkit.checkpoints.preprocess import Preprocess
-from vitkit.data.eval_transform import _TORCH_MODES, MAX_CROP_AMPLIFICATION, EvalTransform, resize_target
+from vitkit.checkpoints.preprocess import TORCH_RESIZE, Preprocess
+from vitkit.data.eval_transform import MAX_CROP_AMPLIFICATION, EvalTransform, resize_target
 from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch
 from vitkit.errors import ConfigError, DataError
 from vitkit.images import EncodedJpeg, LazyImage
@@ -54,7 +54,7 @@ def gpu_decodable(pre: Preprocess, jpeg: EncodedJpeg) -> bool:
     """Whether ``jpeg`` goes to the GPU decoder for ``pre``: an RGB model, a colour JPEG, an interpolation
     PyTorch resizes with antialiasing, at most ``GPU_MAX_PIXELS``, and not a line of pixels whose centre crop
     the CPU path resizes box-wise (``MAX_CROP_AMPLIFICATION``)."""
-    if pre.grayscale or jpeg.mode != "RGB" or pre.interpolation not in _TORCH_MODES:
+    if pre.grayscale or jpeg.mode != "RGB" or pre.interpolation not in TORCH_RESIZE:
         return False
     if jpeg.width * jpeg.height > GPU_MAX_PIXELS:
         return False
@@ -91,7 +91,7 @@ def resize_crop(x: torch.Tensor, pre: Preprocess) -> torch.Tensor:
     H, W = pre.image_size
     h, w = x.shape[-2:]
     new_w, new_h, left, top = resize_target(w, h, pre)
-    mode = _TORCH_MODES[pre.interpolation]
+    mode = TORCH_RESIZE[pre.interpolation]
     y = x.float()
     if w != new_w:  # Pillow's order: the horizontal pass first
         y = F.interpolate(y, size=(h, new_w), mode=mode, antialias=True).round_().clamp_(0, 255)
