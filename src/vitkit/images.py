@@ -118,9 +118,8 @@ def _scan_end(data: bytes, i: int) -> int:
 def check_jpeg_scans(data: bytes, name: str | Callable[[], str]) -> None:
     """ImageTooLarge naming the image when ``data`` is a JPEG of more than :data:`MAX_JPEG_SCANS` scans."""
     if data[:2] == b"\xff\xd8" and jpeg_scans(data) > MAX_JPEG_SCANS:
-        shown = name if isinstance(name, str) else name()
         raise ImageTooLarge(
-            f"{shown}: a JPEG of more than {MAX_JPEG_SCANS} scans (progressive JPEGs have about 10): refused "
+            f"{_named(name)}: a JPEG of more than {MAX_JPEG_SCANS} scans (progressive JPEGs have about 10): refused "
             "undecoded, as a decompression bomb"
         )
 
@@ -142,7 +141,7 @@ class EncodedJpeg:
 
     @property
     def name(self) -> str:
-        return self._name if isinstance(self._name, str) else self._name()
+        return _named(self._name)
 
     def __repr__(self) -> str:
         return f"EncodedJpeg({self.name!r}, {self.width}x{self.height}, {self.mode}, {len(self.data)} bytes)"
@@ -169,13 +168,7 @@ def encoded_jpeg(data: bytes, name: str | Callable[[], str]) -> EncodedJpeg | No
     mode = _JPEG_MODES.get(colorspace)
     if mode is None or width <= 0 or height <= 0:
         return None
-    limit = max_image_pixels()
-    if limit is not None and width * height > limit:
-        shown = name if isinstance(name, str) else name()
-        raise ImageTooLarge(
-            f"{shown}: image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} pixels "
-            "(a decompression bomb or a corrupt header)"
-        )
+    _check_pixels(width, height, max_image_pixels(), name)
     return EncodedJpeg(data, int(width), int(height), mode, name)
 
 
@@ -190,7 +183,7 @@ def lazy_image(data: bytes, name: str | Callable[[], str]) -> LazyImage:
     """Encoded image bytes as an :class:`EncodedJpeg` when :func:`encoded_jpeg` takes them, else fully
     decoded by :func:`decode_image` (which names what is wrong). ``name`` as for :class:`EncodedJpeg`."""
     lazy = encoded_jpeg(data, name)
-    return lazy if lazy is not None else decode_image(data, name if isinstance(name, str) else name())
+    return lazy if lazy is not None else decode_image(data, _named(name))
 
 
 def decode_crop(
@@ -287,11 +280,7 @@ def decode_image(
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is enforced below
             with Image.open(fp, formats=IMAGE_FORMATS) as img:
                 w, h = img.size
-                if limit is not None and w * h > limit:
-                    raise ImageTooLarge(
-                        f"{name}: image of {w}x{h} = {w * h} pixels exceeds the limit of {limit} pixels "
-                        "(a decompression bomb or a corrupt header)"
-                    )
+                _check_pixels(w, h, limit, name)
                 if w * h == 0:
                     raise DataError(f"{name}: image of {w}x{h} pixels has no pixels")
                 img.load()
@@ -315,6 +304,20 @@ def _read_named(path: str | os.PathLike[str], name: str) -> bytes:
         return read_image_file(path, empty_ok=True)
     except DataError as e:
         raise DataError(f"{name}: {str(e).removeprefix(os.fspath(path) + ': ')}") from None
+
+
+def _check_pixels(width: int, height: int, limit: int | None, name: str | Callable[[], str]) -> None:
+    """:class:`ImageTooLarge` naming the image when its header's ``width`` x ``height`` is over ``limit`` pixels
+    (None: no limit), before any pixel memory is allocated."""
+    if limit is not None and width * height > limit:
+        raise ImageTooLarge(
+            f"{_named(name)}: image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} "
+            "pixels (a decompression bomb or a corrupt header)"
+        )
+
+
+def _named(name: str | Callable[[], str]) -> str:
+    return name if isinstance(name, str) else name()
 
 
 def max_image_pixels() -> int | None:
