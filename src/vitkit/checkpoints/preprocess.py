@@ -102,6 +102,16 @@ class Preprocess:
             return img.resize((W, H), resample)
         return img.resize((W, H), resample, box=self.crop_box(img.width, img.height, name))
 
+    def resize_target(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(resized width, resized height, crop left, crop top) of :meth:`resized` for an image of ``width`` x
+        ``height``: squash straight to the image size, or shorter side to size / crop_pct then the centre crop."""
+        H, W = self.image_size
+        if self.resize == "squash":
+            return W, H, 0, 0
+        scale = max(H / height, W / width) / self.crop_pct
+        new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
+        return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
+
     def crop_box(self, width: int, height: int, name: str = "image") -> tuple[float, float, float, float]:
         """Crop mode: the part of a ``width`` x ``height`` image that becomes the model input, in its own pixels
         (left, top, right, bottom). The input is the centre (H, W) of the image resized so that its shorter side
@@ -119,15 +129,13 @@ class Preprocess:
                 f"{name}: image of {width}x{height} has an aspect ratio of {width}:{height}, over the limit of "
                 f"{MAX_ASPECT_RATIO}:1 for a centre crop"
             )
-        scale = max(H / height, W / width) / self.crop_pct
-        new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
+        new_w, new_h, left, top = self.resize_target(width, height)  # the crop in the resized image's pixels
         limit = max_image_pixels()
         if limit is not None and new_w * new_h > limit:
             raise ImageTooLarge(
                 f"{name}: a centre crop resizes the {width}x{height} image to {new_w}x{new_h} = {new_w * new_h} "
                 f"pixels before cropping, over the limit of {limit} pixels"
             )
-        left, top = (new_w - W) // 2, (new_h - H) // 2  # the crop in the resized image's pixels
         # source = resized * (width / new_w); products first, so the right/bottom edge is exact (never > width)
         return (left * width / new_w, top * height / new_h, (left + W) * width / new_w, (top + H) * height / new_h)
 

@@ -44,22 +44,10 @@ REDUCED_MARGIN = 1.5
 MAX_CROP_AMPLIFICATION = 4
 
 
-def resize_target(width: int, height: int, pre: Preprocess) -> tuple[int, int, int, int]:
-    """(resized width, resized height, crop left, crop top) of :meth:`Preprocess.resized` for an image of
-    ``width`` x ``height``: squash straight to the image size, or shorter side to size / crop_pct then the
-    centre crop."""
-    H, W = pre.image_size
-    if pre.resize == "squash":
-        return W, H, 0, 0
-    scale = max(H / height, W / width) / pre.crop_pct
-    new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
-    return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
-
-
 def reduced_scale(width: int, height: int, pre: Preprocess) -> int:
     """The largest of 8, 4, 2 by which a ``width`` x ``height`` JPEG may be decoded for ``pre`` (the reduced
     image keeps ``REDUCED_MARGIN`` times the resize's output in each direction), else 1."""
-    new_w, new_h, _, _ = resize_target(width, height, pre)
+    new_w, new_h, _, _ = pre.resize_target(width, height)
     return next(
         (s for s in (8, 4, 2) if width / s >= REDUCED_MARGIN * new_w and height / s >= REDUCED_MARGIN * new_h), 1
     )
@@ -96,7 +84,7 @@ class EvalTransform:
 
     def _jpeg(self, jpeg: EncodedJpeg) -> torch.Tensor:
         pre = self.preprocess
-        new_w, new_h, left, top = resize_target(jpeg.width, jpeg.height, pre)
+        new_w, new_h, left, top = pre.resize_target(jpeg.width, jpeg.height)
         s = reduced_scale(jpeg.width, jpeg.height, pre)
         arr = decode_scaled(jpeg, s)  # (ceil(height / s), ceil(width / s), 3) uint8
         H, W = pre.image_size

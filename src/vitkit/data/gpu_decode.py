@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from vitkit.checkpoints.preprocess import TORCH_RESIZE, Preprocess
-from vitkit.data.eval_transform import MAX_CROP_AMPLIFICATION, EvalTransform, resize_target
+from vitkit.data.eval_transform import MAX_CROP_AMPLIFICATION, EvalTransform
 from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch
 from vitkit.errors import ConfigError, DataError
 from vitkit.images import EncodedJpeg, LazyImage
@@ -58,7 +58,7 @@ def gpu_decodable(pre: Preprocess, jpeg: EncodedJpeg) -> bool:
         return False
     if jpeg.width * jpeg.height > GPU_MAX_PIXELS:
         return False
-    new_w, new_h, _, _ = resize_target(jpeg.width, jpeg.height, pre)
+    new_w, new_h, _, _ = pre.resize_target(jpeg.width, jpeg.height)
     H, W = pre.image_size
     return not (pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W)
 
@@ -90,7 +90,7 @@ def resize_crop(x: torch.Tensor, pre: Preprocess) -> torch.Tensor:
     pixels by 3-4 levels)."""
     H, W = pre.image_size
     h, w = x.shape[-2:]
-    new_w, new_h, left, top = resize_target(w, h, pre)
+    new_w, new_h, left, top = pre.resize_target(w, h)
     mode = TORCH_RESIZE[pre.interpolation]
     y = x.float()
     if w != new_w:  # Pillow's order: the horizontal pass first
