@@ -14,7 +14,7 @@ quality 90 (Pillow's default 4:2:0), one class per photo.
   resize of that box, flip, ``(np.asarray(img, float32) / 255 - mean) / std`` then CHW: the textbook path
   (and vitkit's before this benchmark).
 - vitkit: ``ImageFolder.lazy_item`` + ``TrainTransform`` (the trainer's path): the file is read and its
-  JPEG header parsed (``preprocess.EncodedJpeg``), the crop box drawn, the JPEG decoded by libjpeg-turbo
+  JPEG header parsed (``images.EncodedJpeg``), the crop box drawn, the JPEG decoded by libjpeg-turbo
   (simplejpeg) straight into an array (at 1/2, 1/4 or 1/8 scale only for images of at least
   ``REDUCED_DECODE_PIXELS``: none here), the box resized by PyTorch's antialiased uint8 kernel, flipped,
   normalised.

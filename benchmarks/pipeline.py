@@ -255,8 +255,8 @@ def decode_rates(folder: Path, ckpt: Path) -> dict[str, Any]:
     import torch
 
     import vitkit
-    from vitkit.checkpoints.preprocess import open_lazy
     from vitkit.data.eval_transform import EvalTransform, reduced_scale
+    from vitkit.images import open_lazy
 
     torch.set_num_threads(1)  # a worker's one thread
     pre = vitkit.load_checkpoint(ckpt).meta.preprocess

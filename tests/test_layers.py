@@ -2,7 +2,7 @@
 
 Layers, bottom to top (docs/architecture.md)::
 
-    errors, fileio, hardware, timing  <-  models  <-  checkpoints (hub, native)  <-  data  <-  configs, outputs
+    errors, fileio, hardware, timing, images  <-  models  <-  checkpoints (hub, native)  <-  data  <-  configs, outputs
         <-  train / evaluate / analysis / inference  <-  bench / serve  <-  vitkit (the API)  <-  commands / cli
 
 Imports are read with ``ast`` from the source (module level and inside functions alike), so a lazy import
@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "timing": 0,
     "distributed": 0,  # torchrun process groups (train and the batch jobs)
     "version": 0,
+    "images": 0,  # image files and bytes -> decoded pixels, every bound checked first (datasets, checkpoints, serve)
     "models": 1,
     "checkpoints": 2,
     "hub": 2,

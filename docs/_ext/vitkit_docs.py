@@ -48,8 +48,8 @@ LAYER_ORDER = [
     "serve",
 ]
 NOT_API = {"commands"}
-# the top-level modules documented on one page ("the floor": errors, devices, timing, files, compiled kernels)
-CORE_MODULES = ["errors", "hardware", "timing", "fileio", "native", "distributed"]
+# the top-level modules documented on one page ("the floor": errors, devices, timing, files, images, compiled kernels)
+CORE_MODULES = ["errors", "hardware", "timing", "fileio", "images", "native", "distributed"]
 
 
 def packages() -> list[str]:

@@ -7,8 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import Preprocess, load_image
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import DataError
+from vitkit.images import load_image
 
 
 def test_bad_files_are_named(tmp_path: Path, sample_jpeg: Path) -> None:
@@ -180,7 +181,8 @@ def test_elongated_image_is_not_resized_whole(tmp_path: Path) -> None:
     script = """
 import sys
 from PIL import Image
-from vitkit.checkpoints.preprocess import Preprocess, load_image
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.images import load_image
 
 def kib(key):
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
@@ -205,7 +207,7 @@ print(kib("VmHWM") - before, tuple(x.shape))
 
 @pytest.mark.parametrize(("size", "words"), [((30000, 1), "aspect ratio of 30000:1"), ((1, 5000), "1:5000")])
 def test_too_elongated_for_a_centre_crop_is_one_named_error(tmp_path: Path, size: tuple[int, int], words: str) -> None:
-    from vitkit.checkpoints.preprocess import ImageTooLarge
+    from vitkit.images import ImageTooLarge
 
     path = tmp_path / "line.png"
     Image.new("L", size, 77).save(path)
@@ -217,7 +219,7 @@ def test_too_elongated_for_a_centre_crop_is_one_named_error(tmp_path: Path, size
 
 def test_resized_size_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The image the crop is cut from may not exceed the decoder's pixel limit (Pillow's MAX_IMAGE_PIXELS)."""
-    from vitkit.checkpoints.preprocess import ImageTooLarge
+    from vitkit.images import ImageTooLarge
 
     pre = Preprocess(image_size=224, resize="crop", crop_pct=0.875)
     img = Image.new("RGB", (400, 1))  # 400:1, resized to 102400x256 = 26 M pixels before cropping
@@ -305,7 +307,7 @@ def test_a_progressive_jpeg_scan_bomb_is_refused_before_decoding(tmp_path: Path)
     bytes, by both decoders, at once; an ordinary progressive JPEG still decodes."""
     import time
 
-    from vitkit.checkpoints.preprocess import MAX_JPEG_SCANS, decode_image, jpeg_scans, open_lazy
+    from vitkit.images import MAX_JPEG_SCANS, decode_image, jpeg_scans, open_lazy
 
     normal = scan_bomb(0)
     assert 2 <= jpeg_scans(normal) <= 12
@@ -335,7 +337,7 @@ def test_images_that_are_not_regular_files_are_refused_unread(tmp_path: Path) ->
     import multiprocessing
     import os
 
-    from vitkit.checkpoints.preprocess import open_lazy
+    from vitkit.images import open_lazy
 
     (tmp_path / "zero.jpg").symlink_to("/dev/zero")
     os.mkfifo(tmp_path / "fifo.jpg")

@@ -16,12 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import ImageTooLarge, Preprocess, convert_image, decode_image, load_image
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.base import skipped_note
 from vitkit.data.datasets import open_dataset
 from vitkit.data.loader import eval_batches
 from vitkit.data.transforms import TrainTransform
 from vitkit.errors import DataError
+from vitkit.images import ImageTooLarge, convert_image, decode_image, load_image
 
 
 def bomb_png(width: int, height: int) -> bytes:

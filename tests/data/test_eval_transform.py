@@ -11,8 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess, load_image, normalize, open_lazy
+from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess, normalize
 from vitkit.data.eval_transform import EvalTransform, Normalizer, normalize_batch, reduced_scale
+from vitkit.errors import DataError
+from vitkit.images import load_image, open_lazy
 
 
 def photo(path: Path, width: int, height: int) -> Path:
@@ -144,7 +146,8 @@ _LINE_RSS = """
 import io, sys
 import numpy as np
 from PIL import Image
-from vitkit.checkpoints.preprocess import Preprocess, open_lazy
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.images import open_lazy
 from vitkit.data.eval_transform import EvalTransform
 t = EvalTransform(Preprocess(image_size=224, resize="crop", crop_pct=0.875), reference=False)
 def hwm():  # this process's peak RSS in MiB (VmHWM: getrusage's maxrss carries the parent's over exec)
@@ -183,3 +186,14 @@ def test_a_line_of_pixels_is_not_resized_whole_on_the_fast_path(tmp_path: Path, 
         assert res.returncode == 0, res.stderr
         grew[image.name] = float(res.stdout)
     assert grew["line.jpg"] < grew["photo.jpg"] + 32, f"a line of pixels grew the RSS by {grew} MB"
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_truncated_jpeg_is_one_data_error_naming_it_on_either_path(tmp_path: Path, reference: bool) -> None:
+    """The fast path decodes through images.decode_scaled (once its own copy of the simplejpeg call): a JPEG whose
+    header reads but whose data is cut is the same one-line DataError naming the file as the reference decode."""
+    data = photo(tmp_path / "p.jpg", 1000, 700).read_bytes()
+    cut = tmp_path / "cut.jpg"
+    cut.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DataError, match=r"cut\.jpg: corrupt or truncated"):
+        EvalTransform(Preprocess(image_size=224), reference=reference)(open_lazy(cut))

@@ -17,7 +17,7 @@ import torch
 from PIL import Image
 from test_eval_transform import PRES, SIZES, photo
 
-from vitkit.checkpoints.preprocess import MAX_JPEG_SCANS, Preprocess, load_image, open_lazy
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import EvalTransform, pixels
 from vitkit.data.gpu_decode import (
     DecodeRates,
@@ -30,6 +30,7 @@ from vitkit.data.gpu_decode import (
 )
 from vitkit.data.stream import EncodedImage, FileSource, stream_batches
 from vitkit.errors import ConfigError, DataError
+from vitkit.images import MAX_JPEG_SCANS, load_image, open_lazy
 
 REFUSED = b"nvimgcodec-refuses-this"  # a JPEG comment the fake decoder refuses
 

@@ -147,7 +147,7 @@ def test_image_cells_go_through_the_decoders_bounds(tmp_path: Path) -> None:
     """A 144-megapixel PNG of a few KB (the decoder refuses more than 89 MP), a JPEG scan bomb's bytes and a cell
     whose ``path`` names a file outside the dataset's folder: each one line naming the row, counted with
     ``skip_bad``; a cell's path inside the dataset's folder still reads."""
-    from vitkit.checkpoints.preprocess import ImageTooLarge
+    from vitkit.images import ImageTooLarge
 
     buf = io.BytesIO()
     Image.new("1", (12000, 12000)).save(buf, "PNG")

@@ -13,15 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import (
-    EncodedJpeg,
-    ImageTooLarge,
-    decode_crop,
-    decode_crop_rgb,
-    is_lazy_jpeg,
-    normalize,
-    open_lazy,
-)
+from vitkit.checkpoints.preprocess import normalize
 from vitkit.data.datasets import open_dataset
 from vitkit.data.loader import TrainLoader
 from vitkit.data.transforms import (
@@ -32,6 +24,7 @@ from vitkit.data.transforms import (
     sample_rng,
 )
 from vitkit.errors import DataError
+from vitkit.images import EncodedJpeg, ImageTooLarge, decode_crop, decode_crop_rgb, open_lazy
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +91,7 @@ def test_full_scale_decode_is_bit_identical(photo_folder: Path) -> None:
         tf = TrainTransform(size, crop_scale=(0.05, 0.3), interpolation=interp)
         for i in range(len(ds)):
             lazy = ds.lazy_item(i)[0]
-            assert is_lazy_jpeg(lazy)
+            assert isinstance(lazy, EncodedJpeg)
             box = inception_crop_box(lazy.width, lazy.height, sample_rng(0, 0, i), tf.crop_scale, tf.crop_ratio)
             if min(box[2] - box[0], box[3] - box[1]) >= 2 * min(size):
                 continue
@@ -152,7 +145,7 @@ def test_non_jpeg_and_cmyk_decode_fully(tmp_path: Path, sample_jpeg: Path) -> No
     tf = TrainTransform((64, 64))
     for i in range(2):
         img = ds.lazy_item(i)[0]
-        assert not is_lazy_jpeg(img) and img.mode == "RGB"
+        assert not isinstance(img, EncodedJpeg) and img.mode == "RGB"
         assert torch.equal(tf(img, sample_rng(0, 0, i)), tf(ds[i][0], sample_rng(0, 0, i)))
 
 
@@ -164,7 +157,7 @@ def test_truncated_jpeg_is_named_by_the_loader(tmp_path: Path, sample_jpeg: Path
     bad = tmp_path / "train" / "a" / "1.jpg"
     bad.write_bytes(data[: len(data) // 2])
     ds = open_dataset(str(tmp_path), "train")
-    assert is_lazy_jpeg(ds.lazy_item(1)[0])  # the header reads fine: the error comes with the decode
+    assert isinstance(ds.lazy_item(1)[0], EncodedJpeg)  # the header reads fine: the error comes with the decode
     loader = TrainLoader(ds, TrainTransform((32, 32)), global_batch=3, seed=0)
     with pytest.raises(DataError, match=r"1\.jpg: corrupt or truncated"):
         list(loader.epoch(0))

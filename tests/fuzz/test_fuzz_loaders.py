@@ -33,10 +33,10 @@ from hypothesis import strategies as st  # noqa: E402
 import vitkit  # noqa: E402
 from helpers import FIXTURES  # noqa: E402
 from vitkit.checkpoints import load_checkpoint, save_checkpoint  # noqa: E402
-from vitkit.checkpoints.preprocess import load_image  # noqa: E402
 from vitkit.data.datasets import open_dataset  # noqa: E402
 from vitkit.errors import VitkitError  # noqa: E402
 from vitkit.evaluate.metrics import read_label_sets  # noqa: E402
+from vitkit.images import load_image  # noqa: E402
 
 SECONDS_PER_EXAMPLE = 20
 EXTRA_ADDRESS_SPACE = 6 << 30  # bytes of virtual memory an example may add

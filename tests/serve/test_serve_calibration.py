@@ -16,8 +16,8 @@ from serve_helpers import CLASSES, image_bytes, make_checkpoint
 
 from helpers import run_cli
 from vitkit.checkpoints import load_checkpoint
-from vitkit.checkpoints.preprocess import load_image
 from vitkit.errors import DataError
+from vitkit.images import load_image
 from vitkit.inference import backends
 from vitkit.serve.engine import calibration_batch
 

@@ -36,9 +36,10 @@ from vitkit.analysis.embeddings import (
     position_similarity,
     similarity_summary,
 )
-from vitkit.checkpoints.preprocess import Preprocess, convert_image
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.fileio import check_report_dir
+from vitkit.images import convert_image
 from vitkit.models.vit import VisionTransformer
 
 MAX_HEAD_MAP_ROWS = 4

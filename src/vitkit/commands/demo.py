@@ -30,7 +30,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     require_extra("gradio", extra="demo")
     import torch
 
-    from vitkit.checkpoints.preprocess import load_image
+    from vitkit.images import load_image
     from vitkit.serve.demo import build_demo, launch
     from vitkit.serve.engine import ServedModel
     from vitkit.serve.net import check_free

@@ -335,9 +335,9 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.analysis.analyze import AnalyzeOptions, analyze, check_analysis_dir
-    from vitkit.checkpoints.preprocess import load_image
     from vitkit.data.datasets import open_noted, sample_images
     from vitkit.hardware import resolve_device
+    from vitkit.images import load_image
 
     check_analysis_dir(args.out)  # refused before loading anything, never after the analyses
     device = resolve_device(args.device)

@@ -15,8 +15,8 @@ from typing import TypeVar
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, convert_image
 from vitkit.errors import DataError
+from vitkit.images import EncodedJpeg, LazyImage, convert_image
 from vitkit.models.vit import MAX_CLASSES
 
 D = TypeVar("D", bound="ImageDataset")
@@ -92,13 +92,13 @@ class ImageDataset:
 
     def load_lazy(self, index: int) -> LazyImage:
         """``load_image``, except that a source of encoded images may return a JPEG read and not yet
-        decoded (``preprocess.lazy_image``). Sources without encoded images decode as ``load_image`` does."""
+        decoded (``images.lazy_image``). Sources without encoded images decode as ``load_image`` does."""
         return self.load_image(index)
 
     def lazy_item(self, index: int) -> tuple[LazyImage, int]:
         """Like ``ds[index]``, but a JPEG may come back read and not yet decoded
-        (``preprocess.EncodedJpeg``, RGB or L), for a training transform that decodes only the scale and
-        region its random crop needs (``preprocess.decode_crop``); any other image as ``ds[index]``."""
+        (``images.EncodedJpeg``, RGB or L), for a training transform that decodes only the scale and
+        region its random crop needs (``images.decode_crop``); any other image as ``ds[index]``."""
         index = self._checked(index)
         img = self.load_lazy(index)
         return (img if isinstance(img, EncodedJpeg) else to_rgb(img)), int(self.labels[index])
@@ -137,7 +137,7 @@ class ArrayDataset(ImageDataset):
 
 def to_rgb(img: Image.Image) -> Image.Image:
     """Any Pillow mode -> RGB (16-bit and float greyscale are rescaled to 8 bits first): the conversion of
-    every command, :func:`vitkit.checkpoints.preprocess.convert_image`."""
+    every command, :func:`vitkit.images.convert_image`."""
     return convert_image(img, "RGB")
 
 

@@ -5,7 +5,7 @@
 - ``reference=True``: exactly :meth:`Preprocess.to_tensor` of the fully decoded image (Pillow's decode and
   resize), bit for bit what ``vitkit predict`` and ``vitkit eval`` computed before the fast path became their
   default; ``--precision fp32`` uses it;
-- otherwise a JPEG read but not decoded (:class:`~vitkit.checkpoints.preprocess.EncodedJpeg`) is decoded by
+- otherwise a JPEG read but not decoded (:class:`~vitkit.images.EncodedJpeg`) is decoded by
   libjpeg-turbo straight into an array, at 1/2, 1/4 or 1/8 scale (DCT scaling, what Pillow's ``draft`` does)
   when the reduced image still holds ``REDUCED_MARGIN`` times the pixels the resize needs in each direction,
   and resized by PyTorch's antialiased uint8 kernel (Pillow's filter; the same pixels within rounding, 3x
@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import RESAMPLE, EncodedJpeg, LazyImage, Preprocess, convert_image, decode_image
-from vitkit.errors import DataError
+from vitkit.checkpoints.preprocess import RESAMPLE, TORCH_RESIZE, Preprocess
+from vitkit.images import EncodedJpeg, LazyImage, convert_image, decode_image, decode_scaled
 
 # A JPEG is decoded at 1/s scale only when the reduced image keeps this many times the resize's output pixels
 # in each direction, so the final resize still low-passes what DCT scaling leaves. Measured on tiles of the
@@ -42,25 +42,12 @@ REDUCED_MARGIN = 1.5
 # A centre crop whose resized image would hold more than this many times the crop's pixels (an image far from
 # the crop's shape: 1000x1 -> 256000x256 for a 224 crop) resizes only the crop's box, as the reference does
 MAX_CROP_AMPLIFICATION = 4
-_TORCH_MODES = {"bilinear": "bilinear", "bicubic": "bicubic"}  # antialiased uint8 kernels in PyTorch and Pillow
-
-
-def resize_target(width: int, height: int, pre: Preprocess) -> tuple[int, int, int, int]:
-    """(resized width, resized height, crop left, crop top) of :meth:`Preprocess.resized` for an image of
-    ``width`` x ``height``: squash straight to the image size, or shorter side to size / crop_pct then the
-    centre crop."""
-    H, W = pre.image_size
-    if pre.resize == "squash":
-        return W, H, 0, 0
-    scale = max(H / height, W / width) / pre.crop_pct
-    new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
-    return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
 
 
 def reduced_scale(width: int, height: int, pre: Preprocess) -> int:
     """The largest of 8, 4, 2 by which a ``width`` x ``height`` JPEG may be decoded for ``pre`` (the reduced
     image keeps ``REDUCED_MARGIN`` times the resize's output in each direction), else 1."""
-    new_w, new_h, _, _ = resize_target(width, height, pre)
+    new_w, new_h, _, _ = pre.resize_target(width, height)
     return next(
         (s for s in (8, 4, 2) if width / s >= REDUCED_MARGIN * new_w and height / s >= REDUCED_MARGIN * new_h), 1
     )
@@ -86,7 +73,7 @@ class EvalTransform:
         pre = self.preprocess
         if isinstance(img, EncodedJpeg):
             pre.check_size(img.width, img.height, img.name)  # refused from the header, before any decoding
-            if self.reference or pre.grayscale or img.mode != "RGB" or pre.interpolation not in _TORCH_MODES:
+            if self.reference or pre.grayscale or img.mode != "RGB" or pre.interpolation not in TORCH_RESIZE:
                 name = img.name
                 img = decode_image(img.data, name)
             else:
@@ -96,18 +83,10 @@ class EvalTransform:
         return pre.to_tensor(img, name)
 
     def _jpeg(self, jpeg: EncodedJpeg) -> torch.Tensor:
-        import simplejpeg
-
         pre = self.preprocess
-        new_w, new_h, left, top = resize_target(jpeg.width, jpeg.height, pre)
+        new_w, new_h, left, top = pre.resize_target(jpeg.width, jpeg.height)
         s = reduced_scale(jpeg.width, jpeg.height, pre)
-        h, w = -(-jpeg.height // s), -(-jpeg.width // s)
-        try:
-            arr = simplejpeg.decode_jpeg(jpeg.data, "RGB", min_height=h, min_width=w, min_factor=s, strict=True)
-        except (OSError, ValueError) as e:
-            raise DataError(f"{jpeg.name}: corrupt or truncated image ({e})") from None
-        if arr.shape[:2] != (h, w):  # libjpeg scales by 1/s exactly; never silently
-            raise DataError(f"{jpeg.name}: decoded to {arr.shape[1]}x{arr.shape[0]}, expected {w}x{h} (1/{s} scale)")
+        arr = decode_scaled(jpeg, s)  # (ceil(height / s), ceil(width / s), 3) uint8
         H, W = pre.image_size
         if pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W:  # a line of pixels: resize
             # only the crop's box (Pillow maps it as the whole resize would), never the 256000x256 intermediate
@@ -124,8 +103,8 @@ class EvalTransform:
             x = torch.from_numpy(np.asarray(resized).copy()).permute(2, 0, 1)  # (3, new_h, new_w) uint8
         else:
             x = torch.from_numpy(arr).permute(2, 0, 1)  # (3, h, w) uint8
-            if (h, w) != (new_h, new_w):
-                mode = _TORCH_MODES[pre.interpolation]
+            if arr.shape[:2] != (new_h, new_w):
+                mode = TORCH_RESIZE[pre.interpolation]
                 x = F.interpolate(x[None], size=(new_h, new_w), mode=mode, antialias=True)[0]
         return self._normalise(x[:, top : top + H, left : left + W])  # (3, H, W) uint8
 

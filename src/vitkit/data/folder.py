@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import LazyImage, load_image, open_lazy
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -29,6 +28,7 @@ from vitkit.data.base import (
     split_candidates,
 )
 from vitkit.errors import DataError
+from vitkit.images import LazyImage, load_image, open_lazy
 
 IMAGE_EXTENSIONS = frozenset(
     {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm", ".pbm", ".jfif"}

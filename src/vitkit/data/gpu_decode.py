@@ -2,7 +2,7 @@
 process decodes each batch's JPEGs at once with NVIDIA's nvImageCodec (nvJPEG; the optional extra
 ``vitkit[gpu]``), then resizes and crops them on the device.
 
-- :class:`GpuDecodeTransform` runs in the workers: a JPEG that :func:`~vitkit.checkpoints.preprocess.open_lazy`
+- :class:`GpuDecodeTransform` runs in the workers: a JPEG that :func:`~vitkit.images.open_lazy`
   read and checked (a regular file under the byte cap, at most ``MAX_JPEG_SCANS`` scans, a header under the pixel
   limit, the preprocessing's size check) is handed over as its bytes (:class:`~vitkit.data.stream.EncodedImage`);
   anything else (PNG, greyscale or CMYK JPEGs, a greyscale model, an interpolation without an antialiased
@@ -28,10 +28,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from vitkit.checkpoints.preprocess import EncodedJpeg, LazyImage, Preprocess
-from vitkit.data.eval_transform import _TORCH_MODES, MAX_CROP_AMPLIFICATION, EvalTransform, resize_target
+from vitkit.checkpoints.preprocess import TORCH_RESIZE, Preprocess
+from vitkit.data.eval_transform import MAX_CROP_AMPLIFICATION, EvalTransform
 from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch
 from vitkit.errors import ConfigError, DataError
+from vitkit.images import EncodedJpeg, LazyImage
 
 DECODES = ("cpu", "gpu", "auto")
 # JPEGs of more pixels than this are decoded by the workers at reduced scale instead: a batch of 256 full-scale
@@ -53,11 +54,11 @@ def gpu_decodable(pre: Preprocess, jpeg: EncodedJpeg) -> bool:
     """Whether ``jpeg`` goes to the GPU decoder for ``pre``: an RGB model, a colour JPEG, an interpolation
     PyTorch resizes with antialiasing, at most ``GPU_MAX_PIXELS``, and not a line of pixels whose centre crop
     the CPU path resizes box-wise (``MAX_CROP_AMPLIFICATION``)."""
-    if pre.grayscale or jpeg.mode != "RGB" or pre.interpolation not in _TORCH_MODES:
+    if pre.grayscale or jpeg.mode != "RGB" or pre.interpolation not in TORCH_RESIZE:
         return False
     if jpeg.width * jpeg.height > GPU_MAX_PIXELS:
         return False
-    new_w, new_h, _, _ = resize_target(jpeg.width, jpeg.height, pre)
+    new_w, new_h, _, _ = pre.resize_target(jpeg.width, jpeg.height)
     H, W = pre.image_size
     return not (pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W)
 
@@ -89,8 +90,8 @@ def resize_crop(x: torch.Tensor, pre: Preprocess) -> torch.Tensor:
     pixels by 3-4 levels)."""
     H, W = pre.image_size
     h, w = x.shape[-2:]
-    new_w, new_h, left, top = resize_target(w, h, pre)
-    mode = _TORCH_MODES[pre.interpolation]
+    new_w, new_h, left, top = pre.resize_target(w, h)
+    mode = TORCH_RESIZE[pre.interpolation]
     y = x.float()
     if w != new_w:  # Pillow's order: the horizontal pass first
         y = F.interpolate(y, size=(h, new_w), mode=mode, antialias=True).round_().clamp_(0, 255)

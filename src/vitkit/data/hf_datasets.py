@@ -30,7 +30,6 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitkit.checkpoints.preprocess import ImageTooLarge, decode_image, max_image_pixels, read_image_file
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -41,6 +40,7 @@ from vitkit.data.base import (
     split_candidates,
 )
 from vitkit.errors import DataError
+from vitkit.images import ImageTooLarge, decode_image, max_image_pixels, read_image_file
 
 IMAGE_NAMES = ("image", "img", "images", "picture", "pixel_values")
 LABEL_NAMES = ("label", "labels", "fine_label", "class", "target", "y")
@@ -228,7 +228,7 @@ class HFDataset(ImageDataset):
 
 def decode_cell(value: Any, what: str, roots: tuple[Path, ...] = ()) -> Image.Image:
     """An image cell (``{"bytes", "path"}`` with decoding off, raw bytes, or an array) -> a PIL image, through
-    the one decoder (:func:`~vitkit.checkpoints.preprocess.decode_image`: its pixel, scan and format bounds).
+    the one decoder (:func:`~vitkit.images.decode_image`: its pixel, scan and format bounds).
     A cell's ``path`` is read only when it is a regular file under one of ``roots`` (the dataset's folder, the
     datasets library's caches): a dataset cannot make vitkit read a file of its author's choosing."""
     try:

@@ -28,10 +28,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import convert_image
 from vitkit.data.base import ArrayDataset, ImageDataset
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.transforms import _SUPPORT, TrainTransform, inception_crop_box, sample_rng
+from vitkit.images import convert_image
 
 PRECISION_BITS = 22  # Pillow's fixed point for 8-bit resampling: 32 - 8 - 2
 LOOKAHEAD = 8  # micro-batches whose host share a prefetching loader computes ahead

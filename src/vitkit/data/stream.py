@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import LazyImage, load_image, open_lazy
 from vitkit.data.folder import IMAGE_EXTENSIONS
 from vitkit.errors import DataError
+from vitkit.images import LazyImage, load_image, open_lazy
 
 # (image, its id for errors) -> (C, H, W), or the JPEG's bytes for a decoder downstream (``--decode gpu``)
 Transform = Callable[[LazyImage, str], "torch.Tensor | EncodedImage"]
@@ -163,7 +163,7 @@ def _images_under(folder: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class EncodedImage:
-    """A JPEG that a worker read and checked (:func:`~vitkit.checkpoints.preprocess.open_lazy`: a regular file
+    """A JPEG that a worker read and checked (:func:`~vitkit.images.open_lazy`: a regular file
     under the byte cap, a bounded number of scans, the header's size under the pixel limit and accepted by the
     preprocessing) and hands over undecoded, for a batched decoder on the job's device
     (:mod:`vitkit.data.gpu_decode`)."""

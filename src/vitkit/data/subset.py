@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import LazyImage
 from vitkit.data.base import ImageDataset
+from vitkit.images import LazyImage
 
 
 def stratified_holdout(labels: np.ndarray, num_classes: int, fraction: float, seed: int) -> np.ndarray | None:

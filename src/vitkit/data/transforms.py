@@ -23,16 +23,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageEnhance, ImageOps
 
-from vitkit.checkpoints.preprocess import (
-    INCEPTION_MEAN,
-    INCEPTION_STD,
-    RESAMPLE,
-    LazyImage,
-    Preprocess,
-    convert_image,
-    decode_crop,
-    decode_crop_rgb,
-)
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, RESAMPLE, TORCH_RESIZE, Preprocess
+from vitkit.images import LazyImage, convert_image, decode_crop, decode_crop_rgb
 
 Rng = np.random.Generator
 
@@ -81,7 +73,7 @@ def inception_crop(
     mode: str | None = None,
 ) -> Image.Image:
     """Random-resized crop to ``size`` = (H, W); given a ``mode`` ("RGB" or "L"), the crop is converted to it
-    (:func:`~vitkit.checkpoints.preprocess.convert_image`) before it is resized."""
+    (:func:`~vitkit.images.convert_image`) before it is resized."""
     box = inception_crop_box(img.width, img.height, rng, scale, ratio)
     img, region = decode_crop(img, box, size)  # a lazy JPEG: decoded at the smallest scale the crop allows
     img = img if mode is None else convert_image(img, mode)
@@ -181,7 +173,6 @@ def _posterize(img: Image.Image, bits: int) -> Image.Image:
 
 
 RANDAUGMENT_OPS = tuple(_op_table(224))
-_TORCH_RESIZE = {"bilinear": "bilinear", "bicubic": "bicubic"}  # antialiased in both libraries
 # Below this many pixels a JPEG is decoded at full scale even when the crop would allow 1/2: the entropy
 # decoding, which DCT scaling does not shorten, dominates there, and a reduced decode's fractional region
 # must be resized by Pillow (3x slower than PyTorch's kernel). Measured (benchmarks/input_pipeline.py,
@@ -277,14 +268,14 @@ class TrainTransform:
         return img
 
     def __call__(self, img: LazyImage, rng: Rng) -> torch.Tensor:
-        if self.crop == "inception" and self.randaug is None and self.interpolation in _TORCH_RESIZE:
+        if self.crop == "inception" and self.randaug is None and self.interpolation in TORCH_RESIZE:
             return self._crop_flip_normalise(img, rng)
         return self._norm.to_tensor(self.augment(img, rng))  # (C, H, W)
 
     def _crop_flip_normalise(self, img: LazyImage, rng: Rng) -> torch.Tensor:
         """``to_tensor(augment(img, rng))`` for an inception crop without RandAugment, with the same random
         draws and the same region: a JPEG is decoded straight into an array (at reduced scale when the crop
-        allows and the image has at least ``REDUCED_DECODE_PIXELS``, see ``preprocess.decode_crop_rgb``);
+        allows and the image has at least ``REDUCED_DECODE_PIXELS``, see ``images.decode_crop_rgb``);
         a crop on whole pixels is resized by PyTorch's antialiased uint8 kernel (Pillow's filter, 3x
         faster; the same pixels within rounding, except on the outermost rows and columns, where Pillow's
         filter also reads pixels just outside the box); flipped and normalised in CHW. Crops of a
@@ -306,7 +297,7 @@ class TrainTransform:
             if not crop.flags.writeable:  # Pillow's arrays are read-only; torch wants to own writable memory
                 crop = crop.copy()
             x = torch.from_numpy(crop.reshape(crop.shape[0], crop.shape[1], -1)).permute(2, 0, 1)[None]
-            out = F.interpolate(x, size=size, mode=_TORCH_RESIZE[self.interpolation], antialias=True)[0]
+            out = F.interpolate(x, size=size, mode=TORCH_RESIZE[self.interpolation], antialias=True)[0]
         else:
             out = torch.from_numpy(pillow_resize(pixels, region, size, self.interpolation)).permute(2, 0, 1)
         if flip:

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitkit.checkpoints.preprocess import LazyImage, decode_image, lazy_image
 from vitkit.data.base import (
     ImageDataset,
     MissingSplitError,
@@ -34,6 +33,7 @@ from vitkit.data.base import (
     split_candidates,
 )
 from vitkit.errors import DataError
+from vitkit.images import LazyImage, decode_image, lazy_image
 from vitkit.models.vit import MAX_CLASSES
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif", "pgm")
@@ -160,7 +160,7 @@ class WebDataset(ImageDataset):
         return decode_image(self._member(index), self.describe(index))
 
     def load_lazy(self, index: int) -> LazyImage:
-        """A JPEG member read from its shard but not decoded (``preprocess.EncodedJpeg``; the training
+        """A JPEG member read from its shard but not decoded (``images.EncodedJpeg``; the training
         transform decodes only what its crop needs); other images decoded as ``load_image``."""
         return lazy_image(self._member(index), functools.partial(self.describe, index))  # named only on an error
 

@@ -37,12 +37,13 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.checkpoints.preprocess import Preprocess, load_image
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.eval_transform import Normalizer
 from vitkit.data.gpu_decode import GpuDecoder
 from vitkit.data.stream import StreamBatch
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16, resolve_device
+from vitkit.images import load_image
 from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fast import optimize_for_inference
 from vitkit.inference.fp8 import fp8_unsupported, to_fp8

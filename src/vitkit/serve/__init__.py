@@ -6,6 +6,6 @@ web stacks (FastAPI/uvicorn, Gradio) are imported by :mod:`vitkit.serve.app` and
 """
 
 from vitkit.serve.batcher import Batcher, QueueFull
-from vitkit.serve.engine import RequestError, ServedModel, decode_image, resolve_precision
+from vitkit.serve.engine import RequestError, ServedModel, resolve_precision
 
-__all__ = ["Batcher", "QueueFull", "RequestError", "ServedModel", "decode_image", "resolve_precision"]
+__all__ = ["Batcher", "QueueFull", "RequestError", "ServedModel", "resolve_precision"]

@@ -44,10 +44,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vitkit.checkpoints.preprocess import ImageTooLarge
 from vitkit.errors import DataError
+from vitkit.images import ImageTooLarge, decode_image
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
-from vitkit.serve.engine import Prediction, RequestError, ServedModel, decode_image, png_base64
+from vitkit.serve.engine import Prediction, RequestError, ServedModel, png_base64
 from vitkit.serve.schema import PREDICT_BODY, PREDICT_ERRORS, HealthAnswer, PredictAnswer, error_doc
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
@@ -238,10 +238,9 @@ class _Server:
 
     def prepare(self, data: bytes | bytearray) -> torch.Tensor:
         """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large)."""
-        img = decode_image(data, self.opts.max_pixels)
-        try:
-            return self.served.to_tensor(img)
-        except ImageTooLarge as e:  # e.g. a centre crop of a line of pixels
+        try:  # bytes(data): the upload buffer copied here, in the decoding thread
+            return self.served.to_tensor(decode_image(bytes(data), "image", max_pixels=self.opts.max_pixels))
+        except ImageTooLarge as e:  # a decompression bomb, or a centre crop of a line of pixels
             raise RequestError(413, str(e)) from None
         except DataError as e:
             raise RequestError(400, str(e)) from None

@@ -25,8 +25,8 @@ from vitkit.analysis import plots
 from vitkit.analysis.analyze import display_image
 from vitkit.analysis.attention import rollout_maps, upsample_maps
 from vitkit.analysis.embeddings import NotApplicable, patch_embedding_pca, position_embeddings, position_similarity
-from vitkit.checkpoints import preprocess
 from vitkit.errors import ConfigError, DataError
+from vitkit.images import decode_image
 from vitkit.serve.engine import ServedModel
 from vitkit.serve.net import check_free
 
@@ -101,7 +101,7 @@ class DemoModel:
             return None, None, None, None, ""
         name = upload.get("orig_name") or Path(upload["path"]).name
         try:
-            state = self.analyse(preprocess.decode_image(upload["path"], name))
+            state = self.analyse(decode_image(upload["path"], name))
         except DataError as e:
             logger.warning("vitkit demo: upload refused: %s", e)
             return None, None, None, None, f"**Cannot classify this upload:** {e}"

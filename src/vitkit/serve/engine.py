@@ -22,8 +22,8 @@ import torch
 from PIL import Image
 
 from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
-from vitkit.checkpoints import Loaded, load_checkpoint, preprocess
-from vitkit.errors import ConfigError, DataError, VitkitError
+from vitkit.checkpoints import Loaded, load_checkpoint
+from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
     CALIBRATION_MAX_IMAGES,
     PRECISIONS,
@@ -42,7 +42,6 @@ __all__ = [
     "ServedModel",
     "calibration_batch",
     "check_calibration_used",
-    "decode_image",
     "png_base64",
     "resolve_precision",
     "uses_calibration",
@@ -56,24 +55,6 @@ class RequestError(VitkitError):
         super().__init__(message)
         self.status = status
         self.message = message
-
-
-def decode_image(data: bytes | bytearray, max_pixels: int) -> Image.Image:
-    """Decode untrusted image bytes with the decoder every command uses, refusing oversized images from their
-    header before any pixel is read. A bytearray (the server's upload buffer) is copied here, in the decoding
-    thread, so only images being decoded are ever held twice.
-
-    Raises RequestError: 400 for empty, unrecognised, corrupt or truncated data; 413 for an image with more
-    than ``max_pixels`` pixels (decompression bombs: a few KB of PNG can claim 10^10 pixels).
-    """
-    if not data:
-        raise RequestError(400, "empty body: send the image file's bytes")
-    try:
-        return preprocess.decode_image(bytes(data), "image", max_pixels=max_pixels)
-    except preprocess.ImageTooLarge as e:
-        raise RequestError(413, str(e)) from None
-    except DataError as e:
-        raise RequestError(400, str(e)) from None
 
 
 def png_base64(gray: np.ndarray) -> str:

@@ -36,11 +36,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
 from vitkit.checkpoints.base import state_digest
-from vitkit.checkpoints.preprocess import LazyImage, Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.transforms import TrainTransform, sample_rng, triple
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import check_output_location, write_file_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
+from vitkit.images import LazyImage
 from vitkit.inference.fast import optimize_for_inference
 from vitkit.inference.features import extract
 from vitkit.models.vit import VisionTransformer
