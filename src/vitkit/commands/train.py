@@ -251,15 +251,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     from vitkit.configs import apply_overrides, finetune_config, get_recipe
     from vitkit.train import check_run_dir, train
+    from vitkit.train.sweep import check_sweep, check_sweep_out, sweep_lr
 
     adapt = _adapt_changes(args)  # refused before any file is touched
     # the run folder before the checkpoint is read (train() checks it again when it claims it)
     if args.out is not None:
-        check_run_dir(Path(args.out))
-        if args.sweep:
-            from vitkit.train.sweep import check_sweep_out
-
-            check_sweep_out(Path(args.out))
+        (check_sweep_out if args.sweep else check_run_dir)(Path(args.out))
     else:  # runs/<name>, numbered when taken (finetune_config names a method's run <recipe>-<method>)
         name = (get_recipe(args.recipe).name if args.recipe else "finetune") + (
             "" if args.method == "full" else f"-{args.method}"
@@ -281,15 +278,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     cfg = apply_overrides(base, {**_changes(args), **adapt}, args.sets)
     cfg.validate()  # a bad value is the one line, before any note
     if args.sweep:
-        from vitkit.train.sweep import check_sweep
-
         check_sweep(cfg)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     _note_emulated_bf16(cfg)
     if args.sweep:
-        from vitkit.train.sweep import sweep_lr
-
         print(sweep_lr(cfg, args.out, progress=not args.quiet).summary())
         return 0
     result = train(cfg, args.out, progress=not args.quiet)

@@ -29,7 +29,6 @@ from vitkit.train import logs
 from vitkit.train.run import RUN_ENTRIES, TrainResult, check_run_dir
 from vitkit.train.trainer import NonFiniteLossError, train
 
-SWEEPS = ("lr",)  # what --sweep can choose
 LR_FACTORS = (0.1, 1 / 3, 1.0, 3.0)  # the grid around the run's lr: the paper's 30x span in half-decades
 SWEEP_ENTRIES = ("sweep", "sweep.csv")  # what a sweep writes in OUT besides the winner's run
 
