@@ -30,11 +30,12 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from vitkit.checkpoints import model_from
+    from vitkit.checkpoints import loaded_from
     from vitkit.models.cost import cost_table
 
     # shapes only (the meta device): no memory, no init cost, even for H/14
-    model = model_from(args.model, device="meta", num_classes=args.num_classes, image_size=args.image_size)
+    loaded = loaded_from(args.model, device="meta", num_classes=args.num_classes, image_size=args.image_size)
+    model, sweep = loaded.model, loaded.meta.provenance.get("sweep")
     source, cfg = args.model, model.cfg
     rows = cost_table(model, args.image_size)
     total_params = sum(r.params for r in rows)
@@ -50,7 +51,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "params": total_params,
         "gmacs": total_macs / 1e9,
         "gflops": 2 * total_macs / 1e9,
-    }
+    } | ({"sweep": sweep} if sweep else {})
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
@@ -67,6 +68,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"  {r.component:<28}{r.params:>16,}{r.macs / 1e9:>12.4g}")
     print(f"  {'total':<28}{total_params:>16,}{total_macs / 1e9:>12.4g}")
     print(f"  {total_macs / 1e9:.4g} GMACs = {2 * total_macs / 1e9:.4g} GFLOPs per image (2 FLOPs per multiply-add)")
+    if sweep:  # vitkit finetune --sweep lr
+        tried = ", ".join(f"{lr} ({100 * top1:.2f}%)" for lr, top1 in sweep["val_top1"].items())
+        print(f"  lr {sweep['chosen']:g} chosen by validation top-1 from: {tried}")
     return 0
 
 

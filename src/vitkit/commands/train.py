@@ -212,6 +212,8 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         "paper's Table 4 recipe exactly)",
     )
     p.add_argument("--method", choices=ADAPT_METHODS, default="full", help="how to adapt (default: full)")
+    p.add_argument("--sweep", choices=["lr"], help="[full, lp-ft, lora] lr: train at 4 learning rates around the "
+                   "run's (x0.1, x1/3, x1, x3) and keep the run that does best on the validation split")  # fmt: skip
     _add_options(p)
     for flag, field, kwargs, methods in ADAPT_OPTIONS:
         kwargs = {**kwargs, "help": f"[{', '.join(methods)}] {kwargs['help']}"}
@@ -230,6 +232,9 @@ def _adapt_changes(args: argparse.Namespace) -> dict[str, Any]:
         if method not in methods:
             raise VitkitError(f"{flag} applies to --method {' or '.join(methods)}, not --method {method}")
         out[field] = None if value == "auto" else value
+    if method == "linear" and args.sweep:
+        raise VitkitError("--sweep does not apply to --method linear: its L2 strength is already chosen on held-out "
+                          "data (--l2 auto)")  # fmt: skip
     if method == "linear":
         flags = {field: flag for flag, field, _ in OPTIONS}
         given = [flags[f] for f in GRADIENT_OPTIONS if getattr(args, f, None) is not None]
@@ -246,11 +251,12 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     from vitkit.configs import apply_overrides, finetune_config, get_recipe
     from vitkit.train import check_run_dir, train
+    from vitkit.train.sweep import check_sweep, check_sweep_out, sweep_lr
 
     adapt = _adapt_changes(args)  # refused before any file is touched
     # the run folder before the checkpoint is read (train() checks it again when it claims it)
     if args.out is not None:
-        check_run_dir(Path(args.out))
+        (check_sweep_out if args.sweep else check_run_dir)(Path(args.out))
     else:  # runs/<name>, numbered when taken (finetune_config names a method's run <recipe>-<method>)
         name = (get_recipe(args.recipe).name if args.recipe else "finetune") + (
             "" if args.method == "full" else f"-{args.method}"
@@ -271,9 +277,14 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     )
     cfg = apply_overrides(base, {**_changes(args), **adapt}, args.sets)
     cfg.validate()  # a bad value is the one line, before any note
+    if args.sweep:
+        check_sweep(cfg)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     _note_emulated_bf16(cfg)
+    if args.sweep:
+        print(sweep_lr(cfg, args.out, progress=not args.quiet).summary())
+        return 0
     result = train(cfg, args.out, progress=not args.quiet)
     if result.rank == 0:
         print(result.summary())
