@@ -41,7 +41,8 @@ from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.data.resident import resident_eval_batches, resident_loader
 from vitkit.errors import CheckpointError, ConfigError, VitkitError
-from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.policy import resolve_precision
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
