@@ -79,8 +79,8 @@ def bf16_is_faster(device: torch.device | str = "cpu", repeats: int = 3) -> bool
 
 def resolve_precision(precision: str, device: torch.device | str = "cpu", backend: str = "torch") -> str:
     """``auto`` -> ``bf16`` where bf16 matmuls are native and faster than fp32 ones on ``device``
-    (:func:`bf16_is_faster`), else ``fp32``; ONNX Runtime (no bf16 kernels) -> ``fp32``. Other precisions are
-    returned as they are (ConfigError for an unknown one, and for fp8 where it cannot run)."""
+    (``vitkit.inference.policy.bf16_is_faster``), else ``fp32``; ONNX Runtime (no bf16 kernels) -> ``fp32``.
+    Other precisions are returned as they are (ConfigError for an unknown one, and for fp8 where it cannot run)."""
     if precision not in PRECISIONS:
         raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     if precision == "fp8":
