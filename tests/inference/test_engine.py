@@ -13,7 +13,7 @@ from vitkit.errors import ConfigError
 from vitkit.inference import policy
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.int8 import has_onednn_int8
-from vitkit.inference.policy import resolve_precision
+from vitkit.inference.policy import bf16_is_faster, resolve_precision  # the real one, before --cpu-kind fakes it
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer
 
@@ -120,4 +120,4 @@ def test_auto_on_every_cpu_kind_computes_the_models_function(cpu_kind: str) -> N
 
 def test_bf16_is_never_faster_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": False)
-    assert not policy.bf16_is_faster("cpu")
+    assert not bf16_is_faster("cpu")

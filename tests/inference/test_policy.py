@@ -15,6 +15,15 @@ from vitkit.inference import policy
 from vitkit.inference.engine import InferenceEngine
 from vitkit.models import create_model
 
+# the real decisions, taken before --cpu-kind fakes them (conftest) for the tests of what follows from them
+REAL = {"bf16_is_faster": policy.bf16_is_faster, "fp32_fast_path_pays": policy.fp32_fast_path_pays}
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, fn in REAL.items():
+        monkeypatch.setattr(policy, name, fn)
+
 
 def _fake_cuda(monkeypatch: pytest.MonkeyPatch, bf16: bool) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -45,7 +54,7 @@ def test_auto_on_a_cpu_with_native_but_slower_bf16_plans_fp32(monkeypatch: pytes
     assert (p.precision, p.dtype, p.path) == ("fp32", torch.float32, "fast")
 
 
-def test_the_plain_path_where_the_fp32_fast_path_does_not_pay(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_plain_path_where_the_fp32_fast_path_does_not_pay(monkeypatch: pytest.MonkeyPatch, measured: None) -> None:
     monkeypatch.setattr(hardware, "cpu_flags", set)  # an AVX2 CPU: no bf16, no AVX-512
     p = policy.plan_engine("auto")
     assert (p.path, p.precision, p.full_decode) == ("plain", "fp32", False)
@@ -62,7 +71,7 @@ def test_int8_keeps_its_other_parts_in_bf16_only_where_native(monkeypatch: pytes
     assert policy.plan_engine("int8").dtype == torch.bfloat16
 
 
-def test_gpu_plan_bf16_compiled_cuda_graphs_for_small_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_plan_bf16_compiled_cuda_graphs_for_small_batches(monkeypatch: pytest.MonkeyPatch, measured: None) -> None:
     _fake_cuda(monkeypatch, bf16=True)
     small = policy.plan_engine("auto", "torch", "cuda:0", batch_size=4, compile=True)
     assert small.dtype == torch.bfloat16 and small.compile and small.compile_mode == "reduce-overhead"
@@ -78,7 +87,7 @@ def test_gpu_plan_bf16_compiled_cuda_graphs_for_small_batches(monkeypatch: pytes
     assert policy.plan_engine("fp32", "torch", "cuda:0").sdpa_candidates == ()  # the reference: the model itself
 
 
-def test_gpu_without_bf16_gets_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gpu_without_bf16_gets_fp32(monkeypatch: pytest.MonkeyPatch, measured: None) -> None:
     _fake_cuda(monkeypatch, bf16=False)  # pre-Ampere
     p = policy.plan_engine("auto", "torch", "cuda:0", batch_size=64)
     assert p.dtype == torch.float32 and p.sdpa_candidates == ("efficient", "math") and p.path == "fast"
