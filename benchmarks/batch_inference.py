@@ -169,7 +169,7 @@ def cpu_name() -> str:
 
 def auto_precision() -> str:
     """What ``--precision auto`` picks on this machine (the engine's own rule, a GEMM timed now)."""
-    from vitkit.inference.engine import resolve_precision
+    from vitkit.inference.policy import resolve_precision
 
     return resolve_precision("auto")
 

@@ -2,7 +2,7 @@
 gpu_report``; issue 27's table): B/16 and S/16 at 224 px on a CUDA GPU, bf16 autocast, inference (batch 256)
 and an AdamW training step (batch 128), eager and ``torch.compile``, for vitkit, timm and transformers, runners
 alternating call by call in one process; img/s, the ratio to timm, the fraction of the matmul peak measured in
-the same run; plus vitkit's pure-bf16 fast path (``optimize_for_device``) and the correctness checks (fp32 on the
+the same run; plus vitkit's engine as planned for the device (``plan_engine``) and the correctness checks (fp32 on the
 GPU against the fp32 CPU result, bf16 top-1 agreement, the official fixture), and ``--precision fp8`` against the
 bf16 fast path (eager and compiled; top-1 agreement with fp32 on real images), or why fp8 cannot run.
 
@@ -157,32 +157,38 @@ def measure_task(
 
 
 def fast_path_row(name: str, batch: int, image_size: int, device: torch.device, repeats: int) -> dict[str, Any]:
-    """vitkit's own choice for the device (``optimize_for_device``: pure bf16 weights; on a GPU compiled with the
-    SDPA backend measured)."""
-    from vitkit.inference.plan import optimize_for_device
+    """vitkit's engine as the policy plans it for the device with compiling allowed (``plan_engine("auto",
+    compile=True)``: on a GPU bf16 weights, compiled, the SDPA backend measured); its runner timed bare."""
+    from vitkit.checkpoints.preprocess import Preprocess
+    from vitkit.inference.engine import InferenceEngine
+    from vitkit.inference.policy import plan_engine, sdpa_backend
     from vitkit.models import create_model
     from vitkit.timing import time_alternating
 
     torch.manual_seed(0)
-    model = create_model(name, num_classes=1000, image_size=image_size).to(device).eval()
+    model = create_model(name, num_classes=1000, image_size=image_size).eval()
     t0 = time.perf_counter()
-    planned = optimize_for_device(model, "auto", batch_size=batch)
+    plan = plan_engine("auto", "torch", device, batch_size=batch, compile=True)
+    engine = InferenceEngine(model, Preprocess(image_size=image_size), batch_size=batch, plan=plan)
     x = torch.randn(batch, 3, image_size, image_size, device=device)
-    with torch.no_grad():
-        planned(x)
-        planned(x)
+
+    def call() -> Any:
+        with torch.no_grad(), sdpa_backend(engine.attention):
+            return engine.runner(x)
+
+    call()
+    call()
     _sync(device)
     setup_s = time.perf_counter() - t0
-    with torch.no_grad():
-        t = time_alternating({"fast": lambda: planned(x)}, repeats, device, torch.get_num_threads())["fast"]
+    t = time_alternating({"fast": call}, repeats, device, torch.get_num_threads())["fast"]
     return {
         "model": name,
         "task": "inference",
         "batch": batch,
-        "compiled": planned.plan.compile,
-        "peer": "vitkit optimize_for_device",
-        "plan": planned.plan.describe(),
-        "attention_backend": planned.attention,
+        "compiled": plan.compile,
+        "peer": "vitkit engine",
+        "plan": engine.describe(),
+        "attention_backend": engine.attention,
         "img_per_s": batch / t.median,
         "timing": t.to_dict(),
         "setup_and_first_calls_s": setup_s,

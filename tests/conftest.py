@@ -28,15 +28,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def fake_cpu_kind(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
     """Make ``--precision auto`` decide as on a CPU of ``kind`` (a key of ``CPU_KINDS``): the engine's two
     measurements answer as there. Only the decision is faked; bf16 runs on any CPU (emulated where not native)."""
-    from vitkit.inference import engine
+    from vitkit.inference import policy
 
     bf16_wins, fast_pays = CPU_KINDS[kind]
 
     def gpu(device: torch.device | str) -> bool:
         return torch.device(device).type != "cpu"  # a GPU answers as before: bf16 and the fast path win
 
-    monkeypatch.setattr(engine, "bf16_is_faster", lambda device="cpu": bf16_wins or gpu(device))
-    monkeypatch.setattr(engine, "fp32_fast_path_pays", lambda device="cpu": fast_pays or gpu(device))
+    monkeypatch.setattr(policy, "bf16_is_faster", lambda device="cpu": bf16_wins or gpu(device))
+    monkeypatch.setattr(policy, "fp32_fast_path_pays", lambda device="cpu": fast_pays or gpu(device))
     # the fast path's kernel races (vitkit.inference.tune): on AMX, PyTorch's own (oneDNN tile) kernels and the
     # plain model win, as measured on a Xeon of family 6 model 207; elsewhere the built-in kernels (the first
     # candidate of each race) do. Faked answers are not written to the tuning cache.

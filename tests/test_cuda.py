@@ -83,19 +83,22 @@ def test_fast_path_on_cuda(compile: bool) -> None:
 
 
 @pytest.mark.parametrize("batch", [4, 64])
-def test_optimize_for_device_on_cuda(batch: int) -> None:
-    """The GPU plan (bf16, compiled, CUDA graphs for the small batch, the measured SDPA backend) computes the
-    model: bf16 rounding against the fp32 CPU result, the same top-1 wherever the fp32 margin exceeds bf16's
-    error (random weights give near-ties, which bf16 may flip)."""
-    from vitkit.inference.plan import optimize_for_device
+def test_the_engine_plan_on_cuda(batch: int) -> None:
+    """The GPU plan with compiling (bf16, compiled, CUDA graphs for the small batch, the measured SDPA backend),
+    run by the engine, computes the model: bf16 rounding against the fp32 CPU result, the same top-1 wherever
+    the fp32 margin exceeds bf16's error (random weights give near-ties, which bf16 may flip)."""
+    from vitkit.checkpoints.preprocess import Preprocess
+    from vitkit.inference.engine import InferenceEngine
+    from vitkit.inference.policy import plan_engine
 
     model, x = _small("B/16"), _images(batch)
     with torch.no_grad():
         ref = model(x)
-    planned = optimize_for_device(model.to(CUDA), "auto", batch_size=batch)
-    assert planned.plan.compile and planned.attention in planned.plan.sdpa_candidates
+    plan = plan_engine("auto", "torch", CUDA, batch_size=batch, compile=True)
+    engine = InferenceEngine(model, Preprocess(image_size=x.shape[-1]), batch_size=batch, plan=plan)
+    assert plan.compile and engine.attention in plan.sdpa_candidates
     for _ in range(3):  # CUDA graphs record on the first calls and replay after
-        out = planned(x.to(CUDA)).float().cpu()
+        out = engine.logits(x)
     assert rel_err(out, ref) < BF16
     same_top1_where_decided(out, ref, BF16)
 

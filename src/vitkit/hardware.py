@@ -47,49 +47,6 @@ def has_native_bf16(device: torch.device | str = "cpu") -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def fp32_fast_path_pays(device: torch.device | str = "cpu") -> bool:
-    """Whether the fp32 fast path (pre-packed oneDNN GEMMs, chunked attention and MLP) runs faster than the
-    model's own forward on ``device``: on CPUs with AVX-512 (B/16 and S/16 at batch 32 on an Intel Xeon of family
-    6 model 207: 1.17x), and on GPUs; not on AVX2-only CPUs, where it measured 0.91x (Ti/16 at batch 8,
-    BENCHMARKS.md, "CPUs without AVX-512")."""
-    device = torch.device(device)
-    return device.type != "cpu" or "avx512f" in cpu_flags()
-
-
-# bf16 must beat fp32 by this much to be chosen by --precision auto (it also rounds more)
-BF16_MIN_SPEEDUP = 1.2
-
-
-def bf16_is_faster(device: torch.device | str = "cpu", repeats: int = 3) -> bool:
-    """Whether bf16 matmuls are native on ``device`` and faster than fp32 ones: what ``--precision auto``
-    asks. CUDA: where bf16 is supported. CPU: with bf16 instructions (:func:`has_native_bf16`), when a GEMM of
-    ViT-B's MLP shape (512 x 768 by 768 x 3072, 2.4 GFLOP) runs at least ``BF16_MIN_SPEEDUP`` times faster in
-    bf16 than in fp32, timed now (best of ``repeats``, alternating; ~0.1 s). Native is not enough: CPUs
-    with AVX512_BF16 but no AMX may issue bf16 dot products on fewer ports than fp32 FMAs, and then bf16 runs
-    slower (an Intel Xeon of family 6 model 207: 165 against 280 GFLOP/s, BENCHMARKS.md), while AMD Zen 4/5
-    run it at twice the fp32 rate."""
-    device = torch.device(device)
-    if not has_native_bf16(device):
-        return False
-    if device.type != "cpu":
-        return True
-    import time
-
-    a = torch.randn(512, 768)
-    w = torch.randn(3072, 768)
-    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
-    with torch.inference_mode():
-        pairs = {dt: (a.to(dt), w.to(dt)) for dt in best}
-        for x, y in pairs.values():
-            torch.nn.functional.linear(x, y)  # warm-up: oneDNN creates its primitive
-        for _ in range(repeats):
-            for dt, (x, y) in pairs.items():
-                start = time.perf_counter()
-                torch.nn.functional.linear(x, y)
-                best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] >= BF16_MIN_SPEEDUP * best[torch.bfloat16]
-
-
 def has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
     """Whether this PyTorch has oneDNN's packed linear kernels for ``dtype`` here (x86 CPUs; bf16 needs CPU
     support)."""

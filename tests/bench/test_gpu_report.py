@@ -58,7 +58,7 @@ def test_the_report_runs_on_the_cpu_with_a_peer_missing(report: ModuleType) -> N
     rows = result["rows"]
     assert {(r["peer"], r["task"]) for r in rows} == {
         *((p, t) for p in ("vitkit", "timm", "transformers") for t in ("inference", "train")),
-        ("vitkit optimize_for_device", "inference"),
+        ("vitkit engine", "inference"),
     }
     for r in rows:
         if r["peer"] == "timm":

@@ -10,9 +10,10 @@ from helpers import randomize_, rel_err
 from vitkit import hardware
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
-from vitkit.inference import engine as engine_module
-from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.inference import policy
+from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.int8 import has_onednn_int8
+from vitkit.inference.policy import bf16_is_faster, resolve_precision  # the real one, before --cpu-kind fakes it
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer
 
@@ -35,7 +36,7 @@ def test_fp32_reference_is_the_model_bit_for_bit() -> None:
     x = torch.randn(5, 3, 48, 48)
     rep, logits = _reference(model, x)
     eng = InferenceEngine(model, PRE, precision="fp32")
-    assert not eng.fast and eng.runner is model and "reference" in eng.describe()
+    assert eng.plan.path != "fast" and eng.runner is model and "reference" in eng.describe()
     out = eng.forward(x, logits=True, features=True)
     assert torch.equal(out.logits, logits) and torch.equal(out.features, rep)  # type: ignore[arg-type]
     assert torch.equal(eng.probabilities(x), logits.softmax(-1))
@@ -57,7 +58,7 @@ def test_fast_path_features_and_logits_match_the_fp32_model(overrides: dict, pre
         eng = InferenceEngine(model, PRE, precision="fp32", batch_size=6, fp32_reference=False)
     else:
         eng = InferenceEngine(model, PRE, precision=precision, batch_size=6)
-    assert eng.fast and eng.precision == precision and eng.runner is not model
+    assert eng.plan.path == "fast" and eng.precision == precision and eng.runner is not model
     out = eng.forward(x, logits=True, features=True)
     assert out.features is not None and out.logits is not None
     assert out.features.dtype == torch.float32 and out.features.shape == rep.shape
@@ -79,19 +80,19 @@ def test_engines_refuse_features_with_a_clear_error() -> None:
 
 
 def test_auto_precision_follows_the_measured_bf16_speed(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "bf16_is_faster", lambda device="cpu": True)
+    monkeypatch.setattr(policy, "bf16_is_faster", lambda device="cpu": True)
     assert resolve_precision("auto") == "bf16" and resolve_precision("auto", backend="onnxruntime") == "fp32"
-    monkeypatch.setattr(engine_module, "bf16_is_faster", lambda device="cpu": False)
+    monkeypatch.setattr(policy, "bf16_is_faster", lambda device="cpu": False)
     assert resolve_precision("auto") == "fp32" and resolve_precision("int8") == "int8"
     with pytest.raises(ConfigError, match="--precision 'fp16'"):
         resolve_precision("fp16")
-    monkeypatch.setattr(engine_module, "fp32_fast_path_pays", lambda device="cpu": True)
+    monkeypatch.setattr(policy, "fp32_fast_path_pays", lambda device="cpu": True)
     eng = InferenceEngine(_model(), PRE, precision="auto", tune=False)  # fp32, but the fast path: not the reference
-    assert eng.fast and eng.precision == "fp32" and eng.describe().startswith("--precision auto -> fp32; fp32 fast")
-    assert eng.reduced_decode
-    monkeypatch.setattr(engine_module, "fp32_fast_path_pays", lambda device="cpu": False)  # an AVX2 CPU
+    assert eng.plan.path == "fast" and eng.precision == "fp32"
+    assert eng.describe().startswith("--precision auto -> fp32; fp32 fast") and eng.reduced_decode
+    monkeypatch.setattr(policy, "fp32_fast_path_pays", lambda device="cpu": False)  # an AVX2 CPU
     eng = InferenceEngine(_model(), PRE, precision="auto")
-    assert not eng.fast and eng.reduced_decode and "slower on this CPU" in eng.describe()
+    assert eng.plan.path != "fast" and eng.reduced_decode and "slower on this CPU" in eng.describe()
     assert not InferenceEngine(_model(), PRE, precision="fp32").reduced_decode  # the reference decodes fully
 
 
@@ -107,15 +108,16 @@ def test_auto_on_every_cpu_kind_computes_the_models_function(cpu_kind: str) -> N
     rep, logits = _reference(model, x)
     precision, fast = AUTO_ON[cpu_kind]
     eng = InferenceEngine(model, PRE, precision="auto", batch_size=4)
-    assert (eng.precision, eng.fast, eng.exact, eng.reduced_decode) == (precision, fast, False, True)
+    plan = eng.plan
+    assert (eng.precision, plan.path == "fast", plan.full_decode, eng.reduced_decode) == (precision, fast, False, True)
     assert eng.describe().startswith(f"--precision auto -> {precision}; ")
     out = eng.forward(x, logits=True, features=True)
     tol = dict(PRECISION_TOL)[precision]
     assert rel_err(out.logits, logits) < tol and rel_err(out.features, rep) < tol  # type: ignore[arg-type]
     ref = InferenceEngine(model, PRE, precision="fp32")
-    assert ref.exact and torch.equal(ref.logits(x), logits)
+    assert ref.plan.full_decode and torch.equal(ref.logits(x), logits)
 
 
 def test_bf16_is_never_faster_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": False)
-    assert not hardware.bf16_is_faster("cpu")
+    assert not bf16_is_faster("cpu")

@@ -13,9 +13,9 @@ from torch import nn
 from helpers import randomize_, rel_err, run_cli, same_top1_where_decided
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
-from vitkit.inference import engine as engine_module
-from vitkit.inference import fp8
-from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.inference import fp8, policy
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.policy import resolve_precision
 from vitkit.models import create_model
 
 FP8 = 0.12  # relative L2 error through e4m3 GEMMs against fp32: ~3.7% a layer (3 mantissa bits), 6-9% for
@@ -68,9 +68,9 @@ def test_the_fp8_model_and_engine_compute_the_model(monkeypatch: pytest.MonkeyPa
     converted = fp8.to_fp8(model)
     kinds = [type(m).__name__ for m in converted.modules()]
     assert kinds.count("Fp8Linear") == 2 * 4 and type(model.blocks[0].mlp.fc1) is nn.Linear  # untouched original
-    monkeypatch.setattr(engine_module, "fp8_unsupported", lambda device: None)  # as on an H100
+    monkeypatch.setattr(policy, "fp8_unsupported", lambda device: None)  # as on an H100
     eng = InferenceEngine(model, Preprocess(image_size=32), precision="fp8", batch_size=32)
-    assert eng.precision == "fp8" and eng.fast and eng.describe().startswith("fp8 fast path")
+    assert eng.precision == "fp8" and eng.plan.path == "fast" and eng.describe().startswith("fp8 fast path")
     out = eng.forward(x, logits=True, features=True)
     assert out.logits is not None and out.features is not None
     assert rel_err(out.logits, ref) < FP8 and rel_err(out.features, rep) < FP8

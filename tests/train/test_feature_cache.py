@@ -211,3 +211,32 @@ def test_fast_path_features_under_their_own_key(
     again = fc.cached_features(model, ds, PRE, root=tmp_path, precision=precision, progress=False)
     assert again.cached_chunks == 1 and again.computed_chunks == 0
     np.testing.assert_array_equal(again.features, fast_feats.features)
+
+
+def test_fast_features_are_the_engines_own(tmp_path: Path) -> None:
+    """bf16 features are what the engine's bf16 eval computes (``vitkit eval --precision bf16``): its fast path,
+    on JPEGs decoded at the reduced scale that path allows. The stand-in model that computed them before ran
+    inside an fp32 "reference" engine, so its JPEGs were decoded at full scale: other pixels, other features."""
+    from PIL import Image
+
+    from vitkit.inference.engine import InferenceEngine
+
+    for i in range(12):  # 128 x 96 JPEGs for an 8 x 8 input: the fast path decodes them at 1/4 scale
+        folder = tmp_path / "data" / "train" / f"c{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        small = np.random.default_rng(i).integers(0, 256, (6, 8, 3), dtype=np.uint8)
+        Image.fromarray(small).resize((128, 96), Image.Resampling.BILINEAR).save(folder / f"{i:02d}.jpg", quality=92)
+    ds = open_dataset(tmp_path / "data", "train")
+    torch.manual_seed(0)
+    model = create_model(
+        ViTConfig(), image_size=8, patch_size=4, hidden_size=16, depth=1, num_heads=2, mlp_dim=32, num_classes=2,
+        representation_size=12,
+    ).eval()  # fmt: skip
+    pre = Preprocess((8, 8))
+    got = fc.cached_features(model, ds, pre, root=tmp_path / "cache", precision="bf16", progress=False)
+    engine = InferenceEngine(model, pre, precision="bf16", batch_size=64)
+    assert engine.reduced_decode and engine.runner is not model
+    want = extract(engine, ds, pre, logits=False, features=True, progress=False)
+    np.testing.assert_array_equal(got.features, want.features)
+    full = engine.features(torch.stack([pre(ds[i][0]) for i in range(len(ds))])).numpy()  # fully decoded JPEGs
+    assert not np.array_equal(got.features, full) and _rel(got.features, full) < 0.1

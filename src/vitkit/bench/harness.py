@@ -29,6 +29,7 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 from vitkit.inference import optimize_for_inference
 from vitkit.inference.backends import EngineModel
+from vitkit.inference.policy import fast_dtype
 from vitkit.inference.tune import build_fast
 from vitkit.models.cost import cost_table
 from vitkit.models.vit import VisionTransformer
@@ -83,15 +84,6 @@ class BenchSpec:
                 raise ConfigError(f"--compare supports {', '.join(PEERS)}, got {peer!r}")
         if self.repeats < 1 or self.warmup < 0 or self.batch_size < 1:
             raise ConfigError("--repeats and --batch-size must be positive, --warmup non-negative")
-
-
-def default_precisions(task: str, device: torch.device | str) -> tuple[str, ...]:
-    """What ``vitkit bench`` measures without ``--precision``: bf16 where ``device`` computes it natively (pure
-    bf16 weights for inference; autocast over fp32 master weights for a training step, as ``vitkit train
-    --precision bf16`` runs), else fp32."""
-    if not hardware.has_native_bf16(device):
-        return ("fp32",)
-    return ("bf16",) if task == "inference" else ("bf16-autocast",)
 
 
 @dataclass
@@ -183,9 +175,7 @@ def inference_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor
             fn = _logits_fn(module, hf)
             runners.append(_inference_runner(impl, precision, fn, x, spec))
         if spec.fast and precision != "bf16-autocast" and not (precision == "int8" and device.type != "cpu"):
-            # int8 keeps attention, norms and the head in bf16 where the CPU has bf16 instructions
-            bf16 = precision == "bf16" or (precision == "int8" and hardware.has_native_bf16(device))
-            dtype = torch.bfloat16 if bf16 else torch.float32
+            dtype = fast_dtype(precision, device)  # as the engines: int8's other parts bf16 where native
             if device.type == "cpu":  # what the engines run: kernels (or the plain model) chosen by measurement
                 fast, tuning = build_fast(model, dtype, spec.batch_size, precision == "int8")
             else:

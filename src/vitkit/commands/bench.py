@@ -67,15 +67,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from vitkit.bench.curve import attention_share, plot_cost_curve
-    from vitkit.bench.harness import BenchSpec, default_precisions, run_bench
+    from vitkit.bench.harness import BenchSpec, run_bench
     from vitkit.bench.report import format_report
     from vitkit.checkpoints import model_from
     from vitkit.fileio import check_output_file, write_file_atomic
+    from vitkit.inference.policy import bench_precisions
 
     for out in (args.json, args.plot):  # refused before minutes of measuring, never after them
         if out:
             check_output_file(Path(out), overwrite=args.overwrite)
-    precisions = tuple(args.precision or default_precisions(args.task, args.device))
+    precisions = tuple(args.precision or bench_precisions(args.task, args.device))
     if args.threads:
         torch.set_num_threads(args.threads)
     grid = [(s, b) for s in args.image_size for b in args.batch_size]

@@ -156,7 +156,7 @@ def evaluate_dataset(
         notes,
         precision=engine.precision if engine else None,
         engine=engine.describe() if engine else None,
-        reference=bool(engine and engine.exact),
+        reference=bool(engine and engine.plan.full_decode),
     )
 
 

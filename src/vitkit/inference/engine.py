@@ -5,7 +5,8 @@ images through. It holds the checkpoint's fp32 model, its :class:`~vitkit.checkp
 and, for the fast precisions, the copy ``optimize_for_inference`` made of it, and gives batched logits,
 probabilities or pre-logits features (the representation the paper's linear probes use).
 
-Precisions (``resolve_precision``):
+Precisions (:func:`vitkit.inference.policy.resolve_precision`; the path, dtype and device are the engine's plan,
+:func:`vitkit.inference.policy.plan_engine`, made before the engine is built):
 
 - ``fp32``: the checkpoint's own fp32 model, its own forward -- the reference, bit for bit what
   ``model(x)`` computes (and what earlier vitkit versions reported), with images decoded at full scale;
@@ -16,8 +17,8 @@ Precisions (``resolve_precision``):
   (``vitkit.inference.fp8``; refused elsewhere);
 - ``auto``: the fastest path that computes the model's function up to floating-point rounding: the bf16
   fast path where bf16 matmuls are native *and* faster than fp32 ones (CUDA; a CPU with bf16 instructions
-  where a measured GEMM says so, see :func:`vitkit.hardware.bf16_is_faster`), else the fp32 fast path where
-  it pays (:func:`vitkit.hardware.fp32_fast_path_pays`: AVX-512 CPUs, GPUs), else the model itself.
+  where a measured GEMM says so, see :func:`vitkit.inference.policy.bf16_is_faster`), else the fp32 fast path
+  where it pays (:func:`vitkit.inference.policy.fp32_fast_path_pays`: AVX-512 CPUs, GPUs), else the model itself.
 
 Backends: ``torch`` (vitkit's fast path), ``onnxruntime`` (fp32, int8), ``openvino`` (fp32, bf16, NNCF int8,
 calibrated on images), ``auto`` (the fastest of those installed, measured when built). The engines run
@@ -42,35 +43,16 @@ from vitkit.data.eval_transform import Normalizer
 from vitkit.data.gpu_decode import GpuDecoder
 from vitkit.data.stream import StreamBatch
 from vitkit.errors import ConfigError, DataError
-from vitkit.hardware import bf16_is_faster, fp32_fast_path_pays, has_native_bf16, resolve_device
 from vitkit.images import load_image
-from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fast import optimize_for_inference
-from vitkit.inference.fp8 import fp8_unsupported, to_fp8
+from vitkit.inference.fp8 import to_fp8
+from vitkit.inference.policy import EnginePlan, fastest_sdpa_backend, plan_engine, sdpa_backend
 from vitkit.inference.tune import Tuning, build_fast
 from vitkit.models.vit import VisionTransformer
 
-PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp8")
 CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
 
 Calibration = torch.Tensor | Callable[[], torch.Tensor]
-
-
-def resolve_precision(precision: str, device: torch.device | str = "cpu", backend: str = "torch") -> str:
-    """``auto`` -> ``bf16`` where bf16 matmuls are native and faster than fp32 ones on ``device``
-    (:func:`vitkit.hardware.bf16_is_faster`), else ``fp32``; ONNX Runtime (no bf16 kernels) -> ``fp32``.
-    Other precisions are returned as they are (ConfigError for an unknown one)."""
-    if precision not in PRECISIONS:
-        raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if precision == "fp8":
-        reason = "fp8 runs on vitkit's own path (--backend torch)" if backend != "torch" else fp8_unsupported(device)
-        if reason:
-            raise ConfigError(f"--precision fp8: {reason}")
-    if precision != "auto":
-        return precision
-    if backend == "onnxruntime":
-        return "fp32"
-    return "bf16" if bf16_is_faster(device) else "fp32"
 
 
 def uses_calibration(backend: str, precision: str) -> bool:
@@ -121,10 +103,12 @@ class InferenceEngine:
 
     ``model``: the fp32 model (left untouched; the fast precisions run a copy). ``precision``/``backend``: see
     the module docstring (``auto`` resolved here); ``device`` a name (``auto``: this process's GPU where there
-    is one, as :func:`vitkit.hardware.resolve_device`) or a device. ``batch_size``: the batch the engine will
-    mostly see, to choose oneDNN's weight layout (any batch works). ``calibration``: OpenVINO int8's
-    calibration images (N, C, H, W), or a function giving them, called only when that engine is built
-    (ConfigError when it is needed and missing). ``labels``: class names for :meth:`label`.
+    is one, as :func:`vitkit.hardware.resolve_device`) or a device. ``plan``: what to run, made beforehand by
+    :func:`~vitkit.inference.policy.plan_engine` (it replaces ``precision``, ``backend``, ``device`` and
+    ``fp32_reference``; by default it is made here from them). ``batch_size``: the batch the engine will
+    mostly see, to choose oneDNN's weight layout and, on a GPU, the attention kernel (any batch works).
+    ``calibration``: OpenVINO int8's calibration images (N, C, H, W), or a function giving them, called only
+    when that engine is built (ConfigError when it is needed and missing). ``labels``: class names for :meth:`label`.
     ``fp32_reference=False`` runs an explicit ``fp32`` on the fp32 fast path instead of the model itself (a
     training run's validation pass). ``tune``: on the CPU, time the fast path's kernels on the model's shapes
     and keep the fastest, or the plain model where it wins (:mod:`vitkit.inference.tune`; cached per machine,
@@ -145,33 +129,27 @@ class InferenceEngine:
         labels: Sequence[str] | None = None,
         fp32_reference: bool = True,
         tune: bool = True,
+        plan: EnginePlan | None = None,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-        if isinstance(device, str):  # "auto": this process's GPU when there is one (the engines: the CPU)
-            device = resolve_device("cpu" if backend != "torch" and device == "auto" else device)
-        self.device = device
-        if backend != "torch" and self.device.type != "cpu":
-            raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {self.device}")
+        if plan is None:
+            plan = plan_engine(precision, backend, device, fp32_reference=fp32_reference, batch_size=batch_size)
+        self.plan = plan
+        self.device = self.plan.device
         self.model = model.eval().to(self.device)
         self.preprocess = preprocess
         self.normalizer = Normalizer(preprocess)
         self.labels = list(labels) if labels else None
-        self.requested = precision
-        self.precision = resolve_precision(precision, self.device, backend)
-        self.backend = backend
-        # explicit fp32 on torch: the reference, bit for bit (the model itself, images decoded at full scale)
-        self.exact = backend == "torch" and precision == "fp32" and fp32_reference
-        # the model itself also where auto lands on fp32 and the fp32 fast path does not pay; else a fast copy
-        plain = backend == "torch" and precision == "auto" and self.precision == "fp32"
-        self.fast = not (self.exact or (plain and not fp32_fast_path_pays(self.device)))
+        self.precision = self.plan.precision
+        self.backend = self.plan.backend
         self.tune = tune
         self.tuning: Tuning | None = None  # the CPU fast path's measured choice (vitkit.inference.tune)
+        self.attention: str | None = None  # CUDA: the SDPA backend measured fastest (None: PyTorch's own choice)
         start = time.perf_counter()
-        self.runner: torch.nn.Module = self.model
-        if self.fast:
+        self.runner: torch.nn.Module = self.model  # the reference and plain paths: the model itself
+        if self.plan.path == "fast":
             self.runner = self._build(batch_size, calibration)
-            self.backend = getattr(self.runner, "backend", backend)  # auto: the one it chose
+            self.backend = getattr(self.runner, "backend", self.backend)  # auto: the one it chose
+            self.attention = self._fastest_attention(batch_size)
         self.build_seconds = time.perf_counter() - start
 
     @classmethod
@@ -191,9 +169,7 @@ class InferenceEngine:
     def _build(self, batch_size: int, calibration: Calibration | None) -> torch.nn.Module:
         if self.precision == "fp8":
             return to_fp8(self.model)
-        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float32
-        if self.precision == "int8":  # the floating-point parts: bf16 where native (the VNNI GEMM writes bf16)
-            dtype = torch.bfloat16 if has_native_bf16(self.device) else torch.float32
+        dtype, int8 = self.plan.dtype, self.precision == "int8"
         images = None
         if uses_calibration(self.backend, self.precision):
             if calibration is None and self.backend == "openvino":
@@ -201,20 +177,23 @@ class InferenceEngine:
             images = calibration() if callable(calibration) else calibration
         try:
             if self.backend == "torch" and self.device.type == "cpu":  # kernels (or the plain model) by measurement
-                int8 = self.precision == "int8"
                 runner, self.tuning = build_fast(self.model, dtype, batch_size, int8, tune=self.tune)
                 return runner
             return optimize_for_inference(
-                self.model,
-                dtype,
-                int8=self.precision == "int8",
-                batch_size=batch_size,
-                backend=self.backend,
-                calibration=images,
-            )
+                self.model, dtype, int8=int8, batch_size=batch_size, backend=self.backend, calibration=images,
+                compile=self.plan.compile, compile_mode=self.plan.compile_mode,
+            )  # fmt: skip
         except ValueError as e:  # e.g. int8 without oneDNN, bf16 on ONNX Runtime
             option = "--precision" if self.backend == "torch" else f"--backend {self.backend} --precision"
             raise ConfigError(f"{option} {self.precision}: {e}") from None
+
+    def _fastest_attention(self, batch_size: int) -> str | None:
+        """The plan's SDPA candidates (CUDA) timed on the model's attention shape: the fastest, or None."""
+        if not self.plan.sdpa_candidates:
+            return None
+        cfg = self.model.cfg
+        shape = (batch_size, cfg.num_heads, cfg.num_tokens(), cfg.hidden_size // cfg.num_heads)
+        return fastest_sdpa_backend(self.plan.sdpa_candidates, shape, self.plan.dtype, self.device)[0]
 
     # ---- facts ----------------------------------------------------------------------------------------
 
@@ -229,10 +208,9 @@ class InferenceEngine:
 
     @property
     def reduced_decode(self) -> bool:
-        """Whether JPEGs may be decoded at reduced scale for this engine (the same pixels within resampling
-        error; see :class:`vitkit.data.eval_transform.EvalTransform`): everywhere except an explicit fp32, the
-        reference bit for bit."""
-        return not self.exact
+        """Whether JPEGs may be decoded at reduced scale for this engine: ``not plan.full_decode``
+        (:attr:`vitkit.inference.policy.EnginePlan.full_decode`)."""
+        return not self.plan.full_decode
 
     def label(self, index: int) -> str:
         """The name of class ``index`` (``"class N"`` without class names)."""
@@ -249,22 +227,17 @@ class InferenceEngine:
         return names
 
     def describe(self) -> str:
-        """One line: precision, path, backend, device and the build's cost, e.g. ``bf16 fast path (torch) on
-        cpu, built in 0.6 s``."""
-        if self.exact:
-            what = "fp32 reference (the checkpoint's own model)"
-        elif not self.fast:
-            what = "fp32, the checkpoint's own model (the fp32 fast path is slower on this CPU)"
-        elif self.tuning is not None and self.tuning.plain:
-            what = f"{self.precision}, {self.tuning.summary()}"
-        elif self.backend == "torch":
-            raced = self.tuning is not None and self.tuning.races
-            what = f"{self.precision} fast path" + (f" ({self.tuning.summary()})" if self.tuning and raced else "")
-        else:
-            what = f"{self.precision} on {self.backend}"
-        auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""
-        built = f", built in {self.build_seconds:.1f} s" if self.fast else ""
-        return f"{auto}{what} on {self.device}{built}"
+        """One line: the plan (:meth:`~vitkit.inference.policy.EnginePlan.describe`) as built, with what the
+        CPU's kernel races or the GPU's attention race chose and the build's cost, e.g. ``bf16 fast path on cpu,
+        built in 0.6 s``."""
+        what, t = None, self.tuning
+        if t is not None and t.plain:
+            what = f"{self.precision}, {t.summary()}"
+        elif t is not None and t.races:
+            what = f"{self.precision} fast path ({t.summary()})"
+        built = f", built in {self.build_seconds:.1f} s" if self.plan.path == "fast" else ""
+        plan = dataclasses.replace(self.plan, backend=self.backend)  # auto: the backend it chose
+        return plan.describe(what, self.attention) + built
 
     # ---- compute --------------------------------------------------------------------------------------
 
@@ -328,15 +301,16 @@ class InferenceEngine:
         if logits and self.num_classes <= 0:
             raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
         x = self.prepare(x)
-        if not features:
-            return Outputs(logits=self.runner(x).float().cpu())
-        if not self.gives_features:
+        if features and not self.gives_features:
             raise ConfigError(
                 f"--backend {self.backend} computes logits only (vitkit's ONNX export); features need --backend torch"
             )
         runner: Any = self.runner
-        rep = runner.forward_head(runner.forward_features(x), pre_logits=True)  # (B, R)
-        out = runner.head(rep).float().cpu() if logits else None
+        with sdpa_backend(self.attention):
+            if not features:
+                return Outputs(logits=runner(x).float().cpu())
+            rep = runner.forward_head(runner.forward_features(x), pre_logits=True)  # (B, R)
+            out = runner.head(rep).float().cpu() if logits else None
         return Outputs(features=rep.float().cpu(), logits=out)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

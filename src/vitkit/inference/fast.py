@@ -416,7 +416,7 @@ def optimize_for_inference(
     ``compile_mode``: torch.compile's ``mode`` with ``compile`` ("reduce-overhead": CUDA graphs). ``kernels``:
     which implementation each piece uses (:class:`Kernels`; default: the built-in rules;
     ``vitkit.inference.tune.tune_kernels`` measures them). To let vitkit
-    choose all of this for the model's device, see ``vitkit.inference.plan.optimize_for_device``.
+    choose all of this for the model's device, see ``vitkit.inference.policy.plan_engine``.
     """
     if backend != "torch":
         from vitkit.inference.backends import optimize_with_backend

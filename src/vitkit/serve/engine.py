@@ -26,13 +26,12 @@ from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
     CALIBRATION_MAX_IMAGES,
-    PRECISIONS,
     InferenceEngine,
     calibration_batch,
     check_calibration_used,
-    resolve_precision,
     uses_calibration,
 )
+from vitkit.inference.policy import PRECISIONS, resolve_precision
 
 __all__ = [
     "CALIBRATION_MAX_IMAGES",

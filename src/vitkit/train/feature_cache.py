@@ -3,7 +3,9 @@ and reused by every later run that asks for the same ones (``vitkit finetune --m
 regularisation costs seconds).
 
 Features come from :func:`vitkit.inference.features.extract` -- the one batched forward path of evaluation --
-in chunks of ``CHUNK`` examples, each written as soon as it is computed, so an interrupted run keeps what it
+on an :class:`~vitkit.inference.engine.InferenceEngine` at the feature precision (fp32: the model itself, images
+decoded at full scale; bf16, int8: the engine's fast path, with the reduced-scale decoding its eval uses), in
+chunks of ``CHUNK`` examples, each written as soon as it is computed, so an interrupted run keeps what it
 finished and a resumed one computes only the rest. Layout::
 
     <root>/<key digest>/key.json                    the key in full, compared on every read
@@ -42,14 +44,14 @@ from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import check_output_location, write_file_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 from vitkit.images import LazyImage
-from vitkit.inference.fast import optimize_for_inference
+from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import extract
+from vitkit.inference.policy import FEATURE_PRECISIONS
 from vitkit.models.vit import VisionTransformer
 from vitkit.outputs.store import Parts
 
-KEY_VERSION = 1
+KEY_VERSION = 2  # 2: bf16/int8 features from the engine's own fast path (1: a stand-in model, full decoding)
 CHUNK = 2048  # examples per file: what an interrupted run can lose, at most
-FEATURE_PRECISIONS = ("fp32", "bf16", "int8")  # fp32: the model as it is; bf16, int8: the fast inference path
 KEY_FILE = "key.json"
 TENSORS = ("features", "labels", "indices")
 
@@ -143,28 +145,6 @@ def backbone_digest(model: VisionTransformer) -> str:
     return state_digest({k: v for k, v in model.state_dict().items() if not k.startswith("head.")})
 
 
-class _FastFeatures:
-    """The fast inference path (:func:`vitkit.inference.fast.optimize_for_inference`, bf16, or its int8 GEMMs
-    with ``int8``) seen as ``extract`` sees a model: pre-logits features from its tokens, through the model's own
-    (bf16) pre-logits layer. Not a module: ``extract``'s ``.to(device)`` must not move the packed weights."""
-
-    def __init__(self, model: VisionTransformer, batch_size: int, int8: bool) -> None:
-        self.cfg = model.cfg
-        self.fast: Any = optimize_for_inference(model, torch.bfloat16, int8=int8, batch_size=batch_size)
-
-    def eval(self) -> _FastFeatures:
-        return self
-
-    def to(self, device: torch.device) -> _FastFeatures:
-        return self
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fast.forward_features(x)  # (B, T, D) bf16
-
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.fast.base.forward_head(tokens, pre_logits=pre_logits)  # (B, R)
-
-
 def feature_key(
     model: VisionTransformer,
     dataset: Any,
@@ -251,15 +231,15 @@ def cached_features(
     feats = np.empty((n, width), dtype=np.float32)
     starts = list(range(0, n, CHUNK))
     cached = computed = 0
-    forward: Any = None  # what computes missing chunks: built on the first one (nothing to pack when all are cached)
+    engine: InferenceEngine | None = None  # built for the first missing chunk (nothing to pack when all are cached)
     for c, start in enumerate(starts):
         idx = np.arange(start, min(start + CHUNK, n), dtype=np.int64)
         got = _read_chunk(chunks.path(c), idx, labels[idx], width)
         if got is None:
             what = f"{desc} {c + 1}/{len(starts)}" if len(starts) > 1 else desc
-            if forward is None:
-                forward = model if precision == "fp32" else _FastFeatures(model, batch_size, precision == "int8")
-            out = extract(forward, source, pre, logits=False, features=True, batch_size=batch_size, device=device,
+            if engine is None:
+                engine = InferenceEngine(model, pre, precision=precision, device=device, batch_size=batch_size)
+            out = extract(engine, source, pre, logits=False, features=True, batch_size=batch_size,
                           indices=idx.tolist(), workers=workers, desc=what, progress=progress)  # fmt: skip
             assert out.features is not None
             got = out.features.astype(np.float32, copy=False)

@@ -25,7 +25,8 @@ from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.subset import split_off
 from vitkit.errors import ConfigError
 from vitkit.fileio import check_output_location, clean_stale
-from vitkit.hardware import has_native_bf16, restore_tf32, use_tf32
+from vitkit.hardware import restore_tf32, use_tf32
+from vitkit.inference.policy import train_precision
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
 from vitkit.train import build
 from vitkit.train import distributed as distr
@@ -71,14 +72,6 @@ class TrainResult:
 def step_seed(seed: int, step: int, rank: int) -> int:
     """A 63-bit seed for the global torch RNG at ``step`` (dropout, stochastic depth)."""
     return int(np.random.SeedSequence([seed, step, rank, 0x70C4]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def train_precision(choice: str, device: torch.device) -> str:
-    """The precision a run computes in: ``choice`` "fp32" or "bf16" as given; "auto" bf16 autocast on a CUDA GPU
-    that computes bf16 natively (Ampere and later), fp32 elsewhere (on CPUs fp32 is vitkit's measured default)."""
-    if choice != "auto":
-        return choice
-    return "bf16" if device.type == "cuda" and has_native_bf16(device) else "fp32"
 
 
 class Run:

@@ -17,7 +17,8 @@ from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset
 from vitkit.data.loader import Batch, eval_batches
 from vitkit.data.resident import resident_eval_batches
-from vitkit.inference.engine import InferenceEngine, resolve_precision
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.policy import resolve_precision
 from vitkit.train import distributed as distr
 from vitkit.train.run import Run
 

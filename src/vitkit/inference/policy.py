@@ -1,0 +1,257 @@
+"""One home for what runs where: the inference engine's plan, training's precision, the feature cache's
+precisions and ``vitkit bench``'s defaults, decided from the device's capabilities (``vitkit.hardware``) before
+any model is built, and testable with those capabilities faked.
+
+:func:`plan_engine` is the engine's plan (:class:`EnginePlan`): one of three paths --
+
+- ``reference``: an explicit ``fp32`` on vitkit's own backend: the checkpoint's own model, bit for bit, with
+  images decoded at full scale;
+- ``plain``: ``auto`` landing on fp32 where the fp32 fast path does not pay (:func:`fp32_fast_path_pays`): the
+  model itself, images decoded at reduced scale;
+- ``fast``: a fast copy (vitkit's fast path, fp8, or an ONNX engine), images decoded at reduced scale --
+
+with the precision ``auto`` resolves to (:func:`resolve_precision`), its floating-point dtype, the device, and on
+a CUDA GPU the PyTorch attention kernels (SDPA backends) to time on the model's attention shape and, when asked
+for, ``torch.compile`` (CUDA graphs for batches up to ``SMALL_BATCH``). The two measurements the decisions need
+live here too: whether bf16 beats fp32 on this CPU (:func:`bf16_is_faster`) and the fastest SDPA backend
+(:func:`fastest_sdpa_backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vitkit import hardware
+from vitkit.errors import ConfigError
+from vitkit.inference.backends import BACKENDS
+from vitkit.inference.fp8 import fp8_unsupported
+from vitkit.timing import time_alternating
+
+PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp8")  # the engine's (predict, eval, serve, ...)
+FEATURE_PRECISIONS = ("fp32", "bf16", "int8")  # the feature cache's: fp32 the model itself; bf16, int8 the fast path
+PATHS = ("reference", "plain", "fast")
+SMALL_BATCH = 8  # up to this batch, CUDA graphs ("reduce-overhead") when compiling on a GPU
+SDPA = ("flash", "cudnn", "efficient", "math")  # PyTorch's fused attention kernels, by vitkit's names
+BF16_MIN_SPEEDUP = 1.2  # bf16 must beat fp32 by this much to be chosen by --precision auto (it also rounds more)
+
+
+def fp32_fast_path_pays(device: torch.device | str = "cpu") -> bool:
+    """Whether the fp32 fast path (pre-packed oneDNN GEMMs, chunked attention and MLP) runs faster than the
+    model's own forward on ``device``: on CPUs with AVX-512 (B/16 and S/16 at batch 32 on an Intel Xeon of family
+    6 model 207: 1.17x), and on GPUs; not on AVX2-only CPUs, where it measured 0.91x (Ti/16 at batch 8,
+    BENCHMARKS.md, "CPUs without AVX-512")."""
+    return torch.device(device).type != "cpu" or "avx512f" in hardware.cpu_flags()
+
+
+def bf16_is_faster(device: torch.device | str = "cpu", repeats: int = 3) -> bool:
+    """Whether bf16 matmuls are native on ``device`` and faster than fp32 ones: what ``--precision auto``
+    asks. CUDA: where bf16 is supported. CPU: with bf16 instructions (:func:`vitkit.hardware.has_native_bf16`),
+    when a GEMM of ViT-B's MLP shape (512 x 768 by 768 x 3072, 2.4 GFLOP) runs at least ``BF16_MIN_SPEEDUP``
+    times faster in bf16 than in fp32, timed now (best of ``repeats``, alternating; ~0.1 s). Native is not
+    enough: CPUs with AVX512_BF16 but no AMX may issue bf16 dot products on fewer ports than fp32 FMAs, and then
+    bf16 runs slower (an Intel Xeon of family 6 model 207: 165 against 280 GFLOP/s, BENCHMARKS.md), while AMD
+    Zen 4/5 run it at twice the fp32 rate."""
+    device = torch.device(device)
+    if not hardware.has_native_bf16(device):
+        return False
+    if device.type != "cpu":
+        return True
+    a, w = torch.randn(512, 768), torch.randn(3072, 768)
+    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    with torch.inference_mode():
+        pairs = {dt: (a.to(dt), w.to(dt)) for dt in best}
+        for x, y in pairs.values():
+            torch.nn.functional.linear(x, y)  # warm-up: oneDNN creates its primitive
+        for _ in range(repeats):
+            for dt, (x, y) in pairs.items():
+                start = time.perf_counter()
+                torch.nn.functional.linear(x, y)
+                best[dt] = min(best[dt], time.perf_counter() - start)
+    return best[torch.float32] >= BF16_MIN_SPEEDUP * best[torch.bfloat16]
+
+
+def resolve_precision(precision: str, device: torch.device | str = "cpu", backend: str = "torch") -> str:
+    """``auto`` -> ``bf16`` where bf16 matmuls are native and faster than fp32 ones on ``device``
+    (``vitkit.inference.policy.bf16_is_faster``), else ``fp32``; ONNX Runtime (no bf16 kernels) -> ``fp32``.
+    Other precisions are returned as they are (ConfigError for an unknown one, and for fp8 where it cannot run)."""
+    if precision not in PRECISIONS:
+        raise ConfigError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision == "fp8":
+        reason = "fp8 runs on vitkit's own path (--backend torch)" if backend != "torch" else fp8_unsupported(device)
+        if reason:
+            raise ConfigError(f"--precision fp8: {reason}")
+    if precision != "auto":
+        return precision
+    if backend == "onnxruntime":
+        return "fp32"
+    return "bf16" if bf16_is_faster(device) else "fp32"
+
+
+def fast_dtype(precision: str, device: torch.device | str) -> torch.dtype:
+    """The floating-point dtype the fast path computes ``precision`` in: bf16 for bf16 and fp8 (its non-fp8
+    parts); for int8 the parts around the int8 GEMMs in bf16 where ``device`` computes it natively (the VNNI GEMM
+    writes bf16), else fp32; fp32 otherwise."""
+    if precision == "int8":
+        return torch.bfloat16 if hardware.has_native_bf16(device) else torch.float32
+    return torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
+
+
+def train_precision(choice: str, device: torch.device) -> str:
+    """The precision a training run computes in: ``choice`` "fp32" or "bf16" as given; "auto" bf16 autocast on a
+    CUDA GPU that computes bf16 natively (Ampere and later), fp32 elsewhere (on CPUs fp32 is vitkit's measured
+    default)."""
+    if choice != "auto":
+        return choice
+    return "bf16" if device.type == "cuda" and hardware.has_native_bf16(device) else "fp32"
+
+
+def bench_precisions(task: str, device: torch.device | str) -> tuple[str, ...]:
+    """What ``vitkit bench`` measures without ``--precision``: bf16 where ``device`` computes it natively (pure
+    bf16 weights for inference; autocast over fp32 master weights for a training step, as ``vitkit train
+    --precision bf16`` runs), else fp32."""
+    if not hardware.has_native_bf16(device):
+        return ("fp32",)
+    return ("bf16",) if task == "inference" else ("bf16-autocast",)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What an :class:`~vitkit.inference.engine.InferenceEngine` will run, decided before it is built
+    (:func:`plan_engine`)."""
+
+    path: str  # one of PATHS
+    precision: str  # resolved: fp32, bf16, int8 or fp8
+    requested: str  # as asked ("auto" included)
+    backend: str
+    device: torch.device
+    dtype: torch.dtype  # the floating-point dtype of the path
+    sdpa_candidates: tuple[str, ...] = ()  # CUDA: timed on the model's attention shape; (): PyTorch's own choice
+    compile: bool = False
+    compile_mode: str | None = None  # torch.compile's mode; None: its default
+
+    @property
+    def full_decode(self) -> bool:
+        """Whether JPEGs must be decoded at full scale: for the reference only. Every other path may decode at
+        reduced scale (the same pixels within resampling error; see
+        :class:`vitkit.data.eval_transform.EvalTransform`)."""
+        return self.path == "reference"
+
+    def describe(self, what: str | None = None, attention: str | None = None) -> str:
+        """One line: ``--precision auto -> bf16; bf16 fast path on cpu``. ``what``: a built engine's own words
+        for the path; ``attention``: the SDPA backend measured fastest."""
+        auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""
+        return f"{auto}{what or self._what(attention)} on {self.device}"
+
+    def _what(self, attention: str | None) -> str:
+        if self.path == "reference":
+            return "fp32 reference (the checkpoint's own model)"
+        if self.path == "plain":
+            return "fp32, the checkpoint's own model (the fp32 fast path is slower on this CPU)"
+        if self.backend != "torch":
+            return f"{self.precision} on {self.backend}"
+        what = f"{self.precision} fast path"
+        if self.compile:
+            what += f", torch.compile ({self.compile_mode or 'default'} mode)"
+        if attention:
+            what += f", attention: {attention} (measured)"
+        elif self.sdpa_candidates:
+            what += f", attention: fastest of {'/'.join(self.sdpa_candidates)}"
+        return what
+
+
+def plan_engine(
+    precision: str = "auto",
+    backend: str = "torch",
+    device: torch.device | str = "cpu",
+    *,
+    fp32_reference: bool = True,
+    batch_size: int | None = None,
+    compile: bool = False,
+) -> EnginePlan:
+    """The engine's plan for ``precision`` on ``backend`` and ``device`` (a name, ``auto``: this process's GPU
+    where there is one, the CPU for the ONNX engines). ``fp32_reference=False`` runs an explicit ``fp32`` on the
+    fp32 fast path instead of the model itself (a training run's validation pass). ``compile``: ``torch.compile``
+    the fast path where that is the choice (CUDA GPUs; with CUDA graphs for ``batch_size`` up to ``SMALL_BATCH``);
+    on a CPU the eager pre-packed path is faster. ConfigError for an unknown backend or precision and for a
+    combination that cannot run."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if isinstance(device, str):  # "auto": this process's GPU when there is one (the engines: the CPU)
+        device = hardware.resolve_device("cpu" if backend != "torch" and device == "auto" else device)
+    if backend != "torch" and device.type != "cpu":
+        raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {device}")
+    resolved = resolve_precision(precision, device, backend)
+    path = "fast"
+    if backend == "torch" and precision == "fp32" and fp32_reference:
+        path = "reference"
+    elif backend == "torch" and precision == "auto" and resolved == "fp32" and not fp32_fast_path_pays(device):
+        path = "plain"
+    dtype = fast_dtype(resolved, device) if path == "fast" else torch.float32
+    gpu = path == "fast" and backend == "torch" and device.type == "cuda"
+    # flash attention has no fp32 kernel; cuDNN's needs bf16/fp16 too
+    candidates = (("flash", "cudnn", "efficient") if dtype == torch.bfloat16 else ("efficient", "math")) if gpu else ()
+    small = batch_size is not None and batch_size <= SMALL_BATCH
+    mode = "reduce-overhead" if compile and gpu and small else None
+    return EnginePlan(path, resolved, precision, backend, device, dtype, candidates, compile and gpu, mode)
+
+
+def _sdpa_enum(name: str) -> Any:
+    from torch.nn.attention import SDPBackend
+
+    return {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[name]
+
+
+@contextlib.contextmanager
+def sdpa_backend(name: str | None) -> Iterator[None]:
+    """PyTorch's ``scaled_dot_product_attention`` restricted to one backend inside (None: unrestricted)."""
+    if name is None:
+        yield
+        return
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([_sdpa_enum(name)]):
+        yield
+
+
+def fastest_sdpa_backend(
+    candidates: tuple[str, ...],
+    shape: tuple[int, int, int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+    repeats: int = 5,
+) -> tuple[str | None, dict[str, float]]:
+    """Time each candidate backend on q, k, v of ``shape`` (B, heads, T, head_dim) and return the fastest with
+    every candidate's median seconds; candidates the device cannot run for this shape and dtype are left out
+    (None when none can)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(shape, generator=g).to(device, dtype) for _ in range(3))
+    runnable = {}
+    for name in candidates:
+        fn = functools.partial(_sdpa, name, q, k, v)
+        try:
+            fn()
+        except RuntimeError:  # "No available kernel" for this device, dtype or shape
+            continue
+        runnable[name] = fn
+    if not runnable:
+        return None, {}
+    timings = time_alternating(runnable, repeats, device, torch.get_num_threads())
+    medians = {k: t.median for k, t in timings.items()}
+    return min(medians, key=medians.__getitem__), medians
+
+
+def _sdpa(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), sdpa_backend(name):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
