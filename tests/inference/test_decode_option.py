@@ -142,7 +142,7 @@ def test_predict_job_decoding_on_the_gpu_gives_the_rows_of_the_cpu_decode(
 ) -> None:
     files = photos(tmp_path / "in", 7)  # 7 JPEGs and a PNG (decoded by the workers)
     loaded = vitkit.load_checkpoint(ckpt)
-    monkeypatch.setattr(predict_module.InferenceEngine, "from_loaded", lambda loaded, **kw: cuda_engine(loaded))
+    monkeypatch.setattr(jobs.EngineSpec, "build", lambda spec, *a: cuda_engine(loaded))  # the job plans, then builds
     opts = predict_module.PredictOptions(batch_size=3, precision="bf16", device="cuda", workers=1, progress=False,
                                          logits=True, decode="cpu")  # fmt: skip
     cpu = predict_module.predict_job(loaded, FileSource(files), opts, out=tmp_path / "cpu.jsonl")

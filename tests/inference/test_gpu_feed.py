@@ -172,7 +172,7 @@ def test_predict_job_on_cuda_takes_the_uint8_path_with_the_same_rows(
         return stream_batches(source, transform, batch_size, **{**kwargs, "pin_memory": False})  # nothing to pin
 
     monkeypatch.setattr(jobs, "stream_batches", recording)
-    monkeypatch.setattr(predict_module.InferenceEngine, "from_loaded", lambda loaded, **kw: cuda_engine(loaded))
+    monkeypatch.setattr(jobs.EngineSpec, "build", lambda spec, *a: cuda_engine(loaded))  # the job plans, then builds
     cuda_opts = dataclasses.replace(opts, device="cuda")
     predict_module.predict_job(loaded, FileSource(files), cuda_opts, out=tmp_path / "cuda.jsonl")
     assert asked == [{"uint8": True, "pin_memory": False}]  # pageable: the pinning thread measured slower

@@ -90,6 +90,13 @@ def calibration_batch(
     return torch.stack(images)
 
 
+def class_labels(loaded: Loaded) -> list[str] | None:
+    """A checkpoint's class names, one per class of its head (None when it has none)."""
+    if not loaded.meta.class_names:
+        return None
+    return [loaded.label(i) for i in range(loaded.model.cfg.num_classes)]
+
+
 @dataclass(frozen=True)
 class Outputs:
     """What one batch gave: pre-logits features (B, R) and/or logits (B, K), float32 on the CPU."""
@@ -155,9 +162,7 @@ class InferenceEngine:
     @classmethod
     def from_loaded(cls, loaded: Loaded, **kwargs: Any) -> InferenceEngine:
         """An engine for a loaded checkpoint: its model, preprocessing and class names."""
-        names = loaded.meta.class_names
-        labels = [loaded.label(i) for i in range(loaded.model.cfg.num_classes)] if names else None
-        return cls(loaded.model, loaded.meta.preprocess, labels=labels, **kwargs)
+        return cls(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
 
     @classmethod
     def from_checkpoint(

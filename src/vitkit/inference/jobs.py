@@ -45,7 +45,8 @@ from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, 
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
 from vitkit.hardware import resolve_device
-from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.engine import InferenceEngine, class_labels
+from vitkit.inference.policy import is_reference
 from vitkit.models.vit import VisionTransformer
 
 
@@ -168,14 +169,12 @@ class EngineSpec:
     @classmethod
     def of(cls, loaded: Loaded, **kwargs: Any) -> EngineSpec:
         """The spec of a loaded checkpoint: its model, preprocessing and class names."""
-        names = loaded.meta.class_names
-        labels = [loaded.label(i) for i in range(loaded.model.cfg.num_classes)] if names else None
-        return cls(loaded.model, loaded.meta.preprocess, labels=labels, **kwargs)
+        return cls(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
 
     @property
     def full_decode(self) -> bool:
-        """An explicit fp32 on vitkit's own path is the reference: JPEGs decoded in full, bit for bit."""
-        return self.backend == "torch" and self.precision == "fp32"
+        """Whether the engine will be the reference, its JPEGs decoded in full (the policy's one rule)."""
+        return is_reference(self.precision, self.backend)
 
     def build(self, batch_size: int, calibration: Callable[[], torch.Tensor] | None) -> InferenceEngine:
         """The engine (weights packed, kernels chosen) for batches of about ``batch_size``."""

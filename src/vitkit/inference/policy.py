@@ -166,6 +166,13 @@ class EnginePlan:
         return what
 
 
+def is_reference(precision: str, backend: str, fp32_reference: bool = True) -> bool:
+    """Whether the engine is the reference: an explicit fp32 on vitkit's own path, the checkpoint's own model
+    with JPEGs decoded in full, bit for bit. A job knows it before anything is measured or built, so its decoding
+    (full or reduced scale) starts first."""
+    return backend == "torch" and precision == "fp32" and fp32_reference
+
+
 def plan_engine(
     precision: str = "auto",
     backend: str = "torch",
@@ -189,7 +196,7 @@ def plan_engine(
         raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {device}")
     resolved = resolve_precision(precision, device, backend)
     path = "fast"
-    if backend == "torch" and precision == "fp32" and fp32_reference:
+    if is_reference(precision, backend, fp32_reference):
         path = "reference"
     elif backend == "torch" and precision == "auto" and resolved == "fp32" and not fp32_fast_path_pays(device):
         path = "plain"
