@@ -1,9 +1,8 @@
 """Feeds the tables "Adaptation: every method's default, seeds 0-3" and "Adaptation: accuracy and wall time per method"
-(``python benchmarks/run_all.py adaptation``),
-"Adaptation: LoRA memory and step time" (``python benchmarks/run_all.py adaptation_memory``) and "Adaptation:
-features through the fast path" (``python benchmarks/run_all.py adaptation_features``) of BENCHMARKS.md:
-``vitkit finetune --method linear|lp-ft|lora|full`` against ``vitkit fewshot``'s ridge probe, LoRA's training
-memory and step time against full fine-tuning, and the linear method's feature pass in fp32, bf16 and int8.
+(``python benchmarks/run_all.py adaptation``) and "Adaptation: features through the fast path" (``python
+benchmarks/run_all.py adaptation_features``) of BENCHMARKS.md: ``vitkit finetune --method linear|lp-ft|lora|full``
+against ``vitkit fewshot``'s ridge probe, and the linear method's feature pass in fp32, bf16 and int8. LoRA's
+training memory and step time: ``benchmarks/lora_memory.py``.
 
 Everything is built on the machine (no downloads). The backbone is ``vitkit train``'s default recipe (the
 digits ViT) trained on digits 0-4 only; the targets are
@@ -32,10 +31,6 @@ Pieces, each a few minutes on 2 cores (results in benchmarks/results/adaptation/
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 10,25
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots full
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py photos
-    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory S/16
-    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory B/16
-    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py memory B/16 --batch 8 \
-        --json benchmarks/results/adaptation/memory-B16-batch8.json
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py features B/16
     python benchmarks/adaptation.py table
 
@@ -51,22 +46,15 @@ path), alternating ``--rounds`` times: images per second of each, and their feat
 wall time from the process's start to its saved checkpoint, the test top-1 it prints (the 179 test images of
 5-9; the weights were selected on a tenth of the training split), and the step it kept. ``--target photos``:
 the same on the sample-photo regions (which no default was chosen on).
-
-``memory VARIANT``: a randomly initialised VARIANT checkpoint fine-tuned to 10 classes of random 224 px
-images, batch 32, bf16 autocast (the training kernels on), ``--steps`` steps per method, each method in a
-process of its own: peak resident memory (``getrusage`` maximum RSS, taken after the last step and before any
-saving) and the median step time after the first.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import re
-import resource
 import shutil
 import statistics
 import subprocess
@@ -269,28 +257,6 @@ def cmd_photos(work: Path, out: Path | None = None) -> None:
     save("photos", {"target": "sample photos, 4 regions", "shots": results}, out)
 
 
-def cmd_memory(work: Path, variant: str, steps: int, batch: int, out: Path | None = None) -> None:
-    from vitkit.checkpoints import vitkit_format
-    from vitkit.models import create_model
-
-    tag = variant.replace("/", "")
-    ckpt, data = work / f"random-{tag}", work / f"random224-{2 * batch}.npz"
-    if not ckpt.exists():
-        torch.manual_seed(0)
-        vitkit_format.save(create_model(variant), ckpt)
-    if not data.exists():
-        rng = np.random.default_rng(0)
-        np.savez(data, train_images=rng.integers(0, 256, (2 * batch, 224, 224, 3), dtype=np.uint8),
-                 train_labels=np.arange(2 * batch) % 10)  # fmt: skip
-    rows = {}
-    for method in ("full", "lora"):
-        cmd = [sys.executable, __file__, "memory-one", str(ckpt), str(data), method, str(steps), str(batch), str(work)]
-        printed = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        rows[method] = json.loads(printed.strip().splitlines()[-1])
-        print(variant, method, rows[method], flush=True)
-    save(f"memory-{tag}", {"variant": variant, "batch": batch, "image_size": 224, "methods": rows}, out)
-
-
 def cmd_features(work: Path, variant: str, images: int, rounds: int, out: Path | None = None) -> None:
     """The linear method's feature pass for a VARIANT backbone at 224 px: fp32 (the model as it is) against bf16
     and int8 (``--feature-precision``, the fast inference path), each with a cold cache, alternating, ``rounds``
@@ -334,48 +300,6 @@ def cmd_features(work: Path, variant: str, images: int, rounds: int, out: Path |
         doc[p] = {"img_s": images / median[p], "x_fp32": median["fp32"] / median[p], "rel_err": float(err)}
     print(doc)
     save(f"features-{tag}", doc, out)
-
-
-class _Stop(Exception):
-    pass
-
-
-def cmd_memory_one(ckpt: str, data: str, method: str, steps: int, batch: int, work: Path) -> None:
-    """One method in this (fresh) process: peak RSS after the last step (before saving) and step times."""
-    from vitkit.configs import finetune_config
-    from vitkit.train import Trainer
-
-    cfg = finetune_config(ckpt, data, "finetune-small", (224, 224), method=method).override(
-        **{"data.batch_size": batch, "data.workers": 0, "data.val_split": None, "steps": steps, "precision": "bf16"},
-        **{"checkpoint_every_steps": None, "optim.warmup_steps": 0},
-    )
-    times: list[float] = []
-    t_last = [0.0]
-    peak = [0]
-
-    def on_step(trainer: Trainer, rec: dict[str, float]) -> None:
-        now = time.perf_counter()
-        times.append(now - t_last[0])
-        t_last[0] = now
-        if trainer.step == steps:
-            peak[0] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-            raise _Stop
-
-    out = work / f"mem-{Path(ckpt).name}-{method}"
-    shutil.rmtree(out, ignore_errors=True)
-    trainer = Trainer(cfg, out, progress=False)
-    trainable = sum(p.numel() for p in trainer.net.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in trainer.net.parameters())
-    setup_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t_last[0] = time.perf_counter()
-    with contextlib.suppress(_Stop):
-        trainer.fit(on_step=on_step)
-    trainer.close(clean=False)
-    shutil.rmtree(out, ignore_errors=True)
-    print(json.dumps({
-        "peak_rss_mb": peak[0] / 1024, "setup_rss_mb": setup_rss / 1024, "step_s": statistics.median(times[1:]),
-        "step_times": times, "trainable": trainable, "parameters": total,
-    }))  # fmt: skip
 
 
 # ---- defaults: every method as a user runs it ---------------------------------------------------------------
@@ -490,31 +414,16 @@ def cmd_table() -> None:
             gap = 100 * (f["full"]["top1"] - f["linear"]["top1"])
             speed = f["full"]["seconds"] / f["linear"]["seconds"]
             print(f"\nfull split: linear {gap:+.1f} points below full fine-tuning, {speed:.1f}x less wall time")
-    mem = [load(n) for n in pieces if n.startswith("memory-")]
-    if mem:
-        print("\n| model, batch | method | trained params | peak RSS MB | step s (median) |\n|---|---|---|---|---|")
-        for doc in mem:
-            model = f"{doc['variant']}, {doc['batch']}"
-            for method, r in doc["methods"].items():
-                print(f"| {model} | {method} | {r['trainable']:,} of {r['parameters']:,} | "
-                      f"{r['peak_rss_mb']:.0f} | {r['step_s']:.2f} |")  # fmt: skip
-            full, lora = doc["methods"]["full"], doc["methods"]["lora"]
-            print(f"| {model} | lora / full | | {lora['peak_rss_mb'] / full['peak_rss_mb']:.2f}x | "
-                  f"{lora['step_s'] / full['step_s']:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "piece", choices=["backbone", "defaults", "digits", "photos", "memory", "memory-one", "features", "table"]
-    )
+    p.add_argument("piece", choices=["backbone", "defaults", "digits", "photos", "features", "table"])
     p.add_argument("args", nargs="*")
     p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
     p.add_argument("--seeds", default="0,1,2,3", help="defaults: comma-separated seeds")
     p.add_argument("--target", choices=["digits", "photos"], default="digits", help="defaults: the transfer")
     p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
-    p.add_argument("--steps", type=int, default=5, help="memory: training steps per method")
-    p.add_argument("--batch", type=int, default=32, help="memory: batch size")
     p.add_argument("--images", type=int, default=128, help="features: images to compute features of")
     p.add_argument("--rounds", type=int, default=2, help="features: alternating rounds of fp32 and bf16")
     p.add_argument("--json", type=Path, help="write the piece's results here (not to benchmarks/results/adaptation/)")
@@ -527,15 +436,9 @@ def main() -> None:
         cmd_digits(a.work, a.shots.split(","), a.json)
     elif a.piece == "photos":
         cmd_photos(a.work, a.json)
-    elif a.piece == "memory":
-        a.work.mkdir(parents=True, exist_ok=True)
-        cmd_memory(a.work, a.args[0], a.steps, a.batch, a.json)
     elif a.piece == "features":
         a.work.mkdir(parents=True, exist_ok=True)
         cmd_features(a.work, a.args[0], a.images, a.rounds, a.json)
-    elif a.piece == "memory-one":
-        ckpt, data, method, steps, batch, work = a.args
-        cmd_memory_one(ckpt, data, method, int(steps), int(batch), Path(work))
     else:
         cmd_table()
 

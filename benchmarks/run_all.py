@@ -297,12 +297,8 @@ TABLES = [
     Table(
         "adaptation_memory",
         "Adaptation: LoRA's peak training memory and step time against full fine-tuning (S/16, B/16, 224 px)",
-        [
-            [PY, "benchmarks/adaptation.py", "memory", "S/16"],
-            [PY, "benchmarks/adaptation.py", "memory", "B/16"],
-            [PY, "benchmarks/adaptation.py", "memory", "B/16", "--batch", "8"],
-        ],
-        [[PY, "benchmarks/adaptation.py", "memory", "Ti/16", "--steps", "2", "--batch", "4"]],
+        [[PY, "benchmarks/lora_memory.py"]],
+        [[PY, "benchmarks/lora_memory.py", "--variants", "Ti/16", "--steps", "2", "--batch", "4"]],
     ),
     Table(
         "adaptation_features",

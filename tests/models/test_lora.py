@@ -1,5 +1,6 @@
 """LoRA adapters through peft: merged = unmerged, the right layers adapted, and the training kernels' fused
-Linear path running the adapters instead of silently skipping them."""
+Linear path running the adapters instead of silently skipping them: the same function and gradients as peft's
+layer, with nothing kept for the frozen base."""
 
 from __future__ import annotations
 
@@ -136,4 +137,96 @@ def test_plain_layers_still_take_the_kernels_gemm(monkeypatch: pytest.MonkeyPatc
     adapted.set_training_kernels(kern)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         adapted(torch.randn(2, 3, 16, 16))
-    assert len(calls) == 2 * 3  # the adapted qkv runs peft's forward; the other three keep the GEMM
+    assert len(calls) == 2 * 4  # the adapted qkv keeps the GEMM too, its adapter beside it (fused.lora_linear)
+
+
+def peft_linear(d_in: int, d_out: int, dropout: float = 0.0) -> nn.Module:
+    """One peft ``lora.Linear`` (rank 4, alpha 8) around a random Linear, with a nonzero B."""
+    torch.manual_seed(1)
+    holder = nn.Module()
+    holder.fc = nn.Linear(d_in, d_out)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=dropout, target_modules=["fc"], bias="none")
+    peft.inject_adapter_in_model(cfg, holder)
+    layer = holder.fc
+    with torch.no_grad():
+        layer.lora_B["default"].weight.normal_(std=0.3)
+    layer.base_layer.requires_grad_(False)  # add_lora's freezing
+    return layer
+
+
+def grads(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    params = [layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    return list(torch.autograd.grad(out, [x, *params], g))
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_the_fused_layer_equals_peft_forward_and_gradients(gelu: bool, dropout: float) -> None:
+    """``fused_lora`` against peft's own forward on the same W, b, A, B (dropout: the same mask from one seed),
+    in fp32 on PyTorch's ops: output and the gradients of x, A and B to fp32 rounding; no gradient for the base."""
+    from vitkit.models.fused import TorchKernels
+    from vitkit.models.lora import fused_lora
+
+    layer = peft_linear(24, 40, dropout).train()
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    g = torch.randn(3, 5, 40)
+    torch.manual_seed(7)
+    want = layer(x)
+    want = nn.functional.gelu(want) if gelu else want
+    want_grads = grads(layer, x, want, g)
+    torch.manual_seed(7)
+    got = fused_lora(layer, x, TorchKernels(), gelu=gelu)
+    assert got is not None and (got[1] is not None) == gelu
+    got_grads = grads(layer, x, got[0], g)
+    torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert layer.base_layer.weight.grad is None and layer.base_layer.bias.grad is None
+
+
+def test_the_fused_layer_keeps_only_the_adapters_inputs() -> None:
+    """What the backward pass keeps: the adapter's input and x A^T (and GELU's input), never a copy of the frozen
+    weight; a layer whose input is GELU of a kept tensor (``source``) keeps that instead of its input."""
+    from vitkit.models.fused import TorchKernels
+    from vitkit.models.lora import fused_lora
+
+    fc1, fc2 = peft_linear(16, 64), peft_linear(64, 16)
+    x = torch.randn(2, 8, 16)
+    kept: list[tuple[int, ...]] = []
+    storages: set[int] = set()
+    params = {p.data_ptr() for m in (fc1, fc2) for p in m.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            kept.append(tuple(t.shape))
+            storages.add(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fused_lora(fc1, x, TorchKernels(), gelu=True)
+        assert out is not None
+        h, pre = out
+        y = fused_lora(fc2, h, TorchKernels(), source=pre)
+    assert sorted(kept) == sorted([(16, 16), (16, 4), (16, 64), (16, 64), (16, 4)]), kept  # x, xA, h; h, hA
+    assert len(storages) == 4  # fc1's GELU input is fc2's: kept once
+    assert y is not None and pre is not None
+    y[0].sum().backward()
+    reference = fc2(nn.functional.gelu(fc1(x)))  # peft's layers, unfused
+    torch.testing.assert_close(y[0], reference, rtol=1e-5, atol=1e-6)
+    assert fc1.lora_A["default"].weight.grad is not None and fc1.base_layer.weight.grad is None
+
+
+def test_the_fused_path_leaves_other_layers_to_peft() -> None:
+    """A merged adapter, adapters switched off, or a base being trained: the layer's own (peft's) forward."""
+    from vitkit.models.fused import TorchKernels
+    from vitkit.models.lora import fused_lora
+
+    layer = peft_linear(8, 8)
+    x = torch.randn(2, 8)
+    assert fused_lora(nn.Linear(8, 8), x, TorchKernels()) is None
+    assert fused_lora(layer, x, TorchKernels()) is not None
+    layer.base_layer.weight.requires_grad_(True)
+    assert fused_lora(layer, x, TorchKernels()) is None
+    layer.base_layer.weight.requires_grad_(False)
+    layer.merge()
+    assert fused_lora(layer, x, TorchKernels()) is None

@@ -26,7 +26,8 @@ backward (W^T for dx = dy W) -- ~1.2x the rate of ``addmm`` / ``mm`` on the plai
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from vitkit.models.attention import attention_backward_reference, attention_reference
 from vitkit.models.kernel_api import TrainingKernels
 
-__all__ = ["TorchKernels", "TrainingKernels", "linear", "linear_gelu"]
+__all__ = ["LoraAdapter", "TorchKernels", "TrainingKernels", "linear", "linear_gelu", "lora_linear"]
 
 
 class TorchKernels:
@@ -162,3 +163,99 @@ def linear_gelu(
     with torch.autocast(device, enabled=False):
         out: torch.Tensor = _LinearGelu.apply(x, weight, bias, kernels)
     return out
+
+
+class LoraAdapter(NamedTuple):
+    """One low-rank adapter of a Linear layer: ``a`` (r, D_in), ``b`` (D_out, r), ``scale`` (alpha / r) and the
+    dropout on its input (peft's ``lora_A`` / ``lora_B`` weights, ``scaling`` and ``lora_dropout``)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    dropout: Callable[[torch.Tensor], torch.Tensor]
+
+
+class _LoraLinear(torch.autograd.Function):
+    """y = x W^T + b + scale (xd A^T) B^T (then GELU) on a frozen W, b; keeps xd (or GELU's input ``source``, which
+    xd is GELU of), x A^T and GELU's input for the backward pass, never a copy of W (recast there)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        xd: torch.Tensor | None,
+        source: torch.Tensor | None,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        scale: float,
+        kernels: TrainingKernels,
+        gelu: bool,
+    ) -> Any:
+        x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
+        xd2 = x2 if xd is None else xd.reshape(x2.shape)  # the adapter's input: x after dropout
+        ctx.kernels = kernels if kernels.linear_supported(x2) else TorchKernels()
+        y = ctx.kernels.linear(x2, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # (N, D_out)
+        xa = torch.mm(xd2, a.to(x.dtype).t())  # (N, r)
+        y.addmm_(xa, b.to(x.dtype).t(), alpha=scale)
+        ctx.act = kernels if kernels.gelu_supported(y) else TorchKernels()
+        ctx.recompute = source is not None and xd is None  # xd = gelu(source): keep source, kept anyway
+        kept = source if ctx.recompute else xd2
+        ctx.save_for_backward(kept, xa, y if gelu else None, weight, a, b)
+        ctx.lead, ctx.scale, ctx.dropout, ctx.gelu = x.shape[:-1], scale, xd is not None, gelu
+        if not gelu:
+            return y.reshape(*ctx.lead, y.shape[1])
+        ctx.mark_non_differentiable(y)
+        return ctx.act.gelu(y).reshape(*ctx.lead, y.shape[1]), y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
+        kept, xa, h, weight, a, b = ctx.saved_tensors
+        g = grad.reshape(-1, b.shape[0]).to(xa.dtype).contiguous()  # (N, D_out)
+        if ctx.gelu:
+            g = ctx.act.gelu_backward_bias(g, h)[0]
+        xd2 = ctx.act.gelu(kept.reshape(-1, a.shape[1])) if ctx.recompute else kept  # (N, D_in)
+        need_x, need_xd, _, _, _, need_a, need_b = ctx.needs_input_grad[:7]
+        gb = torch.mm(g, b.to(g.dtype))  # (N, r)
+        da = torch.mm(gb.t(), xd2).mul_(ctx.scale).to(a.dtype) if need_a else None
+        db = torch.mm(g.t(), xa).mul_(ctx.scale).to(b.dtype) if need_b else None
+        dx = dxd = None
+        if need_x:  # through the kernels' GEMM where the forward pass used it; the adapter's share added in place
+            dx = ctx.kernels.linear(g, weight.to(g.dtype).t(), None)
+            if not ctx.dropout:
+                dx.addmm_(gb, a.to(g.dtype), alpha=ctx.scale)
+            dx = dx.reshape(*ctx.lead, a.shape[1])
+        if ctx.dropout and need_xd:
+            dxd = torch.mm(gb, a.to(g.dtype)).mul_(ctx.scale).reshape(*ctx.lead, a.shape[1])
+        return dx, dxd, None, None, None, da, db, None, None, None
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    adapter: LoraAdapter,
+    kernels: TrainingKernels,
+    *,
+    gelu: bool = False,
+    source: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A LoRA-adapted Linear on a frozen ``weight``/``bias``: ``F.linear(x, weight, bias) + scale B A
+    dropout(x)``, then exact GELU with ``gelu``; the base GEMMs through ``kernels`` where they take the
+    activations (autocast applied as for a Linear), no weight gradient and no copy of ``weight`` kept. Returns
+    the output and, with ``gelu``, GELU's input (give it as ``source`` to the layer that takes this output
+    unchanged: that layer then recomputes its input in the backward pass instead of keeping it). None where the
+    dtypes differ without autocast (as F.linear, no silent promotion): the caller runs the layer's own forward."""
+    device = x.device.type
+    autocast = torch.is_autocast_enabled(device)
+    if not autocast and not weight.dtype == adapter.a.dtype == x.dtype:
+        return None
+    dropped = adapter.dropout(x)  # peft's order: dropout on the input as given, then any cast
+    dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
+    xd = None if dropped is x else dropped.to(dtype)  # None: the adapter takes x itself
+    with torch.autocast(device, enabled=False):
+        args = (x.to(dtype), xd, source, weight, bias, adapter.a, adapter.b, adapter.scale, kernels, gelu)
+        out = _LoraLinear.apply(*args)
+    return (out[0], out[1]) if gelu else (out, None)

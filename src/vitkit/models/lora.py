@@ -8,8 +8,11 @@ names gain ``.base_layer`` and ``.lora_A.default`` / ``.lora_B.default``. :func:
 adapter into its weight (``W + (alpha / r) B A``) and puts the plain Linear back: the same function, a plain
 model for every tool.
 
-The blocks' training-kernel GEMMs (``vit._dense``) only take plain ``nn.Linear`` layers, so an adapted layer
-always runs its own forward, adapters included.
+peft stays the format and the loader; the computation, with training kernels set
+(``VisionTransformer.set_training_kernels``), is vitkit's own (:func:`fused_lora`, ``fused.lora_linear``): the
+frozen base keeps the kernels' GEMM (fc1 its fused GELU, the adapter's share added before it), no weight
+gradient is computed for it and nothing is kept for it; the adapter keeps its input and ``x A^T``. Without
+kernels an adapted layer runs peft's forward.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 from torch import nn
 
 from vitkit.errors import ConfigError, VitkitError
+from vitkit.models.fused import LoraAdapter, lora_linear
+from vitkit.models.kernel_api import TrainingKernels
 
 # short target name -> the module it names in every block
 TARGET_MODULES = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
@@ -131,6 +136,32 @@ def merge_lora(model: M) -> M:
     for p in model.parameters():
         p.requires_grad_(True)
     return model
+
+
+def fused_lora(
+    layer: nn.Module,
+    x: torch.Tensor,
+    kernels: TrainingKernels,
+    *,
+    gelu: bool = False,
+    source: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``layer(x)`` (then exact GELU, with ``gelu``) through ``fused.lora_linear`` for a peft LoRA Linear whose
+    one adapter is active and unmerged, on a frozen ``nn.Linear``; the output and GELU's input (see there).
+    None for any other layer: it runs its own forward."""
+    peft_layer: Any = layer  # its attributes are peft's LoraLayer's
+    base, a, b = (getattr(layer, name, None) for name in ("base_layer", "lora_A", "lora_B"))
+    if type(base) is not nn.Linear or not (isinstance(a, nn.ModuleDict) and isinstance(b, nn.ModuleDict)):
+        return None
+    if ADAPTER not in a or ADAPTER not in b or b[ADAPTER].bias is not None:
+        return None
+    if peft_layer.merged or peft_layer.disable_adapters or list(peft_layer.active_adapters) != [ADAPTER]:
+        return None
+    if ADAPTER in getattr(layer, "lora_variant", {}) or any(p.requires_grad for p in base.parameters()):
+        return None  # DoRA and the like; a trained base needs its weight gradient: peft's forward
+    weights: tuple[Any, Any] = (a[ADAPTER].weight, b[ADAPTER].weight)
+    adapter = LoraAdapter(*weights, float(peft_layer.scaling[ADAPTER]), peft_layer.lora_dropout[ADAPTER])
+    return lora_linear(x, base.weight, base.bias, adapter, kernels, gelu=gelu, source=source)
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ from vitkit.models.attention import softmax_attention
 from vitkit.models.fused import linear, linear_gelu
 from vitkit.models.init import lecun_normal_
 from vitkit.models.kernel_api import TrainingKernels
+from vitkit.models.lora import fused_lora
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
 
@@ -235,13 +236,18 @@ class PatchEmbed(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-def _dense(layer: nn.Module, x: torch.Tensor, kernels: TrainingKernels | None) -> torch.Tensor:
-    """``layer(x)``, its GEMMs through the training kernels' when there are any (``fused.linear``). Only a plain
-    ``nn.Linear`` is routed: any other layer in its place (a LoRA-adapted one, ``vitkit.models.lora``) computes
-    its own forward, which the kernels' GEMM on ``layer.weight`` alone would silently skip."""
-    if kernels is None or type(layer) is not nn.Linear:
+def _dense(
+    layer: nn.Module, x: torch.Tensor, kernels: TrainingKernels | None, source: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``layer(x)``, its GEMMs through the training kernels' when there are any: a plain ``nn.Linear``
+    (``fused.linear``) or a LoRA-adapted one (``lora.fused_lora``; ``source``: GELU's input, when x is GELU of
+    it); any other layer computes its own forward."""
+    if kernels is None:
         return layer(x)
-    return linear(x, layer.weight, layer.bias, kernels)
+    if type(layer) is nn.Linear:
+        return linear(x, layer.weight, layer.bias, kernels)
+    out = fused_lora(layer, x, kernels, source=source)
+    return layer(x) if out is None else out[0]
 
 
 class Attention(nn.Module):
@@ -292,8 +298,8 @@ class Attention(nn.Module):
 class Mlp(nn.Module):
     """Dense(mlp_dim) -> GELU -> dropout -> Dense(D) -> dropout."""
 
-    kernels: TrainingKernels | None = None  # with these, Dense -> exact GELU is one fused op (linear_gelu) when fc1
-    # is a plain Linear (an adapted one runs its own forward, then GELU)
+    kernels: TrainingKernels | None = None  # with these, Dense -> exact GELU is one fused op (linear_gelu, or
+    # fused_lora for an adapted fc1, whose GELU input a LoRA fc2 recomputes its input from)
 
     def __init__(self, dim: int, hidden: int, gelu: Gelu = "exact", dropout: float = 0.0) -> None:
         super().__init__()
@@ -304,11 +310,17 @@ class Mlp(nn.Module):
         self.drop2 = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and self.act.approximate == "none" and type(self.fc1) is nn.Linear:
-            h = linear_gelu(x, self.fc1.weight, self.fc1.bias, self.kernels)  # (B, T, mlp_dim)
-        else:
+        k, h, source = self.kernels, None, None  # source: GELU's input, for an adapted fc2 (see _dense)
+        if k is not None and self.act.approximate == "none":
+            if type(self.fc1) is nn.Linear:
+                h = linear_gelu(x, self.fc1.weight, self.fc1.bias, k)  # (B, T, mlp_dim)
+            elif (lora := fused_lora(self.fc1, x, k, gelu=True)) is not None:
+                h, source = lora
+        if h is None:
             h = self.act(self.fc1(x))
-        return self.drop2(_dense(self.fc2, self.drop1(h), self.kernels))  # (B, T, D)
+        if self.training and self.drop1.p:
+            source = None
+        return self.drop2(_dense(self.fc2, self.drop1(h), k, source))  # (B, T, D)
 
 
 class DropPath(nn.Module):
