@@ -178,12 +178,15 @@ class Run:
 
     # ---- saving ---------------------------------------------------------------------------------------
 
-    def _full_model_state(self) -> dict[str, torch.Tensor]:
+    def _full_model_state(self, trained_only: bool = False) -> dict[str, torch.Tensor]:
+        """Every weight of the model, copied to the CPU (the full tensors, on process 0 when sharded);
+        ``trained_only``: only the parameters that train (LoRA's adapters and head, not the frozen base)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         sd = get_model_state_dict(self.net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        keep = {n for n, p in self.net.named_parameters() if p.requires_grad} if trained_only else sd.keys()
         # copies: on one process these would alias the parameters (and change when EMA weights swap out)
-        return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor) and k in keep}
 
     def save_model(self, folder: str, **provenance: Any) -> None:
         """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""

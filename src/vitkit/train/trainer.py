@@ -390,8 +390,8 @@ class Trainer(ValidatedRun):
         if self.best_step is None or self.best_top1 is None or (top1, -loss) >= (self.best_top1, -self._best_loss):
             self.best_step, self.best_top1, self._best_loss = self.step, top1, loss
             ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-            with ctx:
-                self._best_state = self._full_model_state()
+            with ctx:  # the frozen weights never change: only what trains is kept (LoRA: MBs, not the model)
+                self._best_state = self._full_model_state(trained_only=True)
 
     def _keep_selected(self) -> str:
         """Put the selected weights back into the model (they are the EMA weights when EMA is on, so EMA is
@@ -400,7 +400,8 @@ class Trainer(ValidatedRun):
 
         assert self._best_state is not None and self.best_top1 is not None
         if self.best_step != self.step:
-            state: dict[str, Any] = {k: v.to(self.device) for k, v in self._best_state.items()}
+            kept = {**self._full_model_state(), **self._best_state}  # the frozen weights are today's
+            state: dict[str, Any] = {k: v.to(self.device) for k, v in kept.items()}
             # several processes: _full_model_state gave the full copy to process 0 only (cpu_offload), which sends it
             opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.dist.world > 1)
             set_model_state_dict(self.net, state, options=opts)
