@@ -310,7 +310,7 @@ def job_steps(
     with bar:
         step = 0
         while steps < 0 or step < steps:
-            batch = first if step == 0 else next(batches, None)
+            batch, first = (first, None) if step == 0 else (next(batches, None), None)  # no batch held past its step
             step += 1
             if batch is None and steps < 0:
                 break
