@@ -27,11 +27,11 @@ import torch
 from PIL import Image
 
 from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.data.stream import DatasetSource, FileSource, ImageSource, StreamBatch
+from vitkit.data.stream import DatasetSource, ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, run_job
+from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, image_source, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
 
@@ -202,16 +202,8 @@ def embed(
     opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
     shape = vector_shape(loaded, opts)
     engine = EngineSpec.of(loaded, precision=precision, device=device).build(batch_size, None)
-    source: Any
-    if hasattr(images, "__getitem__") and hasattr(images, "classes"):  # a dataset
-        source = DatasetSource(images)
-    elif isinstance(images, list | tuple) and all(not isinstance(i, Image.Image) for i in images):
-        source = FileSource([os.fspath(i) for i in images])
-    else:
-        source = (
-            (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
-            for i, img in enumerate(images)
-        )
+    is_dataset = hasattr(images, "__getitem__") and hasattr(images, "classes")
+    source = DatasetSource(images) if is_dataset else image_source(images)
     job = Job(source, engine, batch_size, workers=workers, progress=progress, desc="embed")
     got = Collect()
     run_job(job, lambda engine, batch: embed_columns(engine, batch, opts, shape), got)

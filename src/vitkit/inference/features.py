@@ -85,11 +85,13 @@ def extract(
     engine: EngineSpec | InferenceEngine = model if isinstance(model, InferenceEngine) else EngineSpec(
         model, preprocess, precision=precision, backend=backend, device="auto" if device is None else device
     )  # fmt: skip
-    source: Any = DatasetSource(dataset)
-    if not is_map_style(dataset):
-        if indices is not None:
-            raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
-        source = ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
+    if not is_map_style(dataset) and indices is not None:
+        raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
+    source: Any = (
+        DatasetSource(dataset)
+        if is_map_style(dataset)
+        else ((img, str(i), int(label)) for i, (img, label) in enumerate(dataset))
+    )
     job = Job(source, engine, batch_size, positions=indices, workers=workers, decode=decode, progress=progress,
               desc=desc, where="the dataset", on_engine=on_engine, dist=dist)  # fmt: skip
 

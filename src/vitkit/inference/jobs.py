@@ -19,6 +19,7 @@ processes).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from PIL import Image
 from tqdm import tqdm
 
 from vitkit.checkpoints import Loaded
@@ -40,7 +42,7 @@ from vitkit.data.gpu_decode import (
     measure_rates,
     nvimgcodec_module,
 )
-from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches, stream_iterable
+from vitkit.data.stream import FileSource, ImageSource, StreamBatch, Transform, stream_batches, stream_iterable
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
@@ -187,6 +189,18 @@ class EngineSpec:
 Items = Iterable[tuple[Any, str, int]]  # (file path or PIL image, id, label): a source read once, in order
 
 
+def image_source(images: Iterable[Any]) -> ImageSource | Items:
+    """The source of the Python API's images (file paths or PIL images): a list or tuple of paths is a
+    :class:`~vitkit.data.stream.FileSource` (random access: decoding workers can read it); anything else is read
+    once, in order, a PIL image named ``image N`` by its position."""
+    if isinstance(images, list | tuple) and not any(isinstance(img, Image.Image) for img in images):
+        return FileSource([os.fspath(img) for img in images])
+    return (
+        (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
+        for i, img in enumerate(images)
+    )
+
+
 @dataclass
 class Job:
     """One batch job: its ``source`` (an :class:`~vitkit.data.stream.ImageSource`, taken at ``positions``
@@ -310,7 +324,8 @@ def job_steps(
     with bar:
         step = 0
         while steps < 0 or step < steps:
-            batch, first = (first, None) if step == 0 else (next(batches, None), None)  # no batch held past its step
+            batch = first if step == 0 else next(batches, None)
+            first = None  # no batch is held past its step
             step += 1
             if batch is None and steps < 0:
                 break

@@ -19,12 +19,12 @@ import torch
 from PIL import Image
 
 from vitkit.checkpoints import Loaded, load_checkpoint
-from vitkit.data.stream import FileSource, ImageSource, StreamBatch
+from vitkit.data.stream import ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import EngineSpec, Job, JobSummary, job_steps, run_job
+from vitkit.inference.jobs import EngineSpec, Job, JobSummary, image_source, job_steps, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.rows import Field, open_rows
 
@@ -168,17 +168,11 @@ def predict(
         raise VitkitError(f"{where}: the model has no classification head; nothing to predict")
     spec = EngineSpec.of(loaded, precision=precision, backend=backend, device=device)
     engine = spec.build(batch_size, None)  # now: a bad option is an error of this call, not of the first image
-    source: Any = _named(images)
-    if isinstance(images, list | tuple) and all(not isinstance(img, Image.Image) for img in images):
-        source = FileSource([os.fspath(img) for img in images])
-    job = Job(source, engine, batch_size, workers=workers, skip_bad=skip_bad, progress=progress, desc="predict")
+    job = Job(
+        image_source(images), engine, batch_size, workers=workers, skip_bad=skip_bad, progress=progress, desc="predict"
+    )
     found = _predict(job, top_k)
     return list(found) if isinstance(images, list | tuple) else found
-
-
-def _named(images: Iterable[ImageInput]) -> Iterator[tuple[Any, str, int]]:
-    for i, img in enumerate(images):
-        yield (img, f"image {i}", -1) if isinstance(img, Image.Image) else (os.fspath(img), os.fspath(img), -1)
 
 
 def _predict(job: Job, top_k: int) -> Iterator[Prediction]:
