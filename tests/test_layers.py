@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
     "timing": 0,
     "distributed": 0,  # torchrun process groups (train and the batch jobs)
     "version": 0,
+    "lazy": 0,  # names imported on first use (the package faces' __getattr__)
     "images": 0,  # image files and bytes -> decoded pixels, every bound checked first (datasets, checkpoints, serve)
     "models": 1,
     "checkpoints": 2,

@@ -20,11 +20,11 @@ Analyses (the paper's figures 6, 7, 11) are in :mod:`vitkit.analysis`, benchmark
 
 from __future__ import annotations
 
-import importlib
 import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from vitkit.lazy import lazy_attributes
 from vitkit.version import __version__
 
 if TYPE_CHECKING:  # what the names below are, for type checkers; imported on first use (``__getattr__``)
@@ -64,14 +64,7 @@ _LAZY: dict[str, tuple[str, str]] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    """The public API's names, each imported on first use (PEP 562) and then kept in the module."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'vitkit' has no attribute {name!r}")
-    value = getattr(importlib.import_module(where[0]), where[1])
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -6,10 +6,10 @@ Both sit below ``vitkit.train``: a config is data, the trainer consumes it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from vitkit.configs.schema import AdaptConfig, AugConfig, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from vitkit.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from vitkit.configs.overrides import apply_overrides, finetune_config, parse_sets
@@ -27,13 +27,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'vitkit.configs' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [
