@@ -238,11 +238,10 @@ def eval_batches(
     n = len(dataset)
     size = min(batch_size, max(1, -(-n // world)))
     mine, steps = shard_steps(range(n), size, DistInfo(rank=rank, world=world))
-    full, _ = shard_steps(range(n), size, DistInfo(rank=0, world=world))  # rank 0's batches: the largest
-    want = [len(full[s : s + size]) for s in range(0, len(full), size)]
     keys = [[(0, i) for i in mine[k * size : (k + 1) * size]] for k in range(steps)]
     real = [len(k) for k in keys]
-    keys = [k + [(0, 0)] * (w - len(k)) for k, w in zip(keys, want, strict=True)]
+    for k, key in enumerate(keys):  # up to rank 0's batch of the step (batch k * world): the largest
+        key += [(0, 0)] * (min(size, n - k * world * size) - len(key))
     batches = _loader(_Samples(dataset, transform, 0, train=False), keys, workers, pin_memory)
     for count, b in zip(real, batches, strict=True):
         if count < len(b.labels):
