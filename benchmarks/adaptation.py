@@ -27,6 +27,7 @@ Pieces, each a few minutes on 2 cores (results in benchmarks/results/adaptation/
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py backbone
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py defaults --seeds 0,1,2,3
+    flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py defaults --seeds 0,1,2,3 --sweep
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 1,5
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots 10,25
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/adaptation.py digits --shots full
@@ -45,7 +46,8 @@ path), alternating ``--rounds`` times: images per second of each, and their feat
 (0-3), exactly as a user types it -- no recipe, so the schedule sized by the data -- each in a fresh process:
 wall time from the process's start to its saved checkpoint, the test top-1 it prints (the 179 test images of
 5-9; the weights were selected on a tenth of the training split), and the step it kept. ``--target photos``:
-the same on the sample-photo regions (which no default was chosen on).
+the same on the sample-photo regions (which no default was chosen on). ``--sweep``: lp-ft, lora and full with
+``--sweep lr`` (four learning rates, each run's kept weights scored on the held-out split), the rate each chose.
 """
 
 from __future__ import annotations
@@ -307,18 +309,25 @@ def cmd_features(work: Path, variant: str, images: int, rounds: int, out: Path |
 DEFAULT_SEEDS = (0, 1, 2, 3)
 TOP1_LINE = re.compile(r"^test accuracy: ([0-9.]+)%", re.M)
 KEPT_LINE = re.compile(r"^kept the weights of step (\d+) of (\d+)", re.M)
+LR_LINE = re.compile(r"^lr (\S+) chosen on held-out data", re.M)  # --sweep lr
 
 
-def cmd_defaults(work: Path, seeds: list[int], target: str = "digits", out: Path | None = None) -> None:
+def cmd_defaults(
+    work: Path, seeds: list[int], target: str = "digits", out: Path | None = None, sweep: bool = False
+) -> None:
     """``vitkit finetune backbone --data upper.npz --method M --seed S`` as a user types it (no recipe: the
     schedule sized by the data; a cold feature cache of its own), each in a fresh process: the process's wall
-    time from start to saved checkpoint, the test top-1 it prints, and the step whose weights it kept."""
+    time from start to saved checkpoint, the test top-1 it prints, and the step whose weights it kept.
+    ``sweep``: the methods that train, each with ``--sweep lr`` (the learning rate chosen on the held-out
+    split), and the rate each run chose."""
     backbone = work / "backbone"
     upper = work / "upper.npz" if target == "digits" else photos_npz(work / "photos.npz")
-    rows: dict[str, dict[str, Any]] = {m: {} for m in METHODS}
+    methods = [m for m in METHODS if m != "linear"] if sweep else list(METHODS)
+    rows: dict[str, dict[str, Any]] = {m: {} for m in methods}
     for seed in seeds:
-        for method in METHODS:
-            run, cache = work / f"default-{target}-{method}-{seed}", work / f"default-cache-{target}-{method}-{seed}"
+        for method in methods:
+            tag = f"{target}-{method}-{seed}" + ("-sweep" if sweep else "")
+            run, cache = work / f"default-{tag}", work / f"default-cache-{tag}"
             shutil.rmtree(run, ignore_errors=True)  # this script's own run folders and caches
             shutil.rmtree(cache, ignore_errors=True)
             cache.mkdir(mode=0o700, parents=True)
@@ -326,6 +335,7 @@ def cmd_defaults(work: Path, seeds: list[int], target: str = "digits", out: Path
                    "--seed", str(seed), "--out", str(run), "--quiet"]  # fmt: skip
             if method in ("linear", "lp-ft"):  # a cold cache of their own
                 cmd += ["--feature-cache", str(cache)]
+            cmd += ["--sweep", "lr"] if sweep else []
             t0 = time.perf_counter()
             env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
             done = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -341,30 +351,43 @@ def cmd_defaults(work: Path, seeds: list[int], target: str = "digits", out: Path
                 "kept_step": int(kept.group(1)) if kept else None,
                 "steps": int(kept.group(2)) if kept else 0,
             }
+            if sweep:
+                chosen = LR_LINE.search(done.stdout)
+                assert chosen is not None, done.stdout
+                rows[method][str(seed)]["lr"] = float(chosen.group(1))
             schedule = [line for line in done.stderr.splitlines() if "schedule:" in line]
             if schedule:
                 rows[method]["schedule"] = schedule[0].removeprefix("note: ")
             print(method, seed, rows[method][str(seed)], flush=True)
     name = "defaults" + ("" if target == "digits" else f"-{target}")
     name += "" if list(seeds) == list(DEFAULT_SEEDS) else f"-{'-'.join(map(str, seeds))}"
+    name += "-sweep" if sweep else ""
     label = "digits 5-9, full split" if target == "digits" else "sample photos, 4 regions, full split"
-    save(name, {"target": label, "seeds": seeds, "methods": rows}, out)
+    save(name, {"target": label, "seeds": seeds, "sweep": sweep, "methods": rows}, out)
 
 
 def defaults_table(doc: dict[str, Any]) -> None:
     seeds = [str(s) for s in doc["seeds"]]
     rows = doc["methods"]
-    print(f"\ndefaults, {doc['target']} (seeds {', '.join(seeds)}): test top-1 %, wall s per run\n")
-    print("| method | mean | min | per seed | wall mean | wall max | step kept (of) |\n|---|---|---|---|---|---|---|")
+    methods = [m for m in METHODS if m in rows]  # a sweep's: the methods that train
+    sweep = doc.get("sweep", False)
+    print(f"\ndefaults{' --sweep lr' if sweep else ''}, {doc['target']} (seeds {', '.join(seeds)}): test top-1 %, "
+          "wall s per run\n")  # fmt: skip
+    extra = " lr chosen |" if sweep else ""
+    print(f"| method | mean | min | per seed | wall mean | wall max | step kept (of) |{extra}")
+    print("|---|---|---|---|---|---|---|" + ("---|" if sweep else ""))
     stat: dict[str, dict[str, float]] = {}
-    for m in METHODS:
+    for m in methods:
         r = [rows[m][s] for s in seeds]
         top = [100 * x["top1"] for x in r]
         wall = [x["seconds"] for x in r]
         stat[m] = {"mean": statistics.mean(top), "min": min(top)}
         kept = ", ".join(f"{x['kept_step']}" for x in r) + f" ({r[0]['steps']})" if r[0]["steps"] else "-"
+        lrs = " " + ", ".join(f"{x['lr']:g}" for x in r) + " |" if sweep else ""
         print(f"| {m} | {statistics.mean(top):.2f} | {min(top):.2f} | {' / '.join(f'{t:.1f}' for t in top)} | "
-              f"{statistics.mean(wall):.1f} | {max(wall):.1f} | {kept} |")  # fmt: skip
+              f"{statistics.mean(wall):.1f} | {max(wall):.1f} | {kept} |{lrs}")  # fmt: skip
+    if "linear" not in rows:
+        return
     lin = [100 * rows["linear"][s]["top1"] for s in seeds]
     lpft = [100 * rows["lp-ft"][s]["top1"] for s in seeds]
     walls = [rows[m][s]["seconds"] for m in METHODS for s in seeds]
@@ -423,6 +446,7 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
     p.add_argument("--seeds", default="0,1,2,3", help="defaults: comma-separated seeds")
     p.add_argument("--target", choices=["digits", "photos"], default="digits", help="defaults: the transfer")
+    p.add_argument("--sweep", action="store_true", help="defaults: the methods that train, with --sweep lr")
     p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
     p.add_argument("--images", type=int, default=128, help="features: images to compute features of")
     p.add_argument("--rounds", type=int, default=2, help="features: alternating rounds of fp32 and bf16")
@@ -431,7 +455,7 @@ def main() -> None:
     if a.piece == "backbone":
         cmd_backbone(a.work, a.json)
     elif a.piece == "defaults":
-        cmd_defaults(a.work, [int(s) for s in a.seeds.split(",")], a.target, a.json)
+        cmd_defaults(a.work, [int(s) for s in a.seeds.split(",")], a.target, a.json, a.sweep)
     elif a.piece == "digits":
         cmd_digits(a.work, a.shots.split(","), a.json)
     elif a.piece == "photos":
