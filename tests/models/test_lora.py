@@ -1,20 +1,41 @@
-"""LoRA adapters through peft: merged = unmerged, the right layers adapted, and the training kernels' fused
-Linear path running the adapters instead of silently skipping them: the same function and gradients as peft's
-layer, with nothing kept for the frozen base."""
+"""LoRA adapters (vitkit's own layer, peft's names and semantics): merged = unmerged, the right layers adapted,
+and the training kernels' fused Linear path running the adapters instead of silently skipping them: the same
+function and gradients as the real peft package's layer, with nothing kept for the frozen base. Interop with peft
+itself (state-dict names, A's draw from a seed, the adapter folders both ways): tests/models/test_lora_peft.py."""
 
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import vitkit
 from vitkit.models import create_model
-from vitkit.models.lora import LoraSpec, adapter_state, add_lora, is_adapted, load_adapter_state, merge_lora
+from vitkit.models.fused import NormInput, TorchKernels
+from vitkit.models.lora import (
+    LoraLinear,
+    LoraSpec,
+    adapter_state,
+    add_lora,
+    fused_lora,
+    is_adapted,
+    load_adapter_state,
+    merge_lora,
+)
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
-peft = pytest.importorskip("peft")
+
+@pytest.fixture
+def peft() -> object:
+    """The real peft package: the reference (skipped where it is not installed)."""
+    return pytest.importorskip("peft")
 
 
 def tiny(**overrides: object) -> VisionTransformer:
@@ -35,7 +56,7 @@ def randomize_adapters(model: nn.Module, std: float = 0.1) -> None:
 
 def test_adapters_go_on_the_chosen_projections_only() -> None:
     model = add_lora(tiny(), LoraSpec(rank=4, targets=("qkv", "fc2")))
-    adapted = sorted(name for name, m in model.named_modules() if isinstance(m, peft.tuners.lora.Linear))
+    adapted = sorted(name for name, m in model.named_modules() if isinstance(m, LoraLinear))
     assert adapted == ["blocks.0.attn.qkv", "blocks.0.mlp.fc2", "blocks.1.attn.qkv", "blocks.1.mlp.fc2"]
     assert type(model.patch_embed.proj) is nn.Conv2d  # "proj" never matches the patch embedding
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -140,18 +161,22 @@ def test_plain_layers_still_take_the_kernels_gemm(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 2 * 4  # the adapted qkv keeps the GEMM too, its adapter beside it (fused.lora_linear)
 
 
-def peft_linear(d_in: int, d_out: int, dropout: float = 0.0) -> nn.Module:
-    """One peft ``lora.Linear`` (rank 4, alpha 8) around a random Linear, with a nonzero B."""
+def layer_pair(peft: Any, d_in: int, d_out: int, dropout: float = 0.0) -> tuple[nn.Module, LoraLinear]:
+    """peft's ``lora.Linear`` (rank 4, alpha 8) around a random Linear with a nonzero B, and vitkit's
+    :class:`LoraLinear` holding the same W, b, A, B (frozen base, as ``add_lora`` leaves it)."""
     torch.manual_seed(1)
     holder = nn.Module()
     holder.fc = nn.Linear(d_in, d_out)
     cfg = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=dropout, target_modules=["fc"], bias="none")
     peft.inject_adapter_in_model(cfg, holder)
-    layer = holder.fc
+    ref = holder.fc
     with torch.no_grad():
-        layer.lora_B["default"].weight.normal_(std=0.3)
-    layer.base_layer.requires_grad_(False)  # add_lora's freezing
-    return layer
+        ref.lora_B["default"].weight.normal_(std=0.3)
+    ref.base_layer.requires_grad_(False)
+    ours = LoraLinear(copy.deepcopy(ref.base_layer), rank=4, alpha=8.0, dropout=dropout)
+    ours.load_state_dict(ref.state_dict())  # the same names: base_layer.*, lora_A.default.weight, ...
+    assert ours.scaling == ref.scaling and type(ours.lora_dropout["default"]) is type(ref.lora_dropout["default"])
+    return ref, ours
 
 
 def grads(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
@@ -159,42 +184,54 @@ def grads(layer: nn.Module, x: torch.Tensor, out: torch.Tensor, g: torch.Tensor)
     return list(torch.autograd.grad(out, [x, *params], g))
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_layer_equals_peft_forward_and_gradients(peft: Any, dropout: float, autocast: bool) -> None:
+    """vitkit's layer without kernels (the fallback path) against peft's ``lora.Linear`` on the same W, b, A, B
+    (dropout: the same mask from one seed), in fp32 and under bf16 autocast: the same ops, so equal results."""
+    ref, ours = layer_pair(peft, 24, 40, dropout)
+    x = torch.randn(3, 5, 24, requires_grad=True)
+    g = torch.randn(3, 5, 40)
+    results = []
+    for layer in (ref, ours):
+        torch.manual_seed(7)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = layer.train()(x)
+        results.append((out, grads(layer, x, out, g)))
+    (want, want_grads), (got, got_grads) = results
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_the_fused_layer_equals_peft_forward_and_gradients(gelu: bool, dropout: float) -> None:
-    """``fused_lora`` against peft's own forward on the same W, b, A, B (dropout: the same mask from one seed),
-    in fp32 on PyTorch's ops: output and the gradients of x, A and B to fp32 rounding; no gradient for the base."""
-    from vitkit.models.fused import TorchKernels
-    from vitkit.models.lora import fused_lora
-
-    layer = peft_linear(24, 40, dropout).train()
+def test_the_fused_layer_equals_peft_forward_and_gradients(peft: Any, gelu: bool, dropout: float) -> None:
+    """``fused_lora`` on vitkit's layer against peft's own forward on the same W, b, A, B (dropout: the same mask
+    from one seed), in fp32 on PyTorch's ops: output and the gradients of x, A and B to fp32 rounding; no
+    gradient for the base."""
+    ref, ours = layer_pair(peft, 24, 40, dropout)
+    ref.train(), ours.train()
     x = torch.randn(3, 5, 24, requires_grad=True)
     g = torch.randn(3, 5, 40)
     torch.manual_seed(7)
-    want = layer(x)
+    want = ref(x)
     want = nn.functional.gelu(want) if gelu else want
-    want_grads = grads(layer, x, want, g)
+    want_grads = grads(ref, x, want, g)
     torch.manual_seed(7)
-    got = fused_lora(layer, x, TorchKernels(), gelu=gelu)
+    got = fused_lora(ours, x, TorchKernels(), gelu=gelu)
     assert got is not None and (got[1] is not None) == gelu
-    got_grads = grads(layer, x, got[0], g)
+    got_grads = grads(ours, x, got[0], g)
     torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-6)
     for a, b in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert layer.base_layer.weight.grad is None and layer.base_layer.bias.grad is None
+    assert ours.base_layer.weight.grad is None and ours.base_layer.bias.grad is None
 
 
-def test_the_fused_layer_keeps_only_the_adapters_inputs() -> None:
-    """What the backward pass keeps: the adapter's input and x A^T (and GELU's input), never a copy of the frozen
-    weight; a layer whose input is GELU of a kept tensor (``source``) keeps that instead of its input."""
-    from vitkit.models.fused import TorchKernels
-    from vitkit.models.lora import fused_lora
-
-    fc1, fc2 = peft_linear(16, 64), peft_linear(64, 16)
-    x = torch.randn(2, 8, 16)
+def kept_shapes(params: set[int]) -> tuple[list[tuple[int, ...]], set[int], Any]:
+    """A saved-tensors hook recording what the autograd graph keeps (parameters not counted)."""
     kept: list[tuple[int, ...]] = []
     storages: set[int] = set()
-    params = {p.data_ptr() for m in (fc1, fc2) for p in m.parameters()}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.data_ptr() not in params:
@@ -202,7 +239,16 @@ def test_the_fused_layer_keeps_only_the_adapters_inputs() -> None:
             storages.add(t.untyped_storage().data_ptr())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    return kept, storages, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+
+
+def test_the_fused_layer_keeps_only_the_adapters_inputs(peft: Any) -> None:
+    """What the backward pass keeps: the adapter's input and x A^T (and GELU's input), never a copy of the frozen
+    weight; a layer whose input is GELU of a kept tensor (``source``) keeps that instead of its input."""
+    (ref1, fc1), (ref2, fc2) = layer_pair(peft, 16, 64), layer_pair(peft, 64, 16)
+    x = torch.randn(2, 8, 16)
+    kept, storages, hooks = kept_shapes({p.data_ptr() for m in (fc1, fc2) for p in m.parameters()})
+    with hooks:
         out = fused_lora(fc1, x, TorchKernels(), gelu=True)
         assert out is not None
         h, pre = out
@@ -211,22 +257,130 @@ def test_the_fused_layer_keeps_only_the_adapters_inputs() -> None:
     assert len(storages) == 4  # fc1's GELU input is fc2's: kept once
     assert y is not None and pre is not None
     y[0].sum().backward()
-    reference = fc2(nn.functional.gelu(fc1(x)))  # peft's layers, unfused
+    reference = ref2(nn.functional.gelu(ref1(x)))  # peft's layers, unfused
     torch.testing.assert_close(y[0], reference, rtol=1e-5, atol=1e-6)
     assert fc1.lora_A["default"].weight.grad is not None and fc1.base_layer.weight.grad is None
 
 
-def test_the_fused_path_leaves_other_layers_to_peft() -> None:
-    """A merged adapter, adapters switched off, or a base being trained: the layer's own (peft's) forward."""
-    from vitkit.models.fused import TorchKernels
-    from vitkit.models.lora import fused_lora
+@pytest.mark.parametrize("gelu", [False, True])
+def test_an_input_recomputed_from_its_layernorm_gives_the_same_gradients(peft: Any, gelu: bool) -> None:
+    """qkv's and fc1's input is a LayerNorm's output, whose input the LayerNorm's backward keeps anyway: given it
+    (``norm``), the adapter keeps that instead of its (N, D) bf16 input, and recomputes the input in the backward
+    pass by the same ops and casts, so under bf16 autocast every gradient is bitwise the one of keeping it; and
+    both are peft's layer after the same LayerNorm, to bf16 rounding."""
+    ref, ours = layer_pair(peft, 24, 40)
+    ln = nn.LayerNorm(24, eps=1e-6)
+    with torch.no_grad():
+        ln.weight.normal_(1.0, 0.2), ln.bias.normal_(std=0.2)
+    ln.requires_grad_(False)  # frozen, as under LoRA: the LayerNorm keeps its input for its input's gradient
+    z = torch.randn(3, 5, 24, requires_grad=True)
+    g = torch.randn(3, 5, 40)
+    params = {p.data_ptr() for p in ours.parameters()} | {p.data_ptr() for p in ln.parameters()}
+    results = {}
+    for name in ("keep", "recompute", "peft"):
+        kept, _, hooks = kept_shapes(params)
+        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            x = ln(z)
+            if name == "peft":
+                out = ref(x)
+                out = nn.functional.gelu(out) if gelu else out
+            else:
+                norm = NormInput(z, ln.weight, ln.bias, ln.eps) if name == "recompute" else None
+                fused = fused_lora(ours, x, TorchKernels(), gelu=gelu, norm=norm)
+                assert fused is not None
+                out = fused[0]
+        layer = ref if name == "peft" else ours
+        got = torch.autograd.grad(out, [z, layer.lora_A["default"].weight, layer.lora_B["default"].weight], g)
+        results[name] = (out, got, kept)
+    (y0, g0, kept0), (y1, g1, kept1) = results["keep"], results["recompute"]
+    assert torch.equal(y0, y1) and all(torch.equal(a, b) for a, b in zip(g0, g1, strict=True))
+    assert (15, 24) in kept0 and (15, 24) not in kept1  # the bf16 adapter input: kept, then not
+    assert kept1.count((3, 5, 24)) == kept0.count((3, 5, 24)) + 1  # the LayerNorm's input, kept by it anyway
+    y2, g2, _ = results["peft"]
+    torch.testing.assert_close(y1.float(), y2.float(), rtol=0.02, atol=0.02)
+    for a, b in zip(g1, g2, strict=True):
+        assert (a.float() - b.float()).norm() / b.float().norm() < 0.02
 
-    layer = peft_linear(8, 8)
+
+def test_the_fused_path_leaves_other_layers_to_their_own_forward(peft: Any) -> None:
+    """A plain Linear, peft's own layer, or a base being trained: the layer's own forward."""
+    ref, layer = layer_pair(peft, 8, 8)
     x = torch.randn(2, 8)
     assert fused_lora(nn.Linear(8, 8), x, TorchKernels()) is None
+    assert fused_lora(ref, x, TorchKernels()) is None
     assert fused_lora(layer, x, TorchKernels()) is not None
     layer.base_layer.weight.requires_grad_(True)
     assert fused_lora(layer, x, TorchKernels()) is None
-    layer.base_layer.weight.requires_grad_(False)
-    layer.merge()
-    assert fused_lora(layer, x, TorchKernels()) is None
+
+
+def test_the_blocks_recompute_qkv_and_fc1_inputs_from_their_norms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a model with the training kernels under bf16 autocast, adapted qkv and fc1 keep the LayerNorm's input
+    (kept anyway, from the second block on) instead of their own: less kept, every gradient bitwise unchanged
+    (the run without ``Block``'s norm inputs is the path that keeps them)."""
+    from vitkit.models import vit
+    from vitkit.train import kernels as train_kernels
+
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
+    results = []
+    for recompute in (False, True):
+        if not recompute:
+            monkeypatch.setattr(vit, "_norm_input", lambda norm, x: None)
+        else:
+            monkeypatch.undo()
+        model = add_lora(tiny(), LoraSpec(rank=4), seed=0)
+        randomize_adapters(model)
+        model.set_training_kernels(train_kernels.load() or TorchKernels())
+        model.set_fused_attention(False)
+        kept, _, hooks = kept_shapes({p.data_ptr() for p in model.parameters()})
+        with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        results.append(({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, kept))
+    (g0, kept0), (g1, kept1) = results
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[n], g1[n]) for n in g0)
+    tokens = 4 * 17  # batch x (16 patches + the class token)
+    assert kept0.count((tokens, 32)) - kept1.count((tokens, 32)) == 3  # block 0's fc1, block 1's qkv and fc1
+
+
+NO_PEFT = """
+import sys
+import torch
+import vitkit
+from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.lora_format import save
+from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.models import create_model
+from vitkit.models.fused import TorchKernels
+from vitkit.models.lora import LoraSpec, add_lora, merge_lora
+from vitkit.train import kernels
+
+out = sys.argv[1]
+torch.manual_seed(0)
+model = create_model("Ti/16", patch_size=4, image_size=16, hidden_size=32, depth=2, num_heads=2, mlp_dim=64,
+                     num_classes=3)
+base = vitkit.save_pretrained(model, out + "/base", preprocess=Preprocess(image_size=16))
+digest = state_digest(vitkit.load_checkpoint(base).model.state_dict())
+spec = LoraSpec(rank=2)
+add_lora(model, spec, seed=0)
+model.set_training_kernels(kernels.load() or TorchKernels())
+model.set_fused_attention(False)
+opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)).float(), torch.tensor([0, 1, 2, 0]))
+loss.backward()
+opt.step()
+model.set_training_kernels(None)
+save(model, out + "/adapters", base=str(base), base_digest=digest, spec=spec)
+merge_lora(model)
+vitkit.load_checkpoint(out + "/adapters")
+print(sorted(m for m in ("peft", "transformers") if m in sys.modules))
+"""
+
+
+def test_training_merging_and_loading_never_import_peft(tmp_path: Path) -> None:
+    """peft imports transformers (about 150 MiB of memory): adding adapters, a step on the fused path, merging,
+    saving and loading an adapter folder must not import either."""
+    env = {**os.environ, "PYTHONPATH": str(Path(vitkit.__file__).parents[1])}
+    done = subprocess.run([sys.executable, "-c", NO_PEFT, str(tmp_path)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout

@@ -5,7 +5,8 @@ A folder of four files::
     config.json                 {"format": "vitkit-lora", "version": 1, "base": {"checkpoint", "digest",
                                  "pos_interpolation"}, "lora": {rank, alpha, dropout, targets},
                                  "model": {...}, "preprocess": {...}, "class_names": [...], "provenance": {...}}
-    adapter_config.json         the adapters' ``peft.LoraConfig`` (peft's own file)
+    adapter_config.json         the adapters' ``peft.LoraConfig`` (peft's own file, written without peft:
+                                 :func:`adapter_config`)
     adapter_model.safetensors   the adapters, in peft's names (``blocks.0.attn.qkv.lora_A.weight``, ...)
     head.safetensors            what was trained besides them: the head (and pre-logits layer, if any)
 
@@ -55,6 +56,8 @@ HEAD = "head.safetensors"
 FILES = (CONFIG, PEFT_CONFIG, ADAPTERS, HEAD)
 MAX_TENSOR_VALUES = 1 << 31  # far above any adapter set or head; checked from the header before reading
 MAX_CONFIG_BYTES = 16 << 20  # config.json: a few KB, class names included
+#: peft's version whose ``LoraConfig.to_dict()`` :func:`adapter_config` reproduces (tested field by field)
+PEFT_VERSION = "0.21.2"
 #: Tokens of the adapted model's resolution (its image size over the patch size): the base's position
 #: embedding is resampled to it before anything else can be checked. 16,384 is 2048x2048 pixels at /16.
 MAX_TOKENS = 1 << 14
@@ -129,21 +132,28 @@ def save(
     def write(tmp: Path) -> None:
         save_file(adapters, str(tmp / ADAPTERS), metadata=marker)
         save_file(rest, str(tmp / HEAD), metadata=marker)
-        peft_doc = spec.peft_config().to_dict()
-        (tmp / PEFT_CONFIG).write_text(json.dumps(_jsonable(peft_doc), indent=2, sort_keys=True) + "\n")
+        (tmp / PEFT_CONFIG).write_text(json.dumps(adapter_config(spec), indent=2, sort_keys=True) + "\n")
         (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
 
     return fileio.write_dir_atomic(out, write)
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple, set)):
-        return [_jsonable(v) for v in (sorted(x) if isinstance(x, set) else x)]
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    return str(x)  # enums and the like
+def adapter_config(spec: LoraSpec) -> dict[str, Any]:
+    """adapter_config.json's fields: ``spec.peft_config().to_dict()`` as JSON (peft :data:`PEFT_VERSION`'s every
+    field, its enums as strings), without importing peft."""
+    unset = [
+        *("alora_invocation_tokens", "arrow_config", "auto_mapping", "base_model_name_or_path", "corda_config"),
+        *("eva_config", "exclude_modules", "kasa_config", "layer_replication", "layers_pattern"),
+        *("layers_to_transform", "lora_ga_config", "megatron_config", "modules_to_save", "monteclora_config"),
+        *("revision", "target_parameters", "task_type", "trainable_token_indices", "use_bdlora", "velora_config"),
+    ]
+    doc: dict[str, Any] = dict.fromkeys(unset)
+    doc.update(alpha_pattern={}, rank_pattern={}, loftq_config={}, bias="none", ensure_weight_tying=False)
+    doc.update(fan_in_fan_out=False, inference_mode=False, init_lora_weights=True, lora_bias=False)
+    doc.update(megatron_core="megatron.core", peft_type="LORA", peft_version=PEFT_VERSION, qalora_group_size=16)
+    doc.update(use_dora=False, use_qalora=False, use_rslora=False)
+    doc.update(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=spec.pattern())
+    return doc
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -196,7 +196,7 @@ def _add_finetune(sub: argparse._SubParsersAction) -> None:
         "--method linear: the backbone frozen, a multinomial logistic-regression head fitted on its pre-logits "
         "features (cached on disk, so another --l2 costs seconds), at the "
         "checkpoint's own resolution, no gradient steps. --method lp-ft: that head, then full fine-tuning from it "
-        "(Kumar et al., ICLR 2022). --method lora: low-rank adapters (peft) on the blocks' projections and the head "
+        "(Kumar et al., ICLR 2022). --method lora: low-rank adapters on the blocks' projections and the head "
         "trained, the rest frozen; merged into the weights on save unless --save-adapters. "
         "Resume any of them with: vitkit train --resume RUN.",
     )

@@ -139,7 +139,7 @@ class AdaptConfig:
     - ``linear``: the backbone frozen, a multinomial logistic-regression head fitted on its pre-logits features
       (L2 strength ``l2``, or chosen on held-out training examples when None), no gradient steps;
     - ``lp-ft``: that head, then every weight trained from it (Kumar et al., ICLR 2022);
-    - ``lora``: low-rank adapters (peft) on the blocks' ``lora_targets`` and the head trained, the rest frozen.
+    - ``lora``: low-rank adapters (peft's format) on the blocks' ``lora_targets`` and the head trained, the rest frozen.
     """
 
     method: Literal["full", "linear", "lp-ft", "lora"] = "full"

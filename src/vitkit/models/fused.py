@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from vitkit.models.attention import attention_backward_reference, attention_reference
 from vitkit.models.kernel_api import TrainingKernels
 
-__all__ = ["LoraAdapter", "TorchKernels", "TrainingKernels", "linear", "linear_gelu", "lora_linear"]
+__all__ = ["LoraAdapter", "NormInput", "TorchKernels", "TrainingKernels", "linear", "linear_gelu", "lora_linear"]
 
 
 class TorchKernels:
@@ -175,36 +175,85 @@ class LoraAdapter(NamedTuple):
     dropout: Callable[[torch.Tensor], torch.Tensor]
 
 
+class NormInput(NamedTuple):
+    """What a layer's input x was computed from: ``F.layer_norm(input, input.shape[-1:], weight, bias, eps)`` under
+    the autocast state of the call that takes x (``vitkit.models.vit.Block`` hands its norms' to qkv and fc1)."""
+
+    input: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    eps: float
+
+    def kept_by_norm(self) -> bool:
+        """Whether the LayerNorm's backward pass keeps ``input`` (it does when it computes any gradient)."""
+        grads = (t is not None and t.requires_grad for t in (self.input, self.weight, self.bias))
+        return torch.is_grad_enabled() and any(grads)
+
+
+class _Recompute(NamedTuple):
+    """How the backward pass gets the adapter's input back: ``"gelu"`` (GELU of the kept tensor) or ``"norm"``
+    (the LayerNorm of it, with ``eps``, autocast on or off and its dtype, then cast to ``dtype``)."""
+
+    kind: str
+    eps: float = 0.0
+    autocast: bool = False
+    autocast_dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.float32
+
+
+class _LoraOptions(NamedTuple):
+    """The non-tensor arguments of :class:`_LoraLinear`."""
+
+    scale: float
+    kernels: TrainingKernels
+    gelu: bool
+    recompute: _Recompute | None
+
+
+def _adapter_input(ctx: Any, kept: torch.Tensor, nw: torch.Tensor | None, nb: torch.Tensor | None) -> torch.Tensor:
+    """The adapter's input (N, D_in) as the forward pass had it: kept, or recomputed by the same ops and casts."""
+    r: _Recompute | None = ctx.recompute
+    if r is None:
+        return kept
+    if r.kind == "gelu":
+        return ctx.act.gelu(kept.reshape(-1, kept.shape[-1]))
+    with torch.autocast(kept.device.type, dtype=r.autocast_dtype, enabled=r.autocast):
+        xn = F.layer_norm(kept, kept.shape[-1:], nw, nb, r.eps)
+    return xn.to(r.dtype).reshape(-1, kept.shape[-1])
+
+
 class _LoraLinear(torch.autograd.Function):
-    """y = x W^T + b + scale (xd A^T) B^T (then GELU) on a frozen W, b; keeps xd (or GELU's input ``source``, which
-    xd is GELU of), x A^T and GELU's input for the backward pass, never a copy of W (recast there)."""
+    """y = x W^T + b + scale (xd A^T) B^T (then GELU) on a frozen W, b; keeps x A^T, GELU's input and xd, or what
+    xd is recomputed from (``recompute``: GELU's input, or a LayerNorm's input and weights, kept anyway by the
+    layers before), never a copy of W (recast there)."""
 
     @staticmethod
     def forward(
         ctx: Any,
         x: torch.Tensor,
         xd: torch.Tensor | None,
-        source: torch.Tensor | None,
+        kept: torch.Tensor | None,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         a: torch.Tensor,
         b: torch.Tensor,
-        scale: float,
-        kernels: TrainingKernels,
-        gelu: bool,
+        norm_weight: torch.Tensor | None,
+        norm_bias: torch.Tensor | None,
+        opts: _LoraOptions,
     ) -> Any:
         x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
         xd2 = x2 if xd is None else xd.reshape(x2.shape)  # the adapter's input: x after dropout
+        kernels = opts.kernels
         ctx.kernels = kernels if kernels.linear_supported(x2) else TorchKernels()
         y = ctx.kernels.linear(x2, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))  # (N, D_out)
         xa = torch.mm(xd2, a.to(x.dtype).t())  # (N, r)
-        y.addmm_(xa, b.to(x.dtype).t(), alpha=scale)
+        y.addmm_(xa, b.to(x.dtype).t(), alpha=opts.scale)
         ctx.act = kernels if kernels.gelu_supported(y) else TorchKernels()
-        ctx.recompute = source is not None and xd is None  # xd = gelu(source): keep source, kept anyway
-        kept = source if ctx.recompute else xd2
-        ctx.save_for_backward(kept, xa, y if gelu else None, weight, a, b)
-        ctx.lead, ctx.scale, ctx.dropout, ctx.gelu = x.shape[:-1], scale, xd is not None, gelu
-        if not gelu:
+        ctx.recompute = opts.recompute if xd is None else None  # dropout's mask is not kept: xd is
+        saved = kept if ctx.recompute is not None else xd2
+        ctx.save_for_backward(saved, xa, y if opts.gelu else None, weight, a, b, norm_weight, norm_bias)
+        ctx.lead, ctx.scale, ctx.dropout, ctx.gelu = x.shape[:-1], opts.scale, xd is not None, opts.gelu
+        if not opts.gelu:
             return y.reshape(*ctx.lead, y.shape[1])
         ctx.mark_non_differentiable(y)
         return ctx.act.gelu(y).reshape(*ctx.lead, y.shape[1]), y
@@ -212,11 +261,11 @@ class _LoraLinear(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
-        kept, xa, h, weight, a, b = ctx.saved_tensors
+        kept, xa, h, weight, a, b, nw, nb = ctx.saved_tensors
         g = grad.reshape(-1, b.shape[0]).to(xa.dtype).contiguous()  # (N, D_out)
         if ctx.gelu:
             g = ctx.act.gelu_backward_bias(g, h)[0]
-        xd2 = ctx.act.gelu(kept.reshape(-1, a.shape[1])) if ctx.recompute else kept  # (N, D_in)
+        xd2 = _adapter_input(ctx, kept, nw, nb)  # (N, D_in)
         need_x, need_xd, _, _, _, need_a, need_b = ctx.needs_input_grad[:7]
         gb = torch.mm(g, b.to(g.dtype))  # (N, r)
         da = torch.mm(gb.t(), xd2).mul_(ctx.scale).to(a.dtype) if need_a else None
@@ -241,13 +290,17 @@ def lora_linear(
     *,
     gelu: bool = False,
     source: torch.Tensor | None = None,
+    norm: NormInput | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """A LoRA-adapted Linear on a frozen ``weight``/``bias``: ``F.linear(x, weight, bias) + scale B A
     dropout(x)``, then exact GELU with ``gelu``; the base GEMMs through ``kernels`` where they take the
     activations (autocast applied as for a Linear), no weight gradient and no copy of ``weight`` kept. Returns
     the output and, with ``gelu``, GELU's input (give it as ``source`` to the layer that takes this output
-    unchanged: that layer then recomputes its input in the backward pass instead of keeping it). None where the
-    dtypes differ without autocast (as F.linear, no silent promotion): the caller runs the layer's own forward."""
+    unchanged: that layer then recomputes its input in the backward pass instead of keeping it). ``norm``: x is
+    that LayerNorm's output; where the LayerNorm's backward keeps its input anyway, the adapter's input is
+    recomputed from it in the backward pass (the same ops and casts: bitwise the forward's) instead of kept.
+    None where the dtypes differ without autocast (as F.linear, no silent promotion): the caller runs the
+    layer's own forward."""
     device = x.device.type
     autocast = torch.is_autocast_enabled(device)
     if not autocast and not weight.dtype == adapter.a.dtype == x.dtype:
@@ -255,7 +308,14 @@ def lora_linear(
     dropped = adapter.dropout(x)  # peft's order: dropout on the input as given, then any cast
     dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
     xd = None if dropped is x else dropped.to(dtype)  # None: the adapter takes x itself
+    kept, recompute = source, None
+    norm_weights: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if source is not None:
+        recompute = _Recompute("gelu")
+    elif norm is not None and norm.kept_by_norm():
+        kept, norm_weights = norm.input, (norm.weight, norm.bias)
+        recompute = _Recompute("norm", norm.eps, autocast, torch.get_autocast_dtype(device), dtype)
+    opts = _LoraOptions(adapter.scale, kernels, gelu, recompute)
     with torch.autocast(device, enabled=False):
-        args = (x.to(dtype), xd, source, weight, bias, adapter.a, adapter.b, adapter.scale, kernels, gelu)
-        out = _LoraLinear.apply(*args)
+        out = _LoraLinear.apply(x.to(dtype), xd, kept, weight, bias, adapter.a, adapter.b, *norm_weights, opts)
     return (out[0], out[1]) if gelu else (out, None)

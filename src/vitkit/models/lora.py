@@ -1,23 +1,29 @@
-"""Low-rank adapters (LoRA, Hu et al., ICLR 2022) on a ViT's projections, through the ``peft`` library.
+"""Low-rank adapters (LoRA, Hu et al., ICLR 2022) on a ViT's projections, in peft's names and semantics.
 
 An adapted Linear layer computes ``W x + b + (alpha / r) B A dropout(x)`` with the pretrained ``W``, ``b``
 frozen and only ``A`` (r x in) and ``B`` (out x r, zero at the start) trained. :func:`add_lora` injects them
-in place (``peft.inject_adapter_in_model``): the model stays a :class:`~vitkit.models.vit.VisionTransformer`
-whose adapted layers are peft's ``lora.Linear`` (the original layer under ``base_layer``), so its state-dict
-names gain ``.base_layer`` and ``.lora_A.default`` / ``.lora_B.default``. :func:`merge_lora` folds every
+in place: the model stays a :class:`~vitkit.models.vit.VisionTransformer` whose adapted layers are
+:class:`LoraLinear`, vitkit's copy of peft's ``lora.Linear`` with one adapter (the original layer under
+``base_layer``, the same parameter names, initialisation, forward and merge), so its state-dict names gain
+``.base_layer`` and ``.lora_A.default`` / ``.lora_B.default`` as under peft. :func:`merge_lora` folds every
 adapter into its weight (``W + (alpha / r) B A``) and puts the plain Linear back: the same function, a plain
 model for every tool.
 
-peft stays the format and the loader; the computation, with training kernels set
-(``VisionTransformer.set_training_kernels``), is vitkit's own (:func:`fused_lora`, ``fused.lora_linear``): the
-frozen base keeps the kernels' GEMM (fc1 its fused GELU, the adapter's share added before it), no weight
-gradient is computed for it and nothing is kept for it; the adapter keeps its input and ``x A^T``. Without
-kernels an adapted layer runs peft's forward.
+peft is not imported (it imports transformers: about 150 MiB of memory for a training run); it stays the
+on-disk format (:func:`adapter_state` gives its file names, ``checkpoints.lora_format`` its
+``adapter_config.json``) and a loader of what vitkit saves, and ``LoraSpec.peft_config`` builds its config
+where peft is installed. With training kernels set (``VisionTransformer.set_training_kernels``) the computation
+is :func:`fused_lora` (``fused.lora_linear``): the frozen base keeps the kernels' GEMM (fc1 its fused GELU, the
+adapter's share added before it), no weight gradient is computed for it and nothing is kept for it; the
+adapter keeps ``x A^T`` and its input, or recomputes that input from what the layer before keeps anyway (the
+LayerNorm's input for qkv and fc1, fc1's GELU input for fc2). Without kernels an adapted layer runs its own
+forward, peft's.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -25,7 +31,7 @@ import torch
 from torch import nn
 
 from vitkit.errors import ConfigError, VitkitError
-from vitkit.models.fused import LoraAdapter, lora_linear
+from vitkit.models.fused import LoraAdapter, NormInput, lora_linear
 from vitkit.models.kernel_api import TrainingKernels
 
 # short target name -> the module it names in every block
@@ -66,7 +72,8 @@ class LoraSpec:
         return rf"blocks\.\d+\.(?:{names})"
 
     def peft_config(self) -> Any:
-        """The equivalent ``peft.LoraConfig``."""
+        """The equivalent ``peft.LoraConfig`` (needs peft installed; vitkit itself never calls it: the folders it
+        writes carry the same config as JSON, ``checkpoints.lora_format.adapter_config``)."""
         peft = _peft()
         return peft.LoraConfig(
             r=self.rank,
@@ -93,46 +100,114 @@ def _peft() -> Any:
     try:
         import peft
     except ImportError:
-        raise VitkitError("LoRA needs the 'peft' package: pip install 'vitkit[adapt]'") from None
+        raise VitkitError("LoraSpec.peft_config needs the 'peft' package: pip install peft") from None
     return peft
+
+
+class LoraLinear(nn.Module):
+    """A frozen ``nn.Linear`` with one low-rank adapter, in peft's names and semantics (``peft.tuners.lora.Linear``
+    with one adapter, ``"default"``): ``base_layer``, ``lora_A[ADAPTER]`` (r x in) and ``lora_B[ADAPTER]``
+    (out x r) bias-free Linears, ``lora_dropout[ADAPTER]`` (Dropout, or Identity at 0), ``scaling[ADAPTER]``
+    (alpha / r), ``r`` and ``lora_alpha``. Its state dict is peft's (``base_layer.weight``,
+    ``lora_A.default.weight``, ...); its forward is peft's: ``base(x) + B(A(dropout(x))) * scaling``, x first cast
+    to A's dtype, the result cast back to the base's output dtype."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.base_layer = base
+        self.r = {ADAPTER: rank}
+        self.lora_alpha = {ADAPTER: alpha}
+        self.scaling = {ADAPTER: alpha / rank}
+        self.lora_dropout = nn.ModuleDict({ADAPTER: nn.Dropout(p=dropout) if dropout > 0.0 else nn.Identity()})
+        # peft's draws, in its order: both Linears' own init, then A again (Kaiming-uniform, a = sqrt(5)); B zero
+        self.lora_A = nn.ModuleDict({ADAPTER: nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({ADAPTER: nn.Linear(rank, base.out_features, bias=False)})
+        a, b = self.adapter_weights()
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+        nn.init.zeros_(b)
+        w = base.weight  # the adapter on the base's device, and in its dtype (a float one), as peft moves it
+        dtype = w.dtype if w.dtype.is_floating_point else None
+        for holder in (self.lora_A, self.lora_B):
+            holder[ADAPTER] = holder[ADAPTER].to(w.device, dtype=dtype)
+        self.in_features, self.out_features = base.in_features, base.out_features
+
+    def adapter_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``lora_A[ADAPTER].weight`` (r, in) and ``lora_B[ADAPTER].weight`` (out, r)."""
+        a, b = self.lora_A[ADAPTER].weight, self.lora_B[ADAPTER].weight
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+        return a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """peft's ``lora.Linear.forward`` with one active, unmerged adapter."""
+        result = self.base_layer(x)  # (..., out)
+        dtype = self.adapter_weights()[0].dtype
+        xa = x if x.dtype == dtype else x.to(dtype)
+        update = self.lora_B[ADAPTER](self.lora_A[ADAPTER](self.lora_dropout[ADAPTER](xa))) * self.scaling[ADAPTER]
+        return (result + update).to(result.dtype)  # (..., out)
+
+    @torch.no_grad()
+    def delta_weight(self) -> torch.Tensor:
+        """``scaling B A`` (out, in), as peft's ``get_delta_weight``: in fp32 for bf16/fp16 weights on a CPU."""
+        a, b = self.adapter_weights()
+        cast = b.device.type == "cpu" and b.dtype in (torch.float16, torch.bfloat16)
+        delta = ((b.float() @ a.float()) if cast else (b @ a)) * self.scaling[ADAPTER]
+        return delta.to(b.dtype) if cast else delta
+
+    def extra_repr(self) -> str:
+        return f"r={self.r[ADAPTER]}, lora_alpha={self.lora_alpha[ADAPTER]}"
 
 
 def add_lora(model: M, spec: LoraSpec, seed: int | None = None) -> M:
     """Inject adapters into ``model`` in place and freeze everything but them and the head; returns ``model``.
 
-    The head (and a pre-logits layer, if any) stays trainable: new classes need a new head. ``A`` starts
-    Kaiming-uniform (peft's default; ``B`` at zero), drawn from ``seed`` when given (the global generator is
-    left as it was), else from the global generator."""
-    peft = _peft()
+    Every Linear whose whole name matches ``spec.pattern()`` becomes a :class:`LoraLinear` around it, in the
+    order of ``named_modules`` (peft's ``inject_adapter_in_model`` order, so a seed draws the same ``A`` as peft's
+    from the same seed). The head (and a pre-logits layer, if any) stays trainable: new classes need a new head.
+    ``A`` starts Kaiming-uniform (``B`` at zero), drawn from ``seed`` when given (the global generator is left as
+    it was), else from the global generator."""
+    pattern = re.compile(spec.pattern())
+    targets = [(name, m) for name, m in model.named_modules() if pattern.fullmatch(name)]
+    if not targets:
+        raise VitkitError(f"LoRA: no layer of the model matches {spec.pattern()}")
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        peft.inject_adapter_in_model(spec.peft_config(), model, adapter_name=ADAPTER)
+        for name, layer in targets:
+            if type(layer) is not nn.Linear:
+                raise VitkitError(f"LoRA: {name} is a {type(layer).__name__}, not a plain Linear layer")
+            _replace(model, name, LoraLinear(layer, spec.rank, spec.alpha, spec.dropout))
     for name, p in model.named_parameters():
         p.requires_grad_(_is_adapter(name) or name.startswith(("head.", "pre_logits.")))
     return model
+
+
+def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
 
 
 def _is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
+def adapted_layers(model: nn.Module) -> list[tuple[str, LoraLinear]]:
+    """Every :class:`LoraLinear` of ``model`` with its name, in module order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear)]
+
+
 def is_adapted(model: nn.Module) -> bool:
     """Whether ``model`` holds LoRA layers."""
-    tuner = _peft().tuners.tuners_utils.BaseTunerLayer
-    return any(isinstance(m, tuner) for m in model.modules())
+    return bool(adapted_layers(model))
 
 
 @torch.no_grad()
 def merge_lora(model: M) -> M:
-    """Fold every adapter into its layer's weight and put the plain layer back, in place; returns ``model``."""
-    tuner = _peft().tuners.tuners_utils.BaseTunerLayer
-    adapted = [(name, m) for name, m in model.named_modules() if isinstance(m, tuner)]
-    for name, layer in adapted:
-        layer.merge(adapter_names=[ADAPTER])
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, layer.get_base_layer())
+    """Fold every adapter into its layer's weight (``W += scaling B A``, as peft's ``merge``) and put the plain
+    layer back, in place; returns ``model``."""
+    for name, layer in adapted_layers(model):
+        base = layer.base_layer
+        base.weight.data += layer.delta_weight()
+        _replace(model, name, base)
     for p in model.parameters():
         p.requires_grad_(True)
     return model
@@ -145,37 +220,39 @@ def fused_lora(
     *,
     gelu: bool = False,
     source: torch.Tensor | None = None,
+    norm: NormInput | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``layer(x)`` (then exact GELU, with ``gelu``) through ``fused.lora_linear`` for a peft LoRA Linear whose
-    one adapter is active and unmerged, on a frozen ``nn.Linear``; the output and GELU's input (see there).
-    None for any other layer: it runs its own forward."""
-    peft_layer: Any = layer  # its attributes are peft's LoraLayer's
-    base, a, b = (getattr(layer, name, None) for name in ("base_layer", "lora_A", "lora_B"))
-    if type(base) is not nn.Linear or not (isinstance(a, nn.ModuleDict) and isinstance(b, nn.ModuleDict)):
+    """``layer(x)`` (then exact GELU, with ``gelu``) through ``fused.lora_linear`` for a :class:`LoraLinear` on a
+    frozen ``nn.Linear``; the output and GELU's input (see there; ``source`` and ``norm``: what x was computed
+    from, for the backward pass to recompute it). None for any other layer: it runs its own forward."""
+    if not isinstance(layer, LoraLinear) or type(layer.base_layer) is not nn.Linear:
         return None
-    if ADAPTER not in a or ADAPTER not in b or b[ADAPTER].bias is not None:
-        return None
-    if peft_layer.merged or peft_layer.disable_adapters or list(peft_layer.active_adapters) != [ADAPTER]:
-        return None
-    if ADAPTER in getattr(layer, "lora_variant", {}) or any(p.requires_grad for p in base.parameters()):
-        return None  # DoRA and the like; a trained base needs its weight gradient: peft's forward
-    weights: tuple[Any, Any] = (a[ADAPTER].weight, b[ADAPTER].weight)
-    adapter = LoraAdapter(*weights, float(peft_layer.scaling[ADAPTER]), peft_layer.lora_dropout[ADAPTER])
-    return lora_linear(x, base.weight, base.bias, adapter, kernels, gelu=gelu, source=source)
+    base = layer.base_layer
+    if any(p.requires_grad for p in base.parameters()):
+        return None  # a trained base needs its weight gradient: the layer's own forward
+    adapter = LoraAdapter(*layer.adapter_weights(), float(layer.scaling[ADAPTER]), layer.lora_dropout[ADAPTER])
+    return lora_linear(x, base.weight, base.bias, adapter, kernels, gelu=gelu, source=source, norm=norm)
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapters' tensors in peft's file naming (``blocks.0.attn.qkv.lora_A.weight``, what
-    ``peft.get_peft_model_state_dict`` returns), detached on the CPU."""
-    peft = _peft()
-    state = peft.get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    return {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    """The adapters' tensors in peft's file naming (``blocks.0.attn.qkv.lora_A.weight``: the state-dict name without
+    the adapter's, what ``peft.get_peft_model_state_dict`` returns), detached on the CPU."""
+    state = {}
+    for name, layer in adapted_layers(model):
+        for part in ("lora_A", "lora_B"):
+            w = getattr(layer, part)[ADAPTER].weight
+            state[f"{name}.{part}.weight"] = w.detach().cpu().contiguous()
+    return state
 
 
+@torch.no_grad()
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Load :func:`adapter_state` tensors into an adapted model; every adapter must be given, nothing else."""
-    peft = _peft()
-    expected = adapter_state(model)
+    expected = {
+        f"{name}.{part}.weight": getattr(layer, part)[ADAPTER].weight
+        for name, layer in adapted_layers(model)
+        for part in ("lora_A", "lora_B")
+    }
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         what = f"lacks {missing[0]}" if missing else f"has an unexpected tensor {extra[0]}"
@@ -183,4 +260,5 @@ def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source:
     for k, v in expected.items():
         if state[k].shape != v.shape:
             raise VitkitError(f"{source}: adapter {k} has shape {tuple(state[k].shape)}, expected {tuple(v.shape)}")
-    peft.set_peft_model_state_dict(model, state, adapter_name=ADAPTER)
+    for k, v in expected.items():
+        v.copy_(state[k])

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit.models.attention import softmax_attention
-from vitkit.models.fused import linear, linear_gelu
+from vitkit.models.fused import NormInput, linear, linear_gelu
 from vitkit.models.init import lecun_normal_
 from vitkit.models.kernel_api import TrainingKernels
 from vitkit.models.lora import fused_lora
@@ -237,16 +237,20 @@ class PatchEmbed(nn.Module):
 
 
 def _dense(
-    layer: nn.Module, x: torch.Tensor, kernels: TrainingKernels | None, source: torch.Tensor | None = None
+    layer: nn.Module,
+    x: torch.Tensor,
+    kernels: TrainingKernels | None,
+    source: torch.Tensor | None = None,
+    norm: NormInput | None = None,
 ) -> torch.Tensor:
     """``layer(x)``, its GEMMs through the training kernels' when there are any: a plain ``nn.Linear``
     (``fused.linear``) or a LoRA-adapted one (``lora.fused_lora``; ``source``: GELU's input, when x is GELU of
-    it); any other layer computes its own forward."""
+    it; ``norm``: the LayerNorm x is the output of); any other layer computes its own forward."""
     if kernels is None:
         return layer(x)
     if type(layer) is nn.Linear:
         return linear(x, layer.weight, layer.bias, kernels)
-    out = fused_lora(layer, x, kernels, source=source)
+    out = fused_lora(layer, x, kernels, source=source, norm=norm)
     return layer(x) if out is None else out[0]
 
 
@@ -273,13 +277,18 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, return_attention: bool = False, norm: NormInput | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: (B, T, D) -> (B, T, D) and, with ``return_attention``, the probabilities (B, h, T, T). ``norm``: the
+        LayerNorm x is the output of (an adapted qkv recomputes its input from it; ``fused.NormInput``)."""
         B, T, D = x.shape
         p_drop = self.attention_dropout if self.training else 0.0
+        qkv = _dense(self.qkv, x, self.kernels, norm=norm)  # (B, T, 3D)
         if not (self.fused or return_attention or p_drop):  # q, k, v, scale and gradients in one function
-            out = softmax_attention(_dense(self.qkv, x, self.kernels), self.num_heads, self.scale, self.kernels)
+            out = softmax_attention(qkv, self.num_heads, self.scale, self.kernels)
             return _dense(self.proj, out, self.kernels), None
-        qkv = _dense(self.qkv, x, self.kernels).reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
+        qkv = qkv.reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
         probs = None
         if return_attention:
@@ -309,12 +318,14 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, dim)
         self.drop2 = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: NormInput | None = None) -> torch.Tensor:
+        """x: (B, T, D) -> (B, T, D). ``norm``: the LayerNorm x is the output of (an adapted fc1 recomputes its
+        input from it; ``fused.NormInput``)."""
         k, h, source = self.kernels, None, None  # source: GELU's input, for an adapted fc2 (see _dense)
         if k is not None and self.act.approximate == "none":
             if type(self.fc1) is nn.Linear:
                 h = linear_gelu(x, self.fc1.weight, self.fc1.bias, k)  # (B, T, mlp_dim)
-            elif (lora := fused_lora(self.fc1, x, k, gelu=True)) is not None:
+            elif (lora := fused_lora(self.fc1, x, k, gelu=True, norm=norm)) is not None:
                 h, source = lora
         if h is None:
             h = self.act(self.fc1(x))
@@ -355,11 +366,19 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # x: (B, T, D)
-        y, probs = self.attn(self.norm1(x), return_attention)
+        # x: (B, T, D); each norm's input handed on with its output: an adapter recomputes from it (fused.NormInput)
+        y, probs = self.attn(self.norm1(x), return_attention, _norm_input(self.norm1, x))
         x = x + self.drop_path(self.drop(y))
-        x = x + self.drop_path(self.mlp(self.norm2(x)))
+        x = x + self.drop_path(self.mlp(self.norm2(x), _norm_input(self.norm2, x)))
         return x, probs
+
+
+def _norm_input(norm: nn.Module, x: torch.Tensor) -> NormInput | None:
+    """``norm(x)`` described by its input and weights (``NormInput``); None for any other norm than a LayerNorm
+    over the last dimension."""
+    if type(norm) is not nn.LayerNorm or len(norm.normalized_shape) != 1:
+        return None
+    return NormInput(x, norm.weight, norm.bias, norm.eps)
 
 
 # --------------------------------------------------------------------------------------------------
