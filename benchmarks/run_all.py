@@ -287,6 +287,7 @@ TABLES = [
             [PY, "benchmarks/adaptation.py", "defaults", "--target", "photos", "--seeds", "0,1,2,3"],
             [PY, "benchmarks/adaptation.py", "defaults", "--seeds", "0,1,2,3", "--sweep"],
             [PY, "benchmarks/adaptation.py", "defaults", "--target", "photos", "--seeds", "0,1,2,3", "--sweep"],
+            [PY, "benchmarks/adaptation.py", "defaults", "--target", "gratings", "--seeds", "0,1,2,3"],
             [PY, "benchmarks/adaptation.py", "digits", "--shots", "1,5,10,25,full"],
             [PY, "benchmarks/adaptation.py", "photos"],
         ],
