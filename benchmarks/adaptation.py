@@ -79,7 +79,7 @@ PATCH = 48
 
 
 def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor()
@@ -183,6 +183,23 @@ def gratings_npz(path: Path, train_per_class: int = 60, test_per_class: int = 10
     classes = np.asarray([f"{d} degrees" for d in (0, 45, 90, 135)])
     np.savez(path, classes=classes, **arrays)
     return path
+
+
+def random_inputs(work: Path, variant: str, images: int) -> tuple[Path, Path]:
+    """A random-init ``variant`` checkpoint (seed 0) and ``images`` random 224 px images of 10 classes, made once
+    in ``work`` (also ``lora_memory.py``'s inputs)."""
+    from vitkit.checkpoints import vitkit_format
+    from vitkit.models import create_model
+
+    ckpt, data = work / f"random-{variant.replace('/', '')}", work / f"random224-{images}.npz"
+    if not ckpt.exists():
+        torch.manual_seed(0)
+        vitkit_format.save(create_model(variant), ckpt)
+    if not data.exists():
+        rng = np.random.default_rng(0)
+        pixels = rng.integers(0, 256, (images, 224, 224, 3), dtype=np.uint8)
+        np.savez(data, train_images=pixels, train_labels=np.arange(images) % 10)
+    return ckpt, data
 
 
 # ---- methods ----------------------------------------------------------------------------------------------
@@ -290,21 +307,12 @@ def cmd_features(work: Path, variant: str, images: int, rounds: int, out: Path |
     """The linear method's feature pass for a VARIANT backbone at 224 px: fp32 (the model as it is) against bf16
     and int8 (``--feature-precision``, the fast inference path), each with a cold cache, alternating, ``rounds``
     times; and how far their features are from the fp32 ones."""
-    from vitkit.checkpoints import vitkit_format
     from vitkit.checkpoints.preprocess import Preprocess
     from vitkit.data.datasets import open_dataset
-    from vitkit.models import create_model
     from vitkit.train.feature_cache import cached_features
 
     tag = variant.replace("/", "")
-    ckpt, data = work / f"random-{tag}", work / f"random224-{images}.npz"
-    if not ckpt.exists():
-        torch.manual_seed(0)
-        vitkit_format.save(create_model(variant), ckpt)
-    if not data.exists():
-        rng = np.random.default_rng(0)
-        np.savez(data, train_images=rng.integers(0, 256, (images, 224, 224, 3), dtype=np.uint8),
-                 train_labels=np.arange(images) % 10)  # fmt: skip
+    ckpt, data = random_inputs(work, variant, images)
     from vitkit import load_checkpoint
 
     model = load_checkpoint(ckpt).model

@@ -29,7 +29,6 @@ import argparse
 import contextlib
 import itertools
 import json
-import platform
 import resource
 import shutil
 import statistics
@@ -39,35 +38,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+from adaptation import cpu_name, random_inputs  # this folder's (the scripts run from it)
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "adaptation"
 MARK = "lora_memory::step_end"  # a profiler event after every step: the windows of the allocator's timeline
 GOALS = {"alloc_peak_mb": 0.75, "peak_rss_mb": 0.8, "step_s": 1.0}  # issue 34: lora / full at most
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def inputs(work: Path, variant: str, batch: int) -> tuple[Path, Path]:
     """A random-init ``variant`` checkpoint and 2 x ``batch`` random 224 px images of 10 classes (made once)."""
-    from vitkit.checkpoints import vitkit_format
-    from vitkit.models import create_model
-
-    ckpt, data = work / f"random-{variant.replace('/', '')}", work / f"random224-{2 * batch}.npz"
-    if not ckpt.exists():
-        torch.manual_seed(0)
-        vitkit_format.save(create_model(variant), ckpt)
-    if not data.exists():
-        rng = np.random.default_rng(0)
-        images = rng.integers(0, 256, (2 * batch, 224, 224, 3), dtype=np.uint8)
-        np.savez(data, train_images=images, train_labels=np.arange(2 * batch) % 10)
-    return ckpt, data
+    return random_inputs(work, variant, 2 * batch)
 
 
 class _Stop(Exception):
