@@ -65,6 +65,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,14 @@ KEPT_LINE = re.compile(r"^kept the weights of step (\d+) of (\d+)", re.M)
 LR_LINE = re.compile(r"^lr (\S+) chosen on held-out data", re.M)  # --sweep lr
 
 
+#: ``defaults --target``: the label of its results and the data set it builds in the work folder
+TARGETS: dict[str, tuple[str, Callable[[Path], Path]]] = {
+    "digits": ("digits 5-9, full split", lambda work: work / "upper.npz"),  # made by the backbone piece
+    "photos": ("sample photos, 4 regions, full split", lambda work: photos_npz(work / "photos.npz")),
+    "gratings": ("synthetic gratings, 4 orientations", lambda work: gratings_npz(work / "gratings.npz")),
+}
+
+
 def cmd_defaults(
     work: Path, seeds: list[int], target: str = "digits", out: Path | None = None, sweep: bool = False
 ) -> None:
@@ -356,8 +365,8 @@ def cmd_defaults(
     ``sweep``: the methods that train, each with ``--sweep lr`` (the learning rate chosen on the held-out
     split), and the rate each run chose."""
     backbone = work / "backbone"
-    upper = {"digits": lambda: work / "upper.npz", "photos": lambda: photos_npz(work / "photos.npz"),
-             "gratings": lambda: gratings_npz(work / "gratings.npz")}[target]()  # fmt: skip
+    label, make_data = TARGETS[target]
+    upper = make_data(work)
     methods = [m for m in METHODS if m != "linear"] if sweep else list(METHODS)
     rows: dict[str, dict[str, Any]] = {m: {} for m in methods}
     for seed in seeds:
@@ -398,8 +407,6 @@ def cmd_defaults(
     name = "defaults" + ("" if target == "digits" else f"-{target}")
     name += "" if list(seeds) == list(DEFAULT_SEEDS) else f"-{'-'.join(map(str, seeds))}"
     name += "-sweep" if sweep else ""
-    label = {"digits": "digits 5-9, full split", "photos": "sample photos, 4 regions, full split",
-             "gratings": "synthetic gratings, 4 orientations"}[target]  # fmt: skip
     save(name, {"target": label, "seeds": seeds, "sweep": sweep, "methods": rows}, out)
 
 
@@ -482,9 +489,7 @@ def main() -> None:
     p.add_argument("args", nargs="*")
     p.add_argument("--work", type=Path, default=Path("/tmp/vitkit-adaptation"), help="data, runs and caches")
     p.add_argument("--seeds", default="0,1,2,3", help="defaults: comma-separated seeds")
-    p.add_argument(
-        "--target", choices=["digits", "photos", "gratings"], default="digits", help="defaults: the transfer"
-    )
+    p.add_argument("--target", choices=list(TARGETS), default="digits", help="defaults: the transfer")
     p.add_argument("--sweep", action="store_true", help="defaults: the methods that train, with --sweep lr")
     p.add_argument("--shots", default="1,5,10,25,full", help="digits: comma-separated shots per class, or full")
     p.add_argument("--images", type=int, default=128, help="features: images to compute features of")
