@@ -80,6 +80,12 @@ TABLES = [
         [[PY, "benchmarks/default_job.py", "--seeds", "0"]],
     ),
     Table(
+        "busy",
+        "A busy machine: the default job and a finetune beside one CPU-bound program, default threads and 1 thread",
+        [[PY, "benchmarks/busy_machine.py"]],
+        [[PY, "benchmarks/busy_machine.py", "--finetune-steps", "50"]],
+    ),
+    Table(
         "inference",
         "Inference img/s against transformers, ONNX Runtime and OpenVINO (bf16, int8; B/16, S/16, Ti/16)",
         [

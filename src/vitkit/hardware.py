@@ -6,6 +6,10 @@ Every part of vitkit that picks a device (training, evaluation, analysis, benchm
 
 from __future__ import annotations
 
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -103,3 +107,128 @@ def restore_tf32(previous: tuple[str, bool]) -> None:
     """Put back the settings :func:`use_tf32` returned."""
     torch.set_float32_matmul_precision(previous[0])
     torch.backends.cudnn.allow_tf32 = previous[1]
+
+
+# ---- sharing the CPU with other programs --------------------------------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (steal: the hypervisor gave the core away)
+
+
+def _cpu_jiffies(cpus: set[int]) -> tuple[int, int] | None:
+    """(busy, total) jiffies of ``cpus`` since boot from /proc/stat; None where it cannot be read."""
+    busy = total = 0
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not (name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus):
+            continue
+        fields = [int(v) for v in rest.split()[:8]]
+        busy += sum(fields[i] for i in _BUSY_FIELDS if i < len(fields))
+        total += sum(fields)
+    return (busy, total) if total else None
+
+
+def _own_jiffies() -> int:
+    """CPU jiffies used by this process and the processes it started (decoding workers), live ones included."""
+    used, todo, seen = 0, [os.getpid()], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            used += int(fields[11]) + int(fields[12])  # utime stime
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+        except (OSError, ValueError, IndexError):
+            continue
+    return used
+
+
+@dataclass
+class CpuShare:
+    """Keeps PyTorch's thread count (and so vitkit's kernels', which take it per call) at the cores that other
+    programs leave free, while a job runs.
+
+    On a machine where another program keeps a core busy, a job that runs one thread per core loses far more
+    than that core: every parallel region waits at its barrier for the thread the scheduler has set aside (on a
+    2-core Zen 5 the default digits job took 3.3x as long with one busy competitor, while one thread took 1.45x;
+    10-25x was seen elsewhere). So every ``interval_s`` of wall time, :meth:`tick` reads what this machine's
+    cores did (``/proc/stat``, steal time included) less what this process and its workers did, and sets the
+    threads to the cores left (at least one, at most what the job started with); it gives them back when the
+    other program stops, and at :meth:`close`. It says so once, through ``say``.
+
+    It stays out of the way where the thread count was chosen: ``OMP_NUM_THREADS`` set (torchrun sets it per
+    process), or ``torch.set_num_threads`` called with another count than one per core; and where /proc is not
+    there (not Linux)."""
+
+    say: Callable[[str], None] | None = None
+    interval_s: float = 2.0
+    clock: Callable[[], float] = time.monotonic
+    threads: int = 0  # what the job started with (0 until started)
+    active: bool = False
+    said: bool = False
+    ticks: int = 0  # looks taken
+    _last: tuple[float, tuple[int, int], int] | None = None
+    _cpus: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+        self.threads = torch.get_num_threads()
+        chosen = "OMP_NUM_THREADS" in os.environ or self.threads != min(len(self._cpus), _physical_cores())
+        self.active = self.threads > 1 and not chosen and _cpu_jiffies(self._cpus) is not None
+        self._last = self._sample() if self.active else None
+
+    def _sample(self) -> tuple[float, tuple[int, int], int]:
+        return self.clock(), _cpu_jiffies(self._cpus) or (0, 0), _own_jiffies()
+
+    def tick(self) -> None:
+        """Cheap when called often (a clock read); every ``interval_s``, the threads set to the free cores."""
+        wait = self.interval_s if self.ticks else min(0.5, self.interval_s)  # the first look comes early
+        if not self.active or self._last is None or self.clock() - self._last[0] < wait:
+            return
+        self.ticks += 1
+        now = self._sample()
+        (_, (busy0, total0), own0), (_, (busy1, total1), own1) = self._last, now
+        self._last = now
+        if total1 <= total0:
+            return
+        cores = len(self._cpus)
+        others = max(0.0, (busy1 - busy0) / (total1 - total0) * cores - (own1 - own0) / ((total1 - total0) / cores))
+        self.set(max(1, min(self.threads, int(cores - others + 0.5))), others)
+
+    def set(self, want: int, others: float) -> None:
+        """``want`` threads from now on (``others``: the cores other programs used, for the one-time note)."""
+        if want == torch.get_num_threads():
+            return
+        torch.set_num_threads(want)
+        if want < self.threads and not self.said and self.say is not None:
+            self.said = True
+            self.say(
+                f"note: other programs are using {others:.1f} of this machine's {len(self._cpus)} cores; vitkit "
+                f"runs {want} thread{'s' * (want > 1)} instead of {self.threads} while they do (set OMP_NUM_THREADS "
+                "to choose the count)"
+            )
+
+    def close(self) -> None:
+        """The thread count the job started with, back."""
+        if self.active and torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
+
+
+def _physical_cores() -> int:
+    """PyTorch's default thread count: the physical cores (logical CPUs over threads per core), as its OpenMP
+    runtime counts them; the logical CPUs where that cannot be read."""
+    try:
+        siblings = Path("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list").read_text().strip()
+        spans = (p.partition("-") for p in siblings.split(","))
+        per_core = sum(int(b or a) - int(a) + 1 for a, _, b in spans)
+    except (OSError, ValueError):
+        per_core = 1
+    return max(1, (os.cpu_count() or 1) // max(1, per_core))

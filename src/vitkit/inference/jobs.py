@@ -18,6 +18,7 @@ processes).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
@@ -46,7 +47,7 @@ from vitkit.data.stream import FileSource, ImageSource, StreamBatch, Transform, 
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
-from vitkit.hardware import resolve_device
+from vitkit.hardware import CpuShare, resolve_device
 from vitkit.inference.engine import InferenceEngine, class_labels
 from vitkit.inference.policy import is_reference
 from vitkit.models.vit import VisionTransformer
@@ -321,9 +322,11 @@ def job_steps(
         total=total, initial=summary.resumed, desc=job.desc, unit="img", file=sys.stderr,
         disable=not (job.progress and info.is_main), smoothing=0.1, dynamic_ncols=True,
     )  # fmt: skip
-    with bar:
+    share = CpuShare(say=lambda line: tqdm.write(line, file=sys.stderr) if info.is_main else None)
+    with bar, contextlib.closing(share):
         step = 0
         while steps < 0 or step < steps:
+            share.tick()  # threads follow the cores other programs leave (hardware.CpuShare)
             batch = first if step == 0 else next(batches, None)
             first = None  # no batch is held past its step
             step += 1

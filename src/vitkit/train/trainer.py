@@ -38,6 +38,7 @@ from vitkit.data.loader import Batch, TrainLoader
 from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.data.resident import resident_loader
 from vitkit.errors import ConfigError, VitkitError
+from vitkit.hardware import CpuShare
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
@@ -78,6 +79,7 @@ class Trainer(ValidatedRun):
         self, cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, claim: bool | str = "exclusive"
     ) -> None:
         super().__init__(cfg, run_dir, progress=progress, claim=claim)
+        self.cpu_share: CpuShare | None = None  # while fit runs: threads follow the free cores
         self.skipped = 0
         self.best_top1: float | None = None
         self.epoch_loss = [0.0, 0]  # running sum and count of the current epoch's step losses
@@ -265,11 +267,15 @@ class Trainer(ValidatedRun):
             disable=not (self.progress and self.dist.is_main),
             desc=self.cfg.name,
         )
-        with heap_kept(), bar:  # freed activations stay in the heap for the next step (heap.py)
-            while self.step < self.total_steps:
-                images = self._run_epoch(bar, on_step)
-                last_eval, started = self._end_epoch(images, started)
-        return self._finish(notes, last_eval, t0)
+        self.cpu_share = CpuShare(say=lambda line: tqdm.write(line, file=sys.stderr) if self.dist.is_main else None)
+        try:
+            with heap_kept(), bar:  # freed activations stay in the heap for the next step (heap.py)
+                while self.step < self.total_steps:
+                    images = self._run_epoch(bar, on_step)
+                    last_eval, started = self._end_epoch(images, started)
+            return self._finish(notes, last_eval, t0)
+        finally:
+            self.cpu_share.close()
 
     def _start(self, resume: str | Path | None) -> list[str]:
         """Clean what a killed run left, restore the state to resume from, start the logs (config.json first: a
@@ -293,6 +299,8 @@ class Trainer(ValidatedRun):
         images, t_last = 0, time.perf_counter()
         for micro in self.loader.epoch(self.step // spe, self.step % spe):
             rec = self.train_step(micro)
+            if self.cpu_share is not None:
+                self.cpu_share.tick()  # threads follow the cores other programs leave (hardware.CpuShare)
             self.history.append(rec)
             if self.select_set is not None and (self.step % self.select_every == 0 or self.step == self.total_steps):
                 self._select()
