@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, text_id
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, move_into_place, text_id
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -335,7 +335,7 @@ class _ParquetWriter(RowWriter):
         if self.path.exists() and not self.parts.folder.exists():  # a finished file: reopened as the first part
             self._check_ours(self.path)
             self.parts.folder.mkdir()
-            os.replace(self.path, self.parts.path(0))
+            move_into_place(self.path, self.parts.path(0))
         self.parts.drop_temporaries()
         for number, part in self.parts.numbered():
             self._check_ours(part)
