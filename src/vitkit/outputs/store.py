@@ -1,8 +1,9 @@
 """The one crash-safe chunk store under every resumable output (issue 33), and its rules (issue 32):
 
 - **parts folder**: an output ``NAME`` is written chunk by chunk into ``NAME.parts/`` (:class:`Parts`), each
-  chunk under a hidden temporary name, created with ``O_EXCL`` (never through a link) and renamed into place, so
-  a kill never leaves a chunk half-written; the assembled file goes through a temporary name and a rename too;
+  chunk by :func:`~vitkit.fileio.write_file_atomic` (a private temporary folder, flushed to disk, renamed into
+  place, never through a link), so neither a kill nor a power cut leaves a chunk half-written; the assembled file
+  goes through the same helper;
 - **delete only its own files**: the store removes only entries of its own shapes (its part names, their
   temporaries, its metadata file); a folder holding anything else is refused, not cleaned;
 - **one pre-check** (:func:`precheck`), before any work: never through a symbolic link, into a FIFO or a folder;
