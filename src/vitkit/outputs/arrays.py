@@ -238,7 +238,7 @@ def _chunk_ids(part: Path) -> list[str] | str:
             if not isinstance(z, np.lib.npyio.NpzFile) or sorted(z.files) != sorted(_CHUNK_ARRAYS):
                 return "not the arrays of a chunk"
             rows = {_npz_rows(z, name) for name in _CHUNK_ARRAYS}
-            if len(rows) != 1 or z.zip.testzip() is not None:
+            if len(rows) != 1 or z.zip is None or z.zip.testzip() is not None:
                 return "arrays of different lengths" if len(rows) != 1 else "a checksum does not match"
             return [str(v) for v in z["id"]]
     except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
