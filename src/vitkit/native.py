@@ -40,6 +40,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from vitkit import hardware
+from vitkit.errors import VitkitError
+from vitkit.fileio import move_into_place, write_text_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 
 COMPILE_TIMEOUT_S = 120.0  # a kernel compiles in about a second; past this the pure-PyTorch path is taken
@@ -128,7 +130,7 @@ def _build(source: str, name: str, flags: Sequence[str], where: Path) -> tuple[P
         return lib, False
     with tempfile.TemporaryDirectory(prefix=f".{name}-", dir=where) as tmp:
         src, out = Path(tmp) / f"{name}.c", Path(tmp) / f"{name}.so"
-        src.write_text(source)
+        write_text_atomic(src, source)
         command = [*cc, *args, str(src), "-o", str(out)]
         try:
             returncode, stderr = _run(command, COMPILE_TIMEOUT_S)
@@ -142,7 +144,11 @@ def _build(source: str, name: str, flags: Sequence[str], where: Path) -> tuple[P
             why = f"exit status {returncode}" if returncode != 0 else "exit status 0 but no library written"
             _report(lib.stem, command, why, stderr)
             return None, False
-        os.replace(out, lib)  # atomic within one directory: other processes see nothing or the whole file
+        try:
+            move_into_place(out, lib)  # atomic in one folder: others see nothing or the whole file; no link followed
+        except VitkitError as e:  # a link or a FIFO where the library goes: not followed, not used
+            _report(lib.stem, command, str(e), b"")
+            return None, False
     return lib, True
 
 

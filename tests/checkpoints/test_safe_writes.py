@@ -177,25 +177,28 @@ def test_report_folders_keep_foreign_files(tmp_path: Path) -> None:
 
 def test_readers_use_the_old_folder_between_the_two_renames(tmp_path: Path) -> None:
     run = fake_run(tmp_path / "run")
-    os.replace(run / "model", run / ".model.old")  # the state after the first rename of a replace
+    aside = fileio.temp_path(run / "model", "old")
+    os.replace(run / "model", aside)  # the state after the first rename of a replace
     assert load_checkpoint(run).model.cfg.num_classes == 3
     assert load_checkpoint(run / "model").model.cfg.num_classes == 3
-    (run / ".model.tmp-0a1b2c3d").mkdir()  # an unfinished new version
+    unfinished = fileio.temp_path(run / "model")
+    unfinished.mkdir()  # an unfinished new version
     (run / ".notes").mkdir()  # not a name vitkit makes: left alone
     done = fileio.clean_stale(run, ("model", "best"))
-    assert (run / "model" / "model.safetensors").is_file() and not (run / ".model.old").exists()
-    assert not (run / ".model.tmp-0a1b2c3d").exists() and (run / ".notes").is_dir() and len(done) == 2
+    assert (run / "model" / "model.safetensors").is_file() and not aside.exists()
+    assert not unfinished.exists() and (run / ".notes").is_dir() and len(done) == 2
 
 
 def test_checkpoint_folder_leftovers_are_cleaned(tmp_path: Path) -> None:
     root = tmp_path / "checkpoints"
     for step in (1, 2):
         ck.write_state(root, step, {"model/w": torch.full((2,), float(step))}, {}, keep_last=3)
-    os.replace(root / "step-000000002", root / ".step-000000002.old")  # re-save of step 2 interrupted
-    assert ck.latest_state(root) == root / ".step-000000002.old"
+    aside = fileio.temp_path(root / "step-000000002", "old")
+    os.replace(root / "step-000000002", aside)  # re-save of step 2 interrupted
+    assert ck.latest_state(root) == aside
     (root / "step-000000003").mkdir()  # a prune cut short / an empty step folder
-    (root / ".step-000000004.tmp-00000000").mkdir()
-    (root / ".step-000000001.del-00000000").mkdir()
+    fileio.temp_path(root / "step-000000004").mkdir()
+    fileio.temp_path(root / "step-000000001", "del").mkdir()
     ck.clean_states(root)
     assert sorted(p.name for p in root.iterdir()) == ["step-000000001", "step-000000002"]
 

@@ -344,8 +344,15 @@ def simulate_read_only(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
     import io
 
-    def under(path: object) -> bool:
-        return isinstance(path, str | bytes | os.PathLike) and Path(os.fsdecode(path)).absolute().is_relative_to(root)
+    def under(path: object, dir_fd: object = None) -> bool:
+        """Whether ``path`` (relative to the folder open as ``dir_fd``, when given) lies under ``root``; a
+        descriptor's ``/proc/self/fd/N`` path is followed to its folder, as the kernel does."""
+        if not isinstance(path, str | bytes | os.PathLike):
+            return False
+        name = os.fsdecode(path)
+        if isinstance(dir_fd, int):
+            name = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), name)
+        return Path(os.path.realpath(name)).is_relative_to(root.resolve())
 
     def refuse(path: object) -> None:
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fsdecode(path))  # type: ignore[arg-type]
@@ -354,7 +361,7 @@ def simulate_read_only(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     writes = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
     def os_open(path: object, flags: int, *args: object, **kwargs: object) -> int:
-        if flags & writes and under(path):
+        if flags & writes and under(path, kwargs.get("dir_fd")):
             refuse(path)
         return real_os_open(path, flags, *args, **kwargs)  # type: ignore[arg-type]
 
@@ -370,7 +377,9 @@ def simulate_read_only(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         real = getattr(os, name)
 
         def changed(path: object, *args: object, _real: object = real, **kwargs: object) -> object:
-            if under(path):
+            if under(path, kwargs.get("dir_fd", kwargs.get("src_dir_fd"))) or (
+                args and under(args[0], kwargs.get("dst_dir_fd"))
+            ):
                 refuse(path)
             return _real(path, *args, **kwargs)  # type: ignore[operator]
 

@@ -26,6 +26,7 @@ from PIL import Image
 
 import vitkit
 from helpers import SRC, randomize_, run_cli, tiny_checkpoint
+from vitkit import fileio
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
 from vitkit.errors import DataError
@@ -334,7 +335,9 @@ def test_rows_cut_mid_write_are_dropped_and_written_again(tmp_path: Path) -> Non
         w.write(batch(2, 2))
         if suffix == ".parquet":  # a part file cut mid-write is never renamed into place; a merge cut short
             (out.with_name(out.name + ".parts") / ".part-00000002.parquet.tmp").write_bytes(b"PAR1 cut")
-            (tmp_path / f".{out.name}.tmp-0123abcd").write_bytes(b"PAR1 cut")
+            cut = fileio.temp_path(out)
+            cut.mkdir()  # the merge's private folder, a kill mid-write
+            (cut / out.name).write_bytes(b"PAR1 cut")
         else:
             full = out.read_bytes()
             w.write(batch(4, 1))

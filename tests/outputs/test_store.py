@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from vitkit import fileio
 from vitkit.errors import ConfigError, DataError
 from vitkit.outputs.arrays import EmbeddingWriter, read_embeddings
 from vitkit.outputs.rows import Field, check_rows_output, open_rows
@@ -119,7 +120,10 @@ def test_the_feature_cache_chunks_are_parts_of_the_store(tmp_path: Path) -> None
     chunks.path(0).write_bytes(b"damaged")
     chunks.write(0, lambda f: f.write(b"good"))
     chunks.write(1, lambda f: f.write(b"more"))
-    (tmp_path / ".chunk-000002.safetensors.tmp-0123abcd").write_bytes(b"cut")
+    (tmp_path / ".chunk-000002.safetensors.tmp-0123abcd").write_bytes(b"cut")  # an earlier version's temporary
+    cut = fileio.temp_path(chunks.path(2))
+    cut.mkdir()  # write_file_atomic's private folder, a kill mid-write
+    (cut / chunks.path(2).name).write_bytes(b"cut")
     (tmp_path / "key.json").write_text("{}")
     (tmp_path / "chunk-mine.safetensors").write_text("not a chunk name")
     assert chunks.path(0).read_bytes() == b"good" and [n for n, _ in chunks.numbered()] == [0, 1]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from train_helpers import Crash, tiny_config
 
+from vitkit import fileio
 from vitkit.checkpoints import load_checkpoint
 from vitkit.train import train
 from vitkit.train.trainer import Trainer
@@ -26,11 +27,11 @@ def test_resume_cleans_what_a_kill_left(tmp_path: Path, capsys: pytest.CaptureFi
         trainer.fit(on_step=crash)
     trainer.close()
     root = tmp_path / "run"
-    os.replace(root / "best", root / ".best.old")  # killed between the two renames of a best/ replace
+    os.replace(root / "best", fileio.temp_path(root / "best", "old"))  # killed between a best/ replace's renames
     assert load_checkpoint(root / "best").model.cfg.depth == 2  # readers fall back meanwhile
-    (root / ".model.tmp-0123abcd").mkdir()  # an unfinished model/ write
+    fileio.temp_path(root / "model").mkdir()  # an unfinished model/ write
     (root / "checkpoints" / "step-000000099").mkdir()  # empty step folder (a prune cut short)
-    (root / "checkpoints" / ".step-000000012.tmp-0123abcd").mkdir()
+    fileio.temp_path(root / "checkpoints" / "step-000000012").mkdir()
     (root / ".my-notes").mkdir()  # not a vitkit name: kept
     capsys.readouterr()
     result = train(resume=root, progress=False)

@@ -101,7 +101,7 @@ def test_sigkill_while_saving_keeps_the_previous_state(
     assert [s for s, _ in ck.list_states(root)] == [3]
     tensors, meta = ck.read_state(ck.resolve_resume(run))
     assert meta["step"] == 3 and meta["config"]["checkpoint_every_steps"] == 3 and "model/head.weight" in tensors
-    [partial] = [p for p in root.iterdir() if p.name.startswith(".step-000000006.tmp-")]
+    [partial] = [p for p in root.iterdir() if p.name.startswith(".step-000000006.vitkit-tmp-")]
     if point == "mid-write":
         expected = int(line.split()[-1])
         assert (partial / ck.TENSORS).stat().st_size == expected // 2 and not (partial / ck.META).exists()

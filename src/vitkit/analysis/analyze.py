@@ -38,7 +38,7 @@ from vitkit.analysis.embeddings import (
 )
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
-from vitkit.fileio import check_report_dir
+from vitkit.fileio import check_report_dir, write_text_atomic
 from vitkit.images import convert_image
 from vitkit.models.vit import VisionTransformer
 
@@ -201,7 +201,7 @@ def analyze(
         summary["attention"] = {"skipped": "no images given"}
     else:
         summary.update(_attention_figures(model, preprocess, images, names, out, opts, layer, heads, device, progress))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -17,21 +17,23 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 
+from vitkit.fileio import write_file_atomic
+
 DPI = 100
 
 
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Render on Agg and write a PNG with a 256-colour palette (photo panels stay small on disk)."""
+    """Render on Agg and write a PNG with a 256-colour palette (photo panels stay small on disk), by
+    :func:`~vitkit.fileio.write_file_atomic` (a temporary file renamed into place; a link at ``path`` refused)."""
     from PIL import Image
 
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     fig.set_dpi(DPI)
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     rgb = Image.fromarray(np.asarray(canvas.buffer_rgba())[..., :3])
-    rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(p, optimize=True)
-    return p
+    png = rgb.quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+    return write_file_atomic(p, lambda tmp: png.save(tmp, format="PNG", optimize=True))  # never through a link
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vitkit.errors import VitkitError
-from vitkit.fileio import check_output_file, set_modes
+from vitkit.fileio import check_output_file, write_file_atomic
 from vitkit.models.vit import VisionTransformer
 
 DEFAULT_OPSET = 18
@@ -80,9 +80,9 @@ def export_onnx(
         raise VitkitError(f"{out}: the ONNX exporter produced no program")
     if metadata:
         program.model.metadata_props.update(metadata)
-    program.save(str(out))
-    set_modes(out)  # the mode of every checkpoint file vitkit writes (fileio)
-    return out
+    # never through a link; the mode of every checkpoint file vitkit writes; external data (a model past 2 GB,
+    # "NAME.data" beside it) moved beside ``out`` with it
+    return write_file_atomic(out, lambda tmp: program.save(str(tmp)))
 
 
 @contextlib.contextmanager

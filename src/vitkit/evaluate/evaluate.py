@@ -8,6 +8,7 @@ iterable-only for streams).
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from vitkit.evaluate.fewshot import (
     sample_episodes,
 )
 from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
-from vitkit.fileio import check_report_dir
+from vitkit.fileio import check_report_dir, write_text_atomic
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import extract, is_map_style
 from vitkit.models.vit import VisionTransformer
@@ -184,19 +185,23 @@ def write_eval_report(report: EvalReport, out_dir: str | os.PathLike[str]) -> di
         "confusion_csv": out / "confusion.csv",
         "confusion_png": out / "confusion.png",
     }
-    paths["metrics"].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    with paths["per_class"].open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["class", "accuracy", "support"])
-        for name, acc, sup in zip(names, m.per_class, m.support, strict=True):
-            w.writerow([name, "" if np.isnan(acc) else f"{acc:.6f}", int(sup)])
-    with paths["confusion_csv"].open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["true \\ predicted", *names])
-        for name, row in zip(names, m.confusion, strict=True):
-            w.writerow([name, *(int(v) for v in row)])
+    per_class: list[list[Any]] = [["class", "accuracy", "support"]]
+    per_class += [
+        [n, "" if np.isnan(a) else f"{a:.6f}", int(c)] for n, a, c in zip(names, m.per_class, m.support, strict=True)
+    ]
+    confusion: list[list[Any]] = [["true \\ predicted", *names]]
+    confusion += [[name, *(int(v) for v in row)] for name, row in zip(names, m.confusion, strict=True)]
+    write_text_atomic(paths["metrics"], json.dumps(report.to_dict(), indent=2) + "\n")
+    write_text_atomic(paths["per_class"], _csv_text(per_class))
+    write_text_atomic(paths["confusion_csv"], _csv_text(confusion))
     plot_confusion(m.confusion, names, paths["confusion_png"])
     return paths
+
+
+def _csv_text(rows: list[list[Any]]) -> str:
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    return buf.getvalue()
 
 
 def dataset_labels(dataset: Any) -> np.ndarray | None:

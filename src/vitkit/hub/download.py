@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import stat
 import urllib.parse
 from dataclasses import asdict, dataclass
@@ -53,12 +52,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from vitkit.fileio import fsync
+from vitkit.errors import VitkitError
+from vitkit.fileio import fsync, move_into_place, write_text_atomic
 from vitkit.hub.cache import ENV_VAR, cache_dir, private_dirs, untrusted
 from vitkit.hub.transfer import (
     CHUNK,
     MAX_DOWNLOAD_BYTES,
-    NEW_FILE,
     NOFOLLOW,
     DownloadError,
     disk_full,
@@ -191,7 +190,7 @@ def _write_record(path: Path, url: str, digest: str, published: bool, cache: str
     try:
         _private_folder(target.parent, cache)
         _put_json(target, asdict(rec))
-    except (OSError, DownloadError) as e:
+    except (OSError, VitkitError) as e:
         logger.warning(
             "vitkit.hub: %s: cannot record the download (%s); using it anyway (it is hashed again next time)",
             target,
@@ -200,15 +199,8 @@ def _write_record(path: Path, url: str, digest: str, published: bool, cache: str
 
 
 def _put_json(target: Path, doc: dict[str, object]) -> None:
-    """Write ``doc`` to a new hidden file beside ``target`` (never through a link) and rename it onto it."""
-    tmp = target.with_name(f".{target.name}.tmp-{secrets.token_hex(4)}")
-    fd = os.open(tmp, NEW_FILE, 0o666)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=1) + "\n")
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``doc`` to ``target`` by :func:`~vitkit.fileio.write_text_atomic` (never through a link)."""
+    write_text_atomic(target, json.dumps(doc, indent=1) + "\n")
 
 
 def _check_private(folder: Path, cache: str | os.PathLike[str] | None, sticky_ok: bool = False) -> None:
@@ -293,10 +285,10 @@ def _adopt_legacy(url: str, final: Path, cache: str | os.PathLike[str] | None) -
     try:
         _private_folder(final.parent, cache)
         _private_folder(target.parent, cache)
-        os.replace(old, final)  # the time stamp moves with it: the record still matches
+        move_into_place(old, final)  # the time stamp moves with it: the record still matches
         _put_json(target, asdict(rec))
         old_record.unlink()
-    except (OSError, DownloadError):
+    except (OSError, VitkitError):
         return  # a read-only cache: the old entry stays where it is; the URL is downloaded anew
 
 
@@ -340,7 +332,7 @@ def download(
                 f"{url}: sha256 {digest} does not match the published {sha256.lower()}; the download was "
                 f"discarded (a changed or corrupted file); {what_to_do(url)} if you trust it"
             )
-        os.replace(part, final)
+        move_into_place(part, final)  # a link planted at final is refused, never followed
         fsync(final.parent)
         _write_record(final, url, digest, bool(sha256), cache)
     finally:

@@ -124,13 +124,14 @@ def without_initializer_shapes(onnx_path: Path, out: Path) -> Path:
     Weights stored as external data stay where they are (they are neither read nor rewritten)."""
     import onnx
 
+    from vitkit.fileio import write_file_atomic
+
     model = onnx.load(str(onnx_path), load_external_data=False)
     weights = {t.name for t in model.graph.initializer}
     kept = [v for v in model.graph.value_info if v.name not in weights]
     del model.graph.value_info[:]
     model.graph.value_info.extend(kept)
-    onnx.save(model, str(out))
-    return out
+    return write_file_atomic(out, lambda tmp: onnx.save(model, str(tmp)))
 
 
 def onnxruntime_model(onnx_path: Path, *, int8: bool = False, threads: int | None = None) -> EngineModel:

@@ -28,6 +28,7 @@ import json
 import math
 import os
 import struct
+import zipfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,9 +174,16 @@ class EmbeddingWriter(Locked):
             self._check_meta(_read_meta(meta), self.parts.folder)
         else:
             self._write_meta()
-        for number, part in self.parts.numbered():
-            with np.load(part, allow_pickle=False) as z:
-                self.ids += [str(v) for v in z["id"]]
+        found = [(number, part, _chunk_ids(part)) for number, part in self.parts.numbered()]
+        while found and isinstance(found[-1][2], str):  # the last chunks, damaged (a power cut): written again
+            found.pop()[1].unlink()
+        for number, part, ids in found:
+            if isinstance(ids, str):
+                raise DataError(
+                    f"{part}: a damaged chunk ({ids}) before complete ones; vitkit resumes only undamaged outputs "
+                    "(pass --overwrite to start again, or write to a new --out)"
+                )
+            self.ids += ids
             self.next_part = number + 1
 
     def write(self, columns: Mapping[str, Any]) -> None:
@@ -216,6 +224,37 @@ def _read_meta(path: Path) -> dict[str, str]:
     if not isinstance(doc, dict) or not all(isinstance(v, str) for v in doc.values()):
         raise DataError(f"{path}: not the options file vitkit embed writes; write to a new --out")
     return doc
+
+
+_CHUNK_ARRAYS = ("index", "id", "label", "vector", "error")
+
+
+def _chunk_ids(part: Path) -> list[str] | str:
+    """The ids of a chunk file, once it is checked whole (every array there, each the size its header declares,
+    all of one length, every CRC right); else why it is damaged (an empty or cut file: what a power cut leaves of
+    a chunk not yet on disk). Only the ids are read."""
+    try:
+        with np.load(part, allow_pickle=False) as z:
+            if not isinstance(z, np.lib.npyio.NpzFile) or sorted(z.files) != sorted(_CHUNK_ARRAYS):
+                return "not the arrays of a chunk"
+            rows = {_npz_rows(z, name) for name in _CHUNK_ARRAYS}
+            if len(rows) != 1 or z.zip is None or z.zip.testzip() is not None:
+                return "arrays of different lengths" if len(rows) != 1 else "a checksum does not match"
+            return [str(v) for v in z["id"]]
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _npz_rows(z: Any, name: str) -> int:
+    """Rows of the array ``name`` of an ``.npz`` from its header, checked against the member's size (ValueError)."""
+    info = z.zip.getinfo(name + ".npy")
+    with z.zip.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f)
+        if info.file_size != f.tell() + math.prod(shape) * dtype.itemsize or not shape:
+            raise ValueError(f"{name}: {info.file_size} bytes, not what its header declares")
+    return int(shape[0])
 
 
 def _finished_ids(path: Path) -> tuple[list[str], dict[str, str]]:

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, text_id
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, move_into_place, text_id
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -292,15 +292,23 @@ def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
 
 def _csv_records(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
     """The records of a CSV file as Python's csv module writes them (a quoted field may hold newlines: a record
-    ends at a newline outside quotes), each with whether it is complete."""
-    record = b""
-    for line, _ in _lines(f, path):
+    ends at a newline outside quotes), each with whether it is complete. An incomplete last record is a row a
+    kill cut mid-write only when it holds no newline: one that runs over lines to the end of the file opens a
+    quoted field that never closes (a stray ``"``), which is damage, refused naming its first line -- not rows
+    to drop and compute again."""
+    record, first = b"", 1
+    for number, (line, _) in enumerate(_lines(f, path), 1):
         record += line
         if len(record) > MAX_ROW_BYTES:
             raise DataError(f"{path}: a row of more than {MAX_ROW_BYTES >> 20} MiB; not a row vitkit wrote")
         if record.endswith(b"\n") and record.count(b'"') % 2 == 0:
             yield record, True
-            record = b""
+            record, first = b"", number + 1
+    if b"\n" in record:
+        raise DataError(
+            f"{path}: line {first} opens a quoted field that never closes (a stray '\"'); vitkit resumes only its "
+            "own undamaged outputs (write to a new --out, or pass --overwrite to start again)"
+        )
     if record:
         yield record, False
 
@@ -335,7 +343,7 @@ class _ParquetWriter(RowWriter):
         if self.path.exists() and not self.parts.folder.exists():  # a finished file: reopened as the first part
             self._check_ours(self.path)
             self.parts.folder.mkdir()
-            os.replace(self.path, self.parts.path(0))
+            move_into_place(self.path, self.parts.path(0))
         self.parts.drop_temporaries()
         for number, part in self.parts.numbered():
             self._check_ours(part)

@@ -1,8 +1,9 @@
 """The one crash-safe chunk store under every resumable output (issue 33), and its rules (issue 32):
 
 - **parts folder**: an output ``NAME`` is written chunk by chunk into ``NAME.parts/`` (:class:`Parts`), each
-  chunk under a hidden temporary name, created with ``O_EXCL`` (never through a link) and renamed into place, so
-  a kill never leaves a chunk half-written; the assembled file goes through a temporary name and a rename too;
+  chunk by :func:`~vitkit.fileio.write_file_atomic` (a private temporary folder, flushed to disk, renamed into
+  place, never through a link), so neither a kill nor a power cut leaves a chunk half-written; the assembled file
+  goes through the same helper;
 - **delete only its own files**: the store removes only entries of its own shapes (its part names, their
   temporaries, its metadata file); a folder holding anything else is refused, not cleaned;
 - **one pre-check** (:func:`precheck`), before any work: never through a symbolic link, into a FIFO or a folder;
@@ -15,17 +16,25 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import re
-import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
+from vitkit import fileio
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, check_output_location, fsync, temp_path, write_file_atomic
+from vitkit.fileio import (
+    WRITER,
+    WRITER_KEY,
+    check_output_location,
+    create_new,
+    move_into_place,
+    open_regular,
+    temp_path,
+    write_file_atomic,
+)
 
 CHECKPOINT, PRECISION, BACKEND, PREPROCESS, INPUT = (
     "vitkit.checkpoint", "vitkit.precision", "vitkit.backend", "vitkit.preprocess", "vitkit.input",
@@ -37,51 +46,13 @@ ROW_GROUP_BYTES = 64 << 20  # an assembled Parquet file's row groups: up to this
 RESUME_ADVICE = "continue it with the same checkpoint and options, or write to a new --out"
 
 
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 SIDECAR_MAX_BYTES = 1 << 20  # a mark file vitkit writes is a few hundred bytes
 
 
 def refuse_link(path: Path, option: str = "--out") -> None:
-    """ConfigError naming ``path`` when it is a symbolic link (dangling or not) or exists and is not a regular
-    file: an output is never written through a link, into a FIFO or a device."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if stat.S_ISLNK(st.st_mode):
-        raise ConfigError(
-            f"{option} {path}: is a symbolic link; vitkit never writes through links (name the file itself)"
-        )
-    if not stat.S_ISREG(st.st_mode) and not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{option} {path}: is not a regular file (a FIFO, socket or device); choose another path")
-
-
-def create_new(path: Path) -> BinaryIO:
-    """A new file at ``path`` opened for writing: created here (``O_EXCL``), never through a symbolic link; an
-    existing entry of any kind (a link planted since it was checked included) is ConfigError naming it."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
-    except FileExistsError:
-        raise ConfigError(f"--out {path}: appeared while vitkit was writing it (another process?); untouched") from None
-    return os.fdopen(fd, "wb")
-
-
-def open_regular(path: Path, option: str = "--out", *, write: bool = True) -> BinaryIO:
-    """An existing regular file opened for reading (and, with ``write``, writing) without following a symbolic
-    link and without blocking on a FIFO; ConfigError naming it for a link, a FIFO, a device or a folder."""
-    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.EMLINK):
-            raise ConfigError(f"{option} {path}: is a symbolic link; vitkit never writes through links") from None
-        raise ConfigError(f"{option} {path}: cannot be opened ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise ConfigError(f"{option} {path}: is not a regular file (a FIFO, socket, device or folder)")
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "r+b" if write else "rb")
+    """ConfigError naming ``path`` (after ``option``) when it is a symbolic link (dangling or not) or exists and
+    is not a regular file or folder (:func:`vitkit.fileio.refuse_link`)."""
+    fileio.refuse_link(path, option)
 
 
 def sidecar_path(out: Path) -> Path:
@@ -105,10 +76,8 @@ def read_sidecar(out: Path) -> dict[str, Any] | None:
 
 def write_sidecar(out: Path, doc: dict[str, Any]) -> None:
     """Mark ``out`` as vitkit's own: ``doc`` with the writer key, written to a temporary file and renamed (a
-    planted link in its place is replaced, never followed)."""
-    write_file_atomic(
-        sidecar_path(out), lambda tmp: tmp.write_text(json.dumps({WRITER_KEY: WRITER, **doc}, sort_keys=True))
-    )
+    planted link in its place is refused, never followed)."""
+    fileio.write_text_atomic(sidecar_path(out), json.dumps({WRITER_KEY: WRITER, **doc}, sort_keys=True))
 
 
 class OutputLock:
@@ -206,7 +175,9 @@ class Parts:
     ) -> None:
         self.folder, self.suffix, self.prefix, self.digits, self.extra = folder, suffix, prefix, digits, set(extra)
         self.pattern = re.compile(rf"^{re.escape(prefix)}(\d{{{digits}}}){re.escape(suffix)}$")
-        self.temporary = re.compile(rf"^\.{re.escape(prefix)}\d{{{digits}}}{re.escape(suffix)}\.tmp(-[0-9a-f]{{8}})?$")
+        chunk = rf"\.{re.escape(prefix)}\d{{{digits}}}{re.escape(suffix)}"
+        # a chunk being written: write_file_atomic's private folder (earlier versions: a file .NAME.tmp-XXXXXXXX)
+        self.temporary = re.compile(rf"^{chunk}\.(?:vitkit-tmp-[0-9a-f]{{16}}|tmp(-[0-9a-f]{{8}})?)$")
 
     @classmethod
     def beside(cls, out: Path, suffix: str, extra: Sequence[str] = ()) -> Parts:
@@ -220,9 +191,13 @@ class Parts:
         """The chunk files (or their temporaries) in the folder, sorted; none when there is no folder."""
         if not self.folder.is_dir():
             return []
-        pattern = self.temporary if temporary else self.pattern
-        entries = self.folder.iterdir()
-        return sorted(e.name for e in entries if pattern.match(e.name) and e.is_file() and not e.is_symlink())
+        return sorted(e.name for e in self.folder.iterdir() if self._ours(e, temporary))
+
+    def _ours(self, e: Path, temporary: bool) -> bool:
+        """A chunk file (``temporary``: a chunk being written, a file or a private folder) of this store."""
+        if e.is_symlink() or not (self.temporary if temporary else self.pattern).match(e.name):
+            return False
+        return e.is_file() or (temporary and e.is_dir())
 
     def numbered(self) -> list[tuple[int, Path]]:
         """(number, path) of every complete chunk, in order."""
@@ -235,37 +210,44 @@ class Parts:
         if not self.folder.is_dir():
             return "a file"
         for e in sorted(self.folder.iterdir(), key=lambda e: e.name):
-            ours = self.pattern.match(e.name) or self.temporary.match(e.name) or e.name in self.extra
-            if not ours or e.is_symlink() or not e.is_file():
+            extra = e.name in self.extra and e.is_file() and not e.is_symlink()
+            if not (self._ours(e, False) or self._ours(e, True) or extra):
                 return e.name
         return None
 
     def drop_temporaries(self) -> None:
         """Remove chunks a kill cut mid-write (never renamed into place)."""
         for name in self.names(temporary=True):
-            (self.folder / name).unlink()
+            self._remove(self.folder / name)
 
-    def write(self, number: int, write: Callable[[BinaryIO], object], *, sync: bool = False) -> Path:
-        """Chunk ``number`` written by ``write(file)`` under a temporary name of its own (two processes filling
-        one feature cache never share one) and renamed into place, replacing an earlier chunk of that number;
-        ``sync``: flushed to disk before the rename."""
+    def _remove(self, entry: Path) -> None:
+        """Remove a chunk, or a chunk being written (its private folder: the chunk file in it, then the folder)."""
+        if entry.is_dir() and not entry.is_symlink():
+            for inner in entry.iterdir():
+                if self.pattern.match(inner.name) and not inner.is_symlink():
+                    inner.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                entry.rmdir()
+        else:
+            entry.unlink(missing_ok=True)
+
+    def write(self, number: int, write: Callable[[BinaryIO], object]) -> Path:
+        """Chunk ``number`` written by ``write(file)`` through :func:`~vitkit.fileio.write_file_atomic` (a private
+        temporary folder of its own: two processes filling one feature cache never share one; flushed to disk
+        before it is renamed into place, replacing an earlier chunk of that number)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         target = self.path(number)
-        tmp = temp_path(target)
-        try:
+
+        def chunk(tmp: Path) -> None:
             with create_new(tmp) as f:
                 write(f)
-            if sync:
-                fsync(tmp)
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return target
+
+        return write_file_atomic(target, chunk)
 
     def clear(self, temporary: bool = True) -> None:
         """Remove every chunk (and, with ``temporary``, the chunks being written); anything else stays."""
         for name in self.names() + (self.names(temporary=True) if temporary else []):
-            (self.folder / name).unlink(missing_ok=True)
+            self._remove(self.folder / name)
 
     def discard(self) -> None:
         """Remove the folder: renamed aside first (a kill never leaves some of the chunks under its name), then
@@ -274,7 +256,7 @@ class Parts:
             return
         aside = Parts(temp_path(self.folder, "del"), self.suffix, prefix=self.prefix, digits=self.digits,
                       extra=tuple(self.extra))  # fmt: skip
-        os.replace(self.folder, aside.folder)
+        move_into_place(self.folder, aside.folder)
         aside.clear()
         for name in aside.extra:
             (aside.folder / name).unlink(missing_ok=True)

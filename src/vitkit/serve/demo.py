@@ -26,6 +26,7 @@ from vitkit.analysis.analyze import display_image
 from vitkit.analysis.attention import rollout_maps, upsample_maps
 from vitkit.analysis.embeddings import NotApplicable, patch_embedding_pca, position_embeddings, position_similarity
 from vitkit.errors import ConfigError, DataError
+from vitkit.fileio import write_file_atomic
 from vitkit.images import decode_image
 from vitkit.serve.engine import ServedModel
 from vitkit.serve.net import check_free
@@ -130,16 +131,14 @@ def default_samples(out_dir: Path) -> list[Path]:
 
     paths = []
     for name in ("china.jpg", "flower.jpg"):
-        p = out_dir / name
-        Image.fromarray(load_sample_image(name)).save(p, quality=90)
-        paths.append(p)
+        photo = Image.fromarray(load_sample_image(name))
+        paths.append(write_file_atomic(out_dir / name, lambda tmp: photo.save(tmp, quality=90)))  # noqa: B023
     digits = load_digits()
     for label in (0, 3, 7):
         i = int(np.flatnonzero(digits.target == label)[-1])
         arr = np.round(digits.images[i] / 16.0 * 255).astype(np.uint8)
-        p = out_dir / f"digit_{label}.png"
-        Image.fromarray(arr, mode="L").resize((64, 64), Image.Resampling.NEAREST).save(p)
-        paths.append(p)
+        digit = Image.fromarray(arr, mode="L").resize((64, 64), Image.Resampling.NEAREST)
+        paths.append(write_file_atomic(out_dir / f"digit_{label}.png", lambda tmp: digit.save(tmp)))  # noqa: B023
     return paths
 
 

@@ -246,7 +246,7 @@ def cached_features(
             if not np.array_equal(out.indices, idx) or not np.isfinite(got).all():
                 raise DataError(f"{desc}: the model gave non-finite features or skipped examples")
             tensors = {"features": np.ascontiguousarray(got), "labels": labels[idx], "indices": idx}
-            chunks.write(c, lambda f, t=tensors: f.write(save(t)), sync=True)  # type: ignore[misc]
+            chunks.write(c, lambda f, t=tensors: f.write(save(t)))  # type: ignore[misc]
             computed += 1
         else:
             cached += 1

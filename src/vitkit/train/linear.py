@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset
 from vitkit.errors import ConfigError
-from vitkit.fileio import write_file_atomic
+from vitkit.fileio import write_file_atomic, write_text_atomic
 from vitkit.train import build
 from vitkit.train import distributed as distr
 from vitkit.train.feature_cache import AugmentedPass, Features, backbone_digest, cached_features
@@ -121,7 +121,7 @@ class LinearRun(Run):
         t0 = time.perf_counter()
         self._clean_after_kill()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.json").write_text(json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        write_text_atomic(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n")
         fit = fit_linear_head(self)
         metrics: dict[str, float] = {}
         if self.val_set is not None:

@@ -1,13 +1,17 @@
 """A run's logs: ``config.json``, ``metrics.csv`` (per epoch), ``steps.csv`` (every few steps), ``selection.csv``
 (the evaluations the weights are selected by), TensorBoard events in ``tb/`` (when tensorboard is installed) and
-``curves.png``. Written by process 0 only (the callers check)."""
+``curves.png``. Written by process 0 only (the callers check), never through a link: whole files by
+:func:`~vitkit.fileio.write_file_atomic`, the CSV logs appended through :func:`~vitkit.fileio.open_append`."""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 from pathlib import Path
 from typing import Any
+
+from vitkit.fileio import open_append, open_regular, refuse_link, write_file_atomic, write_text_atomic
 
 CSV_LOGS = ("steps.csv", "metrics.csv", "selection.csv")
 
@@ -17,7 +21,8 @@ def start(run_dir: Path, config: dict[str, Any], step: int, resumed: bool) -> tu
     run logged after its last checkpoint goes), a new run's removed. Returns the epoch rows kept and a
     TensorBoard writer (None without tensorboard)."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    refuse_link(run_dir / "tb")  # TensorBoard writes its event files in there
+    write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
     for name in CSV_LOGS:
         if resumed:
             truncate_csv(run_dir / name, step)
@@ -50,20 +55,29 @@ def log_epoch(run_dir: Path, tb: Any, row: dict[str, Any]) -> None:
                 tb.add_scalar(f"epoch/{k}", v, int(row["step"]))
 
 
+def _csv_text(rows: list[dict[str, Any]], header: bool) -> bytes:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    if header:
+        w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue().encode("utf-8")
+
+
 def append_csv(path: Path, row: dict[str, Any]) -> None:
-    new = not path.exists()
-    with path.open("a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            w.writeheader()
-        w.writerow(row)
+    """One row appended to a CSV log (its header first when the file is new); never through a link."""
+    with open_append(path) as f:
+        f.write(_csv_text([row], header=f.seek(0, 2) == 0))
 
 
 def read_csv(path: Path) -> list[dict[str, Any]]:
+    """A CSV log's rows (numbers as numbers); none when it is missing. A link there is refused, not read."""
+    refuse_link(path)
     if not path.exists():
         return []
-    with path.open(newline="") as f:
-        return [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    with open_regular(path, "", write=False) as f:
+        text = f.read().decode("utf-8")
+    return [{k: _num(v) for k, v in r.items()} for r in csv.DictReader(io.StringIO(text, newline=""))]
 
 
 def _num(v: str) -> Any:
@@ -76,9 +90,10 @@ def _num(v: str) -> Any:
 
 def truncate_csv(path: Path, step: int) -> None:
     rows = [r for r in read_csv(path) if int(r["step"]) <= step]
-    path.unlink(missing_ok=True)
-    for r in rows:
-        append_csv(path, r)
+    if rows:
+        write_file_atomic(path, lambda tmp: tmp.write_bytes(_csv_text(rows, header=True)))
+    else:
+        path.unlink(missing_ok=True)
 
 
 def plot_curves(metrics_csv: Path, out_png: Path) -> None:
@@ -86,13 +101,11 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
     rows = read_csv(metrics_csv)
     if not rows:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     ep = [float(r["epoch"]) for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig = Figure(figsize=(10, 3.8))
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(ep, [float(r["train_loss"]) for r in rows], label="train loss")
     ax1.plot(ep, [float(r["val_loss"]) for r in rows], label="validation loss")
     ax1.set_xlabel("epoch")
@@ -102,5 +115,4 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
     ax2.set_xlabel("epoch")
     ax2.set_ylabel("validation top-1 (%)")
     fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    write_file_atomic(out_png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))  # a link there is refused

@@ -24,7 +24,7 @@ from vitkit.data.base import ImageDataset, note_skipped, split_candidates
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.subset import split_off
 from vitkit.errors import ConfigError
-from vitkit.fileio import check_output_location, clean_stale
+from vitkit.fileio import check_output_location, clean_stale, refuse_link
 from vitkit.hardware import restore_tf32, use_tf32
 from vitkit.inference.policy import train_precision
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
@@ -296,6 +296,13 @@ def _holds_run(path: Path) -> bool:
 
 def _taken(path: Path) -> bool:
     return any((path / name).exists() or (path / name).is_symlink() for name in RUN_ENTRIES)
+
+
+def check_run_links(path: Path) -> None:
+    """Refuse to resume a run where any file a run writes in its folder (RUN_ENTRIES) is a symbolic link
+    (dangling or not): vitkit never writes through one. One line naming it, before any work."""
+    for name in RUN_ENTRIES:
+        refuse_link(path / name, "--resume")
 
 
 def check_run_dir(path: Path, numbered: bool = False) -> None:

@@ -10,7 +10,7 @@ A training state is a folder ``checkpoints/step-000001234/`` of the run holding
 Writing goes to a hidden temporary folder (files fsync'ed), which is renamed into place in one
 ``os.replace``; only then are old checkpoints pruned (renamed to a hidden name, then deleted). A crash at
 any moment leaves either the new checkpoint complete or no trace of it, and the previous one untouched.
-Hidden folders are never read, except ``.step-N.old`` while the same step is being re-saved (see
+Hidden folders are never read, except ``.step-N.vitkit-old-...`` while the same step is being re-saved (see
 ``fileio.replace_dir``; the whole write is ``fileio.write_dir_atomic``). :func:`clean_states` removes what a
 kill left behind.
 """
@@ -31,7 +31,7 @@ from torch import nn
 
 from vitkit.configs import TrainConfig
 from vitkit.errors import CheckpointError, ConfigError
-from vitkit.fileio import clean_stale, complete_dir, remove_tree, write_dir_atomic
+from vitkit.fileio import clean_stale, complete_dir, refuse_link, remove_tree, temp_target, write_dir_atomic
 from vitkit.train import distributed as distr
 from vitkit.train.ema import EMA
 
@@ -54,7 +54,7 @@ def list_states(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
     if not root.is_dir():
         return []
     found = []
-    names = {entry.name.removeprefix(".").removesuffix(".old") for entry in root.iterdir()}
+    names = {temp_target(entry.name, "old") or entry.name for entry in root.iterdir()}
     for name in names:
         m = _NAME.match(name)
         entry = complete_dir(root / name)  # a step being re-saved is read from its previous copy
@@ -279,6 +279,7 @@ def _older_defaults(config: Any) -> Any:
 def _head_first_config(run: Path) -> TrainConfig | None:
     """The config of a run folder whose method starts with a linear head (linear, lp-ft), else None."""
     path = run / "config.json"
+    refuse_link(path, "--resume")
     if list_states(run / "checkpoints") or not path.is_file():
         return None
     doc = _run_config(path)
@@ -291,6 +292,7 @@ def _head_first_config(run: Path) -> TrainConfig | None:
 def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:
     """Refuse to resume when the run's ``config.json`` no longer says what its checkpoint was trained with:
     ``--resume`` continues exactly as configured, so an edit there would be ignored silently otherwise."""
+    refuse_link(path, "--resume")  # a planted link is refused, neither read nor written through
     if not path.is_file():
         return
     diffs = _differences(saved, _older_defaults(_run_config(path)), "")

@@ -46,7 +46,7 @@ from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
-from vitkit.train.run import TrainResult, check_run_dir, step_seed, train_precision
+from vitkit.train.run import TrainResult, check_run_dir, check_run_links, step_seed, train_precision
 from vitkit.train.state import resume_config
 from vitkit.train.tune import TrainingPath, choose_training_path
 from vitkit.train.validation import ValidatedRun
@@ -458,6 +458,7 @@ def train(
         if cfg is not None or run_dir is not None:
             raise ConfigError("resume continues a run with its saved config and folder; give only resume=")
         cfg, folder, state = resume_config(resume)
+        check_run_links(folder)  # a planted curves.png or config.json link: refused, never written through
         claim = False
     elif cfg is None:
         raise ConfigError("nothing to run: give a config or a run to resume")
