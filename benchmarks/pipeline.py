@@ -183,15 +183,30 @@ def child(argv: list[str]) -> dict[str, Any]:
 
 
 class NoOp:
-    """The model replaced: zero logits (B, K), whatever the input."""
+    """The model replaced: zero logits (B, K), whatever the input; counts the images it was given, so that a
+    measurement in which the real model ran instead is refused (:func:`check_replaced`)."""
 
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes
+        self.images = 0
 
     def __call__(self, x: Any) -> Any:
         import torch
 
+        self.images += x.shape[0]
         return torch.zeros(x.shape[0], self.num_classes)
+
+
+def check_replaced(noops: list[NoOp], images: int, mode: str) -> None:
+    """Refuse the figure unless the no-op model saw every image of the job: where the code builds its engine
+    elsewhere than where the benchmark replaced it, the real model ran and the figure is the model's, not the
+    pipeline's (as on 320323f, where eval's '17.5 us/image' could only be reproduced as ~585)."""
+    seen = sum(n.images for n in noops)
+    if seen != images:
+        raise SystemExit(
+            f"{mode}: the no-op model saw {seen} of {images} images; the engine was built where the benchmark did not "
+            "replace it, so this would measure the real model: no figure"
+        )
 
 
 def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[str, Any]:
@@ -215,16 +230,26 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[s
     loaded = vitkit.load_checkpoint(ckpt)
     K = loaded.model.cfg.num_classes
 
+    noops: list[NoOp] = []
+
     class NoOpEngine(engine_module.InferenceEngine):  # type: ignore[misc,name-defined]
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
             self.runner = NoOp(K)
+            noops.append(self.runner)
             if gpu_path:  # the GPU's work: uint8 batches reach the no-op model as they are
                 self.normalizer = lambda x: x
 
-    for module in (predict_module, features_module):
-        module.InferenceEngine = NoOpEngine
-        if gpu_path:
+    # where each version builds its engine: the one runner (inference/jobs.py, EngineSpec.build) since the
+    # runner landed; predict and features before it
+    for name in ("vitkit.inference.jobs", "vitkit.inference.predict", "vitkit.inference.features"):
+        try:
+            module: Any = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "InferenceEngine"):
+            module.InferenceEngine = NoOpEngine
+        if gpu_path and hasattr(module, "feeds_gpu"):
             module.feeds_gpu = lambda *a, **k: True  # DataLoader then warns that it has no accelerator to pin for
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
@@ -245,6 +270,7 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[s
                                           workers=workers, progress=False, precision="bf16")  # fmt: skip
             n = len(got.labels)
         cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
+    check_replaced(noops, n, mode)
     return {"cpu_s": cpu, "wall_s": wall, "images": n, "img_s": n / wall}
 
 
