@@ -93,6 +93,14 @@ def _request(url: str, start: int, timeout: float) -> http.client.HTTPResponse:
         raise _network_error(url, e.reason, timeout) from None
     except (TimeoutError, OSError) as e:
         raise _network_error(url, e, timeout) from None
+    except (http.client.HTTPException, UnicodeError) as e:  # a malformed status line, over 100 headers ...
+        raise _malformed(url, e) from None
+
+
+def _malformed(url: str, e: Exception) -> DownloadError:
+    """The error for an answer that is not well-formed HTTP (``e`` says what was wrong, cut to one line)."""
+    why = " ".join(str(e).split())[:200] or type(e).__name__
+    return DownloadError(f"{url}: malformed HTTP answer ({type(e).__name__}: {why}); {what_to_do(url)}")
 
 
 class _RangeRefused(Exception):
@@ -153,7 +161,10 @@ def fetch(
                 else:
                     start = 0
                     length = resp.headers.get("Content-Length")
-                    total = int(length) if length and length.isdigit() else None
+                    if length is not None and not re.fullmatch(r"[0-9]{1,20}", length.strip()):
+                        raise DownloadError(f"{url}: malformed HTTP answer (Content-Length {length!r}); "
+                                            f"{what_to_do(url)}")  # fmt: skip
+                    total = int(length) if length is not None else None
                 if total is not None and total > max_bytes:
                     raise _too_large(url, total, max_bytes)
                 if total is not None:
@@ -188,6 +199,9 @@ def fetch(
                         raise DownloadError(f"{part}: cannot write ({e.strerror or e})") from None
                 except http.client.IncompleteRead as e:
                     cut = e
+                except http.client.HTTPException as e:  # a chunk-size line over http.client's limit ...
+                    part.unlink()
+                    raise _malformed(url, e) from None
                 else:
                     cut = None
                 if got > max_bytes:
