@@ -16,6 +16,31 @@ import torch
 
 from vitkit.errors import ConfigError
 
+#: Decoding/loading worker processes a job may start, per CPU core this process may run on (``--workers``,
+#: ``data.workers``): a few per core keeps a slow disk busy; ``--workers 100000`` forked ~990 processes
+WORKERS_PER_CORE = 8
+
+
+def cpu_count() -> int:
+    """The CPU cores this process may run on (its affinity where the system tells it)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def max_workers() -> int:
+    """The most worker processes a job may start on this machine: :data:`WORKERS_PER_CORE` per core."""
+    return WORKERS_PER_CORE * cpu_count()
+
+
+def total_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
 
 def cpu_flags() -> set[str]:
     """The CPU feature flags from /proc/cpuinfo (empty when unavailable)."""

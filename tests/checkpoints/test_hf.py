@@ -188,9 +188,9 @@ def test_preprocessor_config_is_read(tmp_path: Path) -> None:
     ref = transformers.ViTForImageClassification(hf_config())
     ref.save_pretrained(tmp_path / "hf")
     proc = transformers.ViTImageProcessor(
-        size={"height": 40, "width": 36}, image_mean=[0.1, 0.2, 0.3], image_std=[0.4, 0.5, 0.6], resample=3
+        size={"height": 40, "width": 48}, image_mean=[0.1, 0.2, 0.3], image_std=[0.4, 0.5, 0.6], resample=3
     )
     proc.save_pretrained(tmp_path / "hf")
     pre = load_checkpoint(tmp_path / "hf").meta.preprocess
-    assert pre.image_size == (40, 36) and pre.interpolation == "bicubic"
+    assert pre.image_size == (40, 48) and pre.interpolation == "bicubic"
     np.testing.assert_allclose(pre.mean, [0.1, 0.2, 0.3]) and np.testing.assert_allclose(pre.std, [0.4, 0.5, 0.6])

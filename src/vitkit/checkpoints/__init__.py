@@ -38,7 +38,14 @@ from vitkit.checkpoints import (
     torch_files,
     vitkit_format,
 )
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, empty_model, expected_state
+from vitkit.checkpoints.base import (
+    Checkpoint,
+    CheckpointMeta,
+    Loaded,
+    check_preprocess,
+    empty_model,
+    expected_state,
+)
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import check_not_input, check_output_file, complete_dir
@@ -206,6 +213,7 @@ def read_checkpoint(
         ckpt = (_load_lora if name == "lora" else _load_run)(found.path, lora_base)
     else:
         ckpt = FORMATS[name].load(found.path)
+    check_preprocess(ckpt.cfg, ckpt.meta.preprocess, ckpt.meta.source)  # every format (the readers name the file)
     return replace(ckpt, meta=_with_source_metadata(ckpt.meta, ckpt.cfg.num_classes, found))
 
 

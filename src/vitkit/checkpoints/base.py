@@ -78,6 +78,27 @@ def check_fits_file(cfg: ViTConfig, numel_in_file: int, source: str) -> None:
         )
 
 
+#: A checkpoint's preprocessing may feed images up to this many times its model's image size per side (more
+#: tokens than the model was built for, resampled position embeddings); more is refused when it is read
+MAX_PREPROCESS_SCALE = 2
+
+
+def check_preprocess(cfg: ViTConfig, pre: Preprocess, source: str) -> None:
+    """Refuse a preprocessing size the model cannot take, when the checkpoint is read: each side a multiple of
+    the model's patch stride, and at most :data:`MAX_PREPROCESS_SCALE` times the model's image size (a
+    ``[4000, 4000]`` for a 224 px model would make one image tens of thousands of tokens)."""
+    (h, w), (mh, mw), stride = pre.image_size, cfg.image_size, cfg.stride
+    if h % stride or w % stride:
+        raise CheckpointError(
+            f"{source}: preprocessing image size {h}x{w} is not a multiple of the model's patch size {stride}"
+        )
+    if h > MAX_PREPROCESS_SCALE * mh or w > MAX_PREPROCESS_SCALE * mw:
+        raise CheckpointError(
+            f"{source}: preprocessing image size {h}x{w} is more than {MAX_PREPROCESS_SCALE} times the model's "
+            f"{mh}x{mw} per side"
+        )
+
+
 def expected_state(cfg: ViTConfig) -> dict[str, torch.Tensor]:
     """The state dict a model with ``cfg`` expects, as meta tensors (shapes and dtypes, no memory)."""
     with torch.device("meta"):

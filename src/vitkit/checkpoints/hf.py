@@ -36,6 +36,7 @@ from vitkit.checkpoints.base import (
     Checkpoint,
     CheckpointMeta,
     check_fits_file,
+    check_preprocess,
     expected_state,
     export_state,
     require,
@@ -239,6 +240,8 @@ def load(path: Path) -> Checkpoint:
         )
     except (TypeError, ValueError, OverflowError, AttributeError) as e:
         raise CheckpointError(f"{path}: invalid labels or preprocessing config ({type(e).__name__}: {e})") from None
+    pre_file = path / PREPROCESSOR
+    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
     return Checkpoint(cfg, state, meta)
 
 

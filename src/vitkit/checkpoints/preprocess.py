@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, fields
 from functools import cached_property
+from numbers import Integral
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,9 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # A centre crop refuses images more elongated than this (a 30000x1 PNG of 200 bytes is not a photograph)
 MAX_ASPECT_RATIO = 1000
+#: The largest side of a preprocessing size (the model's own bound; a checkpoint's preprocessing is held to
+#: its model's image size by :func:`vitkit.checkpoints.base.check_preprocess`)
+MAX_SIDE = 1 << 16
 
 RESAMPLE = {
     "nearest": Image.Resampling.NEAREST,
@@ -53,9 +57,7 @@ class Preprocess:
     grayscale: bool = False  # single-channel models (e.g. the bundled digits) read images as "L"
 
     def __post_init__(self) -> None:
-        size = self.image_size
-        size = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
-        object.__setattr__(self, "image_size", size)
+        object.__setattr__(self, "image_size", _size_pair(self.image_size))
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
         if self.resize not in ("squash", "crop"):
@@ -155,6 +157,17 @@ class Preprocess:
         if isinstance(path_or_image, Image.Image):
             return self.to_tensor(path_or_image)
         return self.to_tensor(load_image(path_or_image), os.fspath(path_or_image))
+
+
+def _size_pair(size: Any) -> tuple[int, int]:
+    """An image size (an int, or two) as (H, W) of whole numbers in 1..MAX_SIDE; ValueError otherwise."""
+    pair = [size, size] if isinstance(size, Integral) else list(size) if isinstance(size, (tuple, list)) else None
+    if pair is None or len(pair) != 2 or not all(isinstance(s, Integral) and not isinstance(s, bool) for s in pair):
+        raise ValueError(f"image_size must be an integer or two, got {size!r}")
+    h, w = int(pair[0]), int(pair[1])
+    if not (1 <= h <= MAX_SIDE and 1 <= w <= MAX_SIDE):
+        raise ValueError(f"image_size [{h}, {w}] is outside 1..{MAX_SIDE} pixels per side")
+    return h, w
 
 
 def normalize(arr: np.ndarray, mean: np.ndarray, std: np.ndarray) -> torch.Tensor:

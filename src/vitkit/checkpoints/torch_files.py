@@ -10,9 +10,10 @@ import json
 import os
 import pickle
 import re
+import stat
 import zipfile
 from collections.abc import Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -68,16 +69,36 @@ def read_folder_weights(folder: Path) -> dict[str, torch.Tensor]:
     if index.is_file():
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, AttributeError) as e:
+        except (OSError, ValueError, KeyError, AttributeError, TypeError) as e:
             raise CheckpointError(f"{index}: invalid shard index ({e})") from None
         out: dict[str, torch.Tensor] = {}
         for shard in shards:
-            out.update(read_state_file(folder / shard))
+            out.update(read_state_file(_shard_path(folder, index, shard)))
         return out
     legacy = folder / "pytorch_model.bin"
     if legacy.is_file():
         return read_state_file(legacy)
     raise CheckpointError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _shard_path(folder: Path, index: Path, name: object) -> Path:
+    """The file a shard index names: a relative name inside ``folder`` (no absolute path, no ``..``, no folder
+    on the way that leads out of it), and a regular file (not a FIFO or a device, which would block or never
+    end); only the file itself may be a link, as huggingface_hub's cache stores it. CheckpointError otherwise."""
+    parts = PurePosixPath(name).parts if isinstance(name, str) else ()
+    if not parts or PurePosixPath(str(name)).is_absolute() or ".." in parts or "\\" in str(name):
+        raise CheckpointError(f"{index}: shard {name!r} is not a file name inside {folder}; refused")
+    path = folder.joinpath(*parts)
+    try:
+        inside = path.parent.resolve(strict=True).is_relative_to(folder.resolve(strict=True))
+        st = path.stat()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the shard {name!r} ({e.strerror or e})") from None
+    if not inside:
+        raise CheckpointError(f"{index}: shard {name!r} lies outside {folder} (through a linked folder); refused")
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: the shard {name!r} is not a regular file; refused")
+    return path
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:

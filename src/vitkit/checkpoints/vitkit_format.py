@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from vitkit import fileio
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file
+from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, check_preprocess
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -67,6 +67,7 @@ def load(path: Path) -> Checkpoint:
             )
         cfg = ViTConfig.from_dict(meta["model"])
         preprocess = Preprocess.from_dict(meta.get("preprocess") or {"image_size": cfg.image_size})
+        check_preprocess(cfg, preprocess, str(cfg_path))
         names = meta.get("class_names")
         if names is not None and not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
             raise CheckpointError(f'{cfg_path}: invalid vitkit config ("class_names" must be a list of strings)')

@@ -56,6 +56,28 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def worker_count(text: str) -> int:
+    """``--workers``: 0 up to :func:`vitkit.hardware.max_workers` (a few per core of this machine)."""
+    from vitkit.hardware import WORKERS_PER_CORE, max_workers
+
+    value, most = nonnegative_int(text), max_workers()
+    if value > most:
+        raise argparse.ArgumentTypeError(
+            f"at most {most} worker processes on this machine ({WORKERS_PER_CORE} per core), got {value}"
+        )
+    return value
+
+
+def class_count(text: str) -> int:
+    """``--num-classes``: 0 (no head) up to the most classes a head may have."""
+    from vitkit.models.vit import MAX_CLASSES
+
+    value = nonnegative_int(text)
+    if value > MAX_CLASSES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_CLASSES} classes, got {value}")
+    return value
+
+
 def note_emulated_bf16(device: str | None, advice: str) -> None:
     """Say so (one "note:" line on stderr) when bf16 will run on a CPU that has no bf16 instructions, where
     PyTorch emulates bf16 matmuls; ``device`` as the command will resolve it ("auto" too), ``advice`` the
@@ -136,7 +158,7 @@ def add_data_args(p: argparse.ArgumentParser, required: bool) -> None:
 def add_workers_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers",
-        type=nonnegative_int,
+        type=worker_count,
         help="image-decoding worker processes; 0 decodes in the main process (default: one per 4 cores, at least 1)",
     )
 

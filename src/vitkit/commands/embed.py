@@ -89,6 +89,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.fileio import printable
     from vitkit.inference.embed import EmbedOptions, embed_job
+    from vitkit.inference.jobs import check_batch_fits
     from vitkit.outputs.arrays import check_embeddings_output
 
     info = join_processes(args.device)  # under torchrun: this process's share of the images
@@ -98,6 +99,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")
     source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)
     loaded = load_checkpoint(args.checkpoint, format=args.format)
+    check_batch_fits(args.batch_size, loaded.model, loaded.meta.preprocess)  # before any output is opened
     opts = EmbedOptions(
         pool=args.pool, layer=args.layer, dtype=args.dtype, l2=args.l2, batch_size=args.batch_size,
         precision=args.precision, device=args.device, workers=resolve_workers(args.workers, args.device),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from vitkit.commands.args import add_load_options, image_size, positive_int
+from vitkit.commands.args import add_load_options, class_count, image_size, positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,7 +24,9 @@ def _add_info(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("model", help="a variant name such as B/16, or a checkpoint (path, URL, registry name, hub id)")
     p.add_argument("--image-size", type=image_size, help="resolution, e.g. 384 or 224x320 (default: model's)")
-    p.add_argument("--num-classes", type=int, help="number of classes of the head (default: 1000 / checkpoint's)")
+    p.add_argument(
+        "--num-classes", type=class_count, help="number of classes of the head (default: 1000 / checkpoint's)"
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_info)
 
@@ -93,7 +95,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
                    ".safetensors/.pth or folder for timm)")  # fmt: skip
     p.add_argument("--to", required=True, choices=writable, help="output format")
     add_load_options(p)
-    p.add_argument("--num-classes", type=int, help="replace the head by a zero-initialised one for N classes")
+    p.add_argument("--num-classes", type=class_count, help="replace the head by a zero-initialised one for N classes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file or vitkit-written folder")
     p.set_defaults(func=cmd_convert)
 

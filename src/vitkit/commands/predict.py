@@ -69,6 +69,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
     from vitkit.fileio import printable
+    from vitkit.inference.jobs import check_batch_fits
     from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
     from vitkit.outputs.rows import check_rows_output
 
@@ -83,6 +84,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         check_rows_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)
     loaded = load_checkpoint(args.checkpoint, format=args.format)
+    check_batch_fits(args.batch_size, loaded.model, loaded.meta.preprocess)  # before any output is opened
     opts = PredictOptions(
         top_k=args.top_k,
         batch_size=args.batch_size,

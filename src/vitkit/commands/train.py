@@ -10,7 +10,14 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from vitkit.commands.args import image_size, nonnegative_int, note_emulated_bf16, positive_float, positive_int
+from vitkit.commands.args import (
+    image_size,
+    nonnegative_int,
+    note_emulated_bf16,
+    positive_float,
+    positive_int,
+    worker_count,
+)
 from vitkit.errors import VitkitError
 
 if TYPE_CHECKING:
@@ -25,7 +32,7 @@ OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--lr", "optim.lr", {"type": positive_float, "help": "base learning rate"}),
     ("--image-size", "data.image_size", {"type": image_size, "help": "training resolution, e.g. 384 or 224x320"}),
     ("--seed", "seed", {"type": nonnegative_int, "help": "seed for initialisation, data order, augmentation, dropout"}),
-    ("--workers", "data.workers", {"type": nonnegative_int, "help": "data-loading worker processes per process"}),
+    ("--workers", "data.workers", {"type": worker_count, "help": "data-loading worker processes per process"}),
     ("--precision", "precision", {"choices": ["fp32", "bf16", "auto"],
                                   "help": "bf16: autocast with fp32 master weights; auto: bf16 on a GPU with bf16, "
                                   "else fp32"}),

@@ -263,6 +263,7 @@ class TrainConfig:
             raise ConfigError("batch size and accumulation steps must be positive")
         if self.optim.lr <= 0:
             raise ConfigError(f"learning rate must be positive, got {self.optim.lr}")
+        self._validate_positive()
         f = self.optim.warmup_max_fraction
         if f is not None and not 0.0 < f <= 1.0:
             raise ConfigError(f"optim.warmup_max_fraction must be in (0, 1] or null, got {f}")
@@ -272,12 +273,28 @@ class TrainConfig:
             raise ConfigError("keep_last must be at least 1")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        if isinstance(self.data.workers, bool) or not isinstance(self.data.workers, int) or self.data.workers < 0:
-            raise ConfigError(f"data.workers must be a non-negative integer, got {self.data.workers!r}")
+        from vitkit.hardware import WORKERS_PER_CORE, max_workers  # torch: only once a run is validated
+
+        workers, most = self.data.workers, max_workers()
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 0 <= workers <= most:
+            raise ConfigError(
+                f"data.workers must be an integer in 0..{most} ({WORKERS_PER_CORE} per core here), got {workers!r}"
+            )
         self.aug.resolved()
         self.adapt.validate()
         if self.adapt.method != "full" and not self.model.init_from:
             raise ConfigError(f"adapt.method {self.adapt.method}: adapts a checkpoint; set model.init_from")
+
+    def _validate_positive(self) -> None:
+        """The counts and sizes a run divides by or steps with: positive (0 would divide by zero)."""
+        for name, value in (("log_every_steps", self.log_every_steps), ("eval_every_epochs", self.eval_every_epochs),
+                            ("checkpoint_every_steps", self.checkpoint_every_steps)):  # fmt: skip
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if not self.optim.eps > 0:
+            raise ConfigError(f"optim.eps must be positive, got {self.optim.eps}")
+        if not all(0.0 <= b < 1.0 for b in self.optim.betas) or len(self.optim.betas) != 2:
+            raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {list(self.optim.betas)}")
 
 
 def _to_jsonable(x: Any) -> Any:
@@ -318,11 +335,15 @@ def coerce(tp: Any, v: Any, where: str) -> Any:
     if origin is tuple:
         if not isinstance(v, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {v!r}")
+        if any(isinstance(x, float) and not math.isfinite(x) for x in v):
+            raise ConfigError(f"{where}: expected finite numbers, got {list(v)!r}")
         return tuple(v)
     if (origin is dict or tp is dict) and not isinstance(v, dict):
         raise ConfigError(f"{where}: expected an object, got {v!r}")
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
+    if tp is float and isinstance(v, float) and not math.isfinite(v):  # NaN passes every comparison's refusal
+        raise ConfigError(f"{where}: expected a finite number, got {v!r}")
     expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp)
     if expected and not (isinstance(v, tp) and (tp is bool or not isinstance(v, bool))):
         raise ConfigError(f"{where}: expected {expected}, got {v!r}")

@@ -99,10 +99,19 @@ def is_hf_source(source: str) -> bool:
     return False
 
 
+# the file suffixes of datasets vitkit reads: a name ending so is a path (a Hub id never names a file)
+PATH_SUFFIXES = (*FILE_SUFFIXES, ".npz", ".tar", ".json", ".zip")
+
+
 def is_hub_dataset_id(source: str) -> bool:
-    """Whether ``source`` names a Hugging Face Hub dataset (``org/name``) rather than a local path."""
+    """Whether ``source`` names a Hugging Face Hub dataset (``org/name``) rather than a local path: spelled as
+    an id, not there on disk, and not shaped like a path -- its first part is no local file or folder
+    (``photos/holiday`` with a ``photos/`` here is a missing folder in it) and it ends in no dataset file
+    suffix. A missing path is then refused without asking the Hub for it."""
     path = split_source(source)[0]
-    return not os.path.exists(path) and HUB_DATASET_ID.match(path) is not None
+    if os.path.exists(path) or HUB_DATASET_ID.match(path) is None:
+        return False
+    return not os.path.lexists(path.split("/", 1)[0]) and not path.lower().endswith(PATH_SUFFIXES)
 
 
 def no_scripts(datasets: Any) -> dict[str, Any]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from vitkit.data import globs
 from vitkit.data.folder import IMAGE_EXTENSIONS
 from vitkit.errors import DataError
 from vitkit.images import LazyImage, load_image, open_lazy
@@ -123,7 +123,7 @@ def list_inputs(args: Sequence[str | os.PathLike[str]], *, skip_bad: bool = Fals
                 )
             out += found
         elif not path.exists() and GLOB_CHARS & set(text):
-            matches = sorted(m for m in glob.glob(text, recursive=True) if os.path.isfile(m))
+            matches = globs.expand(text)
             if not matches:
                 raise DataError(f"{text}: the pattern matches no file")
             out += matches

@@ -102,10 +102,23 @@ def _readable(segment: str) -> str:
     return text if len(text) <= MAX_SEGMENT else text[: MAX_SEGMENT // 2] + "_" + text[-(MAX_SEGMENT // 2 - 1) :]
 
 
+def split_url(url: str) -> urllib.parse.SplitResult:
+    """``url`` split into its parts; DownloadError for one that no request could carry: a character outside
+    printable ASCII (a space, a control character: percent-encode them), or one ``urlsplit`` refuses (an
+    unclosed ``[`` of an IPv6 host)."""
+    bad = next((c for c in url if not " " < c < "\x7f"), None)
+    if bad is not None:
+        raise DownloadError(f"{url!r}: not a valid URL (it contains {bad!r}; percent-encode such characters)")
+    try:
+        return urllib.parse.urlsplit(url)
+    except ValueError as e:  # "Invalid IPv6 URL"
+        raise DownloadError(f"{url}: not a valid URL ({e})") from None
+
+
 def _host(url: str) -> str:
     """The readable host folder of ``url``: ``host`` or ``host_port`` (never credentials); DownloadError for
     a URL without a usable host."""
-    u = urllib.parse.urlsplit(url)
+    u = split_url(url)
     try:
         host, port = u.hostname, u.port
     except ValueError as e:  # a port that is not a number
@@ -121,7 +134,7 @@ def _host(url: str) -> str:
 def _entry_parts(url: str) -> list[str]:
     """Cache-relative path of ``url``: host, the URL path's folders, ``<name>@<digest>``, ``<name>`` (see the
     module's docstring). Injective: the digest covers the whole URL."""
-    segments = [_readable(p) for p in urllib.parse.unquote(urllib.parse.urlsplit(url).path).split("/")]
+    segments = [_readable(p) for p in urllib.parse.unquote(split_url(url).path).split("/")]
     folders = [p for p in segments if p not in ("", ".", "..")]
     name = folders.pop() if folders else "index"
     digest = hashlib.sha256(url.encode()).hexdigest()[:DIGEST_CHARS]

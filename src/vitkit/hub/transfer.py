@@ -93,6 +93,17 @@ def _request(url: str, start: int, timeout: float) -> http.client.HTTPResponse:
         raise _network_error(url, e.reason, timeout) from None
     except (TimeoutError, OSError) as e:
         raise _network_error(url, e, timeout) from None
+    except (http.client.HTTPException, UnicodeError) as e:  # a malformed status line, over 100 headers ...
+        raise _malformed(url, e) from None
+
+
+def _malformed(url: str, e: Exception, discard: Path | None = None) -> DownloadError:
+    """The error for an answer that is not well-formed HTTP (``e`` says what was wrong, cut to one line); the
+    partial file ``discard`` is removed (its bytes came from that answer)."""
+    if discard is not None:
+        discard.unlink(missing_ok=True)
+    why = " ".join(str(e).split())[:200] or type(e).__name__
+    return DownloadError(f"{url}: malformed HTTP answer ({type(e).__name__}: {why}); {what_to_do(url)}")
 
 
 class _RangeRefused(Exception):
@@ -119,6 +130,17 @@ def _content_range(resp: http.client.HTTPResponse) -> tuple[int, int | None]:
     if not m:
         return -1, None
     return int(m.group(1)), None if m.group(2) == "*" else int(m.group(2))
+
+
+def _content_length(resp: http.client.HTTPResponse, url: str) -> int | None:
+    """The Content-Length of a whole-file answer (None without one); DownloadError for one that is not a number
+    in ASCII digits (``²`` passes ``str.isdigit`` and fails ``int``)."""
+    length = resp.headers.get("Content-Length")
+    if length is None:
+        return None
+    if not re.fullmatch(r"[0-9]{1,20}", length.strip()):
+        raise DownloadError(f"{url}: malformed HTTP answer (Content-Length {length!r}); {what_to_do(url)}")
+    return int(length)
 
 
 def _too_large(url: str, size: int | str, max_bytes: int) -> DownloadError:
@@ -151,9 +173,7 @@ def fetch(
                         part.unlink()
                         continue
                 else:
-                    start = 0
-                    length = resp.headers.get("Content-Length")
-                    total = int(length) if length and length.isdigit() else None
+                    start, total = 0, _content_length(resp, url)
                 if total is not None and total > max_bytes:
                     raise _too_large(url, total, max_bytes)
                 if total is not None:
@@ -188,6 +208,8 @@ def fetch(
                         raise DownloadError(f"{part}: cannot write ({e.strerror or e})") from None
                 except http.client.IncompleteRead as e:
                     cut = e
+                except http.client.HTTPException as e:  # a chunk-size line over http.client's limit ...
+                    raise _malformed(url, e, discard=part) from None
                 else:
                     cut = None
                 if got > max_bytes:

@@ -47,7 +47,7 @@ from vitkit.data.stream import FileSource, ImageSource, StreamBatch, Transform, 
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
-from vitkit.hardware import CpuShare, resolve_device
+from vitkit.hardware import CpuShare, resolve_device, total_memory
 from vitkit.inference.engine import InferenceEngine, class_labels
 from vitkit.inference.policy import is_reference
 from vitkit.models.vit import VisionTransformer
@@ -342,6 +342,28 @@ def job_steps(
         summary.decode_note = gpu_decoder.counts.note()
 
 
+#: Bytes one image of a batch takes at least, in floats per input value and per token and width of the model (the
+#: input, and the few (tokens, width) activations a block holds at once): what bounds ``--batch-size``
+BATCH_FLOATS_PER_TOKEN_WIDTH = 4
+
+
+def check_batch_fits(batch_size: int, model: VisionTransformer, preprocess: Preprocess) -> None:
+    """ConfigError naming ``--batch-size`` when a batch of ``preprocess``'s images through ``model`` would need
+    more than this machine's memory (a batch of 100,000,000 asked for 64 GB in one allocation)."""
+    total = total_memory()
+    if total is None:
+        return
+    (h, w), cfg = preprocess.image_size, model.cfg
+    tokens = (h // cfg.stride) * (w // cfg.stride) + cfg.num_prefix_tokens
+    per_image = 4 * (preprocess.channels * h * w + BATCH_FLOATS_PER_TOKEN_WIDTH * tokens * cfg.hidden_size)
+    if batch_size * per_image > total:
+        raise ConfigError(
+            f"--batch-size {batch_size}: a batch of {h}x{w} images needs about {batch_size * per_image / 2**30:,.0f} "
+            f"GiB, more than this machine's {total / 2**30:,.0f} GiB of memory; choose {max(1, total // per_image):,} "
+            "or less"
+        )
+
+
 def _start(
     job: Job, resumed: int
 ) -> tuple[Iterator[StreamBatch], Callable[[], GpuDecoder] | None, int, Callable[[], InferenceEngine]]:
@@ -349,6 +371,7 @@ def _start(
     runs (-1: until the source ends), the engine's maker). The transform follows from the engine's plan (full
     or reduced decode, uint8 for a GPU), the decoding workers start now, and the engine is built after."""
     info, spec = job.info, job.engine
+    check_batch_fits(job.batch_size, spec.model, spec.preprocess)
     device: torch.device | str
     if isinstance(spec, InferenceEngine):
         device, backend, full = spec.device, spec.backend, not spec.reduced_decode

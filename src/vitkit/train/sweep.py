@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -78,6 +79,9 @@ def check_sweep(cfg: TrainConfig) -> None:
         )
     if launched_by_torchrun():
         raise ConfigError("--sweep runs in one process; run it without torchrun")
+    lr = cfg.optim.lr
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):  # NaN would name all four runs lr-nan
+        raise ConfigError(f"optim.lr {lr!r}: a learning-rate sweep needs a positive, finite learning rate")
 
 
 def _free_folder(base: Path) -> Path:
