@@ -23,8 +23,13 @@ def connections(monkeypatch: pytest.MonkeyPatch) -> list[object]:
         tried.append(address)
         raise OSError("network use in a test")
 
+    def no_lookup(host: object, *args: object, **kwargs: object) -> list[object]:
+        tried.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "name lookup in a test")
+
     monkeypatch.setattr(socket.socket, "connect", refuse)
     monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", no_lookup)  # a name looked up is a request on its way
     return tried
 
 
@@ -78,3 +83,26 @@ def test_an_id_shaped_name_still_goes_to_the_hub_cache(tmp_path: Path, monkeypat
     with pytest.raises(DataError, match="not a Hub dataset in the local"):
         open_dataset("acme/pets")
     assert calls and calls[0].startswith("load_dataset")
+
+
+def test_a_name_in_no_local_cache_sends_no_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, connections: list[object]
+) -> None:
+    """``photos/holiday`` with no ``photos/`` here is spelled like a Hub id, so nothing tells it from one; it is
+    looked up in the local caches only (the real ``datasets`` and huggingface_hub, empty caches): one line, and
+    not one connection is attempted (before, ``datasets`` asked the Hub's endpoint)."""
+    pytest.importorskip("datasets")
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    monkeypatch.chdir(tmp_path)
+    import datasets
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    with pytest.raises(DataError, match=r"^photos/holiday: no such file or directory, and not a Hub dataset in the"):
+        open_dataset("photos/holiday")
+    assert connections == []
+    assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False  # restored

@@ -20,10 +20,12 @@ A row whose image cannot be decoded, or whose label is missing, raises DataError
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,15 +171,37 @@ def _load(datasets: Any, path_text: str, split: str) -> Any:
     return obj
 
 
+@contextlib.contextmanager
+def _offline(datasets: Any) -> Iterator[None]:
+    """``datasets`` and huggingface_hub in their offline mode while a Hub id is looked up, as ``HF_HUB_OFFLINE=1``
+    would set them at import (their own switch, read per call): a name that is in no local cache -- a mistyped
+    folder like ``photos/holiday`` -- is answered from this machine, never sent to the Hub."""
+    import huggingface_hub.constants as hub_constants
+
+    config = datasets.config
+    saved = (config.HF_HUB_OFFLINE, getattr(config, "HF_DATASETS_OFFLINE", None), hub_constants.HF_HUB_OFFLINE)
+    config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    if saved[1] is not None:
+        config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved[0], saved[2]
+        if saved[1] is not None:
+            config.HF_DATASETS_OFFLINE = saved[1]
+
+
 def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
-    """A Hub dataset by id: through ``datasets`` (its cache in offline mode), else from the snapshot of the
-    repository in huggingface_hub's cache (where ``datasets`` keeps the downloaded data files)."""
+    """A Hub dataset by id, from this machine only: through ``datasets`` (its cache, offline), else from the
+    snapshot of the repository in huggingface_hub's cache (where ``datasets`` keeps the downloaded data files).
+    Nothing is requested from the Hub (download a dataset with ``datasets.load_dataset`` first)."""
     loggers = [logging.getLogger(n) for n in ("datasets", "huggingface_hub")]
     levels = [lg.level for lg in loggers]
     try:
         for lg in loggers:  # every retry of an unreachable Hub is logged; the error that follows says it
             lg.setLevel(logging.ERROR)
-        return datasets.load_dataset(repo_id, **no_scripts(datasets))
+        with _offline(datasets):
+            return datasets.load_dataset(repo_id, **no_scripts(datasets))
     except Exception as first:
         from huggingface_hub import snapshot_download
 
