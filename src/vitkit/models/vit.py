@@ -13,7 +13,6 @@ the class token when there is one), D = width, h = heads, d = D / h.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
@@ -21,31 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vitkit.models.config_checks import MAX_CLASSES as MAX_CLASSES  # re-exported: read here by data and knn
+from vitkit.models.config_checks import check_config, is_int
 from vitkit.models.init import lecun_normal_
 from vitkit.models.posembed import resample_grid, sincos_2d
-from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
-
-# Upper bounds of a config's sizes: far above any published ViT (ViT-22B: width 6144, MLP 24576, depth 48),
-# they keep a hostile config.json from asking for unbounded memory before anything else can be checked.
-_MAX_WIDTH = 1 << 16
-_MAX_TOKENS = 1 << 20
-_MAX_IMAGE_SIDE = 1 << 16
-_MAX_RESNET_STAGES, _MAX_RESNET_UNITS = 8, 64
-MAX_CLASSES = 10_000_000  # classes of a head, and labels anywhere (a label file sizes an allocation by its max)
-_INT_RANGES = {
-    "patch_size": (1, 4096),
-    "in_channels": (1, 1024),
-    "num_classes": (0, MAX_CLASSES),
-    "hidden_size": (1, _MAX_WIDTH),
-    "depth": (1, 1024),
-    "num_heads": (1, _MAX_WIDTH),
-    "mlp_dim": (1, 4 * _MAX_WIDTH),
-}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
+from vitkit.models.resnet import HybridEmbed, resnet_reduction
 
 Classifier = Literal["token", "gap"]
 PosEmbed = Literal["learned", "sincos2d"]
@@ -87,80 +66,20 @@ class ViTConfig:
         size = self.image_size
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size, size)
-        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(_is_int(s) for s in size)):
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(is_int(s) for s in size)):
             raise ValueError(f"invalid ViT config: image_size must be an integer or two, got {size!r}")
         object.__setattr__(self, "image_size", (int(size[0]), int(size[1])))
         if self.resnet_layers is not None:
             layers = self.resnet_layers
-            if not (isinstance(layers, (tuple, list)) and all(_is_int(n) for n in layers)):
+            if not (isinstance(layers, (tuple, list)) and all(is_int(n) for n in layers)):
                 raise ValueError(f"invalid ViT config: resnet_layers must be a list of integers, got {layers!r}")
             object.__setattr__(self, "resnet_layers", tuple(int(n) for n in layers))
         self.validate()
 
     def validate(self) -> None:
-        """Types, ranges and sizes, checked before anything is allocated (configs come from untrusted files):
-        every size has an upper bound far above any published ViT, so a hostile config cannot ask for
-        unbounded memory; checkpoint loaders also check the size against the tensors in the file."""
-
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid ViT config: {msg}")
-
-        for name, (lo, hi) in _INT_RANGES.items():
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise bad(f"{name} must be an integer, got {value!r}")
-            if not lo <= value <= hi:
-                raise bad(f"{name} {value} is outside {lo}..{hi}")
-        if self.representation_size is not None and not (
-            _is_int(self.representation_size) and 1 <= self.representation_size <= _MAX_WIDTH
-        ):
-            raise bad(f"representation_size must be None or an integer in 1..{_MAX_WIDTH}")
-        for name in ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(f"{name} must be a finite number, got {value!r}")
-        if self.resnet_width > 64:
-            raise bad(f"resnet_width must be at most 64, got {self.resnet_width!r}")
-        if not 0.0 < self.layer_norm_eps <= 1.0:
-            raise bad(f"layer_norm_eps must be in (0, 1], got {self.layer_norm_eps!r}")
-        if not isinstance(self.qkv_bias, bool):
-            raise bad(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        if self.resnet_layers is not None and (
-            len(self.resnet_layers) > _MAX_RESNET_STAGES or max(self.resnet_layers, default=1) > _MAX_RESNET_UNITS
-        ):
-            raise bad(f"resnet_layers: at most {_MAX_RESNET_STAGES} stages of at most {_MAX_RESNET_UNITS} units")
-        for side in self.image_size:
-            if not 0 < side <= _MAX_IMAGE_SIDE:
-                raise bad(f"image size {self.image_size} is outside 1..{_MAX_IMAGE_SIDE} pixels per side")
-        if self.hidden_size % self.num_heads:
-            raise bad(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        for side in self.image_size:
-            if side <= 0 or side % self.stride:
-                what = "patch size" if self.resnet_layers is None else "hybrid stride (ResNet x patch)"
-                raise bad(f"image size {self.image_size} is not a multiple of {what} {self.stride}")
-        if self.resnet_layers is not None:
-            if min(self.resnet_layers, default=1) < 1:
-                raise bad("resnet_layers must be positive stage depths")
-            root = resnet_root_width(self.resnet_width)
-            if root < GN_GROUPS or root % GN_GROUPS:
-                raise bad(
-                    f"resnet_width {self.resnet_width} gives a ResNet root of {root} channels; the official "
-                    f"GroupNorm ({GN_GROUPS} groups) needs a positive multiple of {GN_GROUPS}"
-                )
-        if self.classifier not in ("token", "gap"):
-            raise bad(f"classifier must be 'token' or 'gap', got {self.classifier!r}")
-        if self.pos_embed not in ("learned", "sincos2d"):
-            raise bad(f"pos_embed must be 'learned' or 'sincos2d', got {self.pos_embed!r}")
-        if self.gelu not in ("exact", "tanh"):
-            raise bad(f"gelu must be 'exact' or 'tanh', got {self.gelu!r}")
-        if self.pos_embed == "sincos2d" and self.hidden_size % 4:
-            raise bad("sincos2d position embeddings need hidden_size divisible by 4")
-        for name in ("dropout", "attention_dropout", "drop_path"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise bad(f"{name} must be in [0, 1)")
-        gh, gw = self.grid_size
-        if gh * gw > _MAX_TOKENS:
-            raise bad(f"{gh}x{gw} = {gh * gw} tokens; at most {_MAX_TOKENS} (image size / patch size)")
+        """Types, ranges and sizes, checked before anything is allocated (configs come from untrusted files;
+        ``vitkit.models.config_checks``)."""
+        check_config(self)
 
     @property
     def stride(self) -> int:
