@@ -10,6 +10,7 @@ from helpers import randomize_, rel_err
 from vitkit.models import create_model
 from vitkit.models.attention import softmax_attention
 from vitkit.models.fused import TorchKernels
+from vitkit.models.kernel_paths import set_fused_attention
 
 
 def test_unfused_attention_same_outputs_and_gradients() -> None:
@@ -18,7 +19,7 @@ def test_unfused_attention_same_outputs_and_gradients() -> None:
     grads = []
     outs = []
     for fused in (True, False):
-        model.set_fused_attention(fused)
+        set_fused_attention(model, fused)
         model.zero_grad()
         out = model(x)
         out.square().sum().backward()
@@ -95,7 +96,7 @@ def test_model_trains_through_softmax_attention_like_through_sdpa_under_autocast
     x = torch.randn(4, 3, 32, 32)
     grads = []
     for fused in (True, False):
-        model.set_fused_attention(fused)
+        set_fused_attention(model, fused)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x).float()

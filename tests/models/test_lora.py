@@ -19,6 +19,7 @@ from torch import nn
 import vitkit
 from vitkit.models import create_model
 from vitkit.models.fused import NormInput, TorchKernels
+from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.lora import (
     LoraLinear,
     LoraSpec,
@@ -116,11 +117,11 @@ def test_training_kernels_run_the_adapters_forward_and_backward() -> None:
             continue  # no C compiler or no AVX-512 BF16 here: the TorchKernels run covers the routing
         model = add_lora(tiny(), spec)
         randomize_adapters(model)
-        model.set_training_kernels(kern)
-        model.set_fused_attention(False)  # the explicit attention, which the kernels also take
+        set_training_kernels(model, kern)
+        set_fused_attention(model, False)  # the explicit attention, which the kernels also take
         base = tiny()
-        base.set_training_kernels(kern)
-        base.set_fused_attention(False)
+        set_training_kernels(base, kern)
+        set_fused_attention(base, False)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x)
             loss = nn.functional.cross_entropy(out.float(), y)
@@ -149,13 +150,13 @@ def test_plain_layers_still_take_the_kernels_gemm(monkeypatch: pytest.MonkeyPatc
     original = kern.linear
     monkeypatch.setattr(kern, "linear", lambda x, w, b: calls.append(1) or original(x, w, b))
     model = tiny()
-    model.set_training_kernels(kern)
+    set_training_kernels(model, kern)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         model(torch.randn(2, 3, 16, 16))
     assert len(calls) == 2 * 4  # qkv, proj, fc1 (with GELU), fc2 in each of the 2 blocks
     calls.clear()
     adapted = add_lora(tiny(), LoraSpec(rank=2, targets=("qkv",)))
-    adapted.set_training_kernels(kern)
+    set_training_kernels(adapted, kern)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         adapted(torch.randn(2, 3, 16, 16))
     assert len(calls) == 2 * 4  # the adapted qkv keeps the GEMM too, its adapter beside it (fused.lora_linear)
@@ -317,20 +318,20 @@ def test_the_blocks_recompute_qkv_and_fc1_inputs_from_their_norms(monkeypatch: p
     """In a model with the training kernels under bf16 autocast, adapted qkv and fc1 keep the LayerNorm's input
     (kept anyway, from the second block on) instead of their own: less kept, every gradient bitwise unchanged
     (the run without ``Block``'s norm inputs is the path that keeps them)."""
-    from vitkit.models import vit
+    from vitkit.models import kernel_paths
     from vitkit.train import kernels as train_kernels
 
     x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 2, 3])
     results = []
     for recompute in (False, True):
         if not recompute:
-            monkeypatch.setattr(vit, "_norm_input", lambda norm, x: None)
+            monkeypatch.setattr(kernel_paths, "norm_input", lambda norm, x: None)
         else:
             monkeypatch.undo()
         model = add_lora(tiny(), LoraSpec(rank=4), seed=0)
         randomize_adapters(model)
-        model.set_training_kernels(train_kernels.load() or TorchKernels())
-        model.set_fused_attention(False)
+        set_training_kernels(model, train_kernels.load() or TorchKernels())
+        set_fused_attention(model, False)
         kept, _, hooks = kept_shapes({p.data_ptr() for p in model.parameters()})
         with hooks, torch.autocast("cpu", dtype=torch.bfloat16):
             loss = nn.functional.cross_entropy(model(x).float(), y)
@@ -351,6 +352,7 @@ from vitkit.checkpoints.lora_format import save
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.models import create_model
 from vitkit.models.fused import TorchKernels
+from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
 from vitkit.train import kernels
 
@@ -362,14 +364,14 @@ base = vitkit.save_pretrained(model, out + "/base", preprocess=Preprocess(image_
 digest = state_digest(vitkit.load_checkpoint(base).model.state_dict())
 spec = LoraSpec(rank=2)
 add_lora(model, spec, seed=0)
-model.set_training_kernels(kernels.load() or TorchKernels())
-model.set_fused_attention(False)
+set_training_kernels(model, kernels.load() or TorchKernels())
+set_fused_attention(model, False)
 opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
 with torch.autocast("cpu", dtype=torch.bfloat16):
     loss = torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)).float(), torch.tensor([0, 1, 2, 0]))
 loss.backward()
 opt.step()
-model.set_training_kernels(None)
+set_training_kernels(model, None)
 save(model, out + "/adapters", base=str(base), base_digest=digest, spec=spec)
 merge_lora(model)
 vitkit.load_checkpoint(out + "/adapters")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from helpers import randomize_, rel_err
 from vitkit.models import create_model
 from vitkit.models.attention import softmax_attention
+from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.train import kernels
 
 LOADED = kernels.load()
@@ -109,11 +110,11 @@ def test_model_trains_through_the_kernel_like_through_pytorch_under_autocast() -
     parameter gradient with the C attention kernel against the same model on PyTorch's explicit path."""
     assert LOADED is not None
     model = randomize_(create_model("Ti/16", num_classes=5, image_size=64, depth=2))
-    model.set_fused_attention(False)
+    set_fused_attention(model, False)
     x = torch.randn(4, 3, 64, 64)
     results = []
     for k in (None, kernels.load(gelu=False, softmax=False)):
-        model.set_training_kernels(k)
+        set_training_kernels(model, k)
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(x).float()

@@ -15,6 +15,7 @@ from helpers import randomize_, rel_err
 from vitkit.models import create_model
 from vitkit.models.attention import softmax_attention
 from vitkit.models.fused import TorchKernels, linear_gelu
+from vitkit.models.kernel_paths import KernelPath, set_fused_attention, set_training_kernels
 from vitkit.train import kernels
 
 LOADED = kernels.load()
@@ -162,11 +163,11 @@ def test_softmax_attention_with_the_softmax_kernel_matches_pytorch_softmax() -> 
 def test_model_with_kernels_trains_like_without_under_autocast_and_is_unchanged_in_fp32() -> None:
     assert LOADED is not None
     model = randomize_(create_model("Ti/16", num_classes=5, image_size=32, depth=2))
-    model.set_fused_attention(False)
+    set_fused_attention(model, False)
     x = torch.randn(4, 3, 32, 32)
     results = []
     for k in (None, LOADED):
-        model.set_training_kernels(k)
+        set_training_kernels(model, k)
         for autocast in (True, False):
             model.zero_grad()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -174,7 +175,7 @@ def test_model_with_kernels_trains_like_without_under_autocast_and_is_unchanged_
             out.square().sum().backward()
             grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
             results.append((out.detach(), grads))
-    assert model.blocks[0].mlp.kernels is LOADED  # type: ignore[union-attr]
+    assert model.blocks[0].path == KernelPath(LOADED)  # type: ignore[union-attr]
     (_, g16), (o32, g32), (_, k16), (ko32, kg32) = results
     assert rel_err(k16, g16) < 3e-2
     torch.testing.assert_close(ko32, o32, rtol=0, atol=0)  # fp32: the kernels are not used at all
@@ -184,8 +185,8 @@ def test_model_with_kernels_trains_like_without_under_autocast_and_is_unchanged_
 @needs_kernels
 def test_a_model_with_kernels_copies_and_pickles() -> None:
     model = create_model("Ti/16", num_classes=5, image_size=32, depth=1)
-    model.set_training_kernels(LOADED)
+    set_training_kernels(model, LOADED)
     copied = copy.deepcopy(model)
-    assert copied.blocks[0].mlp.kernels is LOADED  # type: ignore[union-attr]
+    assert copied.blocks[0].path.kernels is LOADED  # type: ignore[union-attr]
     restored = pickle.loads(pickle.dumps(model))
-    assert restored.blocks[0].attn.kernels is not None  # type: ignore[union-attr]
+    assert restored.blocks[0].path.kernels is not None  # type: ignore[union-attr]

@@ -14,7 +14,8 @@ import torch
 from train_helpers import tiny_config
 
 from vitkit.inference import tune as inference_tune
-from vitkit.models.vit import Attention, VisionTransformer, ViTConfig
+from vitkit.models.kernel_paths import KernelPath
+from vitkit.models.vit import Block, VisionTransformer, ViTConfig
 from vitkit.train import Trainer
 from vitkit.train import kernels as cpu_kernels
 from vitkit.train.tune import choose_training_path
@@ -103,8 +104,8 @@ def test_the_trainer_runs_what_the_race_chose(tmp_path: Path, monkeypatch: pytes
     with Trainer(cfg.override(attention="measure"), tmp_path / "run", progress=False) as trainer:
         assert trainer.training_path is not None and trainer.training_path.choice == "sdpa"
         assert not trainer.explicit_attention
-        attn = [m for m in trainer.net.modules() if isinstance(m, Attention)]
-        assert attn and all(m.fused and m.kernels is None for m in attn)
+        blocks = [m for m in trainer.net.modules() if isinstance(m, Block)]
+        assert blocks and all(b.attn.fused and b.path == KernelPath(None) for b in blocks)
         result = trainer.fit()
     assert result.steps[-1]["loss"] < 0.05  # the chosen path still learns (memorises the batch)
     # the default and a kernel set by hand: no race (two runs of one seed must not differ by a timing)

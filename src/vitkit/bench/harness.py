@@ -32,6 +32,7 @@ from vitkit.inference.backends import EngineModel
 from vitkit.inference.policy import fast_dtype
 from vitkit.inference.tune import build_fast
 from vitkit.models.cost import cost_table
+from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.vit import VisionTransformer
 from vitkit.timing import Timing, synchronize, time_alternating
 from vitkit.train import kernels
@@ -219,7 +220,7 @@ def _engine_runner(fn: EngineModel, x: torch.Tensor) -> Runner:
 def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) -> list[Runner]:
     """One training step (forward, cross-entropy, backward, fused AdamW) per (implementation, precision).
 
-    Each implementation also runs with its explicit-softmax attention (vitkit ``set_fused_attention(False)``,
+    Each implementation also runs with its explicit-softmax attention (vitkit ``set_fused_attention(m, False)``,
     transformers ``attn_implementation="eager"``): on CPU its backward beats the fused kernel's at ViT's
     sequence lengths. With ``grad_checkpointing`` every variant also runs with activation checkpointing.
     """
@@ -229,9 +230,9 @@ def train_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor) ->
     variants: list[tuple[str, nn.Module, bool, str]] = []
     for fused in (True, False):
         m = copy.deepcopy(model)
-        m.set_fused_attention(fused)
+        set_fused_attention(m, fused)
         if device.type == "cpu" and not spec.compile:  # the C training kernels, as the trainer (None: PyTorch's)
-            m.set_training_kernels(kernels.load())
+            set_training_kernels(m, kernels.load())
         variants.append(("vitkit", m, False, "" if fused else "+math-attn"))
     if "transformers" in spec.compare:
         from vitkit.bench.peers import to_transformers

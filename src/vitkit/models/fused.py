@@ -2,7 +2,7 @@
 
 The model stays a plain ``nn.Module``: it never compiles or loads anything. Whoever trains it (the trainer,
 ``vitkit bench --task train``) may hand every block a :class:`TrainingKernels` object
-(``VisionTransformer.set_training_kernels``; on CPU, ``vitkit.train.kernels.load``, hand-written AVX-512
+(``vitkit.models.kernel_paths.set_training_kernels``; on CPU, ``vitkit.train.kernels.load``, hand-written AVX-512
 kernels). With one set, the MLP runs fc1 -> GELU as :func:`linear_gelu` and the explicit attention
 (``vitkit.models.attention``) takes its whole forward and backward pass, or only its softmax, from it;
 without one (the default)
@@ -177,7 +177,7 @@ class LoraAdapter(NamedTuple):
 
 class NormInput(NamedTuple):
     """What a layer's input x was computed from: ``F.layer_norm(input, input.shape[-1:], weight, bias, eps)`` under
-    the autocast state of the call that takes x (``vitkit.models.vit.Block`` hands its norms' to qkv and fc1)."""
+    the autocast state of the call that takes x (``kernel_paths.KernelPath`` hands a block's norms' to qkv and fc1)."""
 
     input: torch.Tensor
     weight: torch.Tensor | None

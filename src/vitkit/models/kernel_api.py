@@ -1,4 +1,4 @@
-"""The interface of the training kernels a model can be handed (``VisionTransformer.set_training_kernels``).
+"""The interface of the training kernels a model can be handed (``kernel_paths.set_training_kernels``).
 
 A module of its own so that both the attention (``vitkit.models.attention``) and the fused MLP ops
 (``vitkit.models.fused``, which also holds :class:`~vitkit.models.fused.TorchKernels`, the interface in

@@ -12,7 +12,7 @@ model for every tool.
 peft is not imported (it imports transformers: about 150 MiB of memory for a training run); it stays the
 on-disk format (:func:`adapter_state` gives its file names, ``checkpoints.lora_format`` its
 ``adapter_config.json``) and a loader of what vitkit saves, and ``LoraSpec.peft_config`` builds its config
-where peft is installed. With training kernels set (``VisionTransformer.set_training_kernels``) the computation
+where peft is installed. With training kernels set (``kernel_paths.set_training_kernels``) the computation
 is :func:`fused_lora` (``fused.lora_linear``): the frozen base keeps the kernels' GEMM (fc1 its fused GELU, the
 adapter's share added before it), no weight gradient is computed for it and nothing is kept for it; the
 adapter keeps ``x A^T`` and its input, or recomputes that input from what the layer before keeps anyway (the

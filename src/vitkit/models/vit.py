@@ -13,43 +13,18 @@ the class token when there is one), D = width, h = heads, d = D / h.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vitkit.models.attention import softmax_attention
-from vitkit.models.fused import NormInput, linear, linear_gelu
+from vitkit.models.config_checks import MAX_CLASSES as MAX_CLASSES  # re-exported: read here by data and knn
+from vitkit.models.config_checks import check_config, is_int
 from vitkit.models.init import lecun_normal_
-from vitkit.models.kernel_api import TrainingKernels
-from vitkit.models.lora import fused_lora
 from vitkit.models.posembed import resample_grid, sincos_2d
-from vitkit.models.resnet import GN_GROUPS, HybridEmbed, resnet_reduction, resnet_root_width
-
-# Upper bounds of a config's sizes: far above any published ViT (ViT-22B: width 6144, MLP 24576, depth 48),
-# they keep a hostile config.json from asking for unbounded memory before anything else can be checked.
-_MAX_WIDTH = 1 << 16
-_MAX_TOKENS = 1 << 20
-_MAX_IMAGE_SIDE = 1 << 16
-_MAX_RESNET_STAGES, _MAX_RESNET_UNITS = 8, 64
-MAX_CLASSES = 10_000_000  # classes of a head, and labels anywhere (a label file sizes an allocation by its max)
-_INT_RANGES = {
-    "patch_size": (1, 4096),
-    "in_channels": (1, 1024),
-    "num_classes": (0, MAX_CLASSES),
-    "hidden_size": (1, _MAX_WIDTH),
-    "depth": (1, 1024),
-    "num_heads": (1, _MAX_WIDTH),
-    "mlp_dim": (1, 4 * _MAX_WIDTH),
-}
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
+from vitkit.models.resnet import HybridEmbed, resnet_reduction
 
 Classifier = Literal["token", "gap"]
 PosEmbed = Literal["learned", "sincos2d"]
@@ -91,80 +66,20 @@ class ViTConfig:
         size = self.image_size
         if isinstance(size, int) and not isinstance(size, bool):
             size = (size, size)
-        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(_is_int(s) for s in size)):
+        if not (isinstance(size, (tuple, list)) and len(size) == 2 and all(is_int(s) for s in size)):
             raise ValueError(f"invalid ViT config: image_size must be an integer or two, got {size!r}")
         object.__setattr__(self, "image_size", (int(size[0]), int(size[1])))
         if self.resnet_layers is not None:
             layers = self.resnet_layers
-            if not (isinstance(layers, (tuple, list)) and all(_is_int(n) for n in layers)):
+            if not (isinstance(layers, (tuple, list)) and all(is_int(n) for n in layers)):
                 raise ValueError(f"invalid ViT config: resnet_layers must be a list of integers, got {layers!r}")
             object.__setattr__(self, "resnet_layers", tuple(int(n) for n in layers))
         self.validate()
 
     def validate(self) -> None:
-        """Types, ranges and sizes, checked before anything is allocated (configs come from untrusted files):
-        every size has an upper bound far above any published ViT, so a hostile config cannot ask for
-        unbounded memory; checkpoint loaders also check the size against the tensors in the file."""
-
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid ViT config: {msg}")
-
-        for name, (lo, hi) in _INT_RANGES.items():
-            value = getattr(self, name)
-            if not _is_int(value):
-                raise bad(f"{name} must be an integer, got {value!r}")
-            if not lo <= value <= hi:
-                raise bad(f"{name} {value} is outside {lo}..{hi}")
-        if self.representation_size is not None and not (
-            _is_int(self.representation_size) and 1 <= self.representation_size <= _MAX_WIDTH
-        ):
-            raise bad(f"representation_size must be None or an integer in 1..{_MAX_WIDTH}")
-        for name in ("dropout", "attention_dropout", "drop_path", "layer_norm_eps", "head_bias_init", "resnet_width"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise bad(f"{name} must be a finite number, got {value!r}")
-        if self.resnet_width > 64:
-            raise bad(f"resnet_width must be at most 64, got {self.resnet_width!r}")
-        if not 0.0 < self.layer_norm_eps <= 1.0:
-            raise bad(f"layer_norm_eps must be in (0, 1], got {self.layer_norm_eps!r}")
-        if not isinstance(self.qkv_bias, bool):
-            raise bad(f"qkv_bias must be true or false, got {self.qkv_bias!r}")
-        if self.resnet_layers is not None and (
-            len(self.resnet_layers) > _MAX_RESNET_STAGES or max(self.resnet_layers, default=1) > _MAX_RESNET_UNITS
-        ):
-            raise bad(f"resnet_layers: at most {_MAX_RESNET_STAGES} stages of at most {_MAX_RESNET_UNITS} units")
-        for side in self.image_size:
-            if not 0 < side <= _MAX_IMAGE_SIDE:
-                raise bad(f"image size {self.image_size} is outside 1..{_MAX_IMAGE_SIDE} pixels per side")
-        if self.hidden_size % self.num_heads:
-            raise bad(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        for side in self.image_size:
-            if side <= 0 or side % self.stride:
-                what = "patch size" if self.resnet_layers is None else "hybrid stride (ResNet x patch)"
-                raise bad(f"image size {self.image_size} is not a multiple of {what} {self.stride}")
-        if self.resnet_layers is not None:
-            if min(self.resnet_layers, default=1) < 1:
-                raise bad("resnet_layers must be positive stage depths")
-            root = resnet_root_width(self.resnet_width)
-            if root < GN_GROUPS or root % GN_GROUPS:
-                raise bad(
-                    f"resnet_width {self.resnet_width} gives a ResNet root of {root} channels; the official "
-                    f"GroupNorm ({GN_GROUPS} groups) needs a positive multiple of {GN_GROUPS}"
-                )
-        if self.classifier not in ("token", "gap"):
-            raise bad(f"classifier must be 'token' or 'gap', got {self.classifier!r}")
-        if self.pos_embed not in ("learned", "sincos2d"):
-            raise bad(f"pos_embed must be 'learned' or 'sincos2d', got {self.pos_embed!r}")
-        if self.gelu not in ("exact", "tanh"):
-            raise bad(f"gelu must be 'exact' or 'tanh', got {self.gelu!r}")
-        if self.pos_embed == "sincos2d" and self.hidden_size % 4:
-            raise bad("sincos2d position embeddings need hidden_size divisible by 4")
-        for name in ("dropout", "attention_dropout", "drop_path"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise bad(f"{name} must be in [0, 1)")
-        gh, gw = self.grid_size
-        if gh * gw > _MAX_TOKENS:
-            raise bad(f"{gh}x{gw} = {gh * gw} tokens; at most {_MAX_TOKENS} (image size / patch size)")
+        """Types, ranges and sizes, checked before anything is allocated (configs come from untrusted files;
+        ``vitkit.models.config_checks``)."""
+        check_config(self)
 
     @property
     def stride(self) -> int:
@@ -236,37 +151,17 @@ class PatchEmbed(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-def _dense(
-    layer: nn.Module,
-    x: torch.Tensor,
-    kernels: TrainingKernels | None,
-    source: torch.Tensor | None = None,
-    norm: NormInput | None = None,
-) -> torch.Tensor:
-    """``layer(x)``, its GEMMs through the training kernels' when there are any: a plain ``nn.Linear``
-    (``fused.linear``) or a LoRA-adapted one (``lora.fused_lora``; ``source``: GELU's input, when x is GELU of
-    it; ``norm``: the LayerNorm x is the output of); any other layer computes its own forward."""
-    if kernels is None:
-        return layer(x)
-    if type(layer) is nn.Linear:
-        return linear(x, layer.weight, layer.bias, kernels)
-    out = fused_lora(layer, x, kernels, source=source, norm=norm)
-    return layer(x) if out is None else out[0]
-
-
 class Attention(nn.Module):
     """Multi-head self-attention, q/k/v computed by one fused Linear(D, 3D).
 
     The default path calls the fused ``scaled_dot_product_attention``. With ``return_attention=True`` the
     same weights go through an explicit softmax(q k^T / sqrt(d)) v that also returns the probabilities
-    (B, h, T, T); both paths compute the same function. ``fused = False`` selects the explicit path for
-    every call (softmax in the activation dtype; ``vitkit.models.attention.softmax_attention``, with its
-    own backward pass, unless attention dropout is on): on CPU it trains faster than the fused kernel at
-    ViT's short sequences (see BENCHMARKS.md), at the cost of storing the (B, h, T, T) probabilities.
+    (B, h, T, T); both paths compute the same function. ``fused = False`` selects the explicit softmax for
+    every call (in the activation dtype; ``vitkit.models.kernel_paths.set_fused_attention`` also gives it its
+    own backward pass, which on CPU trains faster than the fused kernel at ViT's short sequences).
     """
 
     fused: bool = True
-    kernels: TrainingKernels | None = None  # attention / softmax kernels for the explicit path (set_training_kernels)
 
     def __init__(self, dim: int, num_heads: int, qkv_bias: bool = True, attention_dropout: float = 0.0) -> None:
         super().__init__()
@@ -277,17 +172,15 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(
-        self, x: torch.Tensor, return_attention: bool = False, norm: NormInput | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x: (B, T, D) -> (B, T, D) and, with ``return_attention``, the probabilities (B, h, T, T). ``norm``: the
-        LayerNorm x is the output of (an adapted qkv recomputes its input from it; ``fused.NormInput``)."""
-        B, T, D = x.shape
+    def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x: (B, T, D) -> (B, T, D) and, with ``return_attention``, the probabilities (B, h, T, T)."""
+        out, probs = self.attend(self.qkv(x), return_attention)  # qkv: (B, T, 3D)
+        return self.proj(out), probs
+
+    def attend(self, qkv: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """softmax(q k^T / sqrt(d)) v of every head from the projection (B, T, 3D), merged to (B, T, D)."""
+        B, T, three_d = qkv.shape
         p_drop = self.attention_dropout if self.training else 0.0
-        qkv = _dense(self.qkv, x, self.kernels, norm=norm)  # (B, T, 3D)
-        if not (self.fused or return_attention or p_drop):  # q, k, v, scale and gradients in one function
-            out = softmax_attention(qkv, self.num_heads, self.scale, self.kernels)
-            return _dense(self.proj, out, self.kernels), None
         qkv = qkv.reshape(B, T, 3, self.num_heads, self.head_dim)  # (B, T, 3, h, d)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d)
         probs = None
@@ -300,15 +193,11 @@ class Attention(nn.Module):
             out = F.dropout(logits.softmax(dim=-1), p_drop, self.training) @ v  # (B, h, T, d)
         else:
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=p_drop)  # (B, h, T, d)
-        out = out.transpose(1, 2).reshape(B, T, D)  # (B, T, D)
-        return _dense(self.proj, out, self.kernels), probs
+        return out.transpose(1, 2).reshape(B, T, three_d // 3), probs  # (B, T, D)
 
 
 class Mlp(nn.Module):
     """Dense(mlp_dim) -> GELU -> dropout -> Dense(D) -> dropout."""
-
-    kernels: TrainingKernels | None = None  # with these, Dense -> exact GELU is one fused op (linear_gelu, or
-    # fused_lora for an adapted fc1, whose GELU input a LoRA fc2 recomputes its input from)
 
     def __init__(self, dim: int, hidden: int, gelu: Gelu = "exact", dropout: float = 0.0) -> None:
         super().__init__()
@@ -318,20 +207,9 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, dim)
         self.drop2 = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, norm: NormInput | None = None) -> torch.Tensor:
-        """x: (B, T, D) -> (B, T, D). ``norm``: the LayerNorm x is the output of (an adapted fc1 recomputes its
-        input from it; ``fused.NormInput``)."""
-        k, h, source = self.kernels, None, None  # source: GELU's input, for an adapted fc2 (see _dense)
-        if k is not None and self.act.approximate == "none":
-            if type(self.fc1) is nn.Linear:
-                h = linear_gelu(x, self.fc1.weight, self.fc1.bias, k)  # (B, T, mlp_dim)
-            elif (lora := fused_lora(self.fc1, x, k, gelu=True, norm=norm)) is not None:
-                h, source = lora
-        if h is None:
-            h = self.act(self.fc1(x))
-        if self.training and self.drop1.p:
-            source = None
-        return self.drop2(_dense(self.fc2, self.drop1(h), k, source))  # (B, T, D)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, D) -> (B, T, D)."""
+        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
 class DropPath(nn.Module):
@@ -352,8 +230,25 @@ class DropPath(nn.Module):
         return f"p={self.p}"
 
 
+class BlockPath(Protocol):
+    """Another route through a block's two branches, computing the same functions: ``attention`` is
+    MSA(LN(x)) (and the probabilities with ``return_attention``), ``mlp`` is MLP(LN(x)). The training step's
+    kernels and LoRA's fused layers plug in here, beside the model (``vitkit.models.kernel_paths``)."""
+
+    def attention(
+        self, block: Block, x: torch.Tensor, return_attention: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class Block(nn.Module):
-    """Pre-LN encoder block: z' = z + MSA(LN(z)); z'' = z' + MLP(LN(z')) (paper eqs. 2-3)."""
+    """Pre-LN encoder block: z' = z + MSA(LN(z)); z'' = z' + MLP(LN(z')) (paper eqs. 2-3).
+
+    ``path``: None runs both branches through the block's own modules; a :class:`BlockPath` (set by
+    ``vitkit.models.kernel_paths``) runs them its way; the residuals, dropout and drop-path stay here."""
+
+    path: BlockPath | None = None
 
     def __init__(self, cfg: ViTConfig, drop_path: float = 0.0) -> None:
         super().__init__()
@@ -366,19 +261,16 @@ class Block(nn.Module):
         self.drop_path = DropPath(drop_path)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # x: (B, T, D); each norm's input handed on with its output: an adapter recomputes from it (fused.NormInput)
-        y, probs = self.attn(self.norm1(x), return_attention, _norm_input(self.norm1, x))
+        # x: (B, T, D)
+        path = self.path
+        if path is None:
+            y, probs = self.attn(self.norm1(x), return_attention)
+        else:
+            y, probs = path.attention(self, x, return_attention)
         x = x + self.drop_path(self.drop(y))
-        x = x + self.drop_path(self.mlp(self.norm2(x), _norm_input(self.norm2, x)))
+        y = self.mlp(self.norm2(x)) if path is None else path.mlp(self, x)
+        x = x + self.drop_path(y)
         return x, probs
-
-
-def _norm_input(norm: nn.Module, x: torch.Tensor) -> NormInput | None:
-    """``norm(x)`` described by its input and weights (``NormInput``); None for any other norm than a LayerNorm
-    over the last dimension."""
-    if type(norm) is not nn.LayerNorm or len(norm.normalized_shape) != 1:
-        return None
-    return NormInput(x, norm.weight, norm.bias, norm.eps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -564,18 +456,6 @@ class VisionTransformer(nn.Module):
                 attns.append(probs)
         feats = self.norm(z)
         return Intermediates(hidden, attns, feats, self.forward_head(feats))
-
-    def set_fused_attention(self, fused: bool = True) -> None:
-        """Choose the attention kernel of every block: fused SDPA (default) or the explicit softmax path."""
-        for m in self.modules():
-            if isinstance(m, Attention):
-                m.fused = fused
-
-    def set_training_kernels(self, kernels: TrainingKernels | None) -> None:
-        """Hand every block ``kernels`` (``vitkit.models.fused``) for its MLP and explicit attention, or None."""
-        for m in self.modules():
-            if isinstance(m, (Attention, Mlp)):
-                m.kernels = kernels
 
     # ---- resolution ------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 :func:`load` compiles them at first use (:mod:`vitkit.native`, cached per content) and returns a
 :class:`vitkit.models.fused.TrainingKernels` that the trainer hands the model
-(``VisionTransformer.set_training_kernels``); None where that is impossible (no C compiler, a CPU without
+(``vitkit.models.kernel_paths.set_training_kernels``); None where that is impossible (no C compiler, a CPU without
 AVX-512 BF16, not Linux), and the model then keeps PyTorch's ops. They take bf16 CPU tensors only (what the
 step runs under bf16 autocast); any other tensor goes through PyTorch's ops as before:
 

@@ -39,6 +39,7 @@ from vitkit.data.mix import Mixer, soft_cross_entropy
 from vitkit.data.resident import resident_loader
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.hardware import CpuShare
+from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import distributed as distr
@@ -87,7 +88,7 @@ class Trainer(ValidatedRun):
         self.epoch_rows: list[dict[str, Any]] = []
         self.explicit_attention = self._explicit_attention()
         self.training_path: TrainingPath | None = None
-        self.net.set_fused_attention(not self.explicit_attention)
+        set_fused_attention(self.net, not self.explicit_attention)
         self.model = distr.wrap(
             self.net, cfg.distributed, self.dist, grad_checkpointing=cfg.grad_checkpointing, precision=self.precision
         )
@@ -111,8 +112,8 @@ class Trainer(ValidatedRun):
             # (after the data's checks: a refused batch size costs no race); the wrapped model shares these modules
             self.training_path = self._training_path()
             self.explicit_attention = self.training_path.explicit
-            self.net.set_training_kernels(self.training_path.kernels)
-            self.net.set_fused_attention(not self.explicit_attention)
+            set_training_kernels(self.net, self.training_path.kernels)
+            set_fused_attention(self.net, not self.explicit_attention)
             if self.training_path.changed and self.dist.is_main:
                 print(f"note: {self.training_path.describe()}", file=sys.stderr)
         aug = cfg.aug.resolved()
@@ -427,9 +428,9 @@ class Trainer(ValidatedRun):
 
         line = ""
         if self.dist.is_main:
-            self.net.set_fused_attention(True)  # features as every evaluation computes them (and caches them)
+            set_fused_attention(self.net, True)  # features as every evaluation computes them (and caches them)
             fit = fit_linear_head(self)
-            self.net.set_fused_attention(not self.explicit_attention)
+            set_fused_attention(self.net, not self.explicit_attention)
             write_probe_report(self, fit, {})
             line = probe_summary(fit)
         with torch.no_grad():

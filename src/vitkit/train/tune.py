@@ -31,6 +31,7 @@ import torch
 from vitkit.inference import tune as inference_tune
 from vitkit.inference.tune import MIN_GAIN, MIN_MEASURABLE_S, Timer
 from vitkit.models.kernel_api import TrainingKernels
+from vitkit.models.kernel_paths import set_block_path
 from vitkit.models.vit import Block, VisionTransformer
 from vitkit.train import kernels as cpu_kernels
 
@@ -101,11 +102,7 @@ def _block_step(
 ) -> Callable[[], Any]:
     """One block's forward and backward on random tokens (B, T, D), as the step runs it."""
     one = copy.deepcopy(block).train()
-    for m in one.modules():
-        if hasattr(m, "fused") and hasattr(m, "qkv"):  # the attention module
-            setattr(m, "fused", not explicit)  # noqa: B010 (nn.Module attributes mypy cannot see)
-        if hasattr(m, "kernels"):
-            setattr(m, "kernels", kernels)  # noqa: B010
+    set_block_path(one, not explicit, kernels)
     x = torch.randn(batch, tokens, one.norm1.normalized_shape[0], requires_grad=True)
     cast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
 

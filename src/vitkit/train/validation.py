@@ -19,6 +19,7 @@ from vitkit.data.loader import Batch, eval_batches
 from vitkit.data.resident import resident_eval_batches
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.policy import resolve_precision
+from vitkit.models.kernel_paths import set_fused_attention
 from vitkit.train import distributed as distr
 from vitkit.train.run import Run
 
@@ -56,7 +57,7 @@ class ValidatedRun(Run):
             return {}
         ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
         self.model.eval()
-        self.net.set_fused_attention(True)  # no backward: the fused kernel, which never holds (B, h, T, T)
+        set_fused_attention(self.net, True)  # no backward: the fused kernel, which never holds (B, h, T, T)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
         with ctx:
             forward, autocast = self._validation_forward(ds)
@@ -74,7 +75,7 @@ class ValidatedRun(Run):
             if reshard is not None:
                 reshard()
         self.model.train()
-        self.net.set_fused_attention(not self.explicit_attention)
+        set_fused_attention(self.net, not self.explicit_attention)
         totals = distr.all_reduce_sum(totals, self.dist)
         n = max(float(totals[2]), 1.0)
         return {"val_top1": float(totals[0]) / n, "val_loss": float(totals[1]) / n, "val_count": float(totals[2])}
