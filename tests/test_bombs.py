@@ -31,12 +31,15 @@ from vitkit.images import ImageTooLarge, decode_image
 # --- the bomb makers ---------------------------------------------------------------------------------------------
 
 
-def gif_with_comment(comment: int) -> bytes:
-    """An 8x8 GIF whose comment extension, before the image, is ``comment`` bytes in 255-byte sub-blocks."""
+def gif_with_comment(comment: int, *, global_colours: bool = True) -> bytes:
+    """An 8x8 GIF whose comment extension, before the image, is ``comment`` bytes in 255-byte sub-blocks (without
+    its global colour table unless ``global_colours``)."""
     out = io.BytesIO()
     Image.new("P", (8, 8)).save(out, "GIF")
     gif = out.getvalue()
-    at = 13 + (3 << ((gif[10] & 7) + 1) if gif[10] & 0x80 else 0)
+    at = 13 + ((3 << ((gif[10] & 7) + 1)) if gif[10] & 0x80 else 0)
+    if not global_colours:
+        gif, at = gif[:10] + bytes([gif[10] & 0x7F]) + gif[11:13] + gif[at:], 13
     full, rest = divmod(comment, 255)
     block = b"\x21\xfe" + (b"\xff" + b"c" * 255) * full + (bytes([rest]) + b"c" * rest if rest else b"") + b"\0"
     return gif[:at] + block + gif[at:]
@@ -106,6 +109,8 @@ def test_a_gif_comment_of_16_mib_is_refused_before_pillow(monkeypatch: pytest.Mo
     refuses_undecoded(monkeypatch)
     with pytest.raises(ImageTooLarge, match=r"bomb\.gif: a GIF with more than 1048576 bytes of extension"):
         decode_image(gif_with_comment(16 << 20), "bomb.gif")
+    with pytest.raises(ImageTooLarge, match=r"bare\.gif: a GIF with more than 1048576 bytes of extension"):
+        decode_image(gif_with_comment(16 << 20, global_colours=False), "bare.gif")
 
 
 def test_a_png_of_many_empty_chunks_is_refused_before_pillow(monkeypatch: pytest.MonkeyPatch) -> None:

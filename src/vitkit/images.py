@@ -163,7 +163,7 @@ def check_structure(data: bytes, name: str | Callable[[], str]) -> None:
 def _gif_problem(data: bytes) -> str | None:
     """What is over the bounds in a GIF's blocks up to its first image's data (all Pillow reads of a still image)."""
     n = len(data)
-    i = 13 + (3 << ((data[10] & 7) + 1) if n > 10 and data[10] & 0x80 else 0)  # header, screen, global colours
+    i = 13 + ((3 << ((data[10] & 7) + 1)) if n > 10 and data[10] & 0x80 else 0)  # header, screen, global colours
     extension = 0
     while i < n:
         block = data[i]
