@@ -49,10 +49,10 @@ MAX_PNG_ANCILLARY_BYTES = 32 << 20
 #   1.4 GB), and an IFD at most this many entries (65,535 is the most a classic TIFF can hold)
 MAX_TIFF_VALUES = 1 << 16
 MAX_TIFF_ENTRIES = 0xFFFF
-# Decoded modes whose conversion to 8 bits costs more than an RGB image's decode (a float64 copy of every pixel):
+# Decoded modes whose conversion to 8 bits costs more than an RGB image's decode (float64 copies of every pixel):
 # each of their pixels counts this many against max_image_pixels (an 88-megapixel float TIFF peaked at 2.6 GB, an
-# RGB one at 0.9 GB)
-MODE_PIXEL_WEIGHT = {"F": 3, "I": 3, "I;16": 3, "I;16B": 3, "I;16L": 3, "I;16N": 3}
+# RGB one at 0.9 GB; at the weighted limit, 22 MP, a float or 16-bit TIFF peaks below that RGB one)
+MODE_PIXEL_WEIGHT = {"F": 4, "I": 4, "I;16": 4, "I;16B": 4, "I;16L": 4, "I;16N": 4}
 
 
 def read_image_file(path: str | os.PathLike[str], *, empty_ok: bool = False) -> bytes:
