@@ -332,7 +332,7 @@ def _cell_sizes(table: Any, column: str) -> np.ndarray:
     parts = []
     for chunk in table.data.column(column).chunks:
         if pa.types.is_struct(chunk.type) and chunk.type.get_field_index("bytes") >= 0:
-            chunk = chunk.field("bytes")
+            chunk = pc.struct_field(chunk, "bytes")  # (a slice's own rows: StructArray.field ignores its offset)
         if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
             return np.zeros(len(table), dtype=np.int64)
         parts.append(pc.binary_length(chunk).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
