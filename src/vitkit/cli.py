@@ -63,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"vitkit {args.command}: error: {printable(f'{where}{e.strerror or e}')}", file=sys.stderr)
         return 2
+    except MemoryError as e:  # an allocation no check foresaw (inputs are checked before they are allocated)
+        print(f"vitkit {args.command}: error: out of memory ({printable(str(e) or 'MemoryError')})", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"vitkit {args.command}: interrupted", file=sys.stderr)
         return 130

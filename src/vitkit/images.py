@@ -34,6 +34,25 @@ MAX_JPEG_SCANS = 64
 # The formats decoded (those of the documented extensions; JPEG's opener also gives cameras' MPO files): Pillow's
 # other plugins (EPS through Ghostscript, among them) are never reached
 IMAGE_FORMATS = ("JPEG", "PNG", "BMP", "GIF", "TIFF", "WEBP", "PPM")
+# Structure bounds, checked from the bytes before Pillow parses them (each bomb below took Pillow seconds to minutes
+# and up to gigabytes inside the byte and pixel caps):
+# - a GIF's extension blocks (comments, application data, plain text) hold at most this many bytes in all: Pillow
+#   joins a comment's sub-blocks quadratically (16 MiB of them took 21 s); real ones hold a few KB
+MAX_GIF_EXTENSION_BYTES = 1 << 20
+# - a PNG has at most this many chunks (an 89-megapixel PNG in libpng's 8 KiB IDAT chunks has about 13,000; 5.6
+#   million empty private chunks took 15 s and 737 MB), of which those other than image data (IDAT, APNG's fdAT)
+#   hold at most MAX_PNG_ANCILLARY_BYTES (an ICC profile or XMP packet takes a few hundred KB)
+MAX_PNG_CHUNKS = 1 << 16
+MAX_PNG_ANCILLARY_BYTES = 32 << 20
+# - a TIFF tag of numbers (strip or tile offsets and byte counts among them) holds at most this many values (an
+#   89-megapixel image stored one row per strip has about 10,000 strips; one of 3 million 1-pixel rows took 23 s and
+#   1.4 GB), and an IFD at most this many entries (65,535 is the most a classic TIFF can hold)
+MAX_TIFF_VALUES = 1 << 16
+MAX_TIFF_ENTRIES = 0xFFFF
+# Decoded modes whose conversion to 8 bits costs more than an RGB image's decode (float64 copies of every pixel):
+# each of their pixels counts this many against max_image_pixels (an 88-megapixel float TIFF peaked at 2.6 GB, an
+# RGB one at 0.9 GB; at the weighted limit, 22 MP, a float or 16-bit TIFF peaks below that RGB one)
+MODE_PIXEL_WEIGHT = {"F": 4, "I": 4, "I;16": 4, "I;16B": 4, "I;16L": 4, "I;16N": 4}
 
 
 def read_image_file(path: str | os.PathLike[str], *, empty_ok: bool = False) -> bytes:
@@ -122,6 +141,101 @@ def check_jpeg_scans(data: bytes, name: str | Callable[[], str]) -> None:
             f"{_named(name)}: a JPEG of more than {MAX_JPEG_SCANS} scans (progressive JPEGs have about 10): refused "
             "undecoded, as a decompression bomb"
         )
+
+
+def check_structure(data: bytes, name: str | Callable[[], str]) -> None:
+    """:class:`ImageTooLarge` naming the image when the block structure of a GIF, PNG or TIFF is over its bounds
+    (:data:`MAX_GIF_EXTENSION_BYTES`, :data:`MAX_PNG_CHUNKS`, :data:`MAX_PNG_ANCILLARY_BYTES`,
+    :data:`MAX_TIFF_VALUES`, :data:`MAX_TIFF_ENTRIES`): walked from the bytes, block headers only, before Pillow
+    parses anything. A malformed structure stops the walk (the decoder then names what is wrong)."""
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        problem = _gif_problem(data)
+    elif data[:8] == b"\x89PNG\r\n\x1a\n":
+        problem = _png_problem(data)
+    elif data[:4] in (b"II*\0", b"MM\0*", b"II+\0", b"MM\0+"):
+        problem = _tiff_problem(data)
+    else:
+        return
+    if problem is not None:
+        raise ImageTooLarge(f"{_named(name)}: {problem}: refused undecoded, as a decompression bomb")
+
+
+def _gif_problem(data: bytes) -> str | None:
+    """What is over the bounds in a GIF's blocks up to its first image's data (all Pillow reads of a still image)."""
+    n = len(data)
+    i = 13 + ((3 << ((data[10] & 7) + 1)) if n > 10 and data[10] & 0x80 else 0)  # header, screen, global colours
+    extension = 0
+    while i < n:
+        block = data[i]
+        if block == 0x21:  # an extension: its label, then sub-blocks
+            i, size = _gif_sub_blocks(data, i + 2, MAX_GIF_EXTENSION_BYTES - extension)
+            extension += size
+            if extension > MAX_GIF_EXTENSION_BYTES:
+                return f"a GIF with more than {MAX_GIF_EXTENSION_BYTES} bytes of extension blocks (comments, app data)"
+        else:  # the first image descriptor (Pillow decodes it), the trailer, or a malformed block
+            return None
+    return None
+
+
+def _gif_sub_blocks(data: bytes, i: int, limit: int) -> tuple[int, int]:
+    """(where the sub-blocks starting at ``i`` end, their data bytes), counted up to ``limit`` + 1."""
+    total, n = 0, len(data)
+    while i < n and total <= limit:
+        size = data[i]
+        i += 1 + size
+        if size == 0:
+            break
+        total += size
+    return i, total
+
+
+def _png_problem(data: bytes) -> str | None:
+    """What is over the bounds in a PNG's chunks (walked by their lengths up to IEND)."""
+    i, n, chunks, ancillary = 8, len(data), 0, 0
+    while i + 8 <= n:
+        length = int.from_bytes(data[i : i + 4], "big")
+        kind = data[i + 4 : i + 8]
+        chunks += 1
+        if chunks > MAX_PNG_CHUNKS:
+            return f"a PNG of more than {MAX_PNG_CHUNKS} chunks"
+        if kind not in (b"IDAT", b"fdAT"):
+            ancillary += length
+            if ancillary > MAX_PNG_ANCILLARY_BYTES:
+                return f"a PNG with more than {MAX_PNG_ANCILLARY_BYTES >> 20} MiB in chunks other than image data"
+        if kind == b"IEND":
+            break
+        i += 12 + length
+    return None
+
+
+_TIFF_BYTES_TYPES = (1, 2, 6, 7)  # BYTE, ASCII, SBYTE, UNDEFINED: Pillow keeps them as bytes, not one int each
+_TIFF_STRIP_TAGS = {273: "strips", 279: "strips", 324: "tiles", 325: "tiles"}
+
+
+def _tiff_problem(data: bytes) -> str | None:
+    """What is over the bounds in the first IFD of a TIFF (classic or BigTIFF): its entry count, and the number of
+    values of each numeric tag (strip and tile offsets and byte counts among them), read from the entry headers."""
+    order: Literal["little", "big"] = "little" if data[:2] == b"II" else "big"
+    big = data[2:4] in (b"+\0", b"\0+")
+    start = int.from_bytes(data[8:16] if big else data[4:8], order)
+    head, entry, width = (8, 20, 8) if big else (2, 12, 4)  # entry count size, entry size, count field size
+    if start + head > len(data):
+        return None
+    entries = int.from_bytes(data[start : start + head], order)
+    if entries > MAX_TIFF_ENTRIES:
+        return f"a TIFF directory of {entries} entries (at most {MAX_TIFF_ENTRIES})"
+    for k in range(min(entries, (len(data) - start - head) // entry)):
+        at = start + head + k * entry
+        tag, kind = int.from_bytes(data[at : at + 2], order), int.from_bytes(data[at + 2 : at + 4], order)
+        count = int.from_bytes(data[at + 4 : at + 4 + width], order)
+        if count > MAX_TIFF_VALUES and kind not in _TIFF_BYTES_TYPES:
+            what = _TIFF_STRIP_TAGS.get(tag)
+            return (
+                f"a TIFF of {count} {what} (at most {MAX_TIFF_VALUES})"
+                if what
+                else f"a TIFF tag {tag} of {count} values (at most {MAX_TIFF_VALUES})"
+            )
+    return None
 
 
 class EncodedJpeg:
@@ -273,6 +387,7 @@ def decode_image(
         raise DataError(f"{name}: empty image data (0 bytes)")
     data = source if isinstance(source, bytes) else _read_named(source, name)  # a regular file, at most the cap
     check_jpeg_scans(data, name)
+    check_structure(data, name)
     limit = max_image_pixels() if max_pixels == "default" else max_pixels
     fp: Any = io.BytesIO(data)
     try:
@@ -281,6 +396,7 @@ def decode_image(
             with Image.open(fp, formats=IMAGE_FORMATS) as img:
                 w, h = img.size
                 _check_pixels(w, h, limit, name)
+                _check_mode(w, h, img.mode, limit, name)
                 if w * h == 0:
                     raise DataError(f"{name}: image of {w}x{h} pixels has no pixels")
                 img.load()
@@ -313,6 +429,17 @@ def _check_pixels(width: int, height: int, limit: int | None, name: str | Callab
         raise ImageTooLarge(
             f"{_named(name)}: image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} "
             "pixels (a decompression bomb or a corrupt header)"
+        )
+
+
+def _check_mode(width: int, height: int, mode: str, limit: int | None, name: str) -> None:
+    """:class:`ImageTooLarge` when a 16- or 32-bit greyscale image (:data:`MODE_PIXEL_WEIGHT`) is over its share
+    of ``limit``, from its header before any pixel is decoded."""
+    weight = MODE_PIXEL_WEIGHT.get(mode, 1)
+    if limit is not None and weight > 1 and width * height * weight > limit:
+        raise ImageTooLarge(
+            f"{name}: a {mode}-mode image of {width}x{height} pixels; such images count {weight} pixels per pixel "
+            f"(their conversion to 8 bits takes {weight}x the memory), so at most {limit // weight} pixels"
         )
 
 

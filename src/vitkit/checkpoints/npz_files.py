@@ -12,6 +12,7 @@ image tower of a two-tower model). The layouts differ in module names:
 
 from __future__ import annotations
 
+import math
 import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
@@ -20,11 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from vitkit.checkpoints.keymap import Array
-from vitkit.errors import CheckpointError
+from vitkit.errors import CheckpointError, VitkitError
 from vitkit.fileio import check_output_file, write_file_atomic
 
-# what reading a corrupt .npz (a zip of .npy members) raises: zip structure, CRC, deflate, header errors
-NPZ_ERRORS = (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, KeyError)
+# what reading a corrupt .npz (a zip of .npy members) raises: zip structure, CRC, deflate, header errors, and an
+# array too large for memory (MemoryError: never a traceback, though check_npz_members refuses a lying header first)
+NPZ_ERRORS = (
+    OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, KeyError, MemoryError,
+)  # fmt: skip
+# deflate expands at most about 1032:1; a member whose size in the zip's directory says more is refused
+MAX_DEFLATE_RATIO = 1032
 PREFIXES = ("", "opt/target/", "params/", "params/img/")
 
 
@@ -64,8 +70,50 @@ def file_layout(path: Path) -> str | None:
         return None
 
 
+def check_npz_members(path: str | Path, error: type[VitkitError]) -> None:
+    """``error`` naming the file and member when an ``.npz`` member's ``.npy`` header declares more bytes than the
+    member holds, or the member more than its compressed bytes can expand to (stored: as many; deflated: at most
+    :data:`MAX_DEFLATE_RATIO` times) or than the file holds: numpy allocates what a header declares before reading
+    (a 522-byte file declaring 4 TiB). Reads the zip's directory and each member's header only."""
+    size = Path(path).stat().st_size
+    try:
+        with zipfile.ZipFile(path) as zf:
+            for info in zf.infolist():
+                problem = _member_problem(zf, info, size)
+                if problem is not None:
+                    raise error(f"{path}: member {info.filename!r}: {problem}")
+    except NPZ_ERRORS as e:
+        raise error(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") from None
+
+
+def _member_problem(zf: zipfile.ZipFile, info: zipfile.ZipInfo, size: int) -> str | None:
+    if info.header_offset + info.compress_size > size:
+        return f"{info.compress_size} compressed bytes at byte {info.header_offset} of a {size}-byte file"
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        return "compressed with other than deflate (numpy writes stored or deflated members)"
+    ratio = 1 if info.compress_type == zipfile.ZIP_STORED else MAX_DEFLATE_RATIO
+    if info.file_size > info.compress_size * ratio + 1024:
+        return f"{info.file_size} bytes from {info.compress_size} compressed (more than deflate can expand to)"
+    if not info.filename.endswith(".npy"):
+        return None
+    with zf.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        if dtype.hasobject:  # numpy's allow_pickle=False refuses it, naming why
+            return None
+        declared, held = math.prod(shape) * dtype.itemsize, info.file_size - f.tell()
+        if declared > held:
+            return f"its header declares {shape} {dtype} ({declared} bytes) in {held} bytes of data"
+    return None
+
+
 def read_npz(path: str | Path) -> dict[str, Array]:
-    """All arrays of an .npz file, with a clear error for unreadable files."""
+    """All arrays of an .npz file, with a clear error for unreadable files; each member's size checked from its
+    header first (:func:`check_npz_members`)."""
+    if not Path(path).is_file():
+        raise CheckpointError(f"{path}: no such file")
+    check_npz_members(path, CheckpointError)
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}

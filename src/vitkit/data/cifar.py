@@ -21,6 +21,7 @@ import numpy as np
 
 from vitkit.data.base import ArrayDataset, MissingSplitError, check_class_map, relabel, split_candidates
 from vitkit.errors import DataError
+from vitkit.models.vit import MAX_CLASSES
 
 _ALLOWED_GLOBALS = {
     ("numpy.core.multiarray", "_reconstruct"),
@@ -29,6 +30,10 @@ _ALLOWED_GLOBALS = {
     ("numpy", "dtype"),
     ("_codecs", "encode"),  # how protocol-2 pickles written by Python 3 store bytes
 }
+
+
+# The largest CIFAR pickle read (CIFAR-100's train file is 155 MB): a larger or sparse file is refused unread
+MAX_PICKLE_BYTES = 512 << 20
 
 
 class _Refused(pickle.UnpicklingError):
@@ -43,8 +48,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
 
 def safe_unpickle(path: Path) -> dict[str, Any]:
-    """Load a CIFAR pickle (a dict) with only containers and numpy arrays allowed; bytes keys become str."""
+    """Load a CIFAR pickle (a dict) with only containers and numpy arrays allowed; bytes keys become str. A file
+    over :data:`MAX_PICKLE_BYTES` is refused unread."""
     try:
+        size = path.stat().st_size
+        if size > MAX_PICKLE_BYTES:
+            raise DataError(f"{path}: {size} bytes, more than the {MAX_PICKLE_BYTES >> 20} MiB of a CIFAR pickle")
         raw = path.read_bytes()
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror})") from None
@@ -54,6 +63,8 @@ def safe_unpickle(path: Path) -> dict[str, Any]:
         obj = _RestrictedUnpickler(io.BytesIO(raw), encoding="bytes").load()
     except _Refused as e:
         raise DataError(f"{path}: not a CIFAR python-pickle file ({e})") from None
+    except MemoryError:
+        raise DataError(f"{path}: a CIFAR pickle too large to load in memory") from None
     except (
         pickle.UnpicklingError,
         EOFError,
@@ -80,10 +91,19 @@ def find_cifar(path: Path) -> Path | None:
 
 
 def _names(meta: dict[str, Any], key: str, path: Path) -> list[str]:
+    """The class names of a meta file: a list of strings holding no more characters than the file itself (a
+    pickle can list one string many times by reference; decoding each copy would multiply it)."""
     names = meta.get(key)
     if not isinstance(names, list) or not names:
         raise DataError(f"{path}: no '{key}' list in the CIFAR meta file")
-    return [n.decode("utf-8") if isinstance(n, bytes) else str(n) for n in names]
+    if len(names) > MAX_CLASSES or not all(isinstance(n, bytes | str) for n in names):
+        raise DataError(f"{path}: '{key}' must be a list of at most {MAX_CLASSES} strings")
+    if sum(len(n) for n in names) > path.stat().st_size:
+        raise DataError(f"{path}: '{key}' holds more characters than the file (strings repeated by reference)")
+    try:
+        return [n.decode("utf-8") if isinstance(n, bytes) else n for n in names]
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: a class name in '{key}' is not UTF-8 ({e})") from None
 
 
 def _batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -92,12 +112,27 @@ def _batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
     d = safe_unpickle(path)
     if "data" not in d or label_key not in d:
         raise DataError(f"{path}: a CIFAR batch needs 'data' and '{label_key}' (found {', '.join(sorted(d))})")
-    data, labels = np.asarray(d["data"]), np.asarray(d[label_key])
-    if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-        raise DataError(f"{path}: 'data' must be uint8 (N, 3072), got {data.dtype} {data.shape}")
-    if labels.ndim != 1 or labels.shape[0] != data.shape[0]:
-        raise DataError(f"{path}: {data.shape[0]} images but {labels.size} labels")
-    return data, labels.astype(np.int64)
+    data = d["data"]  # an array as released, never a list: lists sharing references would expand (1.9 GB from 3.7 KB)
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
+        got = f"{data.dtype} {data.shape}" if isinstance(data, np.ndarray) else type(data).__name__
+        raise DataError(f"{path}: 'data' must be a uint8 (N, 3072) array, got {got}")
+    return data, _labels(d[label_key], data.shape[0], path)
+
+
+def _labels(value: Any, n: int, path: Path) -> np.ndarray:
+    """A batch's labels, a list of ints (as released) or a 1-D integer array, checked to be ``n`` of them before
+    any is converted."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise DataError(f"{path}: {n} images but {len(value)} labels")
+        if not all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in value):
+            raise DataError(f"{path}: the labels must be integers")
+        return np.asarray(value, dtype=np.int64)
+    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or value.ndim != 1:
+        raise DataError(f"{path}: the labels must be a list or 1-D array of integers")
+    if value.shape[0] != n:
+        raise DataError(f"{path}: {n} images but {value.shape[0]} labels")
+    return value.astype(np.int64)
 
 
 def open_cifar(root: Path, split: str = "train", *, classes: list[str] | None = None) -> ArrayDataset:

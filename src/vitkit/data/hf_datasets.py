@@ -42,12 +42,15 @@ from vitkit.data.base import (
     split_candidates,
 )
 from vitkit.errors import DataError
-from vitkit.images import ImageTooLarge, decode_image, max_image_pixels, read_image_file
+from vitkit.images import MAX_IMAGE_BYTES, ImageTooLarge, decode_image, max_image_pixels, read_image_file
 
 IMAGE_NAMES = ("image", "img", "images", "picture", "pixel_values")
 LABEL_NAMES = ("label", "labels", "fine_label", "class", "target", "y")
 HUB_DATASET_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 FILE_SUFFIXES = (".parquet", ".arrow")
+# A Parquet column chunk of more than MAX_IMAGE_BYTES uncompressed is read only when it expands at most this many
+# times (image bytes are compressed already: about 1x; a cell of 1 GiB of zeros in 34 KB is not)
+MAX_PARQUET_RATIO = 64
 
 
 def _datasets() -> Any:
@@ -125,6 +128,32 @@ def no_scripts(datasets: Any) -> dict[str, Any]:
     return {"trust_remote_code": False} if major.isdigit() and int(major) < 4 else {}
 
 
+def check_parquet_sizes(path: Path) -> None:
+    """DataError naming the file, row group and column when a column chunk of a Parquet file is over
+    :data:`~vitkit.images.MAX_IMAGE_BYTES` uncompressed and either holds more than that per row (so some cell is
+    over the per-image cap) or expands more than :data:`MAX_PARQUET_RATIO` times (a 34 KB file whose one cell is
+    1 GiB of zeros): from the file's metadata, before ``datasets`` reads (and converts) a byte of it."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError...
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            col = group.column(c)
+            full, packed = col.total_uncompressed_size, col.total_compressed_size
+            if full <= MAX_IMAGE_BYTES:
+                continue
+            if full > max(group.num_rows, 1) * MAX_IMAGE_BYTES or full > MAX_PARQUET_RATIO * max(packed, 1):
+                raise DataError(
+                    f"{path}: row group {g} of {group.num_rows} rows holds {full} bytes in column "
+                    f"{col.path_in_schema!r} ({packed} compressed): over the {MAX_IMAGE_BYTES >> 20} MiB vitkit reads "
+                    "for one image; not read"
+                )
+
+
 def _load(datasets: Any, path_text: str, split: str) -> Any:
     """The ``datasets.Dataset`` of ``split`` (aliases tried), MissingSplitError when there is none."""
     path = Path(path_text)
@@ -136,6 +165,9 @@ def _load(datasets: Any, path_text: str, split: str) -> Any:
             if not files:
                 raise DataError(f"{path}: no .parquet or .arrow files")
             kind = "parquet" if files[0].suffix == ".parquet" else "arrow"
+            for f in files:
+                if f.suffix == ".parquet":
+                    check_parquet_sizes(f)
             if path.is_file():
                 obj = datasets.load_dataset(kind, data_files={"train": str(path)}, **no_scripts(datasets))
             else:
@@ -324,6 +356,25 @@ def cell_roots(path_text: str, datasets: Any) -> tuple[Path, ...]:
     return tuple(r.resolve() for r in roots)
 
 
+def _cell_sizes(table: Any, column: str) -> np.ndarray:
+    """The byte length of each row's encoded image (its ``bytes`` field, or the binary cell), from the Arrow offsets
+    alone (the memory-mapped bytes are not touched); zeros for a column of another type."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    parts = []
+    for chunk in table.data.column(column).chunks:
+        if pa.types.is_struct(chunk.type) and chunk.type.get_field_index("bytes") >= 0:
+            chunk = pc.struct_field(chunk, "bytes")  # (a slice's own rows: StructArray.field ignores its offset)
+        if not (pa.types.is_binary(chunk.type) or pa.types.is_large_binary(chunk.type)):
+            return np.zeros(len(table), dtype=np.int64)
+        parts.append(pc.binary_length(chunk).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64))
+    sizes = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if table._indices is not None:  # a selection or shuffle of the underlying table
+        sizes = sizes[table._indices.column(0).to_numpy()]
+    return sizes
+
+
 def _labels_and_classes(table: Any, column: str, source: str, datasets: Any) -> tuple[np.ndarray, list[str], list[int]]:
     """(int64 labels with -1 for missing, class names, rows with a missing label)."""
     feature = table.features[column]
@@ -379,6 +430,12 @@ def open_hf_dataset(
     if labels.size and labels.max() >= len(found):
         bad = int(np.argmax(labels >= len(found)))  # first row whose label is out of range
         raise DataError(f"{what} row {bad}: label {int(labels[bad])} outside the {len(found)} classes of {lab_col!r}")
+    for row in np.flatnonzero(keep)[_cell_sizes(table, img_col)[keep] > MAX_IMAGE_BYTES].tolist():
+        problem = f"an image of more than {MAX_IMAGE_BYTES >> 20} MiB, the most vitkit reads for one image"
+        if not skip_bad:
+            raise DataError(f"{what} row {row}: {problem}")
+        skipped.append(Skipped(f"{what} row {row}", problem))
+        keep[row] = False
     names = check_class_map(path_text, found, classes)
     roots = cell_roots(path_text, datasets)
     if skip_bad and predecode:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitkit.checkpoints.npz_files import NPZ_ERRORS
+from vitkit.checkpoints.npz_files import NPZ_ERRORS, check_npz_members
 from vitkit.data.base import (
     ArrayDataset,
     MissingSplitError,
@@ -43,6 +43,7 @@ def open_npz(path: Path, split: str = "train", *, classes: list[str] | None = No
     """One split of an ``.npz`` file as a dataset."""
     if path.stat().st_size == 0:
         raise DataError(f"{path}: empty file (0 bytes)")
+    check_npz_members(path, DataError)  # sizes from the headers before numpy allocates them
     try:
         z = np.load(path, allow_pickle=False)
     except NPZ_ERRORS as e:

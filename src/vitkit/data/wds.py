@@ -33,7 +33,7 @@ from vitkit.data.base import (
     split_candidates,
 )
 from vitkit.errors import DataError
-from vitkit.images import LazyImage, decode_image, lazy_image
+from vitkit.images import MAX_IMAGE_BYTES, LazyImage, decode_image, lazy_image
 from vitkit.models.vit import MAX_CLASSES
 
 IMAGE_EXTS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp", "tif", "tiff", "gif", "pgm")
@@ -144,6 +144,8 @@ class WebDataset(ImageDataset):
         f = self._files.get(s)
         if f is None:
             f = self._files[s] = open(self.shards[s], "rb")  # noqa: SIM115 (kept open for reuse)
+        if not 0 < int(self.sizes[index]) <= MAX_IMAGE_BYTES:  # the index refuses them; a hand-made one too
+            raise DataError(f"{self.describe(index)}: an image member of {int(self.sizes[index])} bytes")
         f.seek(int(self.offsets[index]))
         data = f.read(int(self.sizes[index]))
         if len(data) != int(self.sizes[index]):
@@ -196,6 +198,11 @@ def _index_shard(path: Path, skip_bad: bool, skipped: list[Skipped]) -> tuple[li
             problem = f"sample {key!r} has no label member (.cls)"
         elif img.size == 0:
             problem = f"sample {key!r}: empty image member (0 bytes)"
+        elif img.size > MAX_IMAGE_BYTES:  # from its tar header: never read
+            problem = (
+                f"sample {key!r}: an image member of {img.size} bytes, more than the {MAX_IMAGE_BYTES >> 20} MiB "
+                "vitkit reads for one image"
+            )
         elif lab.size > MAX_LABEL_BYTES:
             problem = f"sample {key!r}: a label member of {lab.size} bytes (an integer takes a few)"
         else:

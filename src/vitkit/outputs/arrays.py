@@ -54,6 +54,9 @@ EMBED_FORMATS = (".parquet", ".npy", ".safetensors")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}
 _META = "meta.json"
 SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
+# An ids file (NAME.ids.json beside a .npy output) is read only when it holds at most this many bytes per vector
+# (+ 1 MiB): an id, label, index and error message take a few hundred at most, even JSON-escaped
+MAX_ID_BYTES = 16 << 10
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
 
 
@@ -443,14 +446,26 @@ def read_embeddings(path: str | os.PathLike[str]) -> Embeddings:
         raise DataError(f"{p}: not readable as vitkit embed's output ({type(e).__name__}: {e})") from None
 
 
+def _check_ids_size(side: Path, vectors: int) -> None:
+    """DataError when an ids file is larger than :data:`MAX_ID_BYTES` per vector (+ 1 MiB), from its size on disk
+    before it is read: a sparse 1.5 GB ids file took 3.2 GiB to parse."""
+    size, limit = side.stat().st_size, (1 << 20) + vectors * MAX_ID_BYTES
+    if size > limit:
+        raise DataError(
+            f"{side}: {size} bytes for {vectors} vectors, more than the {limit} an ids file of vitkit embed takes "
+            f"({MAX_ID_BYTES >> 10} KiB per image + 1 MiB)"
+        )
+
+
 def _read_embeddings(p: Path, fmt: str) -> Embeddings:
     if fmt == ".npy":
         side = ids_path(p)
         if not side.is_file():
             raise DataError(f"{p}: its ids file {side.name} is missing (vitkit embed writes both)")
         try:
-            doc = json.loads(side.read_text())
             vectors = np.load(p, mmap_mode="r", allow_pickle=False)
+            _check_ids_size(side, len(vectors))
+            doc = json.loads(side.read_text())
         except ValueError as e:
             raise DataError(f"{p}: not readable as vitkit embed's output ({e})") from None
         ids, labels, index = doc.get("ids"), doc.get("labels"), doc.get("index")
