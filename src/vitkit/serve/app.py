@@ -20,7 +20,8 @@ cannot be stopped) runs on outside the slots, at most ``decoders`` such abandone
 timed-out decoding keeps its slot until it is done). So at most ``2 x decoders`` images are ever decoded at once,
 and a decompression bomb that times out does not make the next request wait. Open connections are not limited
 (an idle one would count as much as a request): one that sends no whole request head within
-``header_timeout_s`` is closed (:func:`vitkit.serve.net.server_config`).
+``header_timeout_s``, or no whole body within ``body_timeout_s`` of its head, is closed, and near the open-file
+limit the longest-idle connections make room for new ones (:func:`vitkit.serve.net.server_config`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from vitkit.errors import DataError
 from vitkit.images import ImageTooLarge, decode_image
@@ -69,6 +71,7 @@ class ServeOptions:
     top_k: int = 5
     max_decoding: int = 0  # images decoded at once; 0: one per CPU core, at most max_queue
     header_timeout_s: float = 10.0  # a connection without a whole request head this long is closed
+    body_timeout_s: float = 30.0  # a request whose body has not all arrived this long after its head: 408, closed
 
     @property
     def decoders(self) -> int:
@@ -145,10 +148,13 @@ async def _read_body(request: Request, limit: int) -> bytearray:
         if int(declared) > limit:
             raise RequestError(413, f"upload of {int(declared)} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise RequestError(413, f"upload exceeds the limit of {limit} bytes")
-        body += chunk
+    try:
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > limit:
+                raise RequestError(413, f"upload exceeds the limit of {limit} bytes")
+            body += chunk
+    except ClientDisconnect:  # the client left, or its body outlived --body-timeout: nobody reads an answer
+        raise RequestError(408, "request body not received (the client left or the body timeout passed)") from None
     return body
 
 
