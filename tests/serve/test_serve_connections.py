@@ -1,10 +1,12 @@
-"""Connections that hold ``vitkit serve`` open (issue 47, item 1): a body that trickles in, or one byte of a body
-sent after the answer, must not keep a connection past its deadlines, and ``/health`` is answered while the
-connection table is full. Real loopback servers: uvicorn with vitkit's configuration in a thread, and ``vitkit
-serve`` as a subprocess under a lowered open-file limit."""
+"""What holds ``vitkit serve`` (issue 47): a body that trickles in, or one byte of a body sent after the answer,
+must not keep a connection past its deadlines, and ``/health`` is answered while the connection table is full
+(item 1); an image that takes long to decode never holds a decoding slot past its request's timeout or
+``--decode-timeout`` (item 3, the serving side). Real loopback servers: uvicorn with vitkit's configuration in a
+thread, and ``vitkit serve`` as a subprocess under a lowered open-file limit."""
 
 from __future__ import annotations
 
+import io
 import os
 import resource
 import select
@@ -18,10 +20,11 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from serve_helpers import free_port, make_checkpoint  # noqa: E402
+from serve_helpers import free_port, image_bytes, make_checkpoint  # noqa: E402
 
 from helpers import SRC  # noqa: E402
 from vitkit.serve.app import ServeOptions, create_app  # noqa: E402
@@ -188,3 +191,59 @@ def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) -> None:
             pass
         assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
         time.sleep(0.1)
+
+
+# ---- decoding never delays other requests past their own timeout (issue 47, item 3, the serving side) ----------
+
+
+def gif_comment_bomb(mib: int) -> bytes:
+    """An 8x8 GIF whose comment extension is ``mib`` MiB of 255-byte sub-blocks (Pillow's cost grows with the
+    square of the comment: seconds for a few MiB)."""
+    buf = io.BytesIO()
+    Image.new("L", (8, 8)).save(buf, format="GIF")
+    gif = buf.getvalue()
+    table = 3 * 2 ** ((gif[10] & 7) + 1) if gif[10] & 0x80 else 0
+    at = 13 + table  # after the screen descriptor and the global colour table
+    comment = b"\x21\xfe" + (b"\xff" + b"c" * 255) * (mib * (1 << 20) // 256) + b"\x00"
+    return gif[:at] + comment + gif[at:]
+
+
+def test_decoder_bombs_that_time_out_do_not_hold_the_decoding_slots(ckpt: Path) -> None:
+    """--max-decoding 1, --timeout 1.5: two 12 MiB GIF comment bombs (seconds of decoding each), then a normal
+    image: it is answered (before: 504, the second bomb's decoding thread, which cannot be stopped, kept the only
+    slot past its own 504 and the normal image timed out waiting for it)."""
+    bomb = gif_comment_bomb(12)
+    opts = ServeOptions(max_decoding=1, timeout_s=1.5, max_wait_ms=1)
+    with serving(ckpt, opts) as port:
+        url = f"http://127.0.0.1:{port}/predict"
+        for _ in range(2):
+            r = httpx.post(url, content=bomb, headers={"content-type": "image/gif"}, timeout=30)
+            assert r.status_code in (400, 413, 504)  # timed out, or refused from its structure
+        assert httpx.post(url, content=image_bytes(1), timeout=30).status_code == 200
+
+
+def test_a_decoding_that_outlives_the_decode_timeout_is_stopped(
+    ckpt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder that never finishes (hanging_decoder.py, whatever the image checks refuse): 413 at
+    --decode-timeout (1 s here), well inside the request timeout (30 s), its worker process killed; the next
+    image is decoded in the only slot at once, and when the server stops no worker process is left."""
+    from vitkit.serve import decoding
+
+    monkeypatch.setattr(decoding, "CHILD_SCRIPT", str(Path(__file__).parent / "hanging_decoder.py"))
+    opts = ServeOptions(max_decoding=1, timeout_s=30, decode_timeout_s=1, max_wait_ms=1)
+    started: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen(*args: object, **kwargs: object) -> subprocess.Popen:
+        started.append(real_popen(*args, **kwargs))  # type: ignore[call-overload]
+        return started[-1]
+
+    monkeypatch.setattr(decoding.subprocess, "Popen", popen)
+    with serving(ckpt, opts) as port:
+        url = f"http://127.0.0.1:{port}/predict"
+        r = httpx.post(url, content=image_bytes(1, size=(7, 7)), timeout=30)
+        assert r.status_code == 413 and "decode timeout of 1 s" in r.json()["detail"]
+        assert started[0].wait(5) is not None  # killed
+        assert httpx.post(url, content=image_bytes(2), timeout=30).status_code == 200
+    assert all(p.poll() is not None for p in started)

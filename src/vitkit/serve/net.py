@@ -53,8 +53,8 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
     return f"--port {port}: cannot listen on {host}:{port} ({e.strerror or e})"
 
 
-#: File descriptors kept free for the server's own files (uploads spooled to disk, checkpoints, logs), besides one
-#: per request that ``--max-queue`` admits and one per connection that one ``accept`` burst may take.
+#: File descriptors kept free for the server's own files (checkpoints, logs), besides those of the admitted requests
+#: (an upload spooled to disk), of the decoding workers' pipes and of one ``accept`` burst.
 FD_RESERVE = 64
 
 
@@ -69,7 +69,7 @@ def server_config(app: Any, opts: Any, *, host: str = "127.0.0.1", port: int = 8
     import uvicorn
 
     keep_alive = max(1, min(5, int(opts.header_timeout_s)))  # idle after an answer: uvicorn's own
-    backlog, most = connection_limits(opts.max_queue)
+    backlog, most = connection_limits(opts.max_queue + 4 * opts.decoders)  # two pipes per decoding process
     return uvicorn.Config(
         app,
         host=host,
@@ -83,10 +83,11 @@ def server_config(app: Any, opts: Any, *, host: str = "127.0.0.1", port: int = 8
     )
 
 
-def connection_limits(max_queue: int) -> tuple[int, int]:
+def connection_limits(reserve: int) -> tuple[int, int]:
     """``(backlog, most)`` from the process's open-file limit (soft): the listen backlog, which is also how many
     connections asyncio accepts in one go (an eighth of the limit, 16..2048), and the open connections kept at
-    most (the limit less that burst, ``max_queue`` and :data:`FD_RESERVE`; at least 16). Past ``most`` the
+    most (the limit less that burst, ``reserve`` -- the server's descriptors per admitted request and per decoding
+    worker -- and :data:`FD_RESERVE`; at least 16). Past ``most`` the
     longest-idle connections are closed, so ``accept`` never runs out of descriptors (it did with 1,017 connections
     each held by one body byte: ``/health`` went unanswered, and every failed ``accept`` of a burst logged a
     traceback)."""
@@ -96,7 +97,7 @@ def connection_limits(max_queue: int) -> tuple[int, int]:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     backlog = max(16, min(2048, soft // 8))
-    return backlog, max(16, soft - backlog - max_queue - FD_RESERVE)
+    return backlog, max(16, soft - backlog - reserve - FD_RESERVE)
 
 
 class _Table:
