@@ -247,3 +247,21 @@ def test_a_decoding_that_outlives_the_decode_timeout_is_stopped(
         assert started[0].wait(5) is not None  # killed
         assert httpx.post(url, content=image_bytes(2), timeout=30).status_code == 200
     assert all(p.poll() is not None for p in started)
+
+
+def test_decoding_works_with_descriptors_past_1024() -> None:
+    """A busy server's descriptors go past 1024 (connections): a decoding worker started then still answers (its
+    pipes are waited on with poll; select() refuses descriptors past 1023)."""
+    from vitkit.serve.decoding import DecoderPool, Job
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("needs an open-file limit of 1200")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    pool = DecoderPool(1_000_000, 10)
+    try:
+        img = pool.decode(image_bytes(1), Job())
+        assert img.size == (60, 40) and img.mode == "RGB"
+    finally:
+        pool.close()
+        for fd in held:
+            os.close(fd)

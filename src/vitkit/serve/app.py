@@ -265,6 +265,8 @@ class _Server:
             raise RequestError(413, str(e)) from None
         except DataError as e:
             raise RequestError(400, str(e)) from None
+        except OSError as e:  # no worker process could be started (process or descriptor limits)
+            raise RequestError(503, f"cannot start an image decoder now ({e.strerror or e}); retry shortly") from None
 
     async def decode(self, data: bytes | bytearray) -> torch.Tensor:
         """``prepare`` in a worker thread, at most ``opts.decoders`` at once (each image may take hundreds of MB

@@ -133,8 +133,9 @@ class _Worker:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise DecodeTimeout("image: too costly to decode (it outlived the decode timeout)")
-            readable, _, _ = select.select([self._from_child], [], [], min(_POLL_S, left))
-            if readable:
+            poll = select.poll()  # not select(): a busy server's descriptors go past 1024
+            poll.register(self._from_child, select.POLLIN)
+            if poll.poll(max(1, int(min(_POLL_S, left) * 1000))):
                 return
 
     @staticmethod
@@ -232,6 +233,8 @@ def _answer(data: bytes) -> tuple[dict[str, Any], bytes]:
         return {"error": "bad", "message": str(e)}, b""
     except MemoryError:
         return {"error": "too_large", "message": "image: too large to decode in memory"}, b""
+    except Exception as e:  # a decoder's own failure on hostile bytes: the image is bad, the worker lives on
+        return {"error": "bad", "message": f"image: cannot be decoded ({type(e).__name__})"}, b""
 
 
 def _child() -> None:
