@@ -265,3 +265,39 @@ def test_decoding_works_with_descriptors_past_1024() -> None:
         pool.close()
         for fd in held:
             os.close(fd)
+
+
+def test_a_client_that_does_not_read_its_answers_is_closed(ckpt: Path) -> None:
+    """Requests pipelined by a client that never reads the answers (a small receive buffer, so the server's
+    writes stall at once): the connection is dropped --body-timeout (1 s) after the answers stop going out, plus
+    the keep-alive (1 s) for what was written already, before the client reads anything (before: held, the next
+    answer waiting for as long as the client stayed)."""
+    opts = ServeOptions(header_timeout_s=1, body_timeout_s=1)
+    with serving(ckpt, opts) as port:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", port))
+        s.setblocking(False)
+        request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+        try:
+            for _ in range(2000):  # until the server stops reading them
+                with suppress(BlockingIOError):
+                    s.send(request)
+            time.sleep(4)
+            s.setblocking(True)
+            s.settimeout(10)
+            got, ended = 0, False
+            for _ in range(100_000):  # what was on its way, then the end: no answer goes out any more
+                try:
+                    data = s.recv(65536)
+                except ConnectionResetError:
+                    data = b""
+                if not data:
+                    ended = True
+                    break
+                got += len(data)
+            # at most what the kernel had queued already (a few MB); before: reading let the server go on through
+            # all 2000 answers (12.8 MB)
+            assert ended and got < 8 << 20
+        finally:
+            s.close()

@@ -122,6 +122,7 @@ def guarded_protocol(head_s: float, body_s: float, linger_s: float, limit: int) 
     - a whole request head within ``head_s`` of the connection opening, or of its last answer;
     - the whole body within ``body_s`` of its head (else 408 when nothing was answered yet, and closed);
     - after an answer, the rest of a body the application did not read within ``linger_s`` (and ``body_s``);
+    - an answer the client stops reading (the write buffer over its high-water mark) read again within ``body_s``;
 
     and at most ``limit`` connections open: past it, the longest-idle ones (in the first and last case above) are
     closed as a new one arrives. A request whose body arrived is bounded by the application's request timeout."""
@@ -132,6 +133,7 @@ def guarded_protocol(head_s: float, body_s: float, linger_s: float, limit: int) 
 
     class GuardedProtocol(H11Protocol):
         _timer: asyncio.TimerHandle | None = None
+        _stalled: asyncio.TimerHandle | None = None  # the answer waits for the client to read
         _phase, _until, _body_by = "", 0.0, 0.0
         _seen: Any = None
 
@@ -152,6 +154,18 @@ def guarded_protocol(head_s: float, body_s: float, linger_s: float, limit: int) 
         def connection_lost(self, exc: Exception | None) -> None:
             self._forget()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:
+            """The client does not read its answers: closed unless it reads again within ``body_s``."""
+            super().pause_writing()
+            if self._stalled is None:
+                self._stalled = self.loop.call_later(body_s, self.close_now)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
 
         def _watch(self) -> None:
             """Which deadline holds now, from the h11 states; a deadline set for a phase is never moved later."""
@@ -193,6 +207,9 @@ def guarded_protocol(head_s: float, body_s: float, linger_s: float, limit: int) 
         def _forget(self) -> None:
             """No longer counted: closing, or closed."""
             self._cancel()
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
             table.idle.pop(self, None)
             if self._phase != "gone":
                 self._phase = "gone"
@@ -211,7 +228,9 @@ def guarded_protocol(head_s: float, body_s: float, linger_s: float, limit: int) 
                 self.cycle.disconnected = True  # the application's answer, if any, goes nowhere
                 self.cycle.message_event.set()  # a read of the body ends
             if not self.transport.is_closing():
-                self.transport.close()
+                self.transport.close()  # after what is written already has gone out...
+                if self.transport.get_write_buffer_size():  # ...which a client that does not read never takes
+                    self.loop.call_later(linger_s, self.transport.abort)
 
         def _answer_408(self) -> None:
             body = f'{{"detail": "request body not received within the body timeout of {body_s:g} s"}}'.encode()
