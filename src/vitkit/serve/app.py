@@ -231,7 +231,11 @@ class _Server:
         self.admitted = 0
         self.abandoned = 0  # decodings of timed-out requests still running, outside the slots
         self.decoding = asyncio.Semaphore(opts.decoders)  # replaced by one of the serving event loop
-        self.pool = DecoderPool(opts.max_pixels, opts.decode_timeout_s)  # replaced as the application starts
+        self.pool = self._pool()  # replaced as the application starts
+
+    def _pool(self) -> DecoderPool:
+        mode = "L" if self.served.preprocess.grayscale else "RGB"  # what the model's preprocessing converts to
+        return DecoderPool(self.opts.max_pixels, self.opts.decode_timeout_s, mode)
 
     def _run(self, items: list[tuple[torch.Tensor, bool]]) -> list[Prediction]:
         return self.served.run_batch([x for x, _ in items], [a for _, a in items])
@@ -241,7 +245,7 @@ class _Server:
         """The batcher's worker runs while the application does."""
         self.decoding = asyncio.Semaphore(self.opts.decoders)  # of this event loop
         self.abandoned = 0
-        self.pool = DecoderPool(self.opts.max_pixels, self.opts.decode_timeout_s)
+        self.pool = self._pool()
         await run_in_threadpool(self.pool.warm, self.opts.decoders)
         self.batcher.start()
         try:

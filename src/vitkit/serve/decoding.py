@@ -13,6 +13,7 @@ Wire format, parent -> child: an 8-byte big-endian length and the encoded bytes.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import select
@@ -27,7 +28,7 @@ from typing import Any, cast
 from PIL import Image
 
 from vitkit.errors import DataError
-from vitkit.images import ImageTooLarge, decode_image
+from vitkit.images import ImageTooLarge, convert_image, decode_image
 
 _POLL_S = 0.05  # how often a waiting decode looks at its deadline and at its request's cancellation
 _SHARED_MODES = ("L", "RGBA", "RGBX", "CMYK", "I;16", "I;16L", "I;16B")  # Image.frombuffer maps these in place
@@ -55,10 +56,13 @@ class Job:
 class _Worker:
     """One child process and its two pipes."""
 
-    def __init__(self, max_pixels: int) -> None:
+    def __init__(self, max_pixels: int, mode: str) -> None:
         to_child_r, self._to_child = os.pipe()
         self._from_child, from_child_w = os.pipe()
-        cmd = [sys.executable, "-P", CHILD_SCRIPT, str(to_child_r), str(from_child_w), str(max_pixels)]
+        for fd in (self._to_child, self._from_child):  # 1 MiB pipes: a 40 MP image in 120 writes, not 1,900
+            with suppress(OSError, AttributeError):  # Linux only; the limit may be lower (pipe-max-size)
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, 1 << 20)
+        cmd = [sys.executable, "-P", CHILD_SCRIPT, str(to_child_r), str(from_child_w), str(max_pixels), mode]
         try:
             self.proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL)
         finally:
@@ -147,11 +151,13 @@ class _Worker:
 
 
 class DecoderPool:
-    """Worker processes that decode images, reused; one per image being decoded (the callers' slots bound how
-    many). A decoding that outlives ``timeout_s``, or whose :class:`Job` is cancelled, kills its worker."""
+    """Worker processes that decode images and convert them to ``mode`` ("RGB" or "L", as
+    :func:`vitkit.images.convert_image`: the pixels the model reads, so the wide ones -- RGBA, 16-bit, float --
+    never reach the server), reused; one per image being decoded (the callers' slots bound how many). A decoding
+    that outlives ``timeout_s``, or whose :class:`Job` is cancelled, kills its worker."""
 
-    def __init__(self, max_pixels: int, timeout_s: float) -> None:
-        self.max_pixels, self.timeout_s = max_pixels, timeout_s
+    def __init__(self, max_pixels: int, timeout_s: float, mode: str = "RGB") -> None:
+        self.max_pixels, self.timeout_s, self.mode = max_pixels, timeout_s, mode
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
         self._all: set[_Worker] = set()
@@ -192,7 +198,7 @@ class DecoderPool:
             w.close()
 
     def _start(self) -> _Worker:
-        worker = _Worker(self.max_pixels)
+        worker = _Worker(self.max_pixels, self.mode)
         with self._lock:
             self._all.add(worker)
         return worker
@@ -222,9 +228,7 @@ def _read_exact(fd: int, n: int) -> bytes | None:
 
 def _answer(data: bytes) -> tuple[dict[str, Any], bytes]:
     try:
-        img = decode_image(data, "image", max_pixels=int(sys.argv[3]))
-        if img.mode in ("P", "PA"):
-            img = img.convert("RGBA")
+        img = convert_image(decode_image(data, "image", max_pixels=int(sys.argv[3])), sys.argv[4])
         raw = img.tobytes()
         return {"mode": img.mode, "size": list(img.size), "n": len(raw)}, raw
     except ImageTooLarge as e:
