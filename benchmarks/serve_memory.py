@@ -12,8 +12,9 @@ Resident memory of ``vitkit serve`` under a flood of maximum-size uploads (issue
    the RGB conversion).
 2. ``vitkit serve`` is started as a subprocess with its defaults (--max-queue 64, fp32); this process is the
    second process: ``--clients`` threads post the PNG as fast as they are answered, each on its own keep-alive
-   connection, for ``--seconds``. A sampler reads the server's VmRSS every 20 ms and its VmHWM (the kernel's
-   peak) at the end. Statuses are counted (200, 503, 504, other, connection errors).
+   connection, for ``--seconds``. A sampler reads the VmRSS of the server and of its decoding worker processes
+   (summed) every 20 ms, and the server's VmHWM (the kernel's peak) at the end. Statuses are counted (200, 503,
+   504, other, connection errors).
 3. With ``--reference-src DIR`` (the ``src`` folder of another checkout, e.g. ``git archive a66835f``) the same
    floods run against that code too, side by side. A guard kills a server whose resident memory passes
    ``--kill-above-gib`` (default 8) so the reference cannot take the machine down; the table then says so.
@@ -52,6 +53,20 @@ def status_kib(pid: int, key: str) -> int:
         if line.startswith(key + ":"):
             return int(line.split()[1])
     return 0
+
+
+def tree_kib(pid: int) -> int:
+    """VmRSS of ``pid`` and of its descendants (the server's image-decoding worker processes), summed."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            total += status_kib(p, "VmRSS")
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            pass  # ended meanwhile
+    return total
 
 
 def largest_upload() -> bytes:
@@ -136,14 +151,14 @@ def flood(src: Path, ckpt: Path, body: bytes, clients: int, seconds: float, kill
                 raise RuntimeError(f"vitkit serve did not start: {proc.stderr.read() if proc.stderr else ''}")
             time.sleep(0.2)
         time.sleep(1.0)
-        idle = status_kib(proc.pid, "VmRSS")
+        idle = tree_kib(proc.pid)
         samples: list[int] = []
         killed = threading.Event()
         stop = threading.Event()
 
         def sample() -> None:
             while not stop.is_set() and proc.poll() is None:
-                rss = status_kib(proc.pid, "VmRSS")
+                rss = tree_kib(proc.pid)  # the decoding workers too
                 samples.append(rss)
                 if rss > kill_above_kib:
                     killed.set()

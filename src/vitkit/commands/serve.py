@@ -93,6 +93,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds a connection may take to send a whole request head, from opening or from its last answer; "
         "then it is closed (idle connections never hold the server; default 10)",
     )
+    p.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request's body may take to arrive, from the end of its head, however slowly it trickles in; "
+        "then 408 and the connection is closed (default 30)",
+    )
+    p.add_argument(
+        "--decode-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds an image may take to decode (each is decoded in a worker process); then the process is "
+        "killed and the request answered 413, so a decoder bomb never holds a decoding slot longer (default 10)",
+    )
     p.add_argument("--max-upload-mb", type=positive_float, default=16.0, help="largest upload in MiB, 413 (default 16)")
     p.add_argument(
         "--max-pixels",
@@ -140,6 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         top_k=args.top_k,
         max_decoding=args.max_decoding or 0,
         header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        decode_timeout_s=args.decode_timeout,
     )
     served = ServedModel.from_checkpoint(
         args.checkpoint,

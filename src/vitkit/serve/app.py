@@ -14,13 +14,16 @@ content types), so generated clients and schemathesis see what the server sends.
 
 Load is bounded before any work: a request is admitted only while fewer than ``max_queue`` requests wait
 for the model or are being read or decoded (else 503 with Retry-After, before the upload is read), at most
-``decoders`` images are decoded at once (each may take hundreds of MB: 40 MP RGBA is 160 MB). A request that
-outlives ``timeout_s`` is 504, and gives its decoding slot back at once: its image's decoding (a thread, which
-cannot be stopped) runs on outside the slots, at most ``decoders`` such abandoned decodings at once (past that, a
-timed-out decoding keeps its slot until it is done). So at most ``2 x decoders`` images are ever decoded at once,
-and a decompression bomb that times out does not make the next request wait. Open connections are not limited
+``decoders`` images are decoded at once (each may take hundreds of MB: 40 MP RGBA is 160 MB), each in a worker
+process (:mod:`vitkit.serve.decoding`) that is killed when the decoding outlives ``decode_timeout_s`` (413) or its
+request gives up. A request that outlives ``timeout_s`` is 504, and gives its decoding slot back at once: its
+decoding process is killed, and a thread already preprocessing its image runs on outside the slots, at most
+``decoders`` such abandoned threads at once (past that, a timed-out request keeps its slot until its thread is
+done). So a decoder bomb costs at most ``decode_timeout_s`` of one core, and never makes the next request wait
+longer than that. Open connections are not limited
 (an idle one would count as much as a request): one that sends no whole request head within
-``header_timeout_s`` is closed (:func:`vitkit.serve.net.server_config`).
+``header_timeout_s``, or no whole body within ``body_timeout_s`` of its head, is closed, and near the open-file
+limit the longest-idle connections make room for new ones (:func:`vitkit.serve.net.server_config`).
 """
 
 from __future__ import annotations
@@ -43,10 +46,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from vitkit.errors import DataError
-from vitkit.images import ImageTooLarge, decode_image
+from vitkit.images import ImageTooLarge
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
+from vitkit.serve.decoding import DecoderPool, DecodeTimeout, Job
 from vitkit.serve.engine import Prediction, RequestError, ServedModel, png_base64
 from vitkit.serve.schema import PREDICT_BODY, PREDICT_ERRORS, HealthAnswer, PredictAnswer, error_doc
 
@@ -69,6 +74,8 @@ class ServeOptions:
     top_k: int = 5
     max_decoding: int = 0  # images decoded at once; 0: one per CPU core, at most max_queue
     header_timeout_s: float = 10.0  # a connection without a whole request head this long is closed
+    body_timeout_s: float = 30.0  # a request whose body has not all arrived this long after its head: 408, closed
+    decode_timeout_s: float = 10.0  # an image whose decoding takes longer: its worker process is killed, 413
 
     @property
     def decoders(self) -> int:
@@ -145,10 +152,13 @@ async def _read_body(request: Request, limit: int) -> bytearray:
         if int(declared) > limit:
             raise RequestError(413, f"upload of {int(declared)} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        if len(body) + len(chunk) > limit:
-            raise RequestError(413, f"upload exceeds the limit of {limit} bytes")
-        body += chunk
+    try:
+        async for chunk in request.stream():
+            if len(body) + len(chunk) > limit:
+                raise RequestError(413, f"upload exceeds the limit of {limit} bytes")
+            body += chunk
+    except ClientDisconnect:  # the client left, or its body outlived --body-timeout: nobody reads an answer
+        raise RequestError(408, "request body not received (the client left or the body timeout passed)") from None
     return body
 
 
@@ -221,6 +231,11 @@ class _Server:
         self.admitted = 0
         self.abandoned = 0  # decodings of timed-out requests still running, outside the slots
         self.decoding = asyncio.Semaphore(opts.decoders)  # replaced by one of the serving event loop
+        self.pool = self._pool()  # replaced as the application starts
+
+    def _pool(self) -> DecoderPool:
+        mode = "L" if self.served.preprocess.grayscale else "RGB"  # what the model's preprocessing converts to
+        return DecoderPool(self.opts.max_pixels, self.opts.decode_timeout_s, mode)
 
     def _run(self, items: list[tuple[torch.Tensor, bool]]) -> list[Prediction]:
         return self.served.run_batch([x for x, _ in items], [a for _, a in items])
@@ -230,30 +245,43 @@ class _Server:
         """The batcher's worker runs while the application does."""
         self.decoding = asyncio.Semaphore(self.opts.decoders)  # of this event loop
         self.abandoned = 0
+        self.pool = self._pool()
+        await run_in_threadpool(self.pool.warm, self.opts.decoders)
         self.batcher.start()
         try:
             yield
         finally:
             await run_in_threadpool(self.batcher.close)
+            await run_in_threadpool(self.pool.close)
 
-    def prepare(self, data: bytes | bytearray) -> torch.Tensor:
-        """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large)."""
-        try:  # bytes(data): the upload buffer copied here, in the decoding thread
-            return self.served.to_tensor(decode_image(bytes(data), "image", max_pixels=self.opts.max_pixels))
+    def prepare(self, data: bytes | bytearray, job: Job) -> torch.Tensor:
+        """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large or too costly). The
+        bytes are decoded in a worker process (:mod:`vitkit.serve.decoding`), killed at ``decode_timeout_s`` or
+        when ``job`` is cancelled; the decoded image is preprocessed here, in the decoding thread."""
+        try:
+            return self.served.to_tensor(self.pool.decode(data, job))
+        except DecodeTimeout as e:
+            if job.cancelled:
+                raise
+            limit = self.opts.decode_timeout_s
+            raise RequestError(413, f"image not decoded within the decode timeout of {limit:g} s ({e})") from None
         except ImageTooLarge as e:  # a decompression bomb, or a centre crop of a line of pixels
             raise RequestError(413, str(e)) from None
         except DataError as e:
             raise RequestError(400, str(e)) from None
+        except OSError as e:  # no worker process could be started (process or descriptor limits)
+            raise RequestError(503, f"cannot start an image decoder now ({e.strerror or e}); retry shortly") from None
 
     async def decode(self, data: bytes | bytearray) -> torch.Tensor:
         """``prepare`` in a worker thread, at most ``opts.decoders`` at once (each image may take hundreds of MB
         decoded). A request that gives up while waiting for a slot never decodes; one that gives up while its
         image is decoded gives its slot to the next request (a decompression bomb that timed out must not make
-        the next image wait), while its thread runs on (threads cannot be stopped): at most ``opts.decoders``
-        such abandoned decodings at once, past that the slot stays taken until the thread is done."""
-        slots = self.decoding
+        the next image wait) and its decoding process is killed; a thread already preprocessing the decoded
+        image runs on (threads cannot be stopped): at most ``opts.decoders`` such abandoned threads at once, past
+        that the slot stays taken until the thread is done."""
+        slots, job = self.decoding, Job()
         await slots.acquire()
-        task = asyncio.ensure_future(run_in_threadpool(self.prepare, data))
+        task = asyncio.ensure_future(run_in_threadpool(self.prepare, data, job))
         holds, abandoned = [True], [False]
 
         def give_back() -> None:
@@ -272,6 +300,7 @@ class _Server:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:  # the request timed out (or its client left) while its image decodes
+            job.cancel()  # its worker process is killed: the thread returns at once, unless it is preprocessing
             if not task.done() and self.abandoned < self.opts.decoders:
                 self.abandoned += 1  # runs on outside the slots, counted until its thread is done
                 abandoned[0] = True
