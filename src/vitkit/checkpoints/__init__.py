@@ -276,7 +276,10 @@ def load_checkpoint(
         model.reset_head(num_classes)
         meta = replace(meta, class_names=None)
     if image_size is not None:
-        model.resize_image(image_size, method=pos_interpolation)
+        try:
+            model.resize_image(image_size, method=pos_interpolation)
+        except ValueError as e:  # a size the patch stride does not divide
+            raise ConfigError(f"{ckpt.meta.source}: image size {image_size}: {e}") from None
         meta = replace(meta, preprocess=replace(meta.preprocess, image_size=model.cfg.image_size))
     return Loaded(model.eval(), meta)
 
