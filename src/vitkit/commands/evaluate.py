@@ -281,7 +281,10 @@ def cmd_knn(args: argparse.Namespace) -> int:
     chunks = {"k": args.k, "temperature": args.temperature, "query_chunk": args.query_chunk,
               "bank_chunk": args.bank_chunk}  # fmt: skip
     if check_embedding_inputs(args):
-        report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks)
+        notes: list[str] = []
+        report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks, notes=notes)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         what = f"{args.train_embeddings} -> {args.test_embeddings}"
     else:
         from vitkit.data.datasets import open_noted
