@@ -162,3 +162,11 @@ def test_readme_links_every_page_of_the_site() -> None:
         include = re.match(r"```\{include\} (\S+)", path.read_text())
         target = (path.parent / include.group(1)).resolve() if include else path.resolve()
         assert target in linked, f"README's documentation table has no line for docs/{page} ({target.name})"
+
+
+def test_training_md_says_finetunes_default_resolution_as_the_tool_chooses_it() -> None:
+    """Issue 48: training.md said fine-tuning defaults to a scaled resolution (28 px for the 16 px digits model);
+    the tool keeps the checkpoint's own unless --recipe paper-finetune (tests/train/test_run_defaults.py)."""
+    text = " ".join((Path(__file__).parents[1] / "docs" / "training.md").read_text().split())
+    assert "default: the checkpoint's own scaled as" not in text
+    assert "(default: the checkpoint's own, with the schedule `vitkit finetune` sizes from the data;" in text

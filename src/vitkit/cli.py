@@ -41,12 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for add in COMMANDS:
         add(sub)
+    parser.set_defaults(commands=sub.choices)  # the subcommands' parsers, for their own errors (parse)
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args``, but arguments a subcommand does not know are its error ("vitkit eval: error: ...",
+    with its --help), not the top-level parser's ("vitkit: error: ...")."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        owner = args.commands.get(args.command, parser) if args.command else parser
+        owner.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if args.command is None:
         parser.print_help()
         return 2

@@ -163,3 +163,41 @@ def test_a_huge_label_in_embeddings_is_one_line(capsys: pytest.CaptureFixture[st
         code, _, err = run_cli(capsys, command, "--train-embeddings", str(out), "--test-embeddings", str(out))
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1 and "label 2000000000" in lines[0] and str(out) in lines[0], err
+
+
+def test_knn_leaves_out_and_counts_the_rows_of_images_embed_skipped(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, digits_ckpt: Path
+) -> None:
+    """Embeddings made with ``embed --data ... --skip-bad`` hold a row for a corrupt image (no label, no vector):
+    knn leaves it out, says so, and reports what it reports from the dataset with ``--skip-bad`` (issue 48)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "test"):
+        for c in range(3):
+            folder = tmp_path / "photos" / split / str(c)
+            folder.mkdir(parents=True)
+            for j in range(6):
+                Image.fromarray((rng.random((8, 8, 3)) * 60 + 80 * c).astype(np.uint8)).save(folder / f"{j}.png")
+    (tmp_path / "photos" / "train" / "1" / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    common = ["--precision", "fp32", "--workers", "0", "--skip-bad"]
+    paths = {}
+    for split in ("train", "test"):
+        paths[split] = tmp_path / f"{split}.npy"
+        code, _, err = run_cli(capsys, "embed", str(digits_ckpt), "--data", str(tmp_path / "photos"), "--split",
+                               split, "--out", str(paths[split]), *common)  # fmt: skip
+        assert code == 0, err
+    cached = ["--train-embeddings", str(paths["train"]), "--test-embeddings", str(paths["test"]), "--json"]
+    code, out, err = run_cli(capsys, "knn", *cached, "--k", "3")
+    assert code == 0, err
+    assert f"note: --train-embeddings {paths['train']}: left out 1 row(s) of images that failed" in err
+    assert "broken.jpg" in err
+    from_files = json.loads(out)
+    code, out, err = run_cli(capsys, "knn", str(digits_ckpt), "--data", str(tmp_path / "photos"), *common,
+                             "--k", "3", "--json")  # fmt: skip
+    assert code == 0, err
+    computed = json.loads(out)
+    assert from_files["num_train"] == computed["num_train"] == 18, (from_files, computed, err)
+    assert {k: v for k, v in from_files.items() if k != "features"} == {
+        k: v for k, v in computed.items() if k != "features"
+    }

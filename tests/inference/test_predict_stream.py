@@ -520,3 +520,36 @@ def test_a_line_of_pixels_is_one_line_naming_the_file_on_every_path(
     code, _, err = run_cli(capsys, "eval", str(crop), "--data", str(tmp_path / "data"), *engine,
                            "--out", str(tmp_path / "ev"))  # fmt: skip
     assert code == 2 and f"{tmp_path / 'data' / 'test' / 'b' / 'line.jpg'}: {words}" in one_error(err)
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet"])
+def test_resume_with_skip_bad_continues_an_output_started_without_it_and_back(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpt: Path, suffix: str
+) -> None:
+    """The usual way to meet --skip-bad: a run stopped at an image that would not decode, then --resume
+    --skip-bad (issue 48: refused as "its columns are not those this job writes"). The output keeps its own
+    columns: no error column in one started without --skip-bad (the failed row is empty, and counted)."""
+    for i in range(4):
+        png(tmp_path / "in" / f"{i}.png", i)
+    corrupt = tmp_path / "in" / "3b.jpg"
+    corrupt.write_bytes(b"\xff\xd8\xff not a jpeg")
+    png(tmp_path / "in" / "4.png", 4)
+    out = tmp_path / f"o{suffix}"
+    argv = [str(tmp_path / "in"), "--batch-size", "2", "--workers", "0", "--out", str(out)]
+    code, _, err = predict_cli(capsys, ckpt, *argv)
+    assert code == 2 and str(corrupt) in err
+    code, _, err = predict_cli(capsys, ckpt, *argv, "--resume", "--skip-bad")
+    assert code == 0, err
+    assert "note: 1 of" in err and str(corrupt) in err
+    rows = read_rows(out)
+    assert [Path(r["image"]).name for r in rows] == ["0.png", "1.png", "2.png", "3.png", "3b.jpg", "4.png"]
+    assert rows[4]["classes"] is None and rows[5]["classes"] is not None and "error" not in rows[0]
+    # and the other way: started with --skip-bad, resumed without it
+    out2 = tmp_path / f"p{suffix}"
+    argv2 = [str(tmp_path / "in"), "--batch-size", "2", "--workers", "0", "--out", str(out2)]
+    assert predict_cli(capsys, ckpt, *argv2, "--skip-bad")[0] == 0
+    png(tmp_path / "in" / "5.png", 5)
+    code, _, err = predict_cli(capsys, ckpt, *argv2, "--resume")
+    assert code == 0, err  # the corrupt image's row is done: it is not read again
+    assert [Path(r["image"]).name for r in read_rows(out2)][-1] == "5.png"
+    assert read_rows(out2)[4]["error"]

@@ -420,3 +420,34 @@ def test_names_on_the_console_never_carry_control_characters(tmp_path: Path, ckp
     lines = res.stderr.decode().strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "\\x1b[31mbad.png" in lines[0], res.stderr
     assert b"\x1b" not in res.stderr
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl", ".parquet", ".npy", ".safetensors"])
+def test_a_finished_or_failed_job_leaves_no_lock_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpts: tuple[Path, Path], suffix: str
+) -> None:
+    """Every finished output left ``NAME.vitkit.lock`` beside it (issue 48): the lock file goes with the job,
+    whether it ends well or not, and the output can be locked again at once."""
+    images = _images(tmp_path / "in", 3)
+    out = tmp_path / "out" / f"o{suffix}"
+    run = embed if suffix in (".npy", ".safetensors") else predict
+    assert run(capsys, ckpts[0], str(images), "--out", str(out))[0] == 0
+    (images / "bad.png").write_bytes(b"\x89PNG broken")
+    assert run(capsys, ckpts[0], str(images), "--out", str(out), "--overwrite")[0] == 2
+    assert not list((tmp_path / "out").glob("*.lock")), sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert run(capsys, ckpts[0], str(images), "--out", str(out), "--overwrite", "--skip-bad")[0] == 0
+    assert not list((tmp_path / "out").glob("*.lock"))
+
+
+def test_the_lock_file_is_removed_only_while_it_is_the_one_held(tmp_path: Path) -> None:
+    """A lock file at the name that is not the file this process locked (the holder before it removed its own
+    and another job made a new one) is not this job's: never removed by it, and not taken as held."""
+    from vitkit.outputs.store import OutputLock
+
+    lock = OutputLock(tmp_path / "o.csv")
+    assert lock._holds_the_file()
+    lock.path.unlink()
+    lock.path.write_text("")  # another job's new lock file
+    assert not lock._holds_the_file()
+    lock.release()
+    assert lock.path.exists()

@@ -54,6 +54,33 @@ def test_demo_model_predicts_like_vitkit_predict(
     build_demo(served, tmp_path)  # the page builds for this checkpoint
 
 
+def test_the_demo_page_prints_no_gradio_banner_and_leaves_the_figure_titles_uncovered(
+    ckpt: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 48: the page printed Gradio's "set `share=True` in `launch()`" (no option of vitkit demo), and the
+    label badges of the two model figures covered the titles drawn in them."""
+    pytest.importorskip("gradio")
+    from vitkit.serve.demo import build_demo, launch
+    from vitkit.serve.engine import ServedModel
+
+    demo = build_demo(ServedModel.from_checkpoint(ckpt, fast=False), tmp_path)
+    names = ("Position-embedding similarity", "Patch-embedding filters (PCA)")
+    figures = [c for c in demo.blocks.values() if getattr(c, "label", None) in names]
+    assert len(figures) == 2
+    assert not any(c.show_label for c in figures)  # the figures' own titles say what they show
+    port = free_port()
+    launch(demo, "127.0.0.1", port, [str(tmp_path)], block=False)
+    try:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as page:
+            assert page.status == 200
+    finally:
+        demo.close()
+    out, err = capfd.readouterr()
+    assert "share=True" not in out + err and "Running on local URL" not in out + err, out + err
+
+
 def test_demo_answers_a_file_that_is_not_an_image_in_one_line(
     ckpt: Path, sample_jpeg: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -20,7 +20,6 @@ lora        LoRA adapters + head, loaded onto (and merged into) the base checkpo
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,7 +49,8 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import check_not_input, check_output_file, complete_dir
 from vitkit.hub import Resolved, label_names, label_set_for, resolve
-from vitkit.models.variants import create_model
+from vitkit.hub.resolve import NotFound, looks_like_variant
+from vitkit.models.variants import PATCH_SIZES, create_model, parse_name
 from vitkit.models.vit import VisionTransformer
 
 
@@ -167,8 +167,7 @@ def is_variant_name(name: str | os.PathLike[str]) -> bool:
     """True when ``name`` names a model variant (``B/16``, ``R50+B/16``) rather than a checkpoint: it is no
     local path and is spelled like a variant (size letters / patch digits). Everything else (paths, URLs,
     registry names, hub ids) is a checkpoint."""
-    text = os.fspath(name)
-    return not os.path.exists(text) and re.fullmatch(r"(?:ViT-)?(?:R\d*\+)?[A-Za-z]{1,3}/\d{1,3}", text) is not None
+    return looks_like_variant(os.fspath(name))
 
 
 def detect_format(path: str | os.PathLike[str]) -> str:
@@ -203,7 +202,7 @@ def read_checkpoint(
     that only the folder names is never fetched (see :func:`vitkit.checkpoints.lora_format.check_declared_base`).
     """
     local = complete_dir(Path(path))
-    found = resolve(local if local.exists() else path, cache_dir=cache_dir)
+    found = _resolve(local if local.exists() else path, cache_dir)
     name = format or (found.entry.format if found.entry else None) or detect_format(found.path)
     if name not in FORMATS:
         raise ConfigError(f"unknown checkpoint format {name!r}; known: {', '.join(FORMATS)}")
@@ -215,6 +214,22 @@ def read_checkpoint(
         ckpt = FORMATS[name].load(found.path)
     check_preprocess(ckpt.cfg, ckpt.meta.preprocess, ckpt.meta.source)  # every format (the readers name the file)
     return replace(ckpt, meta=_with_source_metadata(ckpt.meta, ckpt.cfg.num_classes, found))
+
+
+def _resolve(name: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None) -> Resolved:
+    """:func:`vitkit.hub.resolve`; a name found nowhere that spells a variant another way (``vit-b16``) is told
+    the variant's name."""
+    try:
+        return resolve(name, cache_dir=cache_dir)
+    except NotFound as e:
+        try:
+            size, patch = parse_name(os.fspath(name))
+        except ConfigError:
+            raise e from None
+        if patch not in PATCH_SIZES or looks_like_variant(os.fspath(name)):
+            raise
+        variant = f"{size}/{patch}"
+        raise NotFound(f"{e}; did you mean the model variant {variant} (vitkit info {variant})?") from None
 
 
 # Formats that hold no class names of their own: Google's .npz files (their 1000 / 21843-way heads are
@@ -284,7 +299,10 @@ def load_checkpoint(
         model.reset_head(num_classes)
         meta = replace(meta, class_names=None)
     if image_size is not None:
-        model.resize_image(image_size, method=pos_interpolation)
+        try:
+            model.resize_image(image_size, method=pos_interpolation)
+        except ValueError as e:  # a size the patch stride does not divide
+            raise ConfigError(f"{ckpt.meta.source}: image size {image_size}: {e}") from None
         meta = replace(meta, preprocess=replace(meta.preprocess, image_size=model.cfg.image_size))
     return Loaded(model.eval(), meta)
 

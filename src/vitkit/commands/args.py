@@ -237,3 +237,29 @@ def leave_processes(info: Any) -> None:
     from vitkit.distributed import barrier
 
     barrier(info)
+
+
+def check_out_of_inputs(out: Any, *inputs: Any) -> None:
+    """Refuse an ``--out`` that is, holds or lies inside a local input (an image folder or file, a ``--data``
+    folder or file): written there, it would be read back as data by the next run on that input (predictions.csv
+    in a folder of images; a report folder taken for a class). ``inputs``: paths, lists of paths, or None; only
+    those that exist here are judged (names such as ``digits`` or a Hub id are no paths)."""
+    import os
+    from pathlib import Path
+
+    from vitkit.errors import ConfigError
+    from vitkit.fileio import overlaps
+
+    if out is None:
+        return
+    given: list[Any] = []
+    for item in inputs:
+        given += list(item) if isinstance(item, (list, tuple)) else [item]
+    for src in given:
+        if src is None or not os.path.exists(src):
+            continue
+        if overlaps(Path(out), Path(src)):
+            raise ConfigError(
+                f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would be "
+                "read as input by the next run on it); write it outside the input"
+            )

@@ -12,6 +12,7 @@ from vitkit.commands.args import (
     add_decode_arg,
     add_engine_args,
     add_workers_arg,
+    check_out_of_inputs,
     join_processes,
     leave_processes,
     positive_int,
@@ -95,6 +96,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if info.is_main:  # before anything else (process 0 alone: the others would see its first chunks)
         check_embeddings_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        check_out_of_inputs(args.out, args.images, args.data)
     if bool(args.images) == bool(args.data):
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")
     source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)

@@ -19,6 +19,7 @@ from vitkit.commands.args import (
     add_data_args,
     add_decode_arg,
     add_engine_args,
+    check_out_of_inputs,
     image_size,
     join_processes,
     leave_processes,
@@ -93,6 +94,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     info = join_processes(args.device)  # under torchrun: this process's share of the dataset
     if info.is_main:
         check_eval_report_dir(out)  # refused before the evaluation, never after it
+        check_out_of_inputs(out, args.data)
     loaded = load_for_eval(args)
     dataset = open_noted(args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names,
                          strict_classes=False)  # fmt: skip
@@ -174,6 +176,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
     if args.out:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
+        check_out_of_inputs(args.out, getattr(args, "data", None))
     if check_embedding_inputs(args):
         from vitkit.evaluate.evaluate import fewshot_embeddings
 
@@ -278,10 +281,14 @@ def cmd_knn(args: argparse.Namespace) -> int:
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if args.out and info.is_main:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
+        check_out_of_inputs(args.out, getattr(args, "data", None))
     chunks = {"k": args.k, "temperature": args.temperature, "query_chunk": args.query_chunk,
               "bank_chunk": args.bank_chunk}  # fmt: skip
     if check_embedding_inputs(args):
-        report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks)
+        notes: list[str] = []
+        report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks, notes=notes)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
         what = f"{args.train_embeddings} -> {args.test_embeddings}"
     else:
         from vitkit.data.datasets import open_noted
@@ -340,6 +347,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     from vitkit.images import load_image
 
     check_analysis_dir(args.out)  # refused before loading anything, never after the analyses
+    check_out_of_inputs(args.out, args.images, args.data)
     device = resolve_device(args.device)
     loaded = load_for_eval(args, image_size=args.image_size)
     images = [load_image(path) for path in args.images]  # fail on a bad file before any compute

@@ -12,6 +12,7 @@ from vitkit.commands.args import (
     add_decode_arg,
     add_engine_args,
     add_workers_arg,
+    check_out_of_inputs,
     join_processes,
     leave_processes,
     positive_int,
@@ -82,6 +83,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         check_rows_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+        check_out_of_inputs(args.out, args.images, args.data)
     source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)
     loaded = load_checkpoint(args.checkpoint, format=args.format)
     check_batch_fits(args.batch_size, loaded.model, loaded.meta.preprocess)  # before any output is opened

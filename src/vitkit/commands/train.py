@@ -281,6 +281,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         getattr(args, "data.image_size"),
         method=args.method,
         notes=notes,
+        skip_bad=bool(getattr(args, "data.skip_bad")),
     )
     cfg = apply_overrides(base, {**_changes(args), **adapt}, args.sets)
     cfg.validate()  # a bad value is the one line, before any note

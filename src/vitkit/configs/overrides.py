@@ -166,6 +166,7 @@ def finetune_config(
     *,
     method: str = "full",
     notes: list[str] | None = None,
+    skip_bad: bool = False,
 ) -> TrainConfig:
     """A fine-tuning run starting from ``checkpoint`` on ``data`` (``vitkit finetune``).
 
@@ -177,15 +178,19 @@ def finetune_config(
     224 -> 384 px for a paper checkpoint, 16 -> 28 px for the digits model (384 px would be 9,216 tokens
     there) -- never above the larger of the checkpoint's and the recipe's resolution. ``method`` linear (a head
     on frozen features, nothing to adapt to a new resolution): the checkpoint's own resolution. Methods that
-    train select their weights on held-out data (``adapt.select``).
+    train select their weights on held-out data (``adapt.select``). ``skip_bad``: the data is counted as the run
+    will open it (unreadable items and empty class folders left out). An ``image_size`` the checkpoint's patch
+    stride does not divide is refused here (ConfigError naming ``--image-size``), before any run folder exists.
     """
     from vitkit.checkpoints import read_checkpoint
 
+    if image_size is not None:
+        check_image_size(image_size, read_checkpoint(checkpoint).cfg, checkpoint)
     if recipe is None:
         native = read_checkpoint(checkpoint).cfg.image_size
         size = image_size or native
         cfg = get_recipe("paper-finetune")  # only to read the adaptation defaults from
-        trained, held = training_images(data, cfg.adapt.val_fraction, select=method != "linear")
+        trained, held = training_images(data, cfg.adapt.val_fraction, select=method != "linear", skip_bad=skip_bad)
         cfg, why = finetune_for_data(trained, size, checkpoint, data, method)
         if notes is not None and method != "linear":
             notes.append(schedule_line(cfg, trained, held, native, why))
@@ -219,16 +224,35 @@ def finetune_config(
     return cfg.override(**changes)
 
 
-def training_images(data: str, val_fraction: float, *, select: bool) -> tuple[int, int]:
+def check_image_size(image_size: tuple[int, int], ckpt: ViTConfig, checkpoint: str) -> None:
+    """Refuse a fine-tuning resolution the checkpoint's patch stride does not divide (ConfigError naming
+    ``--image-size``)."""
+    stride = ckpt.stride
+    h, w = image_size
+    if h % stride or w % stride:
+        what = "patch size" if ckpt.resnet_layers is None else "stride (ResNet x patch)"
+        near = f"{max(1, round(h / stride)) * stride}" + ("" if h == w else f"x{max(1, round(w / stride)) * stride}")
+        raise ConfigError(
+            f"--image-size {h}x{w}: not a multiple of the {what} {stride} of {checkpoint}; choose a multiple of "
+            f"{stride} (e.g. --image-size {near})"
+        )
+
+
+def training_images(data: str, val_fraction: float, *, select: bool, skip_bad: bool = False) -> tuple[int, int]:
     """(images trained on, images held out of them to select the weights on) of ``data``'s training split: a
     data set with a validation split of its own is trained on whole; else ``val_fraction`` of every class of at
-    least two images is held out (``vitkit.data.subset``, as the run draws it)."""
+    least two images is held out (``vitkit.data.subset``, as the run draws it). ``skip_bad``: what the listing
+    shows unreadable (empty files and class folders) left out, as the run leaves it out; the images are not
+    decoded here."""
     from vitkit.data.datasets import open_dataset, open_split_or_none
     from vitkit.data.subset import holdout_count
 
-    train = open_dataset(data, "train")
+    train = open_dataset(data, "train", skip_bad=skip_bad, predecode=False)
     n = len(train)
-    if not select or open_split_or_none(data, "val", classes=train.classes) is not None:
+    if (
+        not select
+        or open_split_or_none(data, "val", skip_bad=skip_bad, classes=train.classes, predecode=False) is not None
+    ):
         return n, 0
     counts = np.bincount(train.labels, minlength=train.num_classes)
     if n == 0 or counts.min() < 2:

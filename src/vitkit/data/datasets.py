@@ -147,10 +147,11 @@ def open_split_or_none(
     *,
     skip_bad: bool = False,
     classes: Sequence[str] | None = None,
+    predecode: bool = True,
 ) -> ImageDataset | None:
     """``open_dataset``, but None when the source has no such split (any other problem still raises)."""
     try:
-        return open_dataset(source, split, skip_bad=skip_bad, classes=classes)
+        return open_dataset(source, split, skip_bad=skip_bad, classes=classes, predecode=predecode)
     except MissingSplitError:
         return None
 

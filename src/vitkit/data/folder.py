@@ -120,7 +120,10 @@ def open_image_folder(
             skipped.append(Skipped(link, why))
         if not files:
             if not skip_bad:
-                raise DataError(f"{folder}: empty class folder (no image files); remove it or pass skip_bad")
+                raise DataError(
+                    f"{folder}: empty class folder (no image files); remove it, or pass --skip-bad "
+                    "(skip_bad=True) to skip it"
+                )
             skipped.append(Skipped(str(folder), "empty class folder"))
             continue
         for f in files:

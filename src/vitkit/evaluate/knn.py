@@ -13,6 +13,7 @@ keeping a running top-k per query, so the memory of a search is ``query_chunk x 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -196,19 +197,31 @@ def knn_embeddings(
     temperature: float = DEFAULT_TEMPERATURE,
     query_chunk: int = 256,
     bank_chunk: int = 65536,
+    notes: list[str] | None = None,
 ) -> KnnReport:
     """kNN accuracy from two outputs of ``vitkit embed`` (the training split's, the bank, and the test split's;
-    made from a labelled dataset): :func:`knn_evaluate` of their vectors (flattened) and labels."""
-    tr, te = comparable_embeddings(train, test)
+    made from a labelled dataset): :func:`knn_evaluate` of their vectors (flattened) and labels. The rows of
+    images that failed (embedded with ``--skip-bad``) are left out, as the dataset path leaves those images out,
+    and counted: one line per file in ``notes``."""
+    tr, te = comparable_embeddings(train, test, drop_failed=True, notes=notes)
     K = int(max(tr.labels.max(), te.labels.max())) + 1
     return knn_evaluate(tr.vectors.reshape(len(tr), -1), tr.labels, te.vectors.reshape(len(te), -1), te.labels, K,
                         k=k, temperature=temperature, query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
 
 
-def labelled_embeddings(path: str | os.PathLike[str], option: str) -> Embeddings:
+def labelled_embeddings(
+    path: str | os.PathLike[str], option: str, *, drop_failed: bool = False, notes: list[str] | None = None
+) -> Embeddings:
     """An output of ``vitkit embed`` whose every row has a label and a vector (DataError naming ``option`` and
-    the file otherwise)."""
+    the file otherwise). ``drop_failed``: the rows of images that failed (``--skip-bad``) are left out instead,
+    and said in ``notes``."""
     e = read_embeddings(path)
+    if e.errors and drop_failed:
+        failed, e = e.errors, _without_failed(e)
+        if notes is not None:
+            first = min(failed)
+            notes.append(f"{option} {path}: left out {len(failed)} row(s) of images that failed (embedded with "
+                         f"--skip-bad; first: row {first}: {failed[first]})")  # fmt: skip
     if len(e) == 0:
         raise DataError(f"{option} {path}: holds no embeddings")
     if (e.labels < 0).any():
@@ -221,9 +234,25 @@ def labelled_embeddings(path: str | os.PathLike[str], option: str) -> Embeddings
     return e
 
 
-def comparable_embeddings(train: str | os.PathLike[str], test: str | os.PathLike[str]) -> tuple[Embeddings, Embeddings]:
+def _without_failed(e: Embeddings) -> Embeddings:
+    """``e`` without the rows of images that failed (their vectors are not read)."""
+    keep = np.setdiff1d(np.arange(len(e)), np.fromiter(e.errors, dtype=np.int64, count=len(e.errors)))
+    return dataclasses.replace(
+        e, ids=[e.ids[i] for i in keep], index=e.index[keep], labels=e.labels[keep], vectors=e.vectors[keep], errors={}
+    )
+
+
+def comparable_embeddings(
+    train: str | os.PathLike[str],
+    test: str | os.PathLike[str],
+    *,
+    drop_failed: bool = False,
+    notes: list[str] | None = None,
+) -> tuple[Embeddings, Embeddings]:
     """The train and test embeddings (:func:`labelled_embeddings`), made by one checkpoint, precision,
     preprocessing and pooling (:func:`~vitkit.inference.provenance.check_comparable`)."""
-    tr, te = labelled_embeddings(train, "--train-embeddings"), labelled_embeddings(test, "--test-embeddings")
+    kw: dict[str, Any] = {"drop_failed": drop_failed, "notes": notes}
+    tr = labelled_embeddings(train, "--train-embeddings", **kw)
+    te = labelled_embeddings(test, "--test-embeddings", **kw)
     check_comparable(tr.meta, te.meta, f"--train-embeddings {train}", f"--test-embeddings {test}")
     return tr, te

@@ -93,8 +93,8 @@ def close_names(name: str, n: int = 3) -> list[str]:
     """Registry names that look like ``name`` (for 'did you mean' hints)."""
     import difflib
 
-    names = [e.name for e in entries()]
-    return difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    names = {e.name.lower(): e.name for e in entries()}  # letter case aside: vit-b16 is close to ViT-B_16-i21k
+    return [names[c] for c in difflib.get_close_matches(name.lower(), list(names), n=n, cutoff=0.6)]
 
 
 def markdown_table() -> str:

@@ -28,6 +28,8 @@ from vitkit.hub.download import DownloadError, download, gs_to_https, is_cached,
 from vitkit.hub.registry import Entry
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+# a model variant's name (B/16, ViT-L/14, R50+B/16): an architecture, not a checkpoint (vitkit.models.variants)
+VARIANT = re.compile(r"(?:ViT-)?(?:R\d*\+)?[A-Za-z]{1,3}/\d{1,3}")
 
 
 class NotFound(CheckpointError):
@@ -65,8 +67,14 @@ def resolve(
     if is_url(text):
         return Resolved(text, download(text, cache=cache_dir, progress=progress), "url", url=gs_to_https(text))
     missing = f"{text}: no such file or directory"
-    if looks_like_path(text):
-        raise NotFound(f"{missing} (and not a URL, registry name or Hugging Face Hub id)")
+    if looks_like_variant(text):
+        raise NotFound(
+            f"{text}: a model variant (an architecture: vitkit info {text} describes it), not a checkpoint; it has no "
+            "weights to load: give a checkpoint file or folder, a run folder, a registry name (vitkit models) or a "
+            f"Hugging Face Hub id org/name (vitkit train --model {text} trains one from scratch)"
+        )
+    if looks_like_path(text) or _in_local_folder(text):
+        raise NotFound(f"{missing}{_close_files(text)} (and not a URL, registry name or Hugging Face Hub id)")
     entry = registry.lookup(text)  # raises AmbiguousName with the candidates
     if entry is not None:
         path = download(entry.url, cache=cache_dir, sha256=entry.sha256, progress=progress)
@@ -82,6 +90,32 @@ def resolve(
     except VitkitError as e:
         raise NotFound(f"{missing}; {tried}; Hugging Face Hub: {e}") from None
     return Resolved(text, folder, "hub", repo_id=repo_id, revision=revision)
+
+
+def looks_like_variant(text: str) -> bool:
+    """Spelled as a model variant's name (``B/16``, ``ViT-L/14``, ``R50+B/16``) and no local path."""
+    return not os.path.exists(text) and VARIANT.fullmatch(text) is not None
+
+
+def _in_local_folder(text: str) -> bool:
+    """An ``a/b`` name whose folder ``a`` exists here: a local path (mistyped), not a Hub id -- answered at once,
+    without asking the network."""
+    parent = Path(text).parent
+    return parent != Path(".") and parent.is_dir()
+
+
+def _close_files(text: str) -> str:
+    """ " (close: ...)" naming the entries of the path's folder that look like it; "" when none does."""
+    import difflib
+
+    path = Path(text)
+    folder = path.parent
+    try:
+        names = [e.name for e in os.scandir(folder if str(folder) else ".")][:10_000]
+    except OSError:
+        return ""
+    close = difflib.get_close_matches(path.name, names, n=3, cutoff=0.6)
+    return f" (close: {', '.join(str(folder / c) for c in close)})" if close else ""
 
 
 def looks_like_path(text: str) -> bool:

@@ -26,7 +26,7 @@ from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import EngineSpec, Job, JobSummary, image_source, job_steps, run_job
 from vitkit.inference.provenance import job_meta
-from vitkit.outputs.rows import Field, open_rows
+from vitkit.outputs.rows import ColumnsError, Field, open_rows
 
 ImageInput = str | os.PathLike[str] | Image.Image
 
@@ -260,14 +260,13 @@ def predict_job(
     if not info.is_main:
         pass  # its rows go to process 0
     elif out is not None:
-        fields = prediction_fields(opts.top_k, loaded.model.cfg.num_classes, logits=opts.logits, errors=opts.skip_bad)
         meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend)}
-        sink = open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
+        sink = _open_output(out, loaded.model.cfg.num_classes, opts, resume, overwrite, meta)
     else:
         sink = ConsoleRows(as_json, echo)
 
     def rows(engine: InferenceEngine, batch: StreamBatch) -> dict[str, list[Any]]:
-        return prediction_columns(engine, batch, opts.top_k, logits=opts.logits, errors=opts.skip_bad or out is None)
+        return prediction_columns(engine, batch, opts.top_k, logits=opts.logits, errors=True)  # the sink picks
 
     try:
         return run_job(job, rows, sink)
@@ -275,6 +274,26 @@ def predict_job(
         close = getattr(sink, "close", None)
         if close is not None:
             close()
+
+
+def _open_output(
+    out: str | os.PathLike[str], classes: int, opts: PredictOptions, resume: bool, overwrite: bool, meta: dict[str, str]
+) -> Any:
+    """The prediction output's writer: an ``error`` column with ``skip_bad``. An output resumed with another
+    ``--skip-bad`` than it was started with keeps its own columns: one started without it (stopped at an image
+    that would not decode, say) continues with ``--skip-bad``, its failed rows empty (and counted at the end);
+    one started with it keeps writing its ``error`` column."""
+    fields = prediction_fields(opts.top_k, classes, logits=opts.logits, errors=opts.skip_bad)
+    try:
+        return open_rows(out, fields, id_field="image", resume=resume, overwrite=overwrite, meta=meta)
+    except ColumnsError as first:
+        if not resume:
+            raise
+        other = prediction_fields(opts.top_k, classes, logits=opts.logits, errors=not opts.skip_bad)
+        try:
+            return open_rows(out, other, id_field="image", resume=True, overwrite=False, meta=meta)
+        except ColumnsError:
+            raise first from None
 
 
 def default_output_note(out: Path, summary: JobSummary) -> str:

@@ -78,6 +78,11 @@ def model_config(name: str, **overrides: Any) -> ViTConfig:
     try:
         return ViTConfig(**kwargs)
     except (TypeError, ValueError) as e:
+        if hybrid is None and kwargs["patch_size"] not in PATCH_SIZES and "image_size" not in overrides:
+            raise ConfigError(
+                f"unknown variant {name!r}: the variants are {', '.join(VARIANTS)} with patch size "
+                f"{', '.join(map(str, PATCH_SIZES))} (e.g. B/16); another patch size needs an image size it divides"
+            ) from None
         raise ConfigError(f"model {name}: {e}") from None
 
 

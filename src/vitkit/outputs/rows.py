@@ -61,6 +61,11 @@ MAX_ROW_BYTES = 64 << 20  # one JSONL/CSV row read back on resume (K = 21843 log
 _FORMULA = ("=", "+", "-", "@", "\t", "\r", "'")  # a CSV text cell starting so is prefixed with '
 
 
+class ColumnsError(DataError):
+    """An output to resume whose columns are not those the job writes (a job whose columns depend on an option
+    may try the other choice: ``vitkit predict``'s ``error`` column with ``--skip-bad``)."""
+
+
 @dataclass(frozen=True)
 class Field:
     """One output column: ``kind`` one of int, float, str, bool, or a list of int/float/str of length
@@ -182,7 +187,7 @@ class _TextWriter(RowWriter):
                 "resumes only its own outputs and never changes other files: write to a new --out"
             )
         if mark.get("columns") != self.columns:
-            raise DataError(
+            raise ColumnsError(
                 f"{self.path}: its columns are not those this job writes ({', '.join(self.columns[:6])}, "
                 "...); continue it with the options it was started with, or write to a new --out"
             )
@@ -361,7 +366,7 @@ class _ParquetWriter(RowWriter):
         if (schema.metadata or {}).get(WRITER_KEY.encode()) != WRITER.encode():
             raise DataError(f"{file}: not written by vitkit; vitkit never overwrites what it did not write")
         if schema.remove_metadata() != self.schema.remove_metadata():
-            raise DataError(
+            raise ColumnsError(
                 f"{file}: its columns ({', '.join(schema.names)}) are not those this job writes "
                 f"({', '.join(self.schema.names)}); continue it with the options it was started with, or write to "
                 "a new --out"

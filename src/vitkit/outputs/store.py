@@ -83,30 +83,64 @@ def write_sidecar(out: Path, doc: dict[str, Any]) -> None:
 class OutputLock:
     """An exclusive lock on an output, held by this process for a whole job (``filelock``: ``flock`` on
     ``out.vitkit.lock``, opened without following links). A second job on the same output, in another process,
-    is refused at once with one line naming it. Re-entrant in one process; :meth:`release` once per acquire."""
+    is refused at once with one line naming it. Re-entrant in one process; :meth:`release` once per acquire.
+
+    The lock file goes with the last release: it is unlinked while still locked, and a lock taken on a file
+    that is no longer the one at its name (unlinked by the holder between our open and our ``flock``) is let
+    go and taken again, so two jobs never both hold the output (a kill leaves the file: it holds nothing)."""
 
     def __init__(self, out: Path) -> None:
-        from filelock import FileLock, Timeout
+        from filelock import FileLock
 
         self.out = out
-        lock = out.with_name(out.name + ".vitkit.lock")  # left there; it holds nothing
-        refuse_link(lock)
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        self.lock = FileLock(os.fspath(lock), is_singleton=True, thread_local=False)
+        self.path = out.with_name(out.name + ".vitkit.lock")
+        refuse_link(self.path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.lock = FileLock(os.fspath(self.path), is_singleton=True, thread_local=False)
+        for _ in range(100):  # each retry follows a holder's release: a few at most
+            self._acquire()
+            if self.lock.lock_counter > 1 or self._holds_the_file():
+                return
+            self.lock.release()  # the holder removed the file we locked: the output is free, or taken anew
+        raise DataError(
+            f"--out {out}: another vitkit job keeps taking it; wait for it to end, or write to another --out"
+        )
+
+    def _acquire(self) -> None:
+        from filelock import Timeout
+
         try:
             self.lock.acquire(timeout=0)
         except Timeout:
             raise DataError(
-                f"--out {out}: another vitkit job is writing it (it holds {lock.name}); wait for it to end, or write "
-                "to another --out"
+                f"--out {self.out}: another vitkit job is writing it (it holds {self.path.name}); wait for it to end, "
+                "or write to another --out"
             ) from None
         except OSError as e:
-            raise ConfigError(f"--out {out}: cannot lock it through {lock} ({e.strerror or e})") from None
+            raise ConfigError(f"--out {self.out}: cannot lock it through {self.path} ({e.strerror or e})") from None
+
+    def _holds_the_file(self) -> bool:
+        """Whether the file this process has locked is the one at the lock's name (True where that cannot be
+        told: the file is then never removed)."""
+        fd = getattr(getattr(self.lock, "_context", None), "lock_file_fd", None)
+        if not isinstance(fd, int):
+            return True
+        try:
+            held, named = os.fstat(fd), os.lstat(self.path)
+        except OSError:
+            return False
+        return held.st_nlink > 0 and os.path.samestat(held, named)
 
     def release(self) -> None:
-        """Let another job write the output (once per acquire; the process's exit releases it too)."""
-        if self.lock.is_locked:
-            self.lock.release()
+        """Let another job write the output (once per acquire; the process's exit releases it too); the last
+        release removes the lock file (while it is still locked)."""
+        if not self.lock.is_locked:
+            return
+        fd = getattr(getattr(self.lock, "_context", None), "lock_file_fd", None)
+        if self.lock.lock_counter == 1 and isinstance(fd, int) and self._holds_the_file():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+        self.lock.release()
 
 
 def pyarrow() -> Any:

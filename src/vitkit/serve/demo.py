@@ -188,10 +188,12 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
                 raw = gr.Image(
                     label=f"Raw attention of the {query}", interactive=False, elem_id="raw-attention", format="png"
                 )
-        with gr.Row():
-            gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False)
+        with gr.Row():  # no label badge over the figures: it covered their titles, which say what they show
+            gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False,
+                     show_label=False, elem_id="position-figure")  # fmt: skip
             if isinstance(figs["filters"], Path):
-                gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False)
+                gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False,
+                         show_label=False, elem_id="filters-figure")  # fmt: skip
             else:
                 gr.Markdown(f"Patch-embedding filters: not shown ({figs['filters']}).")
         # preprocess=False: the upload arrives as Gradio's file record and is decoded by vitkit's decoder, so a
@@ -202,8 +204,10 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
     return demo
 
 
-def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[str]]) -> None:
-    """Serve the page (blocks until Ctrl-C); no share link, no analytics, no external fonts."""
+def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[str]], *, block: bool = True) -> None:
+    """Serve the page (blocks until Ctrl-C unless ``block`` is False: then ``demo.close()`` ends it); no share
+    link, no analytics, no external fonts, and none of Gradio's own banner (its "Running on local URL" and "set
+    `share=True` in `launch()`", an option ``vitkit demo`` does not have): the command prints its address."""
     import gradio as gr
 
     theme = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"], font_mono=["ui-monospace"])
@@ -218,6 +222,8 @@ def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[
             allowed_paths=[str(p) for p in allowed],
             theme=theme,
             show_error=True,
+            quiet=True,
+            prevent_thread_lock=not block,
         )
     except OSError as e:
         if "port" not in str(e).lower():

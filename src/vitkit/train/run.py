@@ -23,8 +23,8 @@ from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset, note_skipped, split_candidates
 from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.subset import split_off
-from vitkit.errors import ConfigError
-from vitkit.fileio import check_output_location, clean_stale, refuse_link
+from vitkit.errors import ConfigError, VitkitError
+from vitkit.fileio import check_output_location, clean_stale, refuse_link, remove_tree
 from vitkit.hardware import restore_tf32, use_tf32
 from vitkit.inference.policy import train_precision
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
@@ -94,6 +94,9 @@ class Run:
         self.precision = train_precision(cfg.precision, self.device)  # "auto" resolved: "fp32" or "bf16"
         self._tf32 = use_tf32(self.device, cfg.tf32)  # TF32 for fp32 matmuls where the GPU has it; undone on close
         self.run_dir = self._claim(Path(run_dir), claim) if claim else Path(run_dir)
+        # a new run's folders not there yet (the run folder, then its missing parents): what a run that fails
+        # before its first training state removes again, with the files it wrote there (_remove_unfinished)
+        self._new_dirs = _missing_dirs(self.run_dir) if claim and self.dist.is_main else None
         self.step = 0
         self._tb: Any = None
         self._sigterm: distr.StopSignal | None = None
@@ -270,8 +273,33 @@ class Run:
         if self._sigterm is not None:  # torchrun's SIGTERM must not cut its report short
             self._sigterm.release(keep_holding=peer is not None)
         self.close(clean=False)
+        if isinstance(exc, VitkitError):  # refused for its input; an interrupted run stays, to be resumed
+            self._remove_unfinished()
         if peer is not None:
             raise peer from None
+
+    def _remove_unfinished(self) -> None:
+        """After a new run failed (its data, a setting) before it wrote a training state or its model, remove what
+        it wrote -- the names of RUN_ENTRIES in its folder, none of which was there when it claimed the folder --
+        and the folders it created, when they are then empty: nothing is left to resume, and the same command
+        run again gets the same folder (not ``runs/<name>-2``). Anything else in the folder stays."""
+        if self._new_dirs is None or not self.run_dir.is_dir():
+            return
+        if train_state.list_states(self.run_dir / "checkpoints") or (self.run_dir / "model").exists():
+            return  # resumable, or finished: kept
+        train_state.clean_states(self.run_dir / "checkpoints")  # vitkit's own temporaries of a cut-short save
+        clean_stale(self.run_dir, ("model", "best"))
+        for name in RUN_ENTRIES:
+            path = self.run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                remove_tree(path)
+            elif path.is_file() or path.is_symlink():
+                path.unlink(missing_ok=True)
+        for folder in self._new_dirs:  # the run folder first, then the parents it created
+            try:
+                folder.rmdir()
+            except OSError:  # holds something vitkit did not write: left as it is
+                break
 
 
 # what a run writes in its folder: a folder holding any of these is taken (a run, or a user's files of those names,
@@ -288,6 +316,16 @@ RUN_ENTRIES = (
     "probe.json",  # finetune --method linear / lp-ft
     "selection.csv",  # finetune --method full / lp-ft / lora: the held-out evaluations the weights are chosen by
 )
+
+
+def _missing_dirs(path: Path) -> list[Path]:
+    """``path`` and its parents that do not exist yet, nearest first."""
+    missing = []
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink() or p == Path(p.anchor or "."):
+            break
+        missing.append(p)
+    return missing
 
 
 def _holds_run(path: Path) -> bool:
@@ -317,7 +355,10 @@ def check_run_dir(path: Path, numbered: bool = False) -> None:
     if numbered:
         return
     if _holds_run(path):
-        raise ConfigError(f"{path} already holds a run; resume it with --resume {path}, or choose another --out")
+        raise ConfigError(
+            f"{path} already holds a run; continue it with: vitkit train --resume {path} (a run stopped before its "
+            "first checkpoint starts again from step 0), or choose another --out"
+        )
     found = [name for name in RUN_ENTRIES if (path / name).exists() or (path / name).is_symlink()]
     if found:
         raise ConfigError(

@@ -251,13 +251,14 @@ def load_training(
 def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path | None]:
     """(config, run folder, training state) for resuming from ``path`` (a run folder or one state folder).
 
-    A run whose method fits a linear head first (``adapt.method`` linear, or lp-ft stopped before its first
-    training state) resumes from its ``config.json`` with no state: the head is fitted again, its features
-    read from the feature cache where the interrupted run stored them."""
+    A run stopped before its first training state (killed before it could remove what it wrote; a linear head
+    has none) resumes from its ``config.json`` with no state: it starts again from step 0 in its folder, as
+    configured (a linear or LP-FT head is fitted again, its features read from the feature cache where the
+    stopped run stored them)."""
     try:
         state = resolve_resume(path)
     except CheckpointError:
-        cfg = _head_first_config(Path(path))
+        cfg = _unstarted_config(Path(path))
         if cfg is None:
             raise
         return cfg, Path(path), None
@@ -276,17 +277,16 @@ def _older_defaults(config: Any) -> Any:
     return config
 
 
-def _head_first_config(run: Path) -> TrainConfig | None:
-    """The config of a run folder whose method starts with a linear head (linear, lp-ft), else None."""
+def _unstarted_config(run: Path) -> TrainConfig | None:
+    """The config of a run folder that holds a ``config.json`` and no training state, else None."""
     path = run / "config.json"
     refuse_link(path, "--resume")
     if list_states(run / "checkpoints") or not path.is_file():
         return None
     doc = _run_config(path)
-    method = (
-        doc.get("adapt", {}).get("method") if isinstance(doc, dict) and isinstance(doc.get("adapt"), dict) else None
-    )
-    return TrainConfig.from_dict(doc) if method in ("linear", "lp-ft") else None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: not a run's config (a JSON object); --resume needs the run's config as written")
+    return TrainConfig.from_dict(_older_defaults(doc))
 
 
 def check_config_unchanged(path: Path, saved: dict[str, Any]) -> None:

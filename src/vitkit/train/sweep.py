@@ -154,7 +154,9 @@ def _run_dir(folder: Path, lr: float) -> Path:
 
 def _remove_run(run: Path) -> None:
     """Remove what a run wrote (the names of RUN_ENTRIES) and its folder; anything else there is left, with a
-    note."""
+    note. A run that diverged before its first checkpoint removed its own already."""
+    if not run.is_dir():
+        return
     for name in RUN_ENTRIES:
         path = run / name
         if path.is_dir() and not path.is_symlink():

@@ -466,13 +466,25 @@ def train(
     else:
         folder = Path(run_dir) if run_dir is not None else Path("runs") / cfg.name
         claim = "numbered" if run_dir is None else "exclusive"
+    again = resume is not None and state is None  # stopped before its first training state: from step 0
     if cfg.adapt.method == "linear":  # no gradient steps: a head fitted on frozen features
         from vitkit.train.linear import LinearRun
 
         with LinearRun(cfg, folder, progress=progress, claim=claim) as run:
+            _note_again(run, again)
             return run.fit()
     with Trainer(cfg, folder, progress=progress, claim=claim) as trainer:
+        _note_again(trainer, again)
         return trainer.fit(state)
+
+
+def _note_again(run: Any, again: bool) -> None:
+    if again and run.dist.is_main:
+        print(
+            f"note: {run.run_dir}: stopped before its first checkpoint; starting it again from step 0 with its "
+            "config.json",
+            file=sys.stderr,
+        )
 
 
 __all__ = [
