@@ -121,3 +121,42 @@ def test_auto_on_every_cpu_kind_computes_the_models_function(cpu_kind: str) -> N
 def test_bf16_is_never_faster_without_bf16_instructions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": False)
     assert not bf16_is_faster("cpu")
+
+
+POOLED = [("cls", 2), ("gap", -1), ("tokens", 1), (None, 2), ("cls", None), ("tokens", None)]
+
+
+@pytest.mark.parametrize(("pool", "layer"), POOLED)
+def test_features_at_a_named_layer_and_pooling_equal_the_models_intermediates(pool: str | None, layer: int | None):
+    """``engine.features(x, layer=, pool=)``: the reference is the model's intermediates bit for bit; the fp32
+    fast path (only the first ``layer`` blocks) equals it up to rounding; a GAP model's own pooling is its mean."""
+    model = _model(classifier="gap")
+    x = torch.randn(4, 3, 48, 48)
+    with torch.no_grad():
+        out = model.forward_intermediates(x, attention=False)
+        depth = None if layer is None else (layer if layer > 0 else model.cfg.depth + 1 + layer)
+        tokens = out.hidden_states[depth] if depth is not None else model.forward_features(x)
+        want = {"cls": tokens[:, 0], "gap": tokens[:, model.cfg.num_prefix_tokens :].mean(1), "tokens": tokens,
+                None: model.pool(tokens)}[pool]  # fmt: skip
+    ref = InferenceEngine(model, PRE, precision="fp32")
+    got = ref.features(x, layer=layer, pool=pool)
+    assert got.dtype == torch.float32 and got.device.type == "cpu" and torch.equal(got, want)
+    fast = InferenceEngine(model, PRE, precision="fp32", batch_size=4, fp32_reference=False, tune=False)
+    assert fast.plan.path == "fast"
+    assert rel_err(fast.features(x, layer=layer, pool=pool), want) < 1e-5
+    with pytest.raises(ValueError, match="pool"):
+        ref.features(x, pool="max")
+
+
+def test_attentions_are_the_fp32_models_whatever_the_path() -> None:
+    """``engine.attentions``: the fp32 model's attention probabilities and logits, also on a bf16 engine (whose
+    fast path never materialises them)."""
+    model = _model()
+    x = torch.randn(2, 3, 48, 48)
+    with torch.no_grad():
+        want = model.forward_intermediates(x)
+    eng = InferenceEngine(model, PRE, precision="bf16", batch_size=2, tune=False)
+    got = eng.attentions(x)
+    assert len(got.attentions) == model.cfg.depth
+    assert all(torch.equal(a, b) for a, b in zip(got.attentions, want.attentions, strict=True))
+    assert got.logits is not None and want.logits is not None and torch.equal(got.logits, want.logits)

@@ -168,14 +168,14 @@ def test_predict_job_on_cuda_takes_the_uint8_path_with_the_same_rows(
     stream_batches = jobs.stream_batches
 
     def recording(source: Any, transform: Any, batch_size: int, **kwargs: Any) -> Any:
-        asked.append({"uint8": transform.uint8, "pin_memory": kwargs.get("pin_memory", False)})
-        return stream_batches(source, transform, batch_size, **{**kwargs, "pin_memory": False})  # nothing to pin
+        asked.append({"uint8": transform.uint8})
+        return stream_batches(source, transform, batch_size, **kwargs)  # pageable: stream_batches does not pin
 
     monkeypatch.setattr(jobs, "stream_batches", recording)
     monkeypatch.setattr(jobs.EngineSpec, "build", lambda spec, *a: cuda_engine(loaded))  # the job plans, then builds
     cuda_opts = dataclasses.replace(opts, device="cuda")
     predict_module.predict_job(loaded, FileSource(files), cuda_opts, out=tmp_path / "cuda.jsonl")
-    assert asked == [{"uint8": True, "pin_memory": False}]  # pageable: the pinning thread measured slower
+    assert asked == [{"uint8": True}]  # pageable: the pinning thread measured slower
     # (the fake leaves tensors on the CPU, so forward() copies the normalised batch "again": not counted)
     copies = [e for e in fake_cuda if e[0] == "to" and e[2] == torch.uint8]
     assert [c[1][0] for c in copies] == [3, 3, 1] and all(c[3] for c in copies)  # every batch, non_blocking

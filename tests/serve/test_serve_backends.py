@@ -32,7 +32,7 @@ def test_served_backend_answers_like_the_pytorch_model(ckpt: Path, backend: str,
     ref_model = ServedModel.from_checkpoint(ckpt, precision="fp32", fast=False)
     x = torch.stack([ref_model.to_tensor(Image.open(io.BytesIO(image_bytes(s)))) for s in range(8)])
     served = ServedModel.from_checkpoint(ckpt, precision=precision, max_batch=4, backend=backend)
-    assert isinstance(served.fast, EngineModel) and served.card()["backend"] == backend
+    assert isinstance(served.engine.runner, EngineModel) and served.card()["backend"] == backend
     assert served.precision == ("fp32" if precision == "auto" else precision)  # ONNX Runtime: no bf16
     served.warm_up(4)
     ref, got = ref_model.probabilities(x), served.probabilities(x)

@@ -387,21 +387,18 @@ def stream_batches(
     batch_size: int,
     *,
     positions: Sequence[int] | None = None,
-    start: int = 0,
     workers: int = 0,
     prefetch: int = 2,
     skip_bad: bool = False,
     lazy: bool | None = None,
     on_load: Callable[[], None] | None = None,
-    pin_memory: bool = False,
 ) -> Iterator[StreamBatch]:
     """Batches of ``transform``-ed items of ``source`` at ``positions`` (default ``range(len(source))``), in
-    that order, from the ``start``-th position on. ``workers`` decoding processes (0: this process), each
+    that order. ``workers`` decoding processes (0: this process), each
     ``prefetch`` batches ahead at most. ``lazy``: hand the transform JPEGs read and not decoded (default: the
     transform's ``lazy`` attribute, else False). ``on_load``: called where each image is decoded (tests count
     with it; in a worker it runs in the worker). A bad item raises DataError naming it, or with ``skip_bad``
-    stays in its batch with its error. ``pin_memory``: each batch's images are copied into page-locked memory
-    as they arrive (in a thread of this process), for asynchronous copies to a CUDA device.
+    stays in its batch with its error.
 
     Worker processes start (and decode) when this is called, so a caller can start the stream before slow set-up
     work (packing a model's weights) and have the first batches ready when it is done.
@@ -409,7 +406,6 @@ def stream_batches(
     if batch_size < 1:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     order = range(len(source)) if positions is None else positions
-    order = order[start:]
     keys = [list(order[s : s + batch_size]) for s in range(0, len(order), batch_size)]
     lazy = bool(getattr(transform, "lazy", False)) if lazy is None else lazy
     buffers = _Buffers(workers, prefetch + 1, batch_size) if workers else None
@@ -419,7 +415,6 @@ def stream_batches(
         num_workers=workers,
         collate_fn=functools.partial(_collate, buffers=buffers),
         prefetch_factor=prefetch if workers else None,
-        pin_memory=pin_memory,
         timeout=WORKER_TIMEOUT if workers else 0,
     )
     batches: Iterator[StreamBatch] = iter(loader)  # the workers start now

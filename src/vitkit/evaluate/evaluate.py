@@ -34,6 +34,7 @@ from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
 from vitkit.fileio import check_report_dir, write_text_atomic
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import extract, is_map_style
+from vitkit.inference.jobs import EngineSpec, engine_spec
 from vitkit.models.vit import VisionTransformer
 
 
@@ -100,7 +101,7 @@ def dataset_file_names(dataset: Any) -> list[str] | None:
 
 
 def evaluate_dataset(
-    model: VisionTransformer | InferenceEngine,
+    model: VisionTransformer | InferenceEngine | EngineSpec,
     dataset: Any,
     preprocess: Preprocess,
     *,
@@ -120,11 +121,13 @@ def evaluate_dataset(
 
     ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` in ``precision`` (default
     ``fp32``: the model itself, the reference numbers) on ``backend`` (``on_engine`` is called with the engine
-    once built, after the inputs are checked), or an engine already built. ``workers``: decoding processes
+    once built, after the inputs are checked), or an engine already built, or the spec of one
+    (:func:`~vitkit.inference.jobs.engine_spec`). ``workers``: decoding processes
     (0: this one). ``dist``: the processes of a ``torchrun`` job, each running its share of the dataset; every
     process gets the report of the whole dataset, the one a single process computes. ``decode``: where JPEGs
     are decoded (``cpu``, ``gpu``, ``auto``: :func:`vitkit.inference.jobs.plan_decode`)."""
-    K = model.num_classes if isinstance(model, InferenceEngine) else model.cfg.num_classes
+    spec = engine_spec(model, preprocess, precision=precision, backend=backend, device=device)
+    K = spec.model.cfg.num_classes
     if K <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); use 'vitkit fewshot' instead")
     mapping, notes = align_labels(list(dataset.classes), class_names, K)
@@ -136,8 +139,8 @@ def evaluate_dataset(
         elif not Path(label_file).is_file():
             raise DataError(f"{label_file}: no such label file")
     out = extract(
-        model, dataset, preprocess, batch_size=batch_size, device=device, workers=workers, desc="eval",
-        progress=progress, precision=precision, backend=backend, on_engine=on_engine, dist=dist, decode=decode,
+        spec, dataset, preprocess, batch_size=batch_size, workers=workers, desc="eval", progress=progress,
+        on_engine=on_engine, dist=dist, decode=decode,
     )  # fmt: skip
     assert out.logits is not None
     if out.decode_note:
@@ -216,7 +219,7 @@ def dataset_labels(dataset: Any) -> np.ndarray | None:
 
 
 def fewshot_dataset(
-    model: VisionTransformer | InferenceEngine,
+    model: VisionTransformer | InferenceEngine | EngineSpec,
     train: Any,
     test: Any,
     preprocess: Preprocess,
@@ -238,21 +241,20 @@ def fewshot_dataset(
 
     When the training dataset exposes its labels, only the sampled examples are run through the model.
     ``model``: a model, run in ``precision`` (default ``fp32``: the model itself; ``on_engine`` is called with
-    the engine once built, after the episodes are drawn), or an engine already built.
+    the engine once built, after the episodes are drawn), or an engine already built, or the spec of one
+    (:func:`~vitkit.inference.jobs.engine_spec`).
     """
     K = len(train.classes)
     if len(test.classes) != K:
         raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
     held = heldout_per_class if l2 == "auto" else 0
+    spec = engine_spec(model, preprocess, precision=precision, device=device)
     built: list[InferenceEngine] = []
 
     def engine() -> InferenceEngine:  # one engine for both splits (its weights packed once), built when needed
-        if isinstance(model, InferenceEngine):
-            return model
         if not built:
-            dev = device if device is not None else "auto"
-            built.append(InferenceEngine(model, preprocess, precision=precision, device=dev, batch_size=batch_size))
-            if on_engine is not None:
+            built.append(spec.build(batch_size, None))
+            if on_engine is not None and built[0] is not spec.built:
                 on_engine(built[0])
         return built[0]
 

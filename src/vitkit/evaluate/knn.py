@@ -27,6 +27,7 @@ from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import extract
+from vitkit.inference.jobs import EngineSpec, engine_spec
 from vitkit.inference.provenance import check_comparable
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
 from vitkit.outputs.arrays import Embeddings, read_embeddings
@@ -150,7 +151,7 @@ def knn_evaluate(
 
 
 def knn_dataset(
-    model: VisionTransformer | InferenceEngine,
+    model: VisionTransformer | InferenceEngine | EngineSpec,
     train: Any,
     test: Any,
     preprocess: Preprocess,
@@ -169,18 +170,17 @@ def knn_dataset(
 ) -> KnnReport:
     """kNN accuracy of a frozen model: pre-logits features of the whole training split (the bank) and of the
     test split, then :func:`knn_evaluate`. ``model``: a model, run in ``precision`` (default ``fp32``: the model
-    itself), or an engine already built. ``dist``: the processes of a ``torchrun`` job, each extracting its
+    itself), or an engine already built, or the spec of one
+    (:func:`~vitkit.inference.jobs.engine_spec`). ``dist``: the processes of a ``torchrun`` job, each extracting its
     share of both splits (the report is the one process computes, on every process)."""
     K = len(train.classes)
     if len(test.classes) != K:
         raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
-    engine = model
-    if not isinstance(engine, InferenceEngine):
-        info = dist or DistInfo()
-        dev = info.device if info.enabled else (device if device is not None else "auto")
-        engine = InferenceEngine(engine, preprocess, precision=precision, device=dev, batch_size=batch_size)
-        if on_engine is not None and info.is_main:
-            on_engine(engine)
+    info = dist or DistInfo()
+    spec = engine_spec(model, preprocess, precision=precision, device=device).on(info)
+    engine = spec.build(batch_size, None)  # one engine for both splits (its weights packed once)
+    if on_engine is not None and info.is_main and engine is not spec.built:
+        on_engine(engine)
     kw: dict[str, Any] = {"batch_size": batch_size, "workers": workers, "progress": progress, "dist": dist}
     tr = extract(engine, train, preprocess, logits=False, features=True, desc="features (train)", **kw)
     te = extract(engine, test, preprocess, logits=False, features=True, desc="features (test)", **kw)

@@ -30,12 +30,10 @@ from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.data.stream import DatasetSource, ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
-from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.engine import POOLS, InferenceEngine
 from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, image_source, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
-
-POOLS = ("cls", "gap", "tokens")
 
 
 @dataclass(frozen=True)
@@ -81,31 +79,9 @@ class EmbedOptions:
 @torch.inference_mode()
 def embedding_vectors(engine: InferenceEngine, x: torch.Tensor, opts: EmbedOptions) -> torch.Tensor:
     """Images (B, C, H, W), preprocessed -> the vectors ``opts`` asks for, float32 on the CPU: (B, R), or
-    (B, T, D) for ``pool="tokens"`` (L2-normalised over the last dimension with ``opts.l2``)."""
-    model = engine.model
-    if opts.pool is None and opts.layer is None:
-        out = engine.features(x)  # (B, R) pre-logits
-    else:
-        x = engine.prepare(x)  # on the device, normalised (a GPU job's batches are uint8)
-        runner: Any = engine.runner
-        if opts.layer is None:
-            tokens = runner.forward_features(x)  # (B, T, D), final norm
-        else:
-            depth = opts.layer if opts.layer > 0 else model.cfg.depth + 1 + opts.layer
-            if hasattr(runner, "forward_blocks"):  # the fast path: only the first ``depth`` blocks
-                tokens = runner.forward_blocks(x, depth)
-            else:  # the reference: the model's intermediates API
-                tokens = model.forward_intermediates(x, attention=False).hidden_states[depth]
-        prefix = model.cfg.num_prefix_tokens
-        if opts.pool == "tokens":
-            out = tokens
-        elif opts.pool == "cls":
-            out = tokens[:, 0]
-        elif opts.pool == "gap":
-            out = tokens[:, prefix:].mean(dim=1)
-        else:  # the model's own pooling of an intermediate block
-            out = model.pool(tokens.float())
-        out = out.float().cpu()
+    (B, T, D) for ``pool="tokens"`` (L2-normalised over the last dimension with ``opts.l2``): the engine's
+    :meth:`~vitkit.inference.engine.InferenceEngine.features` at ``opts.layer`` pooled by ``opts.pool``."""
+    out = engine.features(x, layer=opts.layer, pool=opts.pool)
     if opts.l2:
         out = torch.nn.functional.normalize(out, dim=-1)
     return out
@@ -204,7 +180,7 @@ def embed(
     engine = EngineSpec.of(loaded, precision=precision, device=device).build(batch_size, None)
     is_dataset = hasattr(images, "__getitem__") and hasattr(images, "classes")
     source = DatasetSource(images) if is_dataset else image_source(images)
-    job = Job(source, engine, batch_size, workers=workers, progress=progress, desc="embed")
+    job = Job(source, EngineSpec.of_engine(engine), batch_size, workers=workers, progress=progress, desc="embed")
     got = Collect()
     run_job(job, lambda engine, batch: embed_columns(engine, batch, opts, shape), got)
     cols = got.columns()

@@ -3,7 +3,11 @@
 :class:`InferenceEngine` is what ``vitkit predict``, ``eval``, ``fewshot``, ``serve`` and ``demo`` put their
 images through. It holds the checkpoint's fp32 model, its :class:`~vitkit.checkpoints.preprocess.Preprocess`
 and, for the fast precisions, the copy ``optimize_for_inference`` made of it, and gives batched logits,
-probabilities or pre-logits features (the representation the paper's linear probes use).
+probabilities or pre-logits features (the representation the paper's linear probes use), the tokens of a
+named block pooled (``features(x, layer=, pool=)``, what ``vitkit embed`` stores) and the fp32 model's
+attention probabilities for analysis (:meth:`InferenceEngine.attentions`). Callers use these and the engine's
+facts (``num_classes``, ``plan``, ``describe()``); what runs inside (``runner``: the model, the fast path or an
+ONNX engine) is the engine's own.
 
 Precisions (:func:`vitkit.inference.policy.resolve_precision`; the path, dtype and device are the engine's plan,
 :func:`vitkit.inference.policy.plan_engine`, made before the engine is built):
@@ -48,7 +52,9 @@ from vitkit.inference.fast import optimize_for_inference
 from vitkit.inference.fp8 import to_fp8
 from vitkit.inference.policy import EnginePlan, fastest_sdpa_backend, plan_engine, sdpa_backend
 from vitkit.inference.tune import Tuning, build_fast
-from vitkit.models.vit import VisionTransformer
+from vitkit.models.vit import Intermediates, VisionTransformer
+
+POOLS = ("cls", "gap", "tokens")  # what :meth:`InferenceEngine.features` pools tokens by, besides the model's own
 
 CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
 
@@ -248,9 +254,8 @@ class InferenceEngine:
 
     def prepare(self, x: torch.Tensor) -> torch.Tensor:
         """Images as a job hands them over -> the model's input on the engine's device. uint8 pixels (B, C, H,
-        W) (:class:`~vitkit.data.eval_transform.EvalTransform` with ``uint8=True``) are copied to the device,
-        (asynchronously on CUDA where they are page-locked: ``stream_batches(pin_memory=True)``), and normalised
-        there: bit for bit the float values the CPU would have computed
+        W) (:class:`~vitkit.data.eval_transform.EvalTransform` with ``uint8=True``) are copied to the device
+        (``non_blocking`` on CUDA) and normalised there: bit for bit the float values the CPU would have computed
         (:class:`~vitkit.data.eval_transform.Normalizer`). Float images, already normalised, are copied as
         they are."""
         if x.device != self.device:
@@ -328,13 +333,58 @@ class InferenceEngine:
         """(B, C, H, W) -> class probabilities (B, K), float32 (softmax of the logits in float32)."""
         return self.logits(x).softmax(dim=-1)
 
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) -> pre-logits features (B, R), float32 (ConfigError on the ONNX engines)."""
-        out = self.forward(x, logits=False, features=True).features
-        assert out is not None
-        return out
+    @torch.inference_mode()
+    def features(self, x: torch.Tensor, *, layer: int | None = None, pool: str | None = None) -> torch.Tensor:
+        """(B, C, H, W) -> features, float32 on the CPU (ConfigError on the ONNX engines). By default the
+        pre-logits features (B, R). With ``layer`` (a block, 1..L, negative from the end) and/or ``pool``, the
+        tokens of :meth:`tokens` pooled: ``"cls"`` the class token, ``"gap"`` the mean of the patch tokens
+        (prefix tokens left out), ``"tokens"`` every token (B, T, D), None the model's own pooling (D,)."""
+        if pool is not None and pool not in POOLS:
+            raise ValueError(f"pool must be one of {', '.join(POOLS)} or None, got {pool!r}")
+        if pool is None and layer is None:
+            out = self.forward(x, logits=False, features=True).features
+            assert out is not None
+            return out
+        tokens = self.tokens(x, layer)
+        if pool == "tokens":
+            pooled = tokens
+        elif pool == "cls":
+            pooled = tokens[:, 0]
+        elif pool == "gap":
+            pooled = tokens[:, self.model.cfg.num_prefix_tokens :].mean(dim=1)
+        else:  # the model's own pooling of an intermediate block
+            pooled = self.model.pool(tokens.float())
+        return pooled.float().cpu()
 
-    def warm_up(self, batch_sizes: Sequence[int]) -> None:
+    @torch.inference_mode()
+    def tokens(self, x: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """(B, C, H, W) -> tokens (B, T, D) on the engine's device, in its path's dtype: the final normed tokens,
+        or with ``layer`` the output of that block (1..L, negative from the end) before the final norm. The fast
+        path runs only the first ``layer`` blocks; the reference path (and a runner without that entry: the plain
+        model a kernel race chose, fp8) takes them from the fp32 model's ``forward_intermediates``."""
+        if not self.gives_features:
+            raise ConfigError(
+                f"--backend {self.backend} computes logits only (vitkit's ONNX export); tokens need --backend torch"
+            )
+        x = self.prepare(x)  # on the device, normalised (a GPU job's batches are uint8)
+        runner: Any = self.runner
+        if layer is None:
+            return runner.forward_features(x)  # (B, T, D), final norm
+        depth = layer if layer > 0 else self.model.cfg.depth + 1 + layer
+        if not 1 <= depth <= self.model.cfg.depth:
+            raise ValueError(f"layer must be in 1..{self.model.cfg.depth} or negative from the end, got {layer}")
+        if hasattr(runner, "forward_blocks"):  # the fast path: only the first ``depth`` blocks
+            return runner.forward_blocks(x, depth)
+        return self.model.forward_intermediates(x, attention=False).hidden_states[depth]
+
+    @torch.inference_mode()
+    def attentions(self, x: torch.Tensor) -> Intermediates:
+        """(B, C, H, W) -> the fp32 model's ``forward_intermediates`` (every block's attention probabilities,
+        hidden states and logits), on the engine's device: for attention maps, which the fast path never
+        materialises (run only for the images that ask for them)."""
+        return self.model.forward_intermediates(x.to(self.device))
+
+    def warm_up(self, batch_sizes: Iterable[int]) -> None:
         """One forward at each batch size, so the first real calls meet ready kernels."""
         C, (H, W) = self.model.cfg.in_channels, self.preprocess.image_size
         for b in sorted(set(batch_sizes)):

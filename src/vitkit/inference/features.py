@@ -20,7 +20,7 @@ from vitkit.data.stream import DatasetSource, StreamBatch
 from vitkit.distributed import DistInfo, broadcast_from_main
 from vitkit.errors import ConfigError, DataError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import Collect, EngineSpec, Job, run_job
+from vitkit.inference.jobs import Collect, EngineSpec, Job, engine_spec, run_job
 from vitkit.models.vit import VisionTransformer
 
 
@@ -42,7 +42,7 @@ class Extracted:
 
 
 def extract(
-    model: VisionTransformer | InferenceEngine,
+    model: VisionTransformer | InferenceEngine | EngineSpec,
     dataset: Any,
     preprocess: Preprocess,
     *,
@@ -67,9 +67,10 @@ def extract(
 
     ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` built here in
     ``precision`` (default ``fp32``: the model itself, exactly) on ``backend`` and ``device`` (``on_engine`` is
-    called with it once built), or an engine already built (``precision``, ``backend`` and ``device`` are then
-    its own). A map-style dataset is decoded by ``workers`` processes (0: this one), which start before the
-    engine is built; ``indices`` restricts it to those examples. An iterable-only dataset is streamed in order.
+    called with it once built), or an engine already built, or the spec of one (``precision``, ``backend`` and
+    ``device`` are then its own; :func:`~vitkit.inference.jobs.engine_spec`). A map-style dataset is decoded by
+    ``workers`` processes (0: this one), which start before the engine is built; ``indices`` restricts it to
+    those examples. An iterable-only dataset is streamed in order.
 
     ``dist``: the processes of a ``torchrun`` job. Each extracts its share of a map-style dataset (the batch
     jobs' sharding, :func:`vitkit.inference.jobs.run_job`) and every process gets the whole result, in the
@@ -80,11 +81,9 @@ def extract(
     """
     if not (logits or features):
         raise ValueError("nothing to extract: ask for logits, features or both")
-    if not isinstance(model, InferenceEngine) and logits and model.cfg.num_classes <= 0:
+    engine = engine_spec(model, preprocess, precision=precision, backend=backend, device=device)
+    if logits and engine.model.cfg.num_classes <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); logits are not defined")
-    engine: EngineSpec | InferenceEngine = model if isinstance(model, InferenceEngine) else EngineSpec(
-        model, preprocess, precision=precision, backend=backend, device="auto" if device is None else device
-    )  # fmt: skip
     if not is_map_style(dataset) and indices is not None:
         raise DataError("this dataset can only be streamed; selecting examples by index needs a map-style dataset")
     source: Any = (

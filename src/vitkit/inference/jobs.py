@@ -5,7 +5,7 @@ sink taking them, batch by batch, with a progress bar, resuming where an earlier
 
 A :class:`Job` is the source, the engine (an :class:`EngineSpec`, planned before anything is built: its
 precision and backend say whether JPEGs are decoded in full, so the transform and ``--decode`` follow and the
-decoding workers start while the weights are packed; or an engine already built), the batch and the
+decoding workers start while the weights are packed; or the spec of an engine already built), the batch and the
 decoding. A task is a function ``(engine, batch) -> columns``; a sink is anything with ``write(columns)``,
 ``done`` and ``ids``: an output file (:mod:`vitkit.outputs`), the console, or memory (:class:`Collect`).
 
@@ -91,7 +91,7 @@ def feeds_gpu(device: torch.device | str, backend: str = "torch") -> bool:
     """Whether a job's engine will run on a CUDA device (``device`` as the engine takes it, ``auto`` resolved as
     the engine resolves it; the ONNX engines run on the CPU). Its batches are then uint8 pixels
     (``EvalTransform(uint8=True)``), copied to the GPU straight from the workers' pageable shared memory and
-    normalised there. Not page-locked first (``stream_batches(pin_memory=True)``): on an H100 the DataLoader's
+    normalised there. Not page-locked first (a DataLoader's ``pin_memory=True``): on an H100 the DataLoader's
     pinning thread took 54 ms a batch of 256 and an 8,192-image eval was 1.0-1.2 s slower with it in each of
     three pairs (BENCHMARKS.md, "GPU"); buffers the workers fill already page-locked would avoid that copy. On
     the CPU the workers keep normalising: normalising a batch in the job's process measured 2.6x the workers'
@@ -160,7 +160,8 @@ def check_resume(ids: Sequence[str], source: ImageSource, positions: Sequence[in
 class EngineSpec:
     """The engine a job will run, known before it is built: a model and its preprocessing in ``precision`` on
     ``backend`` and ``device`` (``labels``: class names). Whether JPEGs are decoded in full (:attr:`full_decode`)
-    follows from it, so the job starts decoding before the weights are packed."""
+    follows from it, so the job starts decoding before the weights are packed. ``built``: the engine already
+    built (:meth:`of_engine`; one engine for several jobs, its weights packed once), which :meth:`build` gives."""
 
     model: VisionTransformer
     preprocess: Preprocess
@@ -168,23 +169,59 @@ class EngineSpec:
     backend: str = "torch"
     device: torch.device | str = "cpu"
     labels: Sequence[str] | None = None
+    built: InferenceEngine | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, loaded: Loaded, **kwargs: Any) -> EngineSpec:
         """The spec of a loaded checkpoint: its model, preprocessing and class names."""
         return cls(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
 
+    @classmethod
+    def of_engine(cls, engine: InferenceEngine) -> EngineSpec:
+        """The spec of an engine already built: its own precision, backend (as chosen), device and plan."""
+        return cls(engine.model, engine.preprocess, engine.precision, engine.backend, engine.device, engine.labels,
+                   built=engine)  # fmt: skip
+
     @property
     def full_decode(self) -> bool:
         """Whether the engine will be the reference, its JPEGs decoded in full (the policy's one rule)."""
+        if self.built is not None:
+            return self.built.plan.full_decode
         return is_reference(self.precision, self.backend)
 
+    def on(self, info: DistInfo) -> EngineSpec:
+        """The spec for one process of a ``torchrun`` job: on that process's device (an engine already built
+        stays where it is)."""
+        return self if self.built is not None or not info.enabled else dataclasses.replace(self, device=info.device)
+
     def build(self, batch_size: int, calibration: Callable[[], torch.Tensor] | None) -> InferenceEngine:
-        """The engine (weights packed, kernels chosen) for batches of about ``batch_size``."""
+        """The engine (weights packed, kernels chosen) for batches of about ``batch_size`` (the one already
+        built, if any)."""
+        if self.built is not None:
+            return self.built
         return InferenceEngine(
             self.model, self.preprocess, precision=self.precision, backend=self.backend, device=self.device,
             batch_size=batch_size, calibration=calibration, labels=self.labels,
         )  # fmt: skip
+
+
+def engine_spec(
+    model: VisionTransformer | InferenceEngine | EngineSpec,
+    preprocess: Preprocess,
+    *,
+    precision: str = "fp32",
+    backend: str = "torch",
+    device: torch.device | str | None = "cpu",
+) -> EngineSpec:
+    """What the evaluators and :func:`~vitkit.inference.features.extract` are given, as the one thing a job runs:
+    a spec as it is; an engine already built as its spec (:meth:`EngineSpec.of_engine`: its own precision,
+    backend and device; the other arguments are not used); a model as the spec of ``preprocess``, ``precision``,
+    ``backend`` and ``device`` (None: ``auto``)."""
+    if isinstance(model, EngineSpec):
+        return model
+    if isinstance(model, InferenceEngine):
+        return EngineSpec.of_engine(model)
+    return EngineSpec(model, preprocess, precision, backend, "auto" if device is None else device)
 
 
 Items = Iterable[tuple[Any, str, int]]  # (file path or PIL image, id, label): a source read once, in order
@@ -206,13 +243,13 @@ def image_source(images: Iterable[Any]) -> ImageSource | Items:
 class Job:
     """One batch job: its ``source`` (an :class:`~vitkit.data.stream.ImageSource`, taken at ``positions``
     (default all), shardable and resumable; or an iterable of items, read once in order, by every process
-    whole), the ``engine`` (a spec, built once the decoding has started, or an engine already built), the batch
+    whole), the ``engine`` (a spec, built once the decoding has started, or holding an engine already built), the batch
     and the decoding (``workers`` processes, ``prefetch`` batches ahead, ``skip_bad``, ``decode`` cpu/gpu/auto:
     :func:`plan_decode`), the progress bar (``desc``), ``where`` its output is (for errors), ``on_engine``
     (called with the engine once built, on process 0) and the processes of a ``torchrun`` job (``dist``)."""
 
     source: ImageSource | Items
-    engine: EngineSpec | InferenceEngine
+    engine: EngineSpec
     batch_size: int = 32
     positions: Sequence[int] | None = None
     workers: int = 0
@@ -370,14 +407,10 @@ def _start(
     """The job's plan, then its decoding started: (batches, the GPU decoder's maker, the steps every process
     runs (-1: until the source ends), the engine's maker). The transform follows from the engine's plan (full
     or reduced decode, uint8 for a GPU), the decoding workers start now, and the engine is built after."""
-    info, spec = job.info, job.engine
+    info, spec = job.info, job.engine.on(job.info)
     check_batch_fits(job.batch_size, spec.model, spec.preprocess)
-    device: torch.device | str
-    if isinstance(spec, InferenceEngine):
-        device, backend, full = spec.device, spec.backend, not spec.reduced_decode
-    else:
-        device, backend, full = info.device if info.enabled else spec.device, spec.backend, spec.full_decode
-    transform = EvalTransform(spec.preprocess, reference=full, uint8=feeds_gpu(device, backend))
+    device, backend = spec.device, spec.backend
+    transform = EvalTransform(spec.preprocess, reference=spec.full_decode, uint8=feeds_gpu(device, backend))
     source = job.source
     calibration: Callable[[], torch.Tensor] | None = None
     if isinstance(source, ImageSource):
@@ -392,10 +425,7 @@ def _start(
     else:
         decoder, steps = None, -1
         decoded = stream_iterable(source, transform, job.batch_size, skip_bad=job.skip_bad)
-    if isinstance(spec, InferenceEngine):
-        return decoded, decoder, steps, lambda: spec
-    planned = dataclasses.replace(spec, device=device)
-    return decoded, decoder, steps, lambda: planned.build(job.batch_size, calibration)
+    return decoded, decoder, steps, lambda: spec.build(job.batch_size, calibration)
 
 
 def _in_order(

@@ -167,10 +167,9 @@ def predict(
         where = loaded.meta.source if isinstance(checkpoint, Loaded) else os.fspath(checkpoint)
         raise VitkitError(f"{where}: the model has no classification head; nothing to predict")
     spec = EngineSpec.of(loaded, precision=precision, backend=backend, device=device)
-    engine = spec.build(batch_size, None)  # now: a bad option is an error of this call, not of the first image
-    job = Job(
-        image_source(images), engine, batch_size, workers=workers, skip_bad=skip_bad, progress=progress, desc="predict"
-    )
+    built = EngineSpec.of_engine(spec.build(batch_size, None))  # now: a bad option is an error of this call
+    job = Job(image_source(images), built, batch_size, workers=workers, skip_bad=skip_bad, progress=progress,
+              desc="predict")  # fmt: skip
     found = _predict(job, top_k)
     return list(found) if isinstance(images, list | tuple) else found
 

@@ -4,7 +4,7 @@ attention analyses for single images.
 Predictions run through :class:`vitkit.inference.engine.InferenceEngine` (the engine every batch job uses:
 the fast path in bf16 or int8, the fp32 reference, or ONNX Runtime / OpenVINO). Attention maps need the
 attention probabilities, which the fast path never materialises, so they come from the checkpoint's own fp32
-model (``forward_intermediates``), run only for the images that ask for them.
+model (the engine's ``attentions``: ``forward_intermediates``), run only for the images that ask for them.
 """
 
 from __future__ import annotations
@@ -124,7 +124,6 @@ class ServedModel:
         self.preprocess = pre
         self.precision = self.engine.precision
         self.backend = self.engine.backend
-        self.fast: torch.nn.Module = self.engine.runner
 
     @classmethod
     def from_checkpoint(
@@ -172,10 +171,9 @@ class ServedModel:
         }
 
     def warm_up(self, max_batch: int) -> None:
-        """One forward at batch 1 and at ``max_batch``, so the first requests meet ready kernels."""
-        C, (H, W) = self.model.cfg.in_channels, self.preprocess.image_size
-        for b in sorted({1, max_batch}):
-            self.probabilities(torch.zeros(b, C, H, W))
+        """One forward at batch 1 and at ``max_batch``, so the first requests meet ready kernels
+        (:meth:`~vitkit.inference.engine.InferenceEngine.warm_up`)."""
+        self.engine.warm_up({1, max_batch})
 
     # ---- compute --------------------------------------------------------------------------------------
 
@@ -187,11 +185,9 @@ class ServedModel:
         """(B, C, H, W) -> class probabilities (B, K), float32, through the engine."""
         return self.engine.probabilities(x)
 
-    @torch.inference_mode()
     def attentions(self, x: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor, tuple[int, int]]:
         """(B, C, H, W) -> (per-layer attention probabilities (B, h, T, T), fp32 logits (B, K), token grid)."""
-        x = x.to(self.device)
-        out = self.model.forward_intermediates(x)
+        out = self.engine.attentions(x)
         assert out.logits is not None
         return list(out.attentions), out.logits.float().cpu(), self.model.grid_of(x)
 

@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -288,11 +288,3 @@ def _read_chunk(path: Path, idx: np.ndarray, labels: np.ndarray, width: int) -> 
         return None
     feats = got["features"]
     return feats if np.isfinite(feats).all() else None
-
-
-def feature_rows(features: Sequence[Features]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Several passes stacked: (features (P*N, R), labels (P*N,), dataset index of every row (P*N,))."""
-    x = np.concatenate([f.features for f in features])
-    y = np.concatenate([f.labels for f in features])
-    idx = np.concatenate([np.arange(len(f.labels)) for f in features])
-    return x, y, idx
