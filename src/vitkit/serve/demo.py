@@ -204,8 +204,8 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
     return demo
 
 
-def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[str]], *, block: bool = True) -> None:
-    """Serve the page (blocks until Ctrl-C unless ``block`` is False: then ``demo.close()`` ends it); no share
+def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[str]]) -> None:
+    """Serve the page (blocks until Ctrl-C); no share
     link, no analytics, no external fonts, and none of Gradio's own banner (its "Running on local URL" and "set
     `share=True` in `launch()`", an option ``vitkit demo`` does not have): the command prints its address."""
     import gradio as gr
@@ -223,7 +223,6 @@ def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[
             theme=theme,
             show_error=True,
             quiet=True,
-            prevent_thread_lock=not block,
         )
     except OSError as e:
         if "port" not in str(e).lower():
