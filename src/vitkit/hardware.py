@@ -136,7 +136,6 @@ def restore_tf32(previous: tuple[str, bool]) -> None:
 
 # ---- sharing the CPU with other programs --------------------------------------------------------------------------
 
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (steal: the hypervisor gave the core away)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import socket
 import struct
+import subprocess
 import threading
 import time
 import zlib
@@ -95,3 +96,19 @@ def metric(text: str, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return float(s.value)
     return 0.0
+
+
+def wait_healthy(proc: subprocess.Popen[Any], url: str, seconds: float = 60) -> None:
+    """Wait until the ``vitkit serve`` process ``proc`` answers ``url``/health with 200 (fails if it exits or
+    ``seconds`` pass first)."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
+        time.sleep(0.1)

@@ -20,7 +20,7 @@ from PIL import Image
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from serve_helpers import free_port, image_bytes, make_checkpoint, metric, uvicorn_thread  # noqa: E402
+from serve_helpers import free_port, image_bytes, make_checkpoint, metric, uvicorn_thread, wait_healthy  # noqa: E402
 
 from helpers import SRC  # noqa: E402
 from vitkit.serve.app import ServeOptions, create_app  # noqa: E402
@@ -286,18 +286,6 @@ def test_idle_connections_do_not_lock_out_health_checks(ckpt: Path) -> None:
             s.close()
         proc.kill()
         proc.wait()
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from PIL import Image
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from serve_helpers import free_port, image_bytes, make_checkpoint  # noqa: E402
+from serve_helpers import free_port, image_bytes, make_checkpoint, wait_healthy  # noqa: E402
 
 from helpers import SRC  # noqa: E402
 from vitkit.serve.app import ServeOptions, create_app  # noqa: E402
@@ -181,18 +181,6 @@ def read_answers(socks: list[socket.socket], seconds: float) -> list[socket.sock
     return done
 
 
-def wait_healthy(proc: subprocess.Popen, url: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
-        time.sleep(0.1)
-
-
 # ---- decoding never delays other requests past their own timeout (issue 47, item 3, the serving side) ----------
 
 
@@ -252,14 +240,14 @@ def test_a_decoding_that_outlives_the_decode_timeout_is_stopped(
 def test_decoding_works_with_descriptors_past_1024() -> None:
     """A busy server's descriptors go past 1024 (connections): a decoding worker started then still answers (its
     pipes are waited on with poll; select() refuses descriptors past 1023)."""
-    from vitkit.serve.decoding import DecoderPool, Job
+    from vitkit.serve.decoding import DecoderPool, Decoding
 
     if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
         pytest.skip("needs an open-file limit of 1200")
     held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
     pool = DecoderPool(1_000_000, 10)
     try:
-        img = pool.decode(image_bytes(1), Job())
+        img = pool.decode(image_bytes(1), Decoding())
         assert img.size == (60, 40) and img.mode == "RGB"
     finally:
         pool.close()

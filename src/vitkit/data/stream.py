@@ -38,6 +38,7 @@ from PIL import Image
 from vitkit.data import globs
 from vitkit.data.folder import IMAGE_EXTENSIONS
 from vitkit.errors import DataError
+from vitkit.hardware import cpu_count
 from vitkit.images import LazyImage, load_image, open_lazy
 
 # (image, its id for errors) -> (C, H, W), or the JPEG's bytes for a decoder downstream (``--decode gpu``)
@@ -484,7 +485,7 @@ def default_workers(cores: int | None = None, gpu: bool = False) -> int:
     inference). The model on a GPU (``gpu``): every core but the job's own, at most 16 -- decoding is then the
     whole CPU's work (an H100 runs B/16 at ~10,000 img/s; one core decodes ~800 photos a second)."""
     if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cores = cpu_count()
     if gpu:
         return max(1, min(16, cores - 1))
     return max(1, min(8, cores // 4))

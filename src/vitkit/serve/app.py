@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from concurrent.futures import Future
@@ -49,9 +48,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from vitkit.errors import DataError
+from vitkit.hardware import cpu_count
 from vitkit.images import ImageTooLarge
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
-from vitkit.serve.decoding import DecoderPool, DecodeTimeout, Job
+from vitkit.serve.decoding import DecoderPool, DecodeTimeout, Decoding
 from vitkit.serve.engine import Prediction, RequestError, ServedModel, png_base64
 from vitkit.serve.schema import PREDICT_BODY, PREDICT_ERRORS, HealthAnswer, PredictAnswer, error_doc
 
@@ -83,8 +83,7 @@ class ServeOptions:
         their upload): ``max_decoding``, or one per CPU core available to this process, at most ``max_queue``."""
         if self.max_decoding > 0:
             return self.max_decoding
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(self.max_queue, cores))
+        return max(1, min(self.max_queue, cpu_count()))
 
 
 class Metrics:
@@ -254,7 +253,7 @@ class _Server:
             await run_in_threadpool(self.batcher.close)
             await run_in_threadpool(self.pool.close)
 
-    def prepare(self, data: bytes | bytearray, job: Job) -> torch.Tensor:
+    def prepare(self, data: bytes | bytearray, job: Decoding) -> torch.Tensor:
         """Untrusted bytes -> the model input, or RequestError (400 undecodable, 413 too large or too costly). The
         bytes are decoded in a worker process (:mod:`vitkit.serve.decoding`), killed at ``decode_timeout_s`` or
         when ``job`` is cancelled; the decoded image is preprocessed here, in the decoding thread."""
@@ -279,7 +278,7 @@ class _Server:
         the next image wait) and its decoding process is killed; a thread already preprocessing the decoded
         image runs on (threads cannot be stopped): at most ``opts.decoders`` such abandoned threads at once, past
         that the slot stays taken until the thread is done."""
-        slots, job = self.decoding, Job()
+        slots, job = self.decoding, Decoding()
         await slots.acquire()
         task = asyncio.ensure_future(run_in_threadpool(self.prepare, data, job))
         holds, abandoned = [True], [False]

@@ -39,7 +39,7 @@ class DecodeTimeout(ImageTooLarge):
     """An image whose decoding outlived its time: its worker was killed."""
 
 
-class Job:
+class Decoding:
     """One image's decoding, which the event loop may cancel from another thread (:meth:`cancel`)."""
 
     def __init__(self) -> None:
@@ -83,7 +83,7 @@ class _Worker:
                 os.close(fd)
         self._to_child = self._from_child = -1
 
-    def decode(self, data: bytes | bytearray, deadline: float, job: Job) -> Image.Image:
+    def decode(self, data: bytes | bytearray, deadline: float, job: Decoding) -> Image.Image:
         """Send ``data``; the decoded image, or the child's DataError, or DecodeTimeout at ``deadline``."""
         try:
             os.write(self._to_child, struct.pack(">Q", len(data)))
@@ -101,14 +101,14 @@ class _Worker:
             return Image.frombuffer(mode, size, cast(Any, raw), "raw", mode, 0, 1)  # any buffer will do
         return Image.frombytes(mode, size, raw)
 
-    def _read_line(self, deadline: float, job: Job) -> bytes:
+    def _read_line(self, deadline: float, job: Decoding) -> bytes:
         while b"\n" not in self._buffer:
             self._fill(deadline, job)
         line, _, rest = bytes(self._buffer).partition(b"\n")
         self._buffer = bytearray(rest)
         return line
 
-    def _read(self, n: int, deadline: float, job: Job) -> bytearray:
+    def _read(self, n: int, deadline: float, job: Decoding) -> bytearray:
         """``n`` bytes, read into one buffer of that size (what is buffered already first)."""
         out, got = bytearray(n), len(self._buffer)
         out[:got] = self._buffer
@@ -122,14 +122,14 @@ class _Worker:
             got += chunk
         return out
 
-    def _fill(self, deadline: float, job: Job) -> None:
+    def _fill(self, deadline: float, job: Decoding) -> None:
         self._wait(deadline, job)
         chunk = os.read(self._from_child, 1 << 16)
         if not chunk:
             self._gone(job)
         self._buffer += chunk
 
-    def _wait(self, deadline: float, job: Job) -> None:
+    def _wait(self, deadline: float, job: Decoding) -> None:
         """Until the child has written something; DecodeTimeout at ``deadline`` or when ``job`` is cancelled."""
         while True:
             if job.cancelled:
@@ -143,7 +143,7 @@ class _Worker:
                 return
 
     @staticmethod
-    def _gone(job: Job) -> None:
+    def _gone(job: Decoding) -> None:
         """The child's end of the stream: it was killed (cancelled), or died (out of memory)."""
         if job.cancelled:
             raise DecodeTimeout("image: decoding stopped (its request gave up)")
@@ -154,7 +154,7 @@ class DecoderPool:
     """Worker processes that decode images and convert them to ``mode`` ("RGB" or "L", as
     :func:`vitkit.images.convert_image`: the pixels the model reads, so the wide ones -- RGBA, 16-bit, float --
     never reach the server), reused; one per image being decoded (the callers' slots bound how many). A decoding
-    that outlives ``timeout_s``, or whose :class:`Job` is cancelled, kills its worker."""
+    that outlives ``timeout_s``, or whose :class:`Decoding` is cancelled, kills its worker."""
 
     def __init__(self, max_pixels: int, timeout_s: float, mode: str = "RGB") -> None:
         self.max_pixels, self.timeout_s, self.mode = max_pixels, timeout_s, mode
@@ -169,7 +169,7 @@ class DecoderPool:
         with self._lock:
             self._idle.extend(workers)
 
-    def decode(self, data: bytes | bytearray, job: Job) -> Image.Image:
+    def decode(self, data: bytes | bytearray, job: Decoding) -> Image.Image:
         """``data`` decoded by a worker process; DataError (ImageTooLarge, DecodeTimeout) as :func:`decode_image`."""
         with self._lock:
             worker = self._idle.pop() if self._idle else None
