@@ -289,3 +289,15 @@ def test_a_client_that_does_not_read_its_answers_is_closed(ckpt: Path) -> None:
             assert ended and got < 8 << 20
         finally:
             s.close()
+
+
+@pytest.mark.parametrize("option", ["--body-timeout", "--decode-timeout"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "soon"])
+def test_a_bad_timeout_is_one_line_naming_it(
+    ckpt: Path, capsys: pytest.CaptureFixture[str], option: str, value: str
+) -> None:
+    """The two new timeouts take positive, finite seconds: anything else is one line naming the option, exit 2."""
+    from helpers import run_cli
+
+    code, _, err = run_cli(capsys, "serve", str(ckpt), option, value)
+    assert code == 2 and err.strip().count("\n") == 0 and option in err, err
