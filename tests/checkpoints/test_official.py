@@ -43,7 +43,7 @@ def test_exact_gelu_is_measurably_different() -> None:
     x, ref = official_io()
     model = vitkit.load_pretrained(CKPT)
     for blk in model.blocks:
-        blk.mlp.act.approximate = "none"
+        blk.mlp.gelu = "exact"
     with torch.no_grad():
         err = rel_err(model(x).numpy(), ref)
     assert 2e-5 < err < 2e-3

@@ -61,7 +61,9 @@ from vitkit.inference.int8 import (
 from vitkit.inference.layernorm import NativeLayerNorm
 from vitkit.inference.layernorm import load as load_layernorm
 from vitkit.inference.stem import PackedStem
-from vitkit.models.vit import Block, VisionTransformer
+from vitkit.models.layers import LayerScale
+from vitkit.models.rope import apply_rope
+from vitkit.models.vit import Attention, Block, Rope, VisionTransformer
 
 SCORES_CHUNK_BYTES = 6 << 20  # attention scores per chunk of heads, explicit path (measured on a 32 MiB L3)
 # The MLP's hidden activation per chunk of rows (CPU). Whole, B/16 at batch 32 makes it 37 MiB, above glibc's
@@ -183,8 +185,14 @@ class FastBlock(nn.Module):
         # bf16: the C LayerNorm (``vitkit.inference.layernorm``) where it loads, else PyTorch's
         self.norm1 = NativeLayerNorm(norm1, layernorm)
         self.norm2 = NativeLayerNorm(norm2, layernorm)
-        gelu = "gelu_tanh" if block.mlp.act.approximate == "tanh" else "gelu"
-        qkv = _scaled_qkv(block.attn.qkv, block.attn.scale)  # 1/sqrt(d) folded into the query rows
+        # the MLP's activation: GELU (exact or tanh) fused into fc1's GEMM; QuickGELU and SwiGLU after a plain one
+        mlp = block.mlp
+        fusable = mlp.kind == "plain" and mlp.gelu in ("exact", "tanh")
+        gelu = ("gelu_tanh" if mlp.gelu == "tanh" else "gelu") if fusable else "none"
+        self.act = None if fusable else mlp.act
+        qkv = _scaled_qkv(block.attn, block.attn.scale)  # 1/sqrt(d) folded into the query rows
+        # layer scale (DINOv2/v3) folded into the branch's last Linear: x + g * (W o + b) = x + (g W) o + g b
+        proj, fc2 = _scaled_rows(block.attn.proj, block.ls1), _scaled_rows(mlp.fc2, block.ls2)
         # CPU: softmax(q k^T) v as batched GEMMs over chunks of heads whose (T, T) scores fit in cache
         # (~6 MiB) beats the fused flash kernel at ViT's sequence lengths (BENCHMARKS.md); CUDA: SDPA.
         # ``explicit``/``pack_gemm``: a measured choice (``Kernels``) overriding that rule
@@ -194,7 +202,7 @@ class FastBlock(nn.Module):
         self.scores_bytes = SCORES_CHUNK_BYTES
         # CPU: the MLP runs over chunks of rows (MLP_CHUNK_BYTES, BF16_MLP_CHUNK_BYTES in bf16); its weights are
         # packed for that many rows
-        hidden = self.fc1_features = block.mlp.fc1.out_features
+        hidden = self.fc1_features = block.mlp.fc1.out_features  # SwiGLU: gate and up, 2 x mlp_dim
         budget = BF16_MLP_CHUNK_BYTES if dtype == torch.bfloat16 and quantize is None else MLP_CHUNK_BYTES
         self.mlp_bytes = budget if cpu_layout else 0
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -203,9 +211,9 @@ class FastBlock(nn.Module):
         self.rows_quantize: Quantizer | None = None  # int8: proj's and fc2's quantiser (NativeQuantizer.per_row)
         if quantize is not None:
             self.qkv: nn.Module = Int8Linear(qkv, dtype, "none", rows, quantize, gemm)
-            self.proj: nn.Module = Int8Linear(block.attn.proj, dtype, "add", rows, quantize, gemm)
-            self.fc1: nn.Module = Int8Linear(block.mlp.fc1, dtype, gelu, mlp_rows, quantize, gemm)
-            self.fc2: nn.Module = Int8Linear(block.mlp.fc2, dtype, "add", mlp_rows, quantize, gemm)
+            self.proj: nn.Module = Int8Linear(proj, dtype, "add", rows, quantize, gemm)
+            self.fc1: nn.Module = Int8Linear(mlp.fc1, dtype, gelu, mlp_rows, quantize, gemm)
+            self.fc2: nn.Module = Int8Linear(fc2, dtype, "add", mlp_rows, quantize, gemm)
             # LayerNorm -> quantiser as one C kernel where the quantiser is the C one (bf16 rows)
             kernel = quantize if isinstance(quantize, NativeQuantizer) else None
             self.fuse_norm = kernel is not None
@@ -219,18 +227,21 @@ class FastBlock(nn.Module):
             self.norm2_q = LayerNormQuantize(norm2, quantize, kernel)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
-            self.proj = PackedLinear(block.attn.proj, dtype, "add", rows, pack)
-            self.fc1 = PackedLinear(block.mlp.fc1, dtype, gelu, mlp_rows, pack)
-            self.fc2 = PackedLinear(block.mlp.fc2, dtype, "add", mlp_rows, pack)
+            self.proj = PackedLinear(proj, dtype, "add", rows, pack)
+            self.fc1 = PackedLinear(mlp.fc1, dtype, gelu, mlp_rows, pack)
+            self.fc2 = PackedLinear(fc2, dtype, "add", mlp_rows, pack)
 
-    def forward(self, x: torch.Tensor, batch: int) -> torch.Tensor:
-        # x: (B*T, D)
+    def forward(self, x: torch.Tensor, batch: int, rope: Rope | None = None) -> torch.Tensor:
+        # x: (B*T, D); rope: the RoPE tables (N, d) of the patch grid in the serving dtype, for RoPE models
         BT, D = x.shape
         T, h, d = BT // batch, self.num_heads, self.head_dim
         if self.fuse_norm:  # int8: LN1's output quantised as it is computed
             qkv = cast(Int8Linear, self.qkv).forward_quantized(*self.norm1_q(x))  # (B*T, 3D)
         else:
             qkv = self.qkv(self.norm1(x))  # (B*T, 3D)
+        if rope is not None:  # q and k of the patch rows rotated in place, before any attention kernel reads them
+            qk = qkv.view(batch, T, 3, h, d)[:, T - rope[0].shape[0] :, :2]  # (B, N, 2, h, d) view
+            qk.copy_(apply_rope(qk, rope[0][:, None, None], rope[1][:, None, None]))
         if self.fused is not None and self.fused.supports(qkv, d, batch):
             o = self.fused(qkv, batch, h, d)  # (B*T, D), read from and written in the token layout
         else:
@@ -275,20 +286,40 @@ class FastBlock(nn.Module):
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.fuse_norm:
             h = cast(Int8Linear, self.fc1).forward_quantized(*self.norm2_q(x))  # (rows, hidden)
-            if self.rows_quantize is not None and cast(Int8Linear, self.fc2).gemm is not None:
-                return cast(Int8Linear, self.fc2).forward_quantized(*self.rows_quantize(h), x)
-            return self.fc2(h, x)
-        return self.fc2(self.fc1(self.norm2(x)), x)  # x + fc2(gelu(fc1(LN(x))))
+        else:
+            h = self.fc1(self.norm2(x))  # (rows, hidden): GELU fused, or fc1's plain output
+        if self.act is not None:  # QuickGELU, SwiGLU: the model's own activation, in the serving dtype
+            h = self.act(h)
+        if self.fuse_norm and self.rows_quantize is not None and cast(Int8Linear, self.fc2).gemm is not None:
+            return cast(Int8Linear, self.fc2).forward_quantized(*self.rows_quantize(h), x)
+        return self.fc2(h, x)  # x + fc2(act(fc1(LN(x))))
 
 
-def _scaled_qkv(qkv: nn.Linear, scale: float) -> nn.Linear:
-    """A copy of the fused q/k/v Linear whose query rows (weight and bias) are multiplied by ``scale``."""
-    out = copy.deepcopy(qkv)
+def _scaled_qkv(attn: Attention, scale: float) -> nn.Linear:
+    """A copy of the attention's fused q/k/v Linear, with its whole bias ([q; 0; v] without a key bias), whose
+    query rows (weight and bias) are multiplied by ``scale``."""
+    qkv, bias = attn.qkv, attn.qkv_bias()
+    out = nn.Linear(qkv.in_features, qkv.out_features, bias=bias is not None).to(qkv.weight)
     D = qkv.out_features // 3
     with torch.no_grad():
+        out.weight.copy_(qkv.weight)
         out.weight[:D] *= scale
-        if out.bias is not None:
+        if bias is not None:
+            out.bias.copy_(bias)
             out.bias[:D] *= scale
+    return out
+
+
+def _scaled_rows(linear: nn.Linear, scale: nn.Module) -> nn.Linear:
+    """``linear``, or where ``scale`` is a :class:`LayerScale` a copy with its output rows (weight and bias)
+    multiplied by the scales."""
+    if not isinstance(scale, LayerScale):
+        return linear
+    out = copy.deepcopy(linear)
+    with torch.no_grad():
+        out.weight.mul_(scale.gamma[:, None])
+        if out.bias is not None:
+            out.bias.mul_(scale.gamma)
     return out
 
 
@@ -340,6 +371,10 @@ class InferenceViT(nn.Module):
         self.base = base.to(dtype)
         self.blocks = nn.ModuleList(FastBlock(b, dtype, rows, pack=pack, **parts) for b in blocks)
         self.norm = NativeLayerNorm(self.base.norm, parts["layernorm"])  # the final norm
+        # CLIP's pre-norm after the packed stem (the model's ``embed`` applies it on the other route)
+        pre = self.base.norm_pre
+        self.norm_pre = NativeLayerNorm(pre, parts["layernorm"]) if isinstance(pre, nn.LayerNorm) else None
+        self._rope: dict[tuple[int, int], Rope] = {}  # RoPE tables per patch grid, in the serving dtype
 
     @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -360,14 +395,26 @@ class InferenceViT(nn.Module):
         if self.stem is not None and self.use_stem and self.stem.supports(x):
             B = x.shape[0]
             z = self.stem(x)  # (B*T, D)
+            if self.norm_pre is not None:
+                z = self.norm_pre(z)
         else:
             z = self.base.embed(x.to(self.dtype))  # (B, T, D)
             B = z.shape[0]
             z = z.reshape(-1, z.shape[-1])
         T, D = z.shape[0] // B, z.shape[1]
+        rope = self.rope(self.base.grid_of(x), x.device)
         for blk in self.blocks[:depth]:
-            z = blk(z, B)
+            z = blk(z, B, rope)
         return z.view(B, T, D)
+
+    def rope(self, grid: tuple[int, int], device: torch.device) -> Rope | None:
+        """The model's RoPE tables for ``grid`` in the serving dtype (computed once per grid), or None."""
+        if self.cfg.rope is None:
+            return None
+        if grid not in self._rope:
+            cos, sin = self.base.rope(grid, device)  # type: ignore[misc]
+            self._rope[grid] = (cos.to(self.dtype), sin.to(self.dtype))
+        return self._rope[grid]
 
     @torch.no_grad()
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:

@@ -7,7 +7,7 @@ patches are cut out of the image and cast to the serving dtype in one copy, mult
 ``PackedLinear`` (oneDNN, weight packed once for the batch size, bias in the epilogue), and the position
 embedding is added while the result is written into the token matrix; the prefix rows (class token, plus its
 position embedding where it has one) are a constant. The constant parts are taken from the model's own
-``embed`` run on a zero image with a zero bias (in fp32, before the cast), so every embedding variant
+``tokens`` run on a zero image with a zero bias (in fp32, before the cast), so every embedding variant
 (learned or sin-cos, class token or GAP) gets them as the model defines them. Other image sizes (the position
 embedding is resampled there) go to the model's ``embed``, and so do hybrid models (their stem is a ResNet
 before the projection: ``PackedStem.handles``).
@@ -54,7 +54,7 @@ class PackedStem(nn.Module):
                 conv_bias.zero_()
             try:
                 zeros = torch.zeros(1, C, *self.image_size, dtype=conv.weight.dtype, device=conv.weight.device)
-                offset = model.embed(zeros)[0]  # (T, D): the prefix rows, then the patches' position embedding
+                offset = model.tokens(zeros)[0]  # (T, D): the prefix rows, then the patches' position embedding
             finally:
                 if conv_bias is not None and saved is not None:
                     conv_bias.copy_(saved)

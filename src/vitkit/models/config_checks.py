@@ -29,6 +29,17 @@ _INT_RANGES = {
 }
 
 
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "classifier": ("token", "gap", "map"),
+    "pos_embed": ("learned", "sincos2d", "none"),
+    "gelu": ("exact", "tanh", "quick"),
+    "mlp": ("plain", "swiglu"),
+    "rope": (None, "dinov3"),
+    "pos_resample": ("bilinear", "bicubic", "bicubic_plain"),
+}
+_MAX_REGISTERS = 1024
+
+
 def is_int(value: Any) -> bool:
     """An int that is not a bool (JSON's true/false are not sizes)."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -84,12 +95,10 @@ def check_config(cfg: Any) -> None:
                 f"resnet_width {cfg.resnet_width} gives a ResNet root of {root} channels; the official "
                 f"GroupNorm ({GN_GROUPS} groups) needs a positive multiple of {GN_GROUPS}"
             )
-    if cfg.classifier not in ("token", "gap"):
-        raise bad(f"classifier must be 'token' or 'gap', got {cfg.classifier!r}")
-    if cfg.pos_embed not in ("learned", "sincos2d"):
-        raise bad(f"pos_embed must be 'learned' or 'sincos2d', got {cfg.pos_embed!r}")
-    if cfg.gelu not in ("exact", "tanh"):
-        raise bad(f"gelu must be 'exact' or 'tanh', got {cfg.gelu!r}")
+    for name, options in _CHOICES.items():
+        if getattr(cfg, name) not in options:
+            raise bad(f"{name} must be one of {', '.join(map(repr, options))}, got {getattr(cfg, name)!r}")
+    _check_descendants(cfg, bad)
     if cfg.pos_embed == "sincos2d" and cfg.hidden_size % 4:
         raise bad("sincos2d position embeddings need hidden_size divisible by 4")
     for name in ("dropout", "attention_dropout", "drop_path"):
@@ -98,3 +107,43 @@ def check_config(cfg: Any) -> None:
     gh, gw = cfg.grid_size
     if gh * gw > _MAX_TOKENS:
         raise bad(f"{gh}x{gw} = {gh * gw} tokens; at most {_MAX_TOKENS} (image size / patch size)")
+
+
+def _check_descendants(cfg: Any, bad: Any) -> None:
+    """The options after the paper's (``vitkit.models.config``): types, and the combinations that mean nothing."""
+    for name in ("class_token", "distilled", "pos_embed_prefix", "norm_pre", "patch_bias", "key_bias"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise bad(f"{name} must be true or false, got {getattr(cfg, name)!r}")
+    if not (is_int(cfg.num_registers) and 0 <= cfg.num_registers <= _MAX_REGISTERS):
+        raise bad(f"num_registers must be an integer in 0..{_MAX_REGISTERS}, got {cfg.num_registers!r}")
+    for name in ("layer_scale", "rope_theta"):
+        value = getattr(cfg, name)
+        if value is None and name == "layer_scale":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise bad(f"{name} must be a finite number, got {value!r}")
+    if cfg.rope_theta <= 0:
+        raise bad(f"rope_theta must be positive, got {cfg.rope_theta!r}")
+    if cfg.projection_size is not None and not (is_int(cfg.projection_size) and 1 <= cfg.projection_size <= _MAX_WIDTH):
+        raise bad(f"projection_size must be None or an integer in 1..{_MAX_WIDTH}")
+    if cfg.projection_size is not None and cfg.representation_size is not None:
+        raise bad("projection_size and representation_size are two pre-logits layers; give one")
+    if cfg.classifier == "token" and not cfg.class_token:
+        raise bad("classifier 'token' needs class_token")
+    if cfg.distilled and not (cfg.class_token and cfg.classifier == "token"):
+        raise bad("distilled (DeiT's distillation token) needs classifier 'token' with a class token")
+    if cfg.distilled and cfg.representation_size is not None:
+        raise bad("distilled models average two heads on the tokens: no representation_size (pre-logits layer)")
+    if cfg.rope is not None:
+        if cfg.pos_embed != "none":
+            raise bad(f"rope {cfg.rope!r} replaces the position embedding: pos_embed must be 'none'")
+        if cfg.head_dim % 4:
+            raise bad(f"rope needs a head width (hidden_size / num_heads) divisible by 4, got {cfg.head_dim}")
+    if not cfg.key_bias and not cfg.qkv_bias:
+        raise bad("key_bias false only masks the key part of a qkv bias: it needs qkv_bias")
+    if cfg.mlp == "swiglu" and cfg.gelu != "exact":
+        raise bad("the swiglu MLP gates with SiLU: gelu must stay 'exact' (it is not used)")
+    if cfg.resnet_layers is not None and (cfg.norm_pre or not cfg.patch_bias or cfg.num_registers or cfg.distilled):
+        raise bad(
+            "hybrid (ResNet) models take the paper's stem: no norm_pre, registers, distillation, patch_bias false"
+        )

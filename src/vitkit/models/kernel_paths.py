@@ -21,8 +21,9 @@ from torch import nn
 from vitkit.models.attention import softmax_attention
 from vitkit.models.fused import NormInput, linear, linear_gelu
 from vitkit.models.kernel_api import TrainingKernels
+from vitkit.models.layers import Mlp
 from vitkit.models.lora import fused_lora
-from vitkit.models.vit import Attention, Block, Mlp
+from vitkit.models.vit import Attention, Block, Rope
 
 __all__ = ["KernelPath", "norm_input", "set_block_path", "set_fused_attention", "set_training_kernels"]
 
@@ -61,16 +62,18 @@ class KernelPath:
     kernels: TrainingKernels | None = None
 
     def attention(
-        self, block: Block, x: torch.Tensor, return_attention: bool
+        self, block: Block, x: torch.Tensor, return_attention: bool, rope: Rope | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """MSA(LN(x)) of ``block`` (x: (B, T, D)) and, with ``return_attention``, the probabilities (B, h, T, T)."""
         attn: Attention = block.attn
         k = self.kernels
         qkv = _dense(attn.qkv, block.norm1(x), k, norm=norm_input(block.norm1, x))  # (B, T, 3D)
+        if attn.q_bias is not None:  # no key bias (DINOv3): the query's and value's beside the GEMM
+            qkv = qkv + attn.qkv_bias().to(qkv.dtype)  # type: ignore[union-attr]
         p_drop = attn.attention_dropout if attn.training else 0.0
-        if not (attn.fused or return_attention or p_drop):  # q, k, v, scale and gradients in one function
+        if not (attn.fused or return_attention or p_drop or rope is not None):  # q, k, v, scale, gradients at once
             return _dense(attn.proj, softmax_attention(qkv, attn.num_heads, attn.scale, k), k), None
-        out, probs = attn.attend(qkv, return_attention)  # (B, T, D)
+        out, probs = attn.attend(qkv, return_attention, rope)  # (B, T, D)
         return _dense(attn.proj, out, k), probs
 
     def mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,7 @@ class KernelPath:
         mlp: Mlp = block.mlp
         y = block.norm2(x)
         k, h, source = self.kernels, None, None  # source: GELU's input, for an adapted fc2 (see _dense)
-        if k is not None and mlp.act.approximate == "none":
+        if k is not None and mlp.exact_gelu:
             if type(mlp.fc1) is nn.Linear:
                 h = linear_gelu(y, mlp.fc1.weight, mlp.fc1.bias, k)  # (B, T, mlp_dim)
             elif (lora := fused_lora(mlp.fc1, y, k, gelu=True, norm=norm_input(block.norm2, x))) is not None:

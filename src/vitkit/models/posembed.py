@@ -49,8 +49,8 @@ def resample_grid(
         ``interpolate_posembed`` computes with ``scipy.ndimage.zoom(..., order=1)``.
       - ``"bicubic"``: timm's ``resample_abs_pos_embed`` default: half-pixel bicubic with ``antialias=True``
         (PyTorch's antialiased kernel, a = -0.5, which differs from the plain bicubic one even when enlarging).
-        Hugging Face's ``ViTEmbeddings.interpolate_pos_encoding`` uses the plain one (a = -0.75, no antialias),
-        so its values differ from both methods here.
+      - ``"bicubic_plain"``: the plain bicubic kernel (a = -0.75, half-pixel, no antialias) to the new size, as
+        transformers' ``interpolate_pos_encoding`` of ViT, DeiT, CLIP, SigLIP and DINOv2 computes it.
     """
     if tuple(old_grid) == tuple(new_grid):
         return posemb
@@ -64,8 +64,10 @@ def resample_grid(
         x = _zoom_linear(x, new_grid)
     elif method == "bicubic":
         x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False, antialias=True)
+    elif method == "bicubic_plain":
+        x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False)
     else:
-        raise ValueError(f"unknown position-embedding resampling method {method!r} (bilinear, bicubic)")
+        raise ValueError(f"unknown position-embedding resampling method {method!r} (bilinear, bicubic, bicubic_plain)")
     x = x.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d).to(posemb.dtype)
     return torch.cat([prefix, x], dim=1)
 
