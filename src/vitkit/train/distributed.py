@@ -133,11 +133,11 @@ def checkpoint_activations(model: nn.Module) -> nn.Module:
     return model
 
 
-def _checkpointed_forward(block: nn.Module, *args: Any) -> Any:
+def _checkpointed_forward(block: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(block).forward.__get__(block)
     if not torch.is_grad_enabled():
-        return forward(*args)
-    return checkpoint(forward, *args, use_reentrant=False)
+        return forward(*args, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def wrap(
