@@ -35,8 +35,11 @@ def library() -> Any:
 
 
 def params(ef_search: int = EF_SEARCH) -> dict[str, Any]:
-    lib = library()
-    return {"name": NAME, "library": LIBRARY, "version": getattr(lib, "__version__", "0.8.0"), "M": M,
+    """The backend entry of a new index's manifest: library, version and graph parameters."""
+    from importlib.metadata import version
+
+    library()
+    return {"name": NAME, "library": LIBRARY, "version": version(LIBRARY), "M": M,
             "ef_construction": EF_CONSTRUCTION, "ef_search": ef_search}  # fmt: skip
 
 
@@ -56,6 +59,7 @@ class Graph:
 
     @classmethod
     def build(cls, vectors: np.ndarray, backend: dict[str, Any]) -> Graph:
+        """A graph over the rows of ``vectors`` (N, D), built with the manifest entry ``backend``'s parameters."""
         lib = library()
         index = lib.Index(space="ip", dim=vectors.shape[1])
         index.init_index(max_elements=max(1, len(vectors)), ef_construction=int(backend["ef_construction"]),
@@ -67,6 +71,7 @@ class Graph:
 
     @classmethod
     def load(cls, path: Path, dimension: int, count: int, backend: dict[str, Any]) -> Graph:
+        """The graph file of a verified index (its size and checksum already checked)."""
         lib = library()
         index = lib.Index(space="ip", dim=dimension)
         index.load_index(str(path), max_elements=max(1, count))
@@ -85,6 +90,7 @@ class Graph:
         self.index.add_items(vectors, np.arange(start, start + len(vectors), dtype=np.int64))
 
     def save(self, path: Path) -> None:
+        """Write the graph to ``path`` (a file in the folder being written)."""
         self.index.save_index(str(path))
 
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:

@@ -60,10 +60,12 @@ def sha256_file(path: Path) -> str:
 
 
 def file_entry(path: Path) -> dict[str, Any]:
+    """A data file's manifest entry: its size and SHA-256."""
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def expected_files(backend: Mapping[str, Any]) -> set[str]:
+    """The data files an index of ``backend`` holds (the manifest lists exactly these)."""
     return {IDS, VECTORS} | ({GRAPH} if backend.get("name") != "exact" else set())
 
 

@@ -122,9 +122,12 @@ class Index:
         doc = fmt.verify(folder)
         count, dim = doc["count"], doc["dimension"]
         ids = fmt.read_ids(folder, count)
-        vectors = np.fromfile(folder / fmt.VECTORS, dtype="<f4").reshape(count, dim)
-        graph = None
         name = doc["backend"]["name"]
+        if name == "exact" or count == 0:  # exact search reads every vector: in memory
+            vectors = np.fromfile(folder / fmt.VECTORS, dtype="<f4").reshape(count, dim)
+        else:  # the graph holds its own copy; these are read only to score its candidates: mapped, not loaded
+            vectors = np.memmap(folder / fmt.VECTORS, dtype="<f4", mode="r", shape=(count, dim))
+        graph = None
         if name == "hnsw":
             from vitkit.search.ann import Graph
 
@@ -223,6 +226,7 @@ class Index:
 
     @property
     def dimension(self) -> int:
+        """The length of every vector."""
         return int(self.vectors.shape[1])
 
     def _row_of(self) -> dict[str, int]:
