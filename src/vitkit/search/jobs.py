@@ -195,27 +195,22 @@ def query_vectors(
     embedded with the index's checkpoint and options) and of the embedding output ``vectors``; a checkpoint or
     file made otherwise than the index is refused in one line."""
     out = Queries()
-    images = []
+    images: list[int] = []  # the slots of image queries, in the order given, filled once they are embedded
     for q in queries:
         if q.startswith("id:"):
             out.labels.append(q)
             out.vectors.append(index.vector(q[3:]))
             out.exclude.append(q[3:])
         else:
-            images.append(q)
-    if vectors is not None:
-        e = read_embeddings(vectors)
-        index.check_comparable(e.meta, f"--vectors {vectors}")
-        if e.vectors.ndim != 2:
-            raise DataError(f"--vectors {vectors}: one vector per image is needed (not --pool tokens)")
-        for i, name in enumerate(e.ids):
-            if i not in e.errors:
-                out.labels.append(name)
-                out.vectors.append(np.asarray(e.vectors[i], dtype=np.float32))
+            from vitkit.data.stream import list_inputs
+
+            for path in list_inputs([q]):
+                images.append(len(out.labels))
+                out.labels.append(path)
+                out.vectors.append(np.zeros(0, np.float32))
                 out.exclude.append(None)
     if images:
         from vitkit.checkpoints import load_checkpoint
-        from vitkit.data.stream import list_inputs
         from vitkit.inference.embed import embed
 
         ckpt = checkpoint or index.provenance.get(CHECKPOINT_SOURCE)
@@ -226,17 +221,24 @@ def query_vectors(
         found = {**checkpoint_meta(loaded), "vitkit.embed.pool": index.provenance.get("vitkit.embed.pool", ""),
                  "vitkit.embed.layer": index.provenance.get("vitkit.embed.layer", "")}  # fmt: skip
         index.check_comparable({**index.provenance, **found}, f"-c {ckpt}")
-        paths = list_inputs(images)
-        e = embed(loaded, paths, pool=s.pool, layer=s.layer, batch_size=s.batch_size, precision="fp32",
-                  device=s.device)  # fmt: skip
+        e = embed(loaded, [out.labels[i] for i in images], pool=s.pool, layer=s.layer, batch_size=s.batch_size,
+                  precision="fp32", device=s.device)  # fmt: skip
         shape = json.dumps(list(e.vectors.shape[1:]))
         if index.provenance.get("vitkit.embed.shape", shape) != shape:
             raise DataError(f"-c {ckpt}: vectors of shape {shape}, the index holds "
                             f"{index.provenance['vitkit.embed.shape']}")  # fmt: skip
-        for name, v in zip(e.ids, e.vectors, strict=True):
-            out.labels.append(name)
-            out.vectors.append(np.asarray(v, dtype=np.float32))
-            out.exclude.append(None)
+        for slot, v in zip(images, e.vectors, strict=True):
+            out.vectors[slot] = np.asarray(v, dtype=np.float32)
+    if vectors is not None:
+        e = read_embeddings(vectors)
+        index.check_comparable(e.meta, f"--vectors {vectors}")
+        if e.vectors.ndim != 2:
+            raise DataError(f"--vectors {vectors}: one vector per image is needed (not --pool tokens)")
+        for i, name in enumerate(e.ids):
+            if i not in e.errors:
+                out.labels.append(name)
+                out.vectors.append(np.asarray(e.vectors[i], dtype=np.float32))
+                out.exclude.append(None)
     if not out.labels:
         raise ConfigError("give queries: images, a folder, id:ID, or --vectors FILE")
     return out
