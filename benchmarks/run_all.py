@@ -364,6 +364,12 @@ TABLES = [
         [[PY, "benchmarks/gpu_report.py", "--quick"]],
         has_gpu,
     ),
+    Table(
+        "search",
+        "Similarity search: exact against approximate (HNSW) libraries",
+        [[PY, "benchmarks/search_ann.py", "--n", "200000", "--ef", "32", "64", "128", "256"]],
+        [[PY, "benchmarks/search_ann.py", "--n", "20000", "--queries", "200", "--ef", "64"]],
+    ),
 ]
 
 

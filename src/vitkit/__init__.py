@@ -8,6 +8,7 @@ Public API::
     vitkit.model_from("B/16" or path, **overrides)     # a variant name or any checkpoint, as a model
     vitkit.predict("ckpt/", ["a.jpg", "b.jpg"])        # top-5 labels per image with the checkpoint's preprocessing
     vitkit.embed("ckpt/", ["a.jpg", "b.jpg"])          # pre-logits features (or pooled/intermediate tokens)
+    vitkit.Index.open("photos.index").search(q, 10)    # similarity search over embeddings (exact or HNSW)
     vitkit.save_pretrained(model, "out/", ...)         # vitkit's own format
     vitkit.optimize_for_inference(model)               # a fast bf16 (or int8) inference copy
     vitkit.open_dataset("digits", "train")             # digits, ImageFolder, CIFAR, .npz, WebDataset shards
@@ -38,6 +39,7 @@ if TYPE_CHECKING:  # what the names below are, for type checkers; imported on fi
     from vitkit.inference.embed import embed
     from vitkit.inference.predict import predict
     from vitkit.models import VisionTransformer, ViTConfig, create_model, list_models
+    from vitkit.search import Index
     from vitkit.train import train
 
 # public name -> (module, attribute): ``import vitkit`` (and so every ``vitkit`` command, whose modules live
@@ -56,6 +58,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "optimize_for_inference": ("vitkit.inference", "optimize_for_inference"),
     "predict": ("vitkit.inference", "predict"),
     "embed": ("vitkit.inference.embed", "embed"),
+    "Index": ("vitkit.search", "Index"),
     "VisionTransformer": ("vitkit.models", "VisionTransformer"),
     "ViTConfig": ("vitkit.models", "ViTConfig"),
     "create_model": ("vitkit.models", "create_model"),
@@ -86,6 +89,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [
+    "Index",
     "Preprocess",
     "TrainConfig",
     "ViTConfig",

@@ -12,7 +12,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from vitkit.commands import bench, demo, embed, evaluate, hub, model, predict, serve, train
+from vitkit.commands import bench, demo, embed, evaluate, hub, model, predict, search, serve, train
 from vitkit.commands.args import Parser
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
@@ -24,6 +24,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     train.add_parser,  # train, finetune
     evaluate.add_parser,  # eval, fewshot, knn, analyze
     embed.add_parser,  # embed
+    search.add_parser,  # index, search, dedup
     bench.add_parser,  # bench
     hub.add_parser,  # download, models
     serve.add_parser,  # serve
