@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "analysis": 5,
     "inference": 5,
     "bench": 6,
+    "search": 5,  # similarity search over embeddings (reads outputs, runs the embed job)
     "serve": 6,
     "": 7,  # the package itself: vitkit/__init__.py, the public API
     "commands": 8,

@@ -85,6 +85,11 @@ def has_onednn_linear(dtype: torch.dtype = torch.float32) -> bool:
     return dtype != torch.bfloat16 or bool(ops._is_mkldnn_bf16_supported())
 
 
+def has_amx_int8() -> bool:
+    """Whether this CPU has AMX's int8 tiles (Sapphire Rapids and later Xeons): oneDNN's int8 GEMMs run on them."""
+    return "amx_int8" in cpu_flags()
+
+
 def has_vnni() -> bool:
     """Whether this CPU has int8 dot-product instructions (AVX512-VNNI, AVX-VNNI or AMX)."""
     return bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})

@@ -11,7 +11,7 @@ from torch import nn
 
 from helpers import int8_gemm, randomize_, rel_err
 from vitkit.inference import int8
-from vitkit.inference.fast import InferenceViT
+from vitkit.inference.fast import InferenceViT, Kernels
 from vitkit.models import create_model
 
 
@@ -113,7 +113,7 @@ def test_int8_gemm_refuses_arguments_that_do_not_fit() -> None:
 def test_int8_fast_path_runs_its_gemms_on_the_kernel_where_it_loads() -> None:
     int8_gemm()
     model = create_model("Ti/16", num_classes=10, image_size=32).eval()
-    fast = InferenceViT(model, torch.bfloat16, 4, int8=True)
+    fast = InferenceViT(model, torch.bfloat16, 4, int8=True, kernels=Kernels(gemm="vnni"))  # not oneDNN's, on AMX
     layers = [m for m in fast.modules() if isinstance(m, int8.Int8Linear)]
     assert layers and all(m.gemm is not None for m in layers)
     with torch.no_grad():
@@ -133,7 +133,7 @@ def test_int8_fast_path_with_an_mlp_wider_than_the_kernel_takes() -> None:
     assert not g.supports(torch.zeros(2, 65537, dtype=torch.uint8), None, torch.bfloat16)
     model = create_model("Ti/16", num_classes=10, image_size=32, depth=1, hidden_size=32, num_heads=2, mlp_dim=65540)
     model = randomize_(model, std=0.02).eval()
-    fast = InferenceViT(model, torch.bfloat16, 4, int8=True)
+    fast = InferenceViT(model, torch.bfloat16, 4, int8=True, kernels=Kernels(gemm="vnni"))
     block = fast.blocks[0]
     assert block.fc2.gemm is None and block.fc1.gemm is not None and block.qkv.gemm is not None
     x = torch.randn(4, 3, 32, 32)

@@ -120,13 +120,14 @@ static void pack_v(const uint16_t *v, long stride, int T, int d, int tph, int dp
     }
 }
 
-// softmax numerators of MR score rows into bf16 (p, row stride ldp elements), 1/sums into inv
+// softmax numerators of `rows` score rows into bf16 (p, row stride ldp elements; zeros from T to tpad), 1/sums
+// into inv
 static void softmax_rows(const float *s, int lds, int T, int tpad, float scale, uint16_t *p, int ldp,
-                         float *inv) {
+                         float *inv, int rows) {
     int nv = tpad / 16;
     __mmask16 last = (T % 16) ? (__mmask16)((1u << (T % 16)) - 1) : (__mmask16)0xFFFF;
     __m512 sc = _mm512_set1_ps(scale);
-    for (int r = 0; r < MR; r++) {
+    for (int r = 0; r < rows; r++) {
         const float *row = s + (size_t)r * lds;
         __m512 m = _mm512_set1_ps(-INFINITY);
         for (int v = 0; v < nv - 1; v++) m = _mm512_max_ps(m, _mm512_loadu_ps(row + 16 * v));
@@ -212,7 +213,7 @@ int vk_attention_bf16(const uint16_t *qkv, uint16_t *out, int B, int T, int H, i
                     o[r] = out + ((size_t)b * T + i) * out_stride + (size_t)h * d;
                 }
                 qk_block(kp, tpad, q, dh, s, tpad);
-                softmax_rows(s, tpad, T, tpad, scale, (uint16_t *)pp, tpad, inv);
+                softmax_rows(s, tpad, T, tpad, scale, (uint16_t *)pp, tpad, inv, MR);
                 // over the (T + 1) / 2 pairs holding a key: the rest of the 16-padded count is zeros
                 pv_block(vp, dpad, pp, tph, (T + 1) / 2, o, inv, T - i0 < MR ? T - i0 : MR, d);
             }

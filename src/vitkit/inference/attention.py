@@ -34,6 +34,10 @@ NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 SOURCE = Path(__file__).with_name("attention.c")
 
 
+AMX_FLAGS = (*FLAGS, "-mamx-tile", "-mamx-bf16")
+AMX_NEEDS = (*NEEDS, "amx_tile", "amx_bf16")
+AMX_SOURCE = Path(__file__).with_name("attention_amx.c")  # compiled after attention.c, whose packing it shares
+
 INT8_FLAGS = (*FLAGS, "-mavx512dq", "-mavx512vnni")
 INT8_NEEDS = (*NEEDS, "avx512dq", "avx512_vnni")
 INT8_SOURCE = Path(__file__).with_name("attention_int8.c")
@@ -41,10 +45,14 @@ INT8_SOURCE = Path(__file__).with_name("attention_int8.c")
 
 class FusedAttention:
     """The loaded kernel: ``attn(qkv, batch, heads, head_dim, scale)`` -> (B*T, D) bf16 output.
-    ``symbol``: ``vk_attention_bf16`` (bf16 products) or ``vk_attention_int8`` (:func:`load_int8`)."""
+    ``symbol``: ``vk_attention_bf16`` (bf16 products), ``vk_attention_amx`` (the same on AMX tiles, :func:`load_amx`;
+    head widths it does not take go to ``fallback``, the AVX-512 kernel of the same library) or ``vk_attention_int8``
+    (:func:`load_int8`)."""
 
     def __init__(self, lib: ctypes.CDLL, symbol: str = "vk_attention_bf16") -> None:
         self.int8 = symbol == "vk_attention_int8"
+        self.amx = symbol == "vk_attention_amx"
+        self.fallback = FusedAttention(lib) if self.amx else None
         fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
         fn.argtypes = [
@@ -78,6 +86,11 @@ class FusedAttention:
             and (not self.int8 or max(255, 4 * -(-head_dim // 4)) * T < 2**31)
         )
 
+    @staticmethod
+    def amx_takes(head_dim: int) -> bool:
+        """Head widths of the AMX kernel: multiples of 32 (its tiles' 32 bf16 per row) up to 128."""
+        return head_dim % 32 == 0 and head_dim <= 128
+
     def __call__(self, qkv: torch.Tensor, batch: int, heads: int, head_dim: int, scale: float = 1.0) -> torch.Tensor:
         """qkv: (B*T, 3 h d) bf16 with q, k, v side by side, head-major within each -> (B*T, h d) bf16."""
         if not self.supports(qkv, head_dim, batch):
@@ -91,6 +104,8 @@ class FusedAttention:
             raise ValueError(f"the fused attention kernel needs a positive scale, got {scale}")
         if width != 3 * D or BT % batch:
             raise ValueError(f"qkv of shape {tuple(qkv.shape)} does not hold {batch} images of {heads} x {head_dim}")
+        if self.fallback is not None and not self.amx_takes(head_dim):
+            return self.fallback(qkv, batch, heads, head_dim, scale)
         out = qkv.new_empty(BT, D)
         T, threads = BT // batch, torch.get_num_threads()
         with torch.profiler.record_function("vitkit::fused_attention"):  # a named op in profiles
@@ -114,3 +129,14 @@ def load_int8() -> FusedAttention | None:
     (no compiler, no AVX512_BF16 or AVX512_VNNI, not Linux)."""
     lib = native.load(native.kernel_source(INT8_SOURCE), "vk_attention_int8", INT8_FLAGS, INT8_NEEDS)
     return None if lib is None else FusedAttention(lib, "vk_attention_int8")
+
+
+def load_amx() -> FusedAttention | None:
+    """The bf16 kernel on AMX tiles (``attention_amx.c``; head widths other than 32, 64, 96, 128 run the AVX-512
+    kernel), or None where it cannot run (no compiler, no AMX-BF16, not Linux, or Linux refuses the process the
+    tile state)."""
+    source = f'{SOURCE.read_text()}\n#line 1 "{AMX_SOURCE.name}"\n{AMX_SOURCE.read_text()}'
+    lib = native.load(source, "vk_attention_amx", AMX_FLAGS, AMX_NEEDS)
+    if lib is None or lib.vk_amx_enable() != 0:
+        return None
+    return FusedAttention(lib, "vk_attention_amx")

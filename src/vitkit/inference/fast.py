@@ -47,6 +47,7 @@ from torch import nn
 from vitkit import hardware
 from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
+from vitkit.inference.attention import load_amx as load_amx_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
 from vitkit.inference.gemm_int8 import Int8Gemm
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
@@ -89,7 +90,8 @@ class Kernels:
     (the fastest on the Zen 4 and Xeons the defaults were measured on). ``vitkit.inference.tune`` chooses these by
     timing them on the model's own shapes.
 
-    - ``attention``: ``"c"`` (vitkit's fused C kernel, bf16/int8 on AVX512_BF16 CPUs), ``"explicit"`` (two
+    - ``attention``: ``"amx"`` (the fused C kernel on AMX tiles, bf16, for int8 too: AMX-BF16 CPUs), ``"c"``
+      (vitkit's fused C kernel, bf16/int8 on AVX512_BF16 CPUs), ``"explicit"`` (two
       batched GEMMs over cache-sized chunks of heads) or ``"sdpa"`` (PyTorch's ``scaled_dot_product_attention``:
       its CPU flash kernel);
     - ``layernorm``: ``"c"`` (vitkit's C LayerNorm, bf16) or ``"torch"``;
@@ -102,7 +104,7 @@ class Kernels:
     gemm: str | None = None
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
-        "attention": ("c", "explicit", "sdpa"),
+        "attention": ("amx", "c", "explicit", "sdpa"),
         "layernorm": ("c", "torch"),
         "gemm": ("packed", "plain", "vnni", "onednn"),
     }
@@ -330,16 +332,27 @@ def block_parts(kernels: Kernels, dtype: torch.dtype, int8: bool, cpu: bool, pac
     overrides of the explicit attention and of packing."""
     bf16 = cpu and dtype == torch.bfloat16
     fused = None
-    if pack and bf16 and kernels.attention in (None, "c"):
+    # bf16: AMX tiles first where the CPU has them (3.5x the AVX-512 kernel at T=261, d=64); int8: its VNNI kernel
+    # first (as fast as AMX's bf16 one end to end, measured), AMX's when chosen
+    if pack and bf16 and (kernels.attention == "amx" or (kernels.attention is None and not int8)):
+        fused = load_amx_attention()
+    if pack and bf16 and fused is None and kernels.attention in (None, "amx", "c"):
         fused = (load_int8_attention() if int8 else None) or load_fused_attention()
     return {
         "quantize": fast_quantizer() if int8 else None,
         "fused": fused,
-        "gemm": load_int8_gemm() if int8 and bf16 and kernels.gemm != "onednn" else None,
+        # int8 GEMMs: vitkit's VNNI kernel, except where oneDNN's run on AMX's int8 tiles (measured 1.5x faster on
+        # DINOv2-S/14 b32, Xeon family 6 model 167; BENCHMARKS.md "Model families")
+        "gemm": load_int8_gemm() if int8 and bf16 and _vnni_gemm(kernels) else None,
         "layernorm": load_layernorm() if pack and bf16 and not int8 and kernels.layernorm != "torch" else None,
-        "explicit": None if kernels.attention in (None, "c") else kernels.attention == "explicit",
+        "explicit": None if kernels.attention in (None, "amx", "c") else kernels.attention == "explicit",
         "pack_gemm": None if kernels.gemm is None else kernels.gemm != "plain",
     }
+
+
+def _vnni_gemm(kernels: Kernels) -> bool:
+    """Whether the int8 GEMMs are vitkit's VNNI kernel: chosen, or by the built-in rule (not on AMX CPUs)."""
+    return kernels.gemm == "vnni" or (kernels.gemm is None and not hardware.has_amx_int8())
 
 
 class InferenceViT(nn.Module):

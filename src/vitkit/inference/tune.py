@@ -47,6 +47,7 @@ from vitkit import hardware, native
 from vitkit.errors import CheckpointError
 from vitkit.fileio import write_file_atomic
 from vitkit.inference.attention import load as load_fused_attention
+from vitkit.inference.attention import load_amx as load_amx_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
 from vitkit.inference.fast import FastBlock, Kernels, block_parts
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
@@ -139,14 +140,17 @@ def candidates(dtype: torch.dtype, int8: bool) -> dict[str, tuple[str, ...]]:
     """The options of each piece on this CPU, the built-in rule first (pieces with one option are left out)."""
     bf16 = dtype == torch.bfloat16
     c_attention = bf16 and ((int8 and load_int8_attention() is not None) or load_fused_attention() is not None)
+    amx = ("amx",) if bf16 and load_amx_attention() is not None else ()
     pieces: dict[str, tuple[str, ...]] = {
-        "attention": ("c", "explicit", "sdpa") if c_attention else ("explicit", "sdpa"),
+        "attention": ((*amx, "c") if not int8 else ("c", *amx)) + ("explicit", "sdpa")
+        if c_attention
+        else ("explicit", "sdpa"),
     }
     if bf16 and not int8 and load_layernorm() is not None:
         pieces["layernorm"] = ("c", "torch")
     if int8:
         if bf16 and load_int8_gemm() is not None:
-            pieces["gemm"] = ("vnni", "onednn")
+            pieces["gemm"] = ("onednn", "vnni") if hardware.has_amx_int8() else ("vnni", "onednn")
     elif hardware.has_onednn_linear(dtype):
         pieces["gemm"] = ("packed", "plain")
     return pieces
