@@ -145,6 +145,17 @@ static void softmax_rows(const float *s, int lds, int T, int tpad, float scale, 
     }
 }
 
+// packs image b's head h (pair = b H + h) of qkv into kp (keys, tpad wide) and vp (values, tph x dpad) and
+// returns the image's first qkv row
+static const uint16_t *pack_head(const uint16_t *qkv, long pair, int T, int H, int d, long qkv_stride, int tpad,
+                                 int tph, int dpad, uint32_t *kp, uint32_t *vp) {
+    int b = (int)(pair / H), h = (int)(pair % H);
+    const uint16_t *base = qkv + (size_t)b * T * qkv_stride;
+    pack_k(base + (size_t)H * d + (size_t)h * d, qkv_stride, T, d / 2, tpad, kp);
+    pack_v(base + 2 * (size_t)H * d + (size_t)h * d, qkv_stride, T, d, tph, dpad, vp);
+    return base;
+}
+
 static void qk_block(const uint32_t *kp, int tpad, const uint32_t *const *q, int dh, float *s, int lds) {
     // tiles of 4 vectors of 16 keys, the rest as 3 + 2 rather than a lone 1 (6 accumulators: latency-bound)
     for (int t0 = 0, left = tpad / 16; left > 0;) {
@@ -193,9 +204,7 @@ int vk_attention_bf16(const uint16_t *qkv, uint16_t *out, int B, int T, int H, i
         for (long pair = 0; pair < (long)B * H; pair++) {
             if (!buf) continue;  // every thread must meet the loop; one without memory does nothing
             int b = (int)(pair / H), h = (int)(pair % H);
-            const uint16_t *base = qkv + (size_t)b * T * qkv_stride;
-            pack_k(base + (size_t)H * d + (size_t)h * d, qkv_stride, T, dh, tpad, kp);
-            pack_v(base + 2 * (size_t)H * d + (size_t)h * d, qkv_stride, T, d, tph, dpad, vp);
+            const uint16_t *base = pack_head(qkv, pair, T, H, d, qkv_stride, tpad, tph, dpad, kp, vp);
             long next = pair + 1 < (long)B * H ? pair + 1 : pair;
             const uint16_t *nbase = qkv + (size_t)(next / H) * T * qkv_stride + (size_t)(next % H) * d;
             for (int i0 = 0; i0 < T; i0 += MR) {

@@ -107,16 +107,16 @@ int vk_attention_amx(const uint16_t *qkv, uint16_t *out, int B, int T, int H, in
         uint16_t *pp = (uint16_t *)(s + s_n), *qb = (uint16_t *)(o + o_n);
         float inv[AMX_ROWS];
         failed = buf == NULL;
-        if (buf) amx_configure();
+        if (buf) {
+            amx_configure();
+            for (int r = 0; r < AMX_ROWS; r++)  // the numerators' columns from T's 16-padding to its 32-padding
+                for (int t = tpad; t < tpad32; t++) pp[(size_t)r * tpad32 + t] = 0;  // (softmax never writes them)
+        }
 #pragma omp for schedule(static)
         for (long pair = 0; pair < (long)B * H; pair++) {
             if (!buf) continue;  // every thread must meet the loop; one without memory does nothing
             int b = (int)(pair / H), h = (int)(pair % H);
-            const uint16_t *base = qkv + (size_t)b * T * qkv_stride;
-            pack_k(base + (size_t)H * d + (size_t)h * d, qkv_stride, T, dh, tpad, kp);
-            pack_v(base + 2 * (size_t)H * d + (size_t)h * d, qkv_stride, T, d, tpad32 / 2, d, vp);
-            for (int r = 0; r < AMX_ROWS; r++)  // the numerators' columns from T's 16-padding to its 32-padding
-                for (int t = tpad; t < tpad32; t++) pp[(size_t)r * tpad32 + t] = 0;
+            const uint16_t *base = pack_head(qkv, pair, T, H, d, qkv_stride, tpad, tpad32 / 2, d, kp, vp);
             for (int i0 = 0; i0 < T; i0 += AMX_ROWS) {
                 int rows = T - i0 < AMX_ROWS ? T - i0 : AMX_ROWS;
                 const uint16_t *q = base + (size_t)i0 * qkv_stride + (size_t)h * d;
