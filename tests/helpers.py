@@ -167,10 +167,10 @@ def int8_fast_path_switched(
     """A 3-block Ti/16 (48 px, random weights) through the int8 fast path, whose every block must be ``ready``:
     the logits as built, fp32's, and the logits once each block's ``attr`` is set to ``off`` (the feature off)."""
     from vitkit import optimize_for_inference
-    from vitkit.inference.fast import FastBlock
+    from vitkit.inference.fast import FastBlock, Kernels
 
     model = randomize_(create_model("Ti/16", num_classes=11, image_size=48, depth=3)).eval()
-    fast = optimize_for_inference(model, int8=True)
+    fast = optimize_for_inference(model, int8=True, kernels=Kernels(gemm="vnni"))  # the kernel, on AMX CPUs too
     blocks = [b for b in fast.modules() if isinstance(b, FastBlock)]
     assert blocks and all(ready(b) for b in blocks)
     x = torch.randn(4, 3, 48, 48)
