@@ -300,28 +300,24 @@ class FastBlock(nn.Module):
 def _scaled_qkv(attn: Attention, scale: float) -> nn.Linear:
     """A copy of the attention's fused q/k/v Linear, with its whole bias ([q; 0; v] without a key bias), whose
     query rows (weight and bias) are multiplied by ``scale``."""
-    qkv, bias = attn.qkv, attn.qkv_bias()
-    out = nn.Linear(qkv.in_features, qkv.out_features, bias=bias is not None).to(qkv.weight)
-    D = qkv.out_features // 3
-    with torch.no_grad():
-        out.weight.copy_(qkv.weight)
-        out.weight[:D] *= scale
-        if bias is not None:
-            out.bias.copy_(bias)
-            out.bias[:D] *= scale
-    return out
+    rows = torch.ones(attn.qkv.out_features, dtype=attn.qkv.weight.dtype, device=attn.qkv.weight.device)
+    rows[: attn.qkv.out_features // 3] = scale
+    return _rows_times(attn.qkv.weight, attn.qkv_bias(), rows)
 
 
 def _scaled_rows(linear: nn.Linear, scale: nn.Module) -> nn.Linear:
     """``linear``, or where ``scale`` is a :class:`LayerScale` a copy with its output rows (weight and bias)
     multiplied by the scales."""
-    if not isinstance(scale, LayerScale):
-        return linear
-    out = copy.deepcopy(linear)
+    return _rows_times(linear.weight, linear.bias, scale.gamma) if isinstance(scale, LayerScale) else linear
+
+
+def _rows_times(weight: torch.Tensor, bias: torch.Tensor | None, rows: torch.Tensor) -> nn.Linear:
+    """A new Linear whose output row i is row i of ``weight`` (and ``bias``) times ``rows[i]``."""
+    out = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None).to(weight)
     with torch.no_grad():
-        out.weight.mul_(scale.gamma[:, None])
-        if out.bias is not None:
-            out.bias.mul_(scale.gamma)
+        out.weight.copy_(weight * rows[:, None])
+        if bias is not None:
+            out.bias.copy_(bias * rows)
     return out
 
 
