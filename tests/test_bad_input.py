@@ -60,6 +60,22 @@ CORRUPTIONS: dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | Non
     ),
     "wrong type": (lambda m: m.update(hidden_size="32"), None, "hidden_size must be an integer, got '32'"),
     "NaN eps": (lambda m: m.update(layer_norm_eps=float("nan")), None, "layer_norm_eps must be a finite number"),
+    # the descendants' options (models/config.py): an unknown activation, a bad register count, RoPE beside a
+    # learned position embedding, a layer scale that is not a number, registers the weights do not hold
+    "unknown activation": (lambda m: m.update(gelu="swish"), None, "gelu must be one of 'exact', 'tanh', 'quick'"),
+    "negative registers": (lambda m: m.update(num_registers=-1), None, "num_registers must be an integer in 0..1024"),
+    "rope with learned positions": (lambda m: m.update(rope="dinov3"), None, "pos_embed must be 'none'"),
+    "layer scale a string": (lambda m: m.update(layer_scale="1e-5"), None, "layer_scale must be a finite number"),
+    "registers not in the weights": (
+        lambda m: m.update(num_registers=4),
+        lambda t: None,  # the weights as saved: read by predict (info reads the config only)
+        'weights do not match the config (Missing key(s) in state_dict: "reg_token"',
+    ),
+    "truncated register tensor": (
+        lambda m: m.update(num_registers=4),
+        lambda t: t.update(reg_token=torch.zeros(1, 3, 32)),
+        "weights do not match the config (size mismatch for reg_token",
+    ),
     "shape mismatch": (
         None,
         lambda t: t.update({"head.weight": torch.zeros(3, 3)}),
