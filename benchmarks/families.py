@@ -1,6 +1,7 @@
-"""The model families' speed on CPU: vitkit's fast path (bf16, int8) against transformers' own model of the family,
-in one process, calls alternating, the same architecture with random weights (speed does not depend on the values;
-the parameter counts are checked equal, so both run the same model).
+"""Feeds the table "Model families: the fast path against transformers" of BENCHMARKS.md: vitkit's fast path (bf16,
+int8) against transformers' own model of the family, in one process, calls alternating, the same architecture
+with random weights (speed does not depend on the values; the parameter counts are checked equal, so both run the
+same model).
 
     python benchmarks/families.py dinov2-s14-reg4 siglip-b16 --batch-size 32 --repeats 5 --json out.json
 
@@ -89,9 +90,10 @@ def run(name: str, batch: int, repeats: int) -> dict[str, Any]:
     ours.eval()
     # DINOv2's mask token is for its training only; vitkit's position embedding is resampled to the image size
     # once (``resize_image``), transformers' at every call
-    hf_params = _params(hf, skip=("mask_token", "position_embeddings"))
-    if hf_params != _params(ours, skip=("pos_embed",)):
-        raise SystemExit(f"{name}: transformers has {hf_params} parameters, vitkit {_params(ours)}: not the same model")
+    hf_params = _params(hf, skip=("mask_token", "position_embedding"))  # DINOv2 ...embeddings, SigLIP ...embedding
+    our_params = _params(ours, skip=("pos_embed",))
+    if hf_params != our_params:
+        raise SystemExit(f"{name}: transformers has {hf_params} parameters, vitkit {our_params}: not the same model")
     x = torch.randn(batch, 3, size, size)
     fns: dict[str, Callable[[], Any]] = {}
     for attn in ("sdpa", "eager"):

@@ -370,6 +370,12 @@ TABLES = [
         [[PY, "benchmarks/search_ann.py", "--n", "200000", "--ef", "32", "64", "128", "256"]],
         [[PY, "benchmarks/search_ann.py", "--n", "20000", "--queries", "200", "--ef", "64"]],
     ),
+    Table(
+        "families",
+        "Model families: the fast path against transformers",
+        [[PY, "benchmarks/families.py", "dinov2-s14-reg4", "siglip-b16", "--batch-size", "32", "--repeats", "5"]],
+        [[PY, "benchmarks/families.py", "dinov2-s14-reg4", "--batch-size", "4", "--repeats", "1"]],
+    ),
 ]
 
 
