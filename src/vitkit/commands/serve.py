@@ -32,13 +32,14 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve",
-        help="HTTP inference server with dynamic batching (POST /predict, /health, /metrics, /model, /docs)",
+        help="HTTP inference server with dynamic batching (POST /predict, /search with --index, /health, /metrics, "
+        "/model, /docs)",
         description="Serve a checkpoint over HTTP. Concurrent requests are gathered into one batch of up to "
         "--max-batch images, waiting at most --max-wait-ms after the oldest arrived, and run through the inference "
         "fast path. POST /predict takes raw image bytes or a multipart upload and answers the top-k labels as JSON "
         "(?attention=1 adds the attention rollout as a base64 PNG); GET /health, /metrics (Prometheus), /model "
-        "(model card), /docs (OpenAPI). SIGTERM or Ctrl-C stops accepting and finishes in-flight requests. "
-        "Needs: pip install 'vitkit[serve]'.",
+        "(model card), /docs (OpenAPI); with --index, POST /search and GET /search?id= (similar images). SIGTERM "
+        "or Ctrl-C stops accepting and finishes in-flight requests. Needs: pip install 'vitkit[serve]'.",
     )
     add_model_options(p)
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
@@ -115,6 +116,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="largest image in pixels, checked from the header before decoding, 413 (default 40000000)",
     )
     p.add_argument("--top-k", type=positive_int, default=5, help="labels per answer unless ?top_k= says (default 5)")
+    p.add_argument(
+        "--index",
+        metavar="INDEX",
+        help="a vitkit index (vitkit index) made with this checkpoint: adds POST /search (an image -> its nearest "
+        "indexed images) and GET /search?id= (an indexed image's neighbours); an index made by another checkpoint "
+        "or preprocessing is refused at start-up",
+    )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -168,12 +176,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     if args.precision == "bf16":
         note_emulated_bf16(args.device, "--precision auto picks fp32 here")
+    similar = None
+    if args.index is not None:
+        from vitkit.serve.similar import SimilarImages
+
+        similar = SimilarImages.open(args.index, served)
     served.warm_up(args.max_batch)
-    app = create_app(served, opts)
+    app = create_app(served, opts, similar)
     card = served.card()
     print(
         f"vitkit serve: {card['name']} ({card['num_classes']} classes, {card['image_size'][0]}x{card['image_size'][1]}"
-        f" px, {served.engine.describe()}) on http://{args.host}:{args.port}  (API docs: /docs)",
+        f" px, {served.engine.describe()}"
+        + (f"; /search over {len(similar.index)} images" if similar is not None else "")
+        + f") on http://{args.host}:{args.port}  (API docs: /docs)",
         file=sys.stderr,
         flush=True,
     )

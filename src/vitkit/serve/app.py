@@ -2,8 +2,10 @@
 :class:`Batcher`.
 
 Endpoints: ``POST /predict`` (raw image bytes or a multipart upload -> top-k JSON; ``?attention=1`` adds
-the attention rollout as a base64 PNG), ``GET /health``, ``GET /metrics`` (Prometheus text), ``GET /model``
-(the model card), and FastAPI's OpenAPI schema and docs (``/openapi.json``, ``/docs``).
+the attention rollout as a base64 PNG); with ``--index``, ``POST /search`` (an image -> its nearest indexed
+images, :mod:`vitkit.serve.similar`) and ``GET /search?id=`` (an indexed image's neighbours); ``GET /health``,
+``GET /metrics`` (Prometheus text), ``GET /model`` (the model card), and FastAPI's OpenAPI schema and docs
+(``/openapi.json``, ``/docs``).
 
 Every client mistake is answered with a 4xx status and ``{"detail": "<one clear sentence>"}``: oversized
 uploads (413, refused from Content-Length before reading, or while streaming), too many pixels (413, from
@@ -34,7 +36,7 @@ import time
 from collections.abc import AsyncIterator, Callable, MutableMapping
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -53,11 +55,20 @@ from vitkit.images import ImageTooLarge
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
 from vitkit.serve.decoding import DecoderPool, DecodeTimeout, Decoding
 from vitkit.serve.engine import Prediction, RequestError, ServedModel, png_base64
-from vitkit.serve.schema import PREDICT_BODY, PREDICT_ERRORS, HealthAnswer, PredictAnswer, error_doc
+from vitkit.serve.schema import (
+    PREDICT_BODY,
+    PREDICT_ERRORS,
+    SEARCH_ID_ERRORS,
+    HealthAnswer,
+    PredictAnswer,
+    SearchAnswer,
+    error_doc,
+)
+from vitkit.serve.similar import SimilarImages
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ROUTES = ("/predict", "/health", "/metrics", "/model", "/docs", "/openapi.json")
+ROUTES = ("/predict", "/search", "/health", "/metrics", "/model", "/docs", "/openapi.json")
 _LOG = logging.getLogger("vitkit.serve")
 
 
@@ -195,10 +206,13 @@ async def _image_bytes(request: Request, limit: int) -> bytes | bytearray:
     return body
 
 
-def create_app(served: ServedModel, opts: ServeOptions = ServeOptions()) -> FastAPI:
+def create_app(
+    served: ServedModel, opts: ServeOptions = ServeOptions(), similar: SimilarImages | None = None
+) -> FastAPI:
     """The FastAPI application; the batcher starts and stops with the application's lifespan (on shutdown
-    the server stops accepting, in-flight requests are answered, then the worker drains and exits)."""
-    server = _Server(served, opts)
+    the server stops accepting, in-flight requests are answered, then the worker drains and exits). With
+    ``similar`` (an index the served checkpoint made), ``/search`` answers the nearest indexed images."""
+    server = _Server(served, opts, similar)
     assets = _swagger_assets()
     app = FastAPI(
         title="vitkit serve",
@@ -220,9 +234,10 @@ class _Server:
     event loop touches -- requests admitted (past the queue check and not yet in the batcher's queue: reading
     their upload, waiting for a decoding slot, decoding) and decodings abandoned by timed-out requests."""
 
-    def __init__(self, served: ServedModel, opts: ServeOptions) -> None:
-        self.served, self.opts, self.card = served, opts, served.card()
-        self.batcher: Batcher[tuple[torch.Tensor, bool], Prediction] = Batcher(
+    def __init__(self, served: ServedModel, opts: ServeOptions, similar: SimilarImages | None = None) -> None:
+        self.served, self.opts, self.similar = served, opts, similar
+        self.card = served.card() if similar is None else {**served.card(), "search": similar.card()}
+        self.batcher: Batcher[tuple[torch.Tensor, bool, bool], Prediction] = Batcher(
             self._run, opts.max_batch, opts.max_wait_ms, opts.max_queue
         )
         self.metrics = Metrics(lambda: self.batcher.depth)
@@ -236,8 +251,15 @@ class _Server:
         mode = "L" if self.served.preprocess.grayscale else "RGB"  # what the model's preprocessing converts to
         return DecoderPool(self.opts.max_pixels, self.opts.decode_timeout_s, mode)
 
-    def _run(self, items: list[tuple[torch.Tensor, bool]]) -> list[Prediction]:
-        return self.served.run_batch([x for x, _ in items], [a for _, a in items])
+    def _run(self, items: list[tuple[torch.Tensor, bool, bool]]) -> list[Prediction]:
+        """One batch: probabilities (and rollouts) for every image, vectors for those that search."""
+        preds = self.served.run_batch([x for x, _, _ in items], [a for _, a, _ in items])
+        wanted = [i for i, (_, _, v) in enumerate(items) if v]
+        if wanted and self.similar is not None:
+            vectors = self.similar.vectors(self.served, torch.stack([items[i][0] for i in wanted]))
+            for j, i in enumerate(wanted):
+                preds[i] = replace(preds[i], vector=vectors[j])
+        return preds
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
@@ -306,7 +328,7 @@ class _Server:
                 give_back()
             raise
 
-    async def admit(self, request: Request, attention: bool) -> Future[Prediction]:
+    async def admit(self, request: Request, attention: bool, vector: bool = False) -> Future[Prediction]:
         """Read and decode the request's image and queue it for the model, refusing (503) before any of that
         while ``max_queue`` requests wait or are being read or decoded."""
         if not self.batcher.alive:
@@ -323,7 +345,7 @@ class _Server:
             x = await self.decode(data)
             del data
             try:
-                return self.batcher.submit((x, attention))
+                return self.batcher.submit((x, attention, vector))
             except QueueFull as e:
                 raise _Unavailable(f"server busy: {e}; retry shortly") from None
             except Closed as e:
@@ -344,6 +366,14 @@ class _Server:
                 "encoding": "base64 PNG, 8-bit greyscale, the model input's size; bright = attended",
             }
         return out
+
+    async def search(self, request: Request, top_k: int) -> dict[str, Any]:
+        """The ``POST /search`` answer: the uploaded image's nearest indexed images."""
+        assert self.similar is not None
+        future = await self.admit(request, attention=False, vector=True)
+        pred: Prediction = await asyncio.wrap_future(future)
+        assert pred.vector is not None
+        return {"model": self.card["name"], "neighbours": self.similar.neighbours(pred.vector, top_k)}
 
 
 def _add_routes(app: FastAPI, server: _Server) -> None:
@@ -373,6 +403,9 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
         except _Unavailable as e:
             return _error(503, str(e), {"Retry-After": "1"})
 
+    if server.similar is not None:
+        _add_search_routes(app, server)
+
     @app.get(
         "/health",
         summary="liveness: 200 while the model worker runs",
@@ -391,6 +424,44 @@ def _add_routes(app: FastAPI, server: _Server) -> None:
     @app.get("/metrics", summary="Prometheus metrics (text exposition format)", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _add_search_routes(app: FastAPI, server: _Server) -> None:
+    """``/search``, with an index: by image (batched with the predictions) and by indexed id."""
+    opts, similar = server.opts, server.similar
+    assert similar is not None
+
+    @app.post(
+        "/search",
+        summary="the indexed images most similar to one image",
+        description="Send the image as /predict takes it. The served checkpoint embeds it as the index was "
+        "embedded and the index answers its nearest images: ids (the indexed paths) and cosine scores, best first.",
+        openapi_extra=PREDICT_BODY,
+        response_model=SearchAnswer,
+        responses=PREDICT_ERRORS,
+    )
+    async def search(request: Request, top_k: int = Query(10, ge=1, le=1000, description="how many neighbours")) -> Any:
+        try:
+            return await asyncio.wait_for(server.search(request, top_k), opts.timeout_s)
+        except TimeoutError:
+            return _error(504, f"not answered within the request timeout of {opts.timeout_s:g} s")
+        except _Unavailable as e:
+            return _error(503, str(e), {"Retry-After": "1"})
+
+    @app.get(
+        "/search",
+        summary="the indexed images most similar to an indexed image (itself left out)",
+        response_model=SearchAnswer,
+        responses=SEARCH_ID_ERRORS,
+    )
+    async def search_id(
+        id: str = Query(..., min_length=1, max_length=4096, description="an id in the index (an indexed path)"),
+        top_k: int = Query(10, ge=1, le=1000, description="how many neighbours"),
+    ) -> Any:
+        try:
+            return {"model": server.card["name"], "neighbours": similar.by_id(id, top_k)}
+        except DataError:
+            return _error(404, "id not in the index")
 
 
 async def _request_error(request: Request, exc: RequestError) -> Response:

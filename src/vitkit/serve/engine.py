@@ -65,10 +65,12 @@ def png_base64(gray: np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class Prediction:
-    """One image's answer: class probabilities (K,) and, when asked for, the rollout map (H, W) in [0, 1]."""
+    """One image's answer: class probabilities (K,) and, when asked for, the rollout map (H, W) in [0, 1] and the
+    image's vector for a similar-images search (D,)."""
 
     probs: torch.Tensor
     rollout: np.ndarray | None = None
+    vector: np.ndarray | None = None
 
 
 class ServedModel:

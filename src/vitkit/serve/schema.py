@@ -33,6 +33,16 @@ class PredictAnswer(BaseModel):
     attention: AttentionMap | None = Field(None, description="the attention rollout, with ?attention=1")
 
 
+class Neighbour(BaseModel):
+    id: str = Field(description="the indexed image's id (its path when indexed from files)")
+    score: float = Field(ge=-1, le=1, description="cosine similarity")
+
+
+class SearchAnswer(BaseModel):
+    model: str = Field(description="the served model's name")
+    neighbours: list[Neighbour] = Field(description="most similar first")
+
+
 class HealthAnswer(BaseModel):
     status: str = Field(description='"ok"')
     queue_depth: int = Field(ge=0, description="requests waiting for the model")
@@ -81,4 +91,9 @@ PREDICT_ERRORS: dict[int | str, dict[str, Any]] = {
     422: error_doc("a query parameter out of range or of the wrong type"),
     503: error_doc("queue full or shutting down (retry later)", retry=True),
     504: error_doc("not answered within the request timeout"),
+}
+
+SEARCH_ID_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: error_doc("the id is not in the index"),
+    422: error_doc("a query parameter missing, out of range or of the wrong type"),
 }
