@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +133,23 @@ def test_pools_and_layers_equal_the_models_intermediates(
     np.testing.assert_array_equal(got, want)
 
 
+def test_cls_and_mean_patch_concatenated(capsys: pytest.CaptureFixture[str], tmp_path: Path, ckpt: Path,
+                                         folder: Path) -> None:  # fmt: skip
+    """``--pool cls+gap`` (DINOv2's linear-probe features): the class token, then the mean of the patch tokens."""
+    out = tmp_path / "f.npy"
+    code, _, err = run_cli(capsys, "embed", str(ckpt), "--data", str(folder), "--split", "train", "--out", str(out),
+                           "--precision", "fp32", "--workers", "0", "--pool", "cls+gap")  # fmt: skip
+    assert code == 0, err
+    (cls, _), (gap, _) = direct(ckpt, folder, "cls", None), direct(ckpt, folder, "gap", None)
+    np.testing.assert_array_equal(np.load(out), np.concatenate([cls, gap], axis=1))
+    loaded = vitkit.load_checkpoint(ckpt)
+    x = torch.randn(3, 3, 16, 16)
+    fast = InferenceEngine.from_loaded(loaded, precision="fp32", fp32_reference=False)
+    ref = InferenceEngine.from_loaded(loaded, precision="fp32")
+    opts = EmbedOptions(pool="cls+gap")
+    np.testing.assert_allclose(embedding_vectors(fast, x, opts), embedding_vectors(ref, x, opts), atol=2e-5)
+
+
 @pytest.mark.parametrize("layer", [None, 1, 3])
 def test_the_fast_path_gives_the_same_vectors_within_rounding(ckpt: Path, layer: int | None) -> None:
     """The fp32 fast path (packed weights, only the first N blocks for --layer N) against the model itself."""
@@ -252,3 +270,13 @@ def test_parquet_without_pyarrow_is_refused_before_any_work(monkeypatch, tmp_pat
     with pytest.raises(ConfigError, match=r"needs pyarrow"):
         embeddings_format(tmp_path / "feats.parquet")
     assert embeddings_format(tmp_path / "feats.npy") == ".npy"
+
+
+@pytest.mark.parametrize("pool", ["cls", "cls+gap"])
+def test_class_token_pools_are_refused_without_a_class_token(pool: str) -> None:
+    """A MAP model with registers has prefix tokens but no class token: its first token is a register."""
+    model = create_model("Ti/16", image_size=16, patch_size=8, hidden_size=16, depth=1, num_heads=2, mlp_dim=32,
+                         classifier="map", num_registers=2)  # fmt: skip
+    assert model.cfg.num_prefix_tokens == 2 and not model.cfg.class_token
+    with pytest.raises(vitkit.errors.ConfigError, match=re.escape(f"--pool {pool}: the model has no class token")):
+        EmbedOptions(pool=pool).check(model.cfg.depth, bool(model.cfg.class_token))

@@ -59,9 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "FILE.safetensors",
     )  # fmt: skip
     p.add_argument(
-        "--pool", choices=["cls", "gap", "tokens"],
-        help="instead of the pre-logits features: the class token (cls), the mean of the patch tokens (gap) or every "
-        "token (tokens, T x D per image), of the final normed tokens or of --layer's",
+        "--pool", choices=["cls", "gap", "cls+gap", "tokens"],
+        help="instead of the pre-logits features: the class token (cls), the mean of the patch tokens (gap), the two "
+        "concatenated (cls+gap, DINOv2's linear-probe features) or every token (tokens, T x D per image), of the "
+        "final normed tokens or of --layer's",
     )  # fmt: skip
     p.add_argument(
         "--layer", type=_layer, metavar="N",
@@ -107,7 +108,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         precision=args.precision, device=args.device, workers=resolve_workers(args.workers, args.device),
         skip_bad=args.skip_bad, decode=args.decode,
     )  # fmt: skip
-    opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
+    opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     summary = embed_job(
         loaded, source, opts, args.out, resume=args.resume, overwrite=args.overwrite, on_engine=report_engine,
         dist=info,

@@ -48,7 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--exact", action="store_true", help="exact search only (the default)")
     kind.add_argument("--backend", choices=["exact", "hnsw"], help="hnsw: an approximate graph (vitkit[search])")
-    p.add_argument("--pool", choices=["cls", "gap"], help="with -c: as 'vitkit embed --pool'")
+    p.add_argument("--pool", choices=["cls", "gap", "cls+gap"], help="with -c: as 'vitkit embed --pool'")
     p.add_argument("--layer", type=int, metavar="N", help="with -c: as 'vitkit embed --layer'")
     p.add_argument("--batch-size", type=positive_int, default=32, help="with -c: images per forward pass")
     add_engine_args(p, backend=False)

@@ -6,7 +6,8 @@ What a vector is (:class:`EmbedOptions`):
 
 - by default the pre-logits features: the model's pooled token after its optional pre-logits layer, the
   representation the paper's linear probes and few-shot evaluation use (``forward_head(tokens, pre_logits=True)``);
-- ``pool="cls"``: the class token, ``"gap"``: the mean of the patch tokens (prefix tokens left out),
+- ``pool="cls"``: the class token, ``"gap"``: the mean of the patch tokens (prefix tokens, registers included,
+  left out), ``"cls+gap"``: the two concatenated (2D: the features DINOv2's linear probes read),
   ``"tokens"``: every token (T, D); of the final normed tokens, or with ``layer`` of that block's output;
 - ``layer=N``: the output of transformer block N (1..L; -1 the last), before the final norm, pooled by ``pool``
   (default: the model's own pooling, the class token or the mean of all tokens). The reference path (``--precision
@@ -55,12 +56,12 @@ class EmbedOptions:
     progress: bool = True
     decode: str = "auto"  # cpu, gpu or auto: where JPEGs are decoded (vitkit.inference.jobs.plan_decode)
 
-    def check(self, depth: int, prefix_tokens: int) -> None:
-        """ConfigError naming the option that does not fit a model of ``depth`` blocks with ``prefix_tokens``."""
+    def check(self, depth: int, class_token: bool) -> None:
+        """ConfigError naming the option that does not fit a model of ``depth`` blocks (with a class token or not)."""
         if self.pool is not None and self.pool not in POOLS:
             raise ConfigError(f"--pool {self.pool!r}: choose one of {', '.join(POOLS)}")
-        if self.pool == "cls" and prefix_tokens < 1:
-            raise ConfigError("--pool cls: the model has no class token (a GAP model); use --pool gap")
+        if self.pool in ("cls", "cls+gap") and not class_token:
+            raise ConfigError(f"--pool {self.pool}: the model has no class token (GAP or MAP pooling); use --pool gap")
         if self.layer is not None and (self.layer == 0 or not -depth <= self.layer <= depth):
             raise ConfigError(f"--layer {self.layer}: the model has {depth} blocks (1..{depth}, or -1 for the last)")
         if self.dtype not in DTYPES:
@@ -111,7 +112,7 @@ def vector_shape(loaded: Loaded, opts: EmbedOptions) -> tuple[int, ...]:
         return (cfg.num_tokens(loaded.meta.preprocess.image_size), cfg.hidden_size)
     if opts.pool is None and opts.layer is None:
         return (loaded.model.num_features,)
-    return (cfg.hidden_size,)
+    return (2 * cfg.hidden_size,) if opts.pool == "cls+gap" else (cfg.hidden_size,)
 
 
 def embed_job(
@@ -131,7 +132,7 @@ def embed_job(
     embedding its share of the images, process 0 writing them in input order."""
     info = dist or DistInfo()
     cfg = loaded.model.cfg
-    opts.check(cfg.depth, cfg.num_prefix_tokens)
+    opts.check(cfg.depth, bool(cfg.class_token))
     shape = vector_shape(loaded, opts)
     meta = {**opts.meta(), "vitkit.embed.shape": json.dumps(list(shape))}
     if info.is_main:  # what the vectors were made from, compared on --resume and by knn/fewshot
@@ -175,7 +176,7 @@ def embed(
     larger than memory, use ``vitkit embed`` (or :func:`embed_job`), which writes them to a file as it goes."""
     loaded = checkpoint if isinstance(checkpoint, Loaded) else load_checkpoint(checkpoint, format=format)
     opts = EmbedOptions(pool=pool, layer=layer, dtype=dtype, l2=l2, batch_size=batch_size, precision=precision)
-    opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
+    opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     shape = vector_shape(loaded, opts)
     engine = EngineSpec.of(loaded, precision=precision, device=device).build(batch_size, None)
     is_dataset = hasattr(images, "__getitem__") and hasattr(images, "classes")

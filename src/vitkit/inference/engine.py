@@ -54,7 +54,12 @@ from vitkit.inference.policy import EnginePlan, fastest_sdpa_backend, plan_engin
 from vitkit.inference.tune import Tuning, build_fast
 from vitkit.models.vit import Intermediates, VisionTransformer
 
-POOLS = ("cls", "gap", "tokens")  # what :meth:`InferenceEngine.features` pools tokens by, besides the model's own
+POOLS = (
+    "cls",
+    "gap",
+    "cls+gap",
+    "tokens",
+)  # what :meth:`InferenceEngine.features` pools tokens by, besides the model's own
 
 CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
 
@@ -338,7 +343,8 @@ class InferenceEngine:
         """(B, C, H, W) -> features, float32 on the CPU (ConfigError on the ONNX engines). By default the
         pre-logits features (B, R). With ``layer`` (a block, 1..L, negative from the end) and/or ``pool``, the
         tokens of :meth:`tokens` pooled: ``"cls"`` the class token, ``"gap"`` the mean of the patch tokens
-        (prefix tokens left out), ``"tokens"`` every token (B, T, D), None the model's own pooling (D,)."""
+        (prefix tokens left out), ``"cls+gap"`` the two concatenated (B, 2D: DINOv2's linear-probe features),
+        ``"tokens"`` every token (B, T, D), None the model's own pooling (D,)."""
         if pool is not None and pool not in POOLS:
             raise ValueError(f"pool must be one of {', '.join(POOLS)} or None, got {pool!r}")
         if pool is None and layer is None:
@@ -352,6 +358,8 @@ class InferenceEngine:
             pooled = tokens[:, 0]
         elif pool == "gap":
             pooled = tokens[:, self.model.cfg.num_prefix_tokens :].mean(dim=1)
+        elif pool == "cls+gap":  # (B, 2D)
+            pooled = torch.cat([tokens[:, 0], tokens[:, self.model.cfg.num_prefix_tokens :].mean(dim=1)], dim=-1)
         else:  # the model's own pooling of an intermediate block
             pooled = self.model.pool(tokens.float())
         return pooled.float().cpu()

@@ -73,7 +73,7 @@ def _embed_images(
     loaded = load_checkpoint(checkpoint, format=s.format)
     opts = EmbedOptions(pool=s.pool, layer=s.layer, precision=s.precision, batch_size=s.batch_size, device=s.device,
                         workers=s.workers, skip_bad=s.skip_bad, progress=s.progress)  # fmt: skip
-    opts.check(loaded.model.cfg.depth, loaded.model.cfg.num_prefix_tokens)
+    opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     if opts.pool == "tokens":
         raise ConfigError("--pool tokens: an index takes one vector per image (cls, gap or the default)")
     embed_job(loaded, source, opts, side, resume=True, on_engine=on_engine)
