@@ -58,8 +58,8 @@ PROCESSOR_MODES = {"BitImageProcessor": ("shortest", "squash"), "DeiTImageProces
 # how transformers resamples the position embedding at another size (its interpolate_pos_encoding)
 POS_RESAMPLE = {DINO: "bicubic_plain", DINO_REG: "bicubic", DEIT: "bicubic_plain"}
 # HF's config defaults, for fields a config.json leaves out
-DINO_DEFAULTS = {"image_size": 224, "patch_size": 14, "layer_norm_eps": 1e-6, "mlp_ratio": 4}
-DEIT_DEFAULTS = {"image_size": 224, "patch_size": 16, "layer_norm_eps": 1e-12, "intermediate_size": 3072}
+DINO_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 14, "layer_norm_eps": 1e-6, "mlp_ratio": 4}
+DEIT_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 16, "layer_norm_eps": 1e-12, "intermediate_size": 3072}
 
 
 # ---- rule tables -------------------------------------------------------------------------------------
@@ -111,11 +111,11 @@ def deit_key_map(cfg: ViTConfig, prefix: str) -> list[Rule]:
 # ---- config.json -------------------------------------------------------------------------------------
 
 
-def _square(doc: Mapping[str, Any], key: str, default: int, source: str) -> int:
+def _square(doc: Mapping[str, Any], key: str, default: int, source: str) -> tuple[int, int]:
     h, w = _pair(doc.get(key, default), key, source)
     if h != w:
-        raise CheckpointError(f"{source}: {key} {h}x{w} is not supported (transformers' position grid is square)")
-    return h
+        raise CheckpointError(f"{source}: {key} {h}x{w} is not supported (square only: transformers' position grid)")
+    return h, w
 
 
 def _act(doc: Mapping[str, Any], source: str) -> str:
@@ -148,7 +148,7 @@ def dino_config(doc: Mapping[str, Any], model_type: str, source: str) -> ViTConf
         raise CheckpointError(f"{source}: layerscale_value {layer_scale!r} is not a number")
     return ViTConfig(
         image_size=_square(doc, "image_size", DINO_DEFAULTS["image_size"], source),
-        patch_size=_square(doc, "patch_size", DINO_DEFAULTS["patch_size"], source),
+        patch_size=_square(doc, "patch_size", DINO_DEFAULTS["patch_size"], source)[0],
         in_channels=int(doc.get("num_channels", 3)),
         num_classes=0,
         hidden_size=D,
@@ -172,7 +172,7 @@ def deit_config(doc: Mapping[str, Any], num_classes: int, source: str) -> ViTCon
     _check_head_dim(doc, source)
     return ViTConfig(
         image_size=_square(doc, "image_size", DEIT_DEFAULTS["image_size"], source),
-        patch_size=_square(doc, "patch_size", DEIT_DEFAULTS["patch_size"], source),
+        patch_size=_square(doc, "patch_size", DEIT_DEFAULTS["patch_size"], source)[0],
         in_channels=int(doc.get("num_channels", 3)),
         num_classes=num_classes,
         hidden_size=int(doc.get("hidden_size", 768)),
