@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from helpers import rel_err
-from vitkit.checkpoints import load_checkpoint, save_checkpoint
+from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.errors import CheckpointError
 
 transformers = pytest.importorskip("transformers")
@@ -69,6 +69,7 @@ def _track(name: str, err: float) -> float:
 def test_dinov2_matches_transformers(tmp_path: Path, model_type: str, kw: dict[str, Any]) -> None:
     ref = dino_model(model_type, kw)
     ref.save_pretrained(tmp_path / "hf")
+    assert detect_format(tmp_path / "hf") == "hf"
     loaded = load_checkpoint(tmp_path / "hf")
     model = loaded.model.eval()
     cfg = model.cfg
@@ -227,7 +228,7 @@ def _one_line_error(folder: Path, match: str) -> None:
 
 def test_bad_folders_are_one_line(tmp_path: Path) -> None:
     ref = dino_model("dinov2_with_registers", {"num_register_tokens": 3})
-    for case in ("hidden", "ratio", "act", "size", "registers", "truncated", "type"):
+    for case in ("hidden", "ratio", "act", "size", "registers", "truncated", "type", "swin"):
         ref.save_pretrained(tmp_path / case)
     _edit_config(tmp_path / "hidden", hidden_size=60)
     _one_line_error(tmp_path / "hidden", "shape mismatches")
@@ -245,6 +246,9 @@ def test_bad_folders_are_one_line(tmp_path: Path) -> None:
     _one_line_error(tmp_path / "truncated", r"reg_token: expected \(1, 3, 48\), got \(1, 2, 48\)")
     _edit_config(tmp_path / "type", model_type="dinov2")  # registers the config does not have
     _one_line_error(tmp_path / "type", r"unexpected keys: embeddings\.register_tokens")
+    _edit_config(tmp_path / "swin", model_type="swin")
+    with pytest.raises(CheckpointError, match="model_type 'swin' is not supported"):
+        load_checkpoint(tmp_path / "swin", format="hf")
 
 
 def test_unsupported_heads_and_exports_are_refused(tmp_path: Path) -> None:

@@ -137,7 +137,8 @@ def looks_like(path: Path) -> bool:
         doc = json.loads(cfg.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and (doc.get("model_type") == "vit" or doc.get("model_type") in families())
+    model_type = doc.get("model_type") if isinstance(doc, dict) else None
+    return isinstance(model_type, str) and (model_type == "vit" or model_type in families())
 
 
 def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
@@ -349,7 +350,8 @@ def save(
     ``num_classes > 0``: ``ViTForImageClassification`` (no pre-logits layer allowed: HF's classifier has none).
     ``num_classes == 0``: ``ViTModel``; a pre-logits layer becomes its pooler, otherwise load it with
     ``ViTModel.from_pretrained(..., add_pooling_layer=False)``. The preprocessing is written when it is a
-    plain resize (HF's ViTImageProcessor cannot centre-crop).
+    plain resize (HF's ViTImageProcessor cannot centre-crop). A model that one of :func:`families` claims
+    (layer scale, registers, distillation, ...) is written by that family instead.
     """
     torch_files.check_folder_output(Path(path), overwrite)
     family = next((f for f in families().values() if f.claims(model.cfg)), None)

@@ -59,7 +59,12 @@ PROCESSOR_MODES = {"BitImageProcessor": ("shortest", "squash"), "DeiTImageProces
 POS_RESAMPLE = {DINO: "bicubic_plain", DINO_REG: "bicubic", DEIT: "bicubic_plain"}
 # HF's config defaults, for fields a config.json leaves out
 DINO_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 14, "layer_norm_eps": 1e-6, "mlp_ratio": 4}
-DEIT_DEFAULTS: dict[str, Any] = {"image_size": 224, "patch_size": 16, "layer_norm_eps": 1e-12, "intermediate_size": 3072}
+DEIT_DEFAULTS: dict[str, Any] = {
+    "image_size": 224,
+    "patch_size": 16,
+    "layer_norm_eps": 1e-12,
+    "intermediate_size": 3072,
+}
 
 
 # ---- rule tables -------------------------------------------------------------------------------------
