@@ -19,12 +19,16 @@ Config fields read: hidden_size, num_hidden_layers, num_attention_heads, interme
 and ``gelu_python`` are exact; ``gelu_new``, ``gelu_pytorch_tanh``, ``gelu_fast`` are the tanh approximation),
 layer_norm_eps (HF's default is 1e-12, not 1e-6), qkv_bias, image_size, patch_size, num_channels, id2label.
 ``preprocessor_config.json`` supplies image_mean/std, size and resample when present.
+
+Other transformers model types are read and written by their own modules, registered in :func:`families`
+by ``model_type`` (``hf_dino``: dinov2, dinov2_with_registers, deit); this module dispatches on config.json.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +58,23 @@ GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytor
 # PIL resample codes used by HF image processors
 RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
 RESAMPLE_CODE = {v: k for k, v in RESAMPLE.items()}
+
+
+@dataclass(frozen=True)
+class Family:
+    """Another transformers model type: its folder reader (given the parsed config.json), its writer, and which
+    vitkit configs it writes (the first family that claims a model writes it; none: a ViT folder)."""
+
+    load: Callable[[Path, Mapping[str, Any]], Checkpoint]
+    save: Callable[[VisionTransformer, Path, CheckpointMeta | None, bool], Path]
+    claims: Callable[[ViTConfig], bool]
+
+
+def families() -> dict[str, Family]:
+    """model_type -> its :class:`Family` (imported here: the families' modules build on this one)."""
+    from vitkit.checkpoints import hf_dino
+
+    return {**hf_dino.FAMILIES}
 
 
 def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
@@ -108,7 +129,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def looks_like(path: Path) -> bool:
-    """A folder whose config.json says ``model_type: vit``."""
+    """A folder whose config.json says ``model_type: vit`` (or one of :func:`families`)."""
     cfg = path / CONFIG
     if not (path.is_dir() and cfg.is_file()):
         return False
@@ -116,7 +137,8 @@ def looks_like(path: Path) -> bool:
         doc = json.loads(cfg.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and doc.get("model_type") == "vit"
+    model_type = doc.get("model_type") if isinstance(doc, dict) else None
+    return isinstance(model_type, str) and (model_type == "vit" or model_type in families())
 
 
 def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
@@ -208,6 +230,14 @@ def _style(weights: Mapping[str, Any], prefix: str, source: str) -> str:
 def load(path: Path) -> Checkpoint:
     """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
     doc = _read_json(path / CONFIG)
+    model_type = doc.get("model_type", "vit")
+    if model_type != "vit":
+        known = families()
+        if not isinstance(model_type, str) or model_type not in known:
+            raise CheckpointError(
+                f"{path / CONFIG}: model_type {model_type!r} is not supported (known: vit, {', '.join(known)})"
+            )
+        return known[model_type].load(path, doc)
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
     try:
@@ -320,9 +350,13 @@ def save(
     ``num_classes > 0``: ``ViTForImageClassification`` (no pre-logits layer allowed: HF's classifier has none).
     ``num_classes == 0``: ``ViTModel``; a pre-logits layer becomes its pooler, otherwise load it with
     ``ViTModel.from_pretrained(..., add_pooling_layer=False)``. The preprocessing is written when it is a
-    plain resize (HF's ViTImageProcessor cannot centre-crop).
+    plain resize (HF's ViTImageProcessor cannot centre-crop). A model that one of :func:`families` claims
+    (layer scale, registers, distillation, ...) is written by that family instead.
     """
     torch_files.check_folder_output(Path(path), overwrite)
+    family = next((f for f in families().values() if f.claims(model.cfg)), None)
+    if family is not None:
+        return family.save(model, Path(path), meta, overwrite)
     why = unrepresentable(model.cfg)
     require(why is None, "a transformers ViT folder", why or "")
     cfg, tensors = transformers_state(model, "vit." if model.cfg.num_classes > 0 else "", "hub")

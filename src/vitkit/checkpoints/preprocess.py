@@ -6,7 +6,14 @@ was trained on. Two resize modes cover the common conventions:
 - ``"squash"``: resize straight to (H, W), ignoring aspect ratio (official ``vit_jax`` eval and Hugging
   Face's ViT image processor);
 - ``"crop"``: resize the shorter side to size / crop_pct, then centre-crop (timm, DeiT); only the crop's
-  source box is resized, and images too elongated for a crop are refused (:meth:`Preprocess.crop_box`).
+  source box is resized, and images too elongated for a crop are refused (:meth:`Preprocess.crop_box`);
+- ``"shortest"``: Hugging Face's ``size: {shortest_edge: S}`` + ``crop_size`` (BitImageProcessor, DINOv2): the
+  shorter side to S = round(min(H, W) / crop_pct), the longer one truncated (``int(S * long / short)``), then
+  the centre (H, W) from offset ``(resized - crop) // 2``;
+- ``"squash_crop"``: Hugging Face's ``size: {height, width}`` + ``crop_size`` (DeiTImageProcessor): squash to
+  (round(H / crop_pct), round(W / crop_pct)), then the same centre crop.
+
+Every mode but ``"squash"`` resizes only the crop's source box (:meth:`Preprocess.crop_box`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ RESAMPLE = {
 }
 # the interpolations PyTorch resizes as Pillow does (antialiased uint8 kernels), by ``F.interpolate``'s mode name
 TORCH_RESIZE = {"bilinear": "bilinear", "bicubic": "bicubic"}
+RESIZE_MODES = ("squash", "crop", "shortest", "squash_crop")
 
 
 @dataclass(frozen=True)
@@ -51,7 +59,7 @@ class Preprocess:
     image_size: tuple[int, int] = (224, 224)
     mean: tuple[float, float, float] = INCEPTION_MEAN
     std: tuple[float, float, float] = INCEPTION_STD
-    resize: str = "squash"  # "squash" or "crop"
+    resize: str = "squash"  # one of RESIZE_MODES (module docstring)
     crop_pct: float = 1.0
     interpolation: str = "bilinear"
     grayscale: bool = False  # single-channel models (e.g. the bundled digits) read images as "L"
@@ -60,8 +68,8 @@ class Preprocess:
         object.__setattr__(self, "image_size", _size_pair(self.image_size))
         object.__setattr__(self, "mean", tuple(float(m) for m in self.mean))
         object.__setattr__(self, "std", tuple(float(s) for s in self.std))
-        if self.resize not in ("squash", "crop"):
-            raise ValueError(f"resize must be 'squash' or 'crop', got {self.resize!r}")
+        if self.resize not in RESIZE_MODES:
+            raise ValueError(f"resize must be one of {', '.join(RESIZE_MODES)}, got {self.resize!r}")
         if self.interpolation not in RESAMPLE:
             raise ValueError(f"interpolation must be one of {', '.join(RESAMPLE)}, got {self.interpolation!r}")
         if not 0.0 < self.crop_pct <= 1.0:
@@ -110,8 +118,16 @@ class Preprocess:
         H, W = self.image_size
         if self.resize == "squash":
             return W, H, 0, 0
-        scale = max(H / height, W / width) / self.crop_pct
-        new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
+        if self.resize == "squash_crop":
+            new_w, new_h = round(W / self.crop_pct), round(H / self.crop_pct)
+        elif self.resize == "shortest":  # transformers' get_resize_output_image_size(default_to_square=False)
+            short = round(min(H, W) / self.crop_pct)
+            long = int(short * max(width, height) / min(width, height))
+            new_w, new_h = (short, long) if width <= height else (long, short)
+            new_w, new_h = max(W, new_w), max(H, new_h)  # (transformers pads a crop larger than the image)
+        else:
+            scale = max(H / height, W / width) / self.crop_pct
+            new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
         return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
 
     def crop_box(self, width: int, height: int, name: str = "image") -> tuple[float, float, float, float]:
@@ -144,7 +160,7 @@ class Preprocess:
     def check_size(self, width: int, height: int, name: str = "image") -> None:
         """Raise :class:`ImageTooLarge` naming ``name`` when preprocessing a ``width`` x ``height`` image would
         be refused (crop mode: see :meth:`crop_box`), so a batch can be checked before any work."""
-        if self.resize == "crop":
+        if self.resize != "squash":
             self.crop_box(width, height, name)
 
     def to_tensor(self, img: Image.Image, name: str = "image") -> torch.Tensor:

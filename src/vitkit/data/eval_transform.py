@@ -88,7 +88,7 @@ class EvalTransform:
         s = reduced_scale(jpeg.width, jpeg.height, pre)
         arr = decode_scaled(jpeg, s)  # (ceil(height / s), ceil(width / s), 3) uint8
         H, W = pre.image_size
-        if pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W:  # a line of pixels: resize
+        if pre.resize != "squash" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W:  # a line of pixels: resize
             # only the crop's box (Pillow maps it as the whole resize would), never the 256000x256 intermediate
             x0, y0, x1, y1 = pre.crop_box(jpeg.width, jpeg.height, jpeg.name)
             box = (x0 / s, y0 / s, x1 / s, y1 / s)

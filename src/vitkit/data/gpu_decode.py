@@ -60,7 +60,7 @@ def gpu_decodable(pre: Preprocess, jpeg: EncodedJpeg) -> bool:
         return False
     new_w, new_h, _, _ = pre.resize_target(jpeg.width, jpeg.height)
     H, W = pre.image_size
-    return not (pre.resize == "crop" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W)
+    return not (pre.resize != "squash" and new_w * new_h > MAX_CROP_AMPLIFICATION * H * W)
 
 
 @dataclass(frozen=True)
