@@ -19,10 +19,15 @@ Config fields read: hidden_size, num_hidden_layers, num_attention_heads, interme
 and ``gelu_python`` are exact; ``gelu_new``, ``gelu_pytorch_tanh``, ``gelu_fast`` are the tanh approximation),
 layer_norm_eps (HF's default is 1e-12, not 1e-6), qkv_bias, image_size, patch_size, num_channels, id2label.
 ``preprocessor_config.json`` supplies image_mean/std, size and resample when present.
+
+Other families that transformers writes in their own layouts are read and written by their own modules, picked
+by config.json's ``model_type`` (:data:`FAMILIES`; each module has ``load(path, doc)``, ``claims(cfg)`` and
+``save``): CLIP and SigLIP image towers in :mod:`vitkit.checkpoints.hf_clip`.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -54,6 +59,8 @@ GELU = {"gelu": "exact", "gelu_python": "exact", "gelu_new": "tanh", "gelu_pytor
 # PIL resample codes used by HF image processors
 RESAMPLE = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic"}
 RESAMPLE_CODE = {v: k for k, v in RESAMPLE.items()}
+# config.json's model_type -> the module that reads and writes that family (imported when used: it imports this one)
+FAMILIES = {t: "vitkit.checkpoints.hf_clip" for t in ("clip_vision_model", "clip", "siglip_vision_model", "siglip")}
 
 
 def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
@@ -108,7 +115,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def looks_like(path: Path) -> bool:
-    """A folder whose config.json says ``model_type: vit``."""
+    """A folder whose config.json says ``model_type: vit`` (or a family's model_type, :data:`FAMILIES`)."""
     cfg = path / CONFIG
     if not (path.is_dir() and cfg.is_file()):
         return False
@@ -116,7 +123,7 @@ def looks_like(path: Path) -> bool:
         doc = json.loads(cfg.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(doc, dict) and doc.get("model_type") == "vit"
+    return isinstance(doc, dict) and (doc.get("model_type") == "vit" or doc.get("model_type") in FAMILIES)
 
 
 def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
@@ -208,6 +215,8 @@ def _style(weights: Mapping[str, Any], prefix: str, source: str) -> str:
 def load(path: Path) -> Checkpoint:
     """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
     doc = _read_json(path / CONFIG)
+    if doc.get("model_type") in FAMILIES:
+        return importlib.import_module(FAMILIES[doc["model_type"]]).load(path, doc)
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
     try:
@@ -322,6 +331,10 @@ def save(
     ``ViTModel.from_pretrained(..., add_pooling_layer=False)``. The preprocessing is written when it is a
     plain resize (HF's ViTImageProcessor cannot centre-crop).
     """
+    for name in dict.fromkeys(FAMILIES.values()):
+        family = importlib.import_module(name)
+        if family.claims(model.cfg):
+            return family.save(model, path, meta, overwrite=overwrite)
     torch_files.check_folder_output(Path(path), overwrite)
     why = unrepresentable(model.cfg)
     require(why is None, "a transformers ViT folder", why or "")

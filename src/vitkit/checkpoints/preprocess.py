@@ -7,6 +7,8 @@ was trained on. Two resize modes cover the common conventions:
   Face's ViT image processor);
 - ``"crop"``: resize the shorter side to size / crop_pct, then centre-crop (timm, DeiT); only the crop's
   source box is resized, and images too elongated for a crop are refused (:meth:`Preprocess.crop_box`).
+  ``crop_rounding="floor"`` sizes the resize as transformers' ``shortest_edge`` (CLIP's image processor) does:
+  the shorter side to S = min(H, W) / crop_pct, the longer to int(S * long / short), truncated.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Preprocess:
     crop_pct: float = 1.0
     interpolation: str = "bilinear"
     grayscale: bool = False  # single-channel models (e.g. the bundled digits) read images as "L"
+    crop_rounding: str = "round"  # crop mode: "round" (each side scaled, rounded) or "floor" (transformers')
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image_size", _size_pair(self.image_size))
@@ -64,6 +67,8 @@ class Preprocess:
             raise ValueError(f"resize must be 'squash' or 'crop', got {self.resize!r}")
         if self.interpolation not in RESAMPLE:
             raise ValueError(f"interpolation must be one of {', '.join(RESAMPLE)}, got {self.interpolation!r}")
+        if self.crop_rounding not in ("round", "floor"):
+            raise ValueError(f"crop_rounding must be 'round' or 'floor', got {self.crop_rounding!r}")
         if not 0.0 < self.crop_pct <= 1.0:
             raise ValueError(f"crop_pct must be in (0, 1], got {self.crop_pct}")
 
@@ -110,6 +115,13 @@ class Preprocess:
         H, W = self.image_size
         if self.resize == "squash":
             return W, H, 0, 0
+        if self.crop_rounding == "floor":  # transformers' get_resize_output_image_size(default_to_square=False)
+            short = round(min(H, W) / self.crop_pct)
+            if width <= height:
+                new_w, new_h = max(W, short), max(H, int(short * height / width))
+            else:
+                new_w, new_h = max(W, int(short * width / height)), max(H, short)
+            return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
         scale = max(H / height, W / width) / self.crop_pct
         new_w, new_h = max(W, round(width * scale)), max(H, round(height * scale))
         return new_w, new_h, (new_w - W) // 2, (new_h - H) // 2
