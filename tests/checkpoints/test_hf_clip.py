@@ -227,3 +227,29 @@ def test_unrepresentable_models_are_refused(tmp_path: Path) -> None:
     model.reset_head(3)
     with pytest.raises(CheckpointError, match="cannot hold a classifier head"):
         save_checkpoint(model, tmp_path / "out", "hf")
+
+
+def test_projection_width_comes_from_the_config_and_must_match_the_weights(tmp_path: Path) -> None:
+    clip().save_pretrained(tmp_path / "hf")
+    _edit_config(tmp_path / "hf", projection_dim=20)
+    with pytest.raises(CheckpointError, match=r"projection\.weight: expected \(20, 32\), got \(24, 32\)") as e:
+        load_checkpoint(tmp_path / "hf")
+    assert "\n" not in str(e.value)
+    path = tmp_path / "hf" / "model.safetensors"
+    weights = load_file(str(path))
+    del weights["visual_projection.weight"]
+    save_file(weights, str(path))
+    with pytest.raises(CheckpointError, match=r"missing keys: visual_projection\.weight"):
+        load_checkpoint(tmp_path / "hf")  # architectures says CLIPVisionModelWithProjection
+
+
+def test_older_transformers_position_ids_buffer_is_ignored(tmp_path: Path) -> None:
+    ref = clip(projection=False)
+    ref.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "model.safetensors"
+    weights = {f"vision_model.{k}": v for k, v in load_file(str(path)).items()}  # older layout: prefixed
+    weights["vision_model.embeddings.position_ids"] = torch.arange(17)[None]
+    save_file(weights, str(path))
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_err(load_checkpoint(tmp_path / "hf").model.eval()(x), ref(pixel_values=x).pooler_output) < TOL

@@ -135,12 +135,16 @@ def _thirds(a: np.ndarray) -> list[np.ndarray]:
 
 
 def vision_doc(doc: Mapping[str, Any], source: str) -> tuple[str, bool, dict[str, Any]]:
-    """(family, whether the folder holds a full text+vision model, the vision tower's config fields)."""
+    """(family, whether the folder holds a full text+vision model, the vision tower's config fields; for CLIP
+    ``projection_dim`` is the image projection's width, or None when the model has none)."""
     family, full = MODEL_TYPES[str(doc.get("model_type"))]
     vision = doc.get("vision_config", {}) if full else doc
     if not isinstance(vision, dict):
         raise CheckpointError(f"{source}: vision_config must be a JSON object, got {type(vision).__name__}")
-    return family, full, {**COMMON, **DEFAULTS[family], **vision}
+    v = {**COMMON, **DEFAULTS[family], **vision}
+    with_projection = full or "CLIPVisionModelWithProjection" in (doc.get("architectures") or [])
+    v["projection_dim"] = (doc if full else v).get("projection_dim", 512) if with_projection else None
+    return family, full, v
 
 
 def _field(v: Mapping[str, Any], name: str, source: str) -> int:
@@ -150,16 +154,13 @@ def _field(v: Mapping[str, Any], name: str, source: str) -> int:
     return value
 
 
-def config_from_hf(
-    family: str, v: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str
-) -> ViTConfig:
-    """vitkit's config from a CLIP/SigLIP vision config (the projection's width from the weights)."""
+def config_from_hf(family: str, v: Mapping[str, Any], source: str) -> ViTConfig:
+    """vitkit's config from a CLIP/SigLIP vision config (:func:`vision_doc`)."""
     act = v["hidden_act"]
     if act not in ACT:
         raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(ACT)})")
     if family == "siglip" and not v.get("vision_use_head", True):
         raise CheckpointError(f"{source}: vision_use_head false (a SigLIP tower without its MAP head) is not supported")
-    proj = weights.get("visual_projection.weight") if family == "clip" else None
     clip = family == "clip"
     try:
         return ViTConfig(
@@ -175,7 +176,7 @@ def config_from_hf(
             class_token=clip,
             norm_pre=clip,
             patch_bias=not clip,
-            projection_size=int(proj.shape[0]) if proj is not None else None,
+            projection_size=_field(v, "projection_dim", source) if clip and v["projection_dim"] is not None else None,
             gelu=ACT[act],  # type: ignore[arg-type]
             layer_norm_eps=float(v["layer_norm_eps"]),
             attention_dropout=float(v["attention_dropout"]),
@@ -278,7 +279,7 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     weights = torch_files.read_folder_weights(path)
     prefix = _prefix(weights, full)
     try:
-        cfg = config_from_hf(family, v, weights, prefix, source)
+        cfg = config_from_hf(family, v, source)
     except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong-typed fields (null, lists ...)
         raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
     text = sorted(k for k in weights if full and k.startswith(TEXT_KEYS))
@@ -286,7 +287,8 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     arrays = {k: torch_files.to_numpy(t) for k, t in weights.items() if k not in text}
     split_in_proj(arrays, prefix)
     rules = key_map(cfg, family, prefix)
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=source)
+    buffer = f"{prefix}embeddings.position_ids"  # arange(T), saved by older transformers
+    state = to_state_dict(rules, arrays, expected_state(cfg), source=source, ignore=lambda k: k == buffer)
     name = {"clip": "CLIP", "siglip": "Siglip"}[family]
     provenance: dict[str, Any] = {
         "layout": f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel",
