@@ -149,6 +149,8 @@ def test_real_shape_clip_b32(tmp_path: Path) -> None:
         ("clip", {"size": {"shortest_edge": 256}, "crop_size": {"height": 224, "width": 224}, "resample": 2}),
         ("siglip", {}),  # straight to 224 x 224, bicubic, mean/std 0.5
         ("siglip", {"size": {"height": 224, "width": 224}, "image_mean": [0.4, 0.5, 0.6], "resample": 2}),
+        # the hub's older form of openai/clip-vit-base-patch32 (a feature extractor, int sizes)
+        ("clip", {"feature_extractor_type": "CLIPFeatureExtractor", "size": 224, "crop_size": 224, "resample": 3}),
     ],
 )
 def test_preprocessing_matches_the_image_processor(tmp_path: Path, kind: str, kw: dict[str, Any]) -> None:
@@ -157,9 +159,12 @@ def test_preprocessing_matches_the_image_processor(tmp_path: Path, kind: str, kw
 
     ref = clip(image_size=224, patch_size=32) if kind == "clip" else siglip(image_size=224, patch_size=32)
     ref.save_pretrained(tmp_path / "hf")
-    proc_cls = transformers.CLIPImageProcessorPil if kind == "clip" else transformers.SiglipImageProcessorPil
-    proc = proc_cls(**kw)
-    proc.save_pretrained(tmp_path / "hf")
+    if "feature_extractor_type" in kw:  # written as the hub holds it; transformers reads it back below
+        (tmp_path / "hf" / "preprocessor_config.json").write_text(json.dumps(kw))
+    else:
+        proc_cls = transformers.CLIPImageProcessorPil if kind == "clip" else transformers.SiglipImageProcessorPil
+        proc_cls(**kw).save_pretrained(tmp_path / "hf")
+    proc = transformers.AutoImageProcessor.from_pretrained(tmp_path / "hf")  # transformers' reading of the file
     pre = load_checkpoint(tmp_path / "hf").meta.preprocess
     std = np.asarray(pre.std, dtype=np.float32)[:, None, None]
     for img in load_sample_images().images:  # two 427 x 640 photographs
@@ -225,7 +230,7 @@ def test_unrepresentable_models_are_refused(tmp_path: Path) -> None:
     ref.save_pretrained(tmp_path / "hf")
     model = load_checkpoint(tmp_path / "hf").model
     model.reset_head(3)
-    with pytest.raises(CheckpointError, match="cannot hold a classifier head"):
+    with pytest.raises(CheckpointError, match="cannot compute this model: it has a classifier head"):
         save_checkpoint(model, tmp_path / "out", "hf")
 
 

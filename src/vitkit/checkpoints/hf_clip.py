@@ -233,9 +233,12 @@ def preprocess_from(folder: Path, family: str, image_size: tuple[int, int]) -> P
             raise CheckpointError(f"{src}: crop_size {list(crop)} larger than size.shortest_edge {short}")
         kw = {"resize": "crop", "crop_pct": min(crop) / short, "crop_rounding": "floor", "image_size": crop}
     else:
-        if doc.get("do_center_crop", False):
-            raise CheckpointError(f"{src}: do_center_crop after a resize to height and width is not supported")
         kw["image_size"] = _side(size, ("height", "width"), "size", src)
+        crop = doc.get("crop_size", kw["image_size"])
+        if doc.get("do_center_crop", False) and _side(crop, ("height", "width"), "crop_size", src) != kw["image_size"]:
+            raise CheckpointError(
+                f"{src}: crop_size {crop!r} after a resize to {list(kw['image_size'])} is not supported"
+            )
     try:
         return Preprocess(mean=mean, std=std, interpolation=RESAMPLE[resample], **kw)
     except (TypeError, ValueError) as e:
@@ -325,21 +328,23 @@ def claims(cfg: ViTConfig) -> bool:
 def unrepresentable(cfg: ViTConfig, family: str) -> str | None:
     """Why transformers' CLIP/SigLIP vision tower cannot compute this model's function (None when it can)."""
     clip = family == "clip"
-    checks = [
+    checks = [  # (representable, what this model has that the tower lacks)
         (cfg.resnet_layers is None, "a hybrid ResNet stem"),
         (cfg.num_classes == 0 and cfg.representation_size is None, "a classifier head or pre-logits layer"),
         (cfg.image_size[0] == cfg.image_size[1], f"a non-square image size {list(cfg.image_size)}"),
-        (cfg.pos_embed == "learned" and cfg.pos_embed_prefix, "a position embedding other than a learned one"),
+        (cfg.pos_embed == "learned", f"a {cfg.pos_embed!r} position embedding (not a learned one)"),
+        (cfg.num_pos_prefix == int(bool(cfg.class_token)), "a class token without a position slot"),
         (not cfg.distilled and cfg.num_registers == 0, "distillation or register tokens"),
         (cfg.rope is None and cfg.layer_scale is None and cfg.mlp == "plain", "RoPE, layer scale or a SwiGLU MLP"),
         (cfg.qkv_bias and cfg.key_bias, "attention without q/k/v biases"),
         (cfg.classifier == ("token" if clip else "map"), f"pooling {cfg.classifier!r}"),
-        (cfg.class_token == clip and cfg.norm_pre == clip, "a class token or pre-norm where it has none"),
+        (cfg.class_token == clip, "no class token" if clip else "a class token"),
+        (cfg.norm_pre == clip, "no pre-norm (pre_layrnorm)" if clip else "a pre-norm"),
         (cfg.patch_bias != clip, "a patch-embedding bias" if clip else "no patch-embedding bias"),
         (clip or cfg.projection_size is None, "an image projection"),
     ]
     bad = [what for ok, what in checks if not ok]
-    return f"transformers' {family.upper()} vision tower cannot hold {bad[0]}" if bad else None
+    return f"transformers' {family.upper()} vision tower cannot compute this model: it has {bad[0]}" if bad else None
 
 
 def hf_config(cfg: ViTConfig, family: str) -> dict[str, Any]:
