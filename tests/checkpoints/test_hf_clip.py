@@ -258,3 +258,27 @@ def test_older_transformers_position_ids_buffer_is_ignored(tmp_path: Path) -> No
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         assert rel_err(load_checkpoint(tmp_path / "hf").model.eval()(x), ref(pixel_values=x).pooler_output) < TOL
+
+
+@pytest.mark.parametrize(
+    ("kw", "hf_class"),
+    [
+        ({"norm_pre": True, "patch_bias": False, "gelu": "quick", "projection_size": 16},
+         "CLIPVisionModelWithProjection"),
+        ({"norm_pre": True, "patch_bias": False, "gelu": "exact", "pos_embed": "sincos2d"}, "CLIPVisionModel"),
+        ({"classifier": "map", "class_token": False, "gelu": "tanh"}, "SiglipVisionModel"),
+    ],
+)  # fmt: skip
+def test_vitkit_models_write_as_transformers_computes_them(tmp_path: Path, kw: dict[str, Any], hf_class: str) -> None:
+    from vitkit.models import create_model
+
+    torch.manual_seed(0)
+    model = randomize_(create_model("Ti/16", image_size=32, patch_size=8, hidden_size=32, depth=2, num_heads=2,
+                                    mlp_dim=64, num_classes=0, layer_norm_eps=1e-5, **kw)).eval()  # fmt: skip
+    save_checkpoint(model, tmp_path / "out", "hf")
+    ref, info = getattr(transformers, hf_class).from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    x = torch.randn(2, 3, 32, 32)
+    want, got = _outputs(ref.eval(), x, False), _ours(model, x)
+    for name, ref_out in want.items():
+        assert rel_err(got[name], ref_out) < TOL, name

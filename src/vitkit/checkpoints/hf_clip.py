@@ -38,6 +38,7 @@ from vitkit.checkpoints.base import (
     expected_state,
     export_state,
     require,
+    with_learned_posemb,
 )
 from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _linear, _read_json
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
@@ -382,12 +383,12 @@ def save(
     writes itself: ``CLIPVisionModel`` and ``SiglipVisionModel`` unprefixed, ``CLIPVisionModelWithProjection``
     under ``vision_model.``. The preprocessing is written when the family's image processor computes it."""
     torch_files.check_folder_output(Path(path), overwrite)
-    cfg = model.cfg
+    cfg, state = with_learned_posemb(model.cfg, export_state(model))  # a sin-cos table: the same function
     family = family_of(cfg) or "clip"
     why = unrepresentable(cfg, family)
     require(why is None, f"a transformers {family.upper()} vision folder", why or "")
     prefix = "vision_model." if cfg.projection_size else ""
-    arrays = from_state_dict(key_map(cfg, family, prefix), export_state(model))
+    arrays = from_state_dict(key_map(cfg, family, prefix), state)
     join_in_proj(arrays, prefix)
     tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
     files: dict[str, bytes | str] = {CONFIG: json.dumps(hf_config(cfg, family), indent=2) + "\n"}
