@@ -21,7 +21,8 @@ layer_norm_eps (HF's default is 1e-12, not 1e-6), qkv_bias, image_size, patch_si
 ``preprocessor_config.json`` supplies image_mean/std, size and resample when present.
 
 Other transformers model types are read and written by their own modules, registered in :func:`families`
-by ``model_type`` (``hf_dino``: dinov2, dinov2_with_registers, deit); this module dispatches on config.json.
+by ``model_type`` (``hf_dino``: dinov2, dinov2_with_registers, deit; ``hf_clip``: clip_vision_model, clip,
+siglip_vision_model, siglip); this module dispatches on config.json.
 """
 
 from __future__ import annotations
@@ -72,9 +73,9 @@ class Family:
 
 def families() -> dict[str, Family]:
     """model_type -> its :class:`Family` (imported here: the families' modules build on this one)."""
-    from vitkit.checkpoints import hf_dino
+    from vitkit.checkpoints import hf_clip, hf_dino
 
-    return {**hf_dino.FAMILIES}
+    return {**hf_dino.FAMILIES, **hf_clip.FAMILIES}
 
 
 def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
