@@ -521,7 +521,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
             "fc_norm": False,
             "num_classes": num_classes,
             "act_layer": "silu" if cfg.mlp == "swiglu" else ACT_NAMES[cfg.gelu],
-            "init_values": cfg.layer_scale,
+            "init_values": cfg.layer_scale or 0.0,  # not None: timm.create_model drops None, keeping the entry's
             "reg_tokens": cfg.num_registers,
             "no_embed_class": _no_embed_class(cfg),
             "pre_norm": cfg.norm_pre,
@@ -593,6 +593,7 @@ def _check_representable(cfg: ViTConfig, target: str) -> None:
         cfg.patch_bias != cfg.norm_pre, target, "timm's patch embedding has a bias exactly when there is no pre-norm"
     )
     require(not (cfg.distilled and cfg.num_registers), target, "timm's DeiT has no register tokens")
+    require(cfg.layer_scale != 0, target, "timm builds no layer scale for init_values=0")
     require(
         not (cfg.mlp == "swiglu" and cfg.classifier == "map"), target, "timm's MAP head after SwiGLU blocks differs"
     )
