@@ -194,3 +194,34 @@ def test_still_refused_features_are_named(tmp_path: Path) -> None:
     args = {**TINY, "reg_tokens": 2, "no_embed_class": False}
     with pytest.raises(CheckpointError, match=r"position slots \(no_embed_class=False\)"):
         load_checkpoint(write(tmp_path / "slots", reg_slots, {"architecture": "vit_custom", "model_args": args}))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"num_registers": 4, "layer_scale": 0.1},  # transformers' DINOv2-with-registers layout: a class slot
+        {"norm_pre": True, "patch_bias": False, "gelu": "quick", "projection_size": 12, "num_classes": 0},
+        {"distilled": True, "num_classes": 3},
+        {"classifier": "map", "class_token": True, "gelu": "tanh"},
+        {"classifier": "gap", "class_token": True, "mlp": "swiglu"},
+    ],
+)
+def test_vitkit_models_export_to_timm(tmp_path: Path, options: dict[str, Any]) -> None:
+    """vitkit-built models of the families -> timm folder -> the timm model its config.json names, loaded
+    strictly and computing the same outputs: the class slot of a model with registers is folded into the class
+    token (timm's DINOv2 has no_embed_class), CLIP's projection becomes timm's bias-free head, a MAP head beside a
+    class token pools every token (pool_include_prefix)."""
+    import vitkit
+    from safetensors.torch import load_file
+
+    kw = {"image_size": 32, "patch_size": 8, "hidden_size": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64}
+    model = randomize_(vitkit.create_model("Ti/16", **{"num_classes": 5, **kw, **options}), std=0.1).eval()
+    out = save_checkpoint(model, tmp_path / "out", "timm")
+    written = json.loads((out / "config.json").read_text())
+    extra = {"norm_layer": partial(_timm().layers.LayerNorm, eps=written.get("layer_norm_eps", 1e-6))}
+    rebuilt = _timm().create_model(written["architecture"], pretrained=False, **written["model_args"], **extra).eval()
+    rebuilt.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        assert rel_err(rebuilt(x), model(x)) <= 1e-6
+        assert torch.equal(load_checkpoint(out).model.eval()(x), model(x))

@@ -539,7 +539,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     }
     if meta and meta.class_names:
         doc["label_names"] = list(meta.class_names)
-    if cfg.layer_norm_eps != 1e-6:  # timm builds eps 1e-6; kept here so vitkit reads back the exact model
+    if cfg.layer_norm_eps != 1e-6 or cfg.norm_pre:  # timm builds 1e-6 (CLIP's entry points 1e-5): kept for vitkit
         doc["layer_norm_eps"] = cfg.layer_norm_eps
     return doc
 
