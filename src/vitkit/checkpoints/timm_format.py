@@ -2,24 +2,34 @@
 
 Names (timm's fused-qkv layout, nearly vitkit's own)::
 
-    patch_embed.proj.{weight,bias}  cls_token (1, 1, D)  pos_embed (1, [1 +] N, D)
-    blocks.{i}.norm1, attn.qkv (3D, D), attn.proj, norm2, mlp.fc1, mlp.fc2
-    norm    head    pre_logits.fc (older timm, representation layer + tanh)
+    patch_embed.proj.{weight,[bias]}  cls_token (1, 1, D)  dist_token  reg_token (1, R, D)  pos_embed  norm_pre
+    blocks.{i}.norm1, attn.qkv (3D, D), attn.proj, ls1.gamma, norm2, mlp.fc1 (or fc1_g, fc1_x), mlp.fc2, ls2.gamma
+    norm    attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}    head    head_dist    pre_logits.fc
 
-Semantics, from timm's ``vision_transformer.py``:
+Semantics, from timm's ``vision_transformer.py`` and ``deit.py``; what the weights show is read from them
+(register count, layer scale, pre-norm, patch bias, MAP head, distillation token, plain/SwiGLU MLP), the rest
+from ``model_args`` and checked against the weights:
 
-- ``pos_embed`` with ``1 + N`` entries is added after the class token is prepended (vitkit's layout); with
-  ``N`` entries (``no_embed_class=True``: DeiT-3, big_vision ports) it is added to the patches only, which
-  vitkit represents exactly with a zero class slot.
-- global_pool "token" reads the class token after ``norm``; a model without class token and with ``norm``
-  (``global_pool="avg", fc_norm=False``) normalises every token, then averages: vitkit's "gap".
-- ``fc_norm`` (timm's default for global_pool="avg"/MAE fine-tunes) normalises the *pooled* vector instead of
-  every token. LN(mean(x)) is a different function from mean(LN(x)), and vitkit's ViT has no such layer, so
-  such checkpoints are refused, as are register tokens, layer scale, qk-norm, pre-norm, attention pooling and
-  hybrid (ResNet) stems: each would be a silently different model.
-- GELU is exact (nn.GELU), LayerNorm eps 1e-6. The number of heads does not show in any shape: it comes
-  from the sidecar config (``model_args.num_heads``) or the paper's widths (Ti 3, S 6, B 12, L 16, H 16;
-  otherwise width / 64), or ``num_heads=`` in :func:`load`.
+- ``pos_embed`` with slots for the class (and DeiT's distillation) token is added after they are prepended
+  (vitkit's layout); with ``N`` entries (``no_embed_class=True``: DeiT-3, DINOv2, big_vision ports) it is added
+  to the patches only, which vitkit represents exactly with zero slots. Registers (timm ``reg_tokens``) follow
+  the class token without position (DINOv2); registers *with* position slots (``no_embed_class=False``) are
+  refused. On export a model with registers is written ``no_embed_class``, its class slot added to the token.
+- global_pool "token" reads the class token after ``norm`` (DeiT distilled: the mean of the class and
+  distillation tokens, logits the mean of ``head`` and ``head_dist``); "avg" with ``fc_norm=False`` is vitkit's
+  "gap"; "map" is timm's ``AttentionPoolLatent`` (SigLIP), vitkit's MAP head (one latent; beside prefix tokens
+  only with ``pool_include_prefix``). ``fc_norm`` (LN of the pooled vector, a different function), qk-norm,
+  ``scale_attn_norm``/``scale_mlp_norm`` and hybrid (ResNet) stems are refused.
+- The activation is ``act_layer``: ``gelu`` (timm's default), ``gelu_tanh``, ``quick_gelu`` (CLIP), ``silu``
+  (the gate of ``SwiGLUPacked``'s fc1 = [gate; up], vitkit's own layout, or ``SwiGLU``'s fc1_g/fc1_x; required
+  for a gated MLP). timm's SigLIP and CLIP entry points differ in it, so for MAP or pre-norm weights a config
+  without ``act_layer`` is refused (pass ``gelu=``). LayerNorm eps is 1e-6 unless the config's
+  ``layer_norm_eps`` says (pre-norm CLIP towers set 1e-5 in code: required, or ``layer_norm_eps=``).
+- timm's CLIP image towers hold the projection as a bias-free ``head``: it loads as the head; vitkit's
+  ``projection_size`` is written back as ``head`` with a zero bias.
+- The number of heads does not show in any shape: it comes from the sidecar config (``model_args.num_heads``)
+  or the paper's widths (Ti 3, S 6, B 12, L 16, H 16; otherwise width / 64), or ``num_heads=`` in :func:`load`.
+  Layer scale's value in the config is only its initialisation (``init_values``, else 1e-5).
 
 A timm hub folder is ``config.json`` (``architecture``, ``model_args``, ``pretrained_cfg``, ``label_names``)
 plus ``model.safetensors``; for a single file, a ``config.json`` with an ``architecture`` key beside it is used.
@@ -452,7 +462,7 @@ def load(
 ) -> Checkpoint:
     """Read a timm ViT state dict (file or hub folder) into vitkit's layout, shape-checked.
 
-    ``num_heads``, ``gelu`` ("exact"/"tanh"), ``layer_norm_eps`` and ``image_size`` (the resolution the
+    ``num_heads``, ``gelu`` ("exact"/"tanh"/"quick"), ``layer_norm_eps`` and ``image_size`` (the resolution the
     weights were trained at) override what the file cannot tell.
     """
     weights_path = _weights_path(path)
