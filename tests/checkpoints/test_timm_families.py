@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from timm_real import import_timm
 
+import vitkit
 from helpers import randomize_, rel_err
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
 from vitkit.errors import CheckpointError
@@ -106,8 +107,6 @@ def test_written_back_loads_into_timm_strictly(tmp_path: Path, name: str) -> Non
     if FAMILIES[name][2].get("mlp") == "SwiGLU":
         extra["mlp_layer"] = _timm().layers.SwiGLUPacked  # vitkit writes the packed layout, its own
     rebuilt = _timm().create_model(written["architecture"], pretrained=False, **written["model_args"], **extra).eval()
-    from safetensors.torch import load_file
-
     rebuilt.load_state_dict(load_file(str(out / "model.safetensors")), strict=True)
     if FAMILIES[name][2].get("mlp") != "SwiGLU":
         for key, value in ref.state_dict().items():
@@ -171,6 +170,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     assert "model_args.reg_tokens=4, but the weights hold 3" in refusal(tmp_path / "a", "dinov2_reg4", truncate)
     assert "reg_token has shape (1, 4, 16)" in refusal(tmp_path / "b", "dinov2_reg4", halve)
     assert "act_layer 'relu' is not supported" in refusal(tmp_path / "c", "siglip", keep, args(act_layer="relu"))
+    assert "act_layer ['gelu'] is not supported" in refusal(tmp_path / "k", "siglip", keep, args(act_layer=["gelu"]))
     assert "model_args.pre_norm=False" in refusal(tmp_path / "d", "clip", keep, args(pre_norm=False))
     wrong_size = refusal(tmp_path / "e", "dinov2", keep, args(img_size=70))
     assert "pos_embed has 17 entries, but the image size (70, 70)" in wrong_size
@@ -211,9 +211,6 @@ def test_vitkit_models_export_to_timm(tmp_path: Path, options: dict[str, Any]) -
     strictly and computing the same outputs: the class slot of a model with registers is folded into the class
     token (timm's DINOv2 has no_embed_class), CLIP's projection becomes timm's bias-free head, a MAP head beside a
     class token pools every token (pool_include_prefix)."""
-    import vitkit
-    from safetensors.torch import load_file
-
     kw = {"image_size": 32, "patch_size": 8, "hidden_size": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64}
     model = randomize_(vitkit.create_model("Ti/16", **{"num_classes": 5, **kw, **options}), std=0.1).eval()
     out = save_checkpoint(model, tmp_path / "out", "timm")

@@ -370,7 +370,7 @@ def _mlp(weights: Mapping[str, torch.Tensor], source: str) -> tuple[str, int, bo
 
 def _activation(act: Any, mlp: str, gelu: str | None, family: str, source: str) -> str:
     """vitkit's gelu from timm's act_layer: read, never assumed where timm's entry points for a family differ."""
-    if act is not None and act not in ACT_LAYERS:
+    if act is not None and (not isinstance(act, str) or act not in ACT_LAYERS):
         raise CheckpointError(f"{source}: act_layer {act!r} is not supported (known: {', '.join(ACT_LAYERS)})")
     kind = ACT_LAYERS.get(act) if act is not None else None
     if mlp == "swiglu":
