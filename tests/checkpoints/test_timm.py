@@ -137,10 +137,10 @@ def test_refusals(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="fc_norm"):
         vitkit.load_pretrained(tmp_path / "mae.safetensors")
     sd = random_timm_state()
-    sd["blocks.0.ls1.gamma"] = torch.ones(384)
-    save_file(sd, str(tmp_path / "ls.safetensors"))
-    with pytest.raises(CheckpointError, match="layer scale"):
-        vitkit.load_pretrained(tmp_path / "ls.safetensors")
+    sd["blocks.0.attn.q_norm.weight"] = torch.ones(64)  # layer scale now loads (test_timm_families.py); qk-norm not
+    save_file(sd, str(tmp_path / "qk.safetensors"))
+    with pytest.raises(CheckpointError, match="qk-norm"):
+        vitkit.load_pretrained(tmp_path / "qk.safetensors")
     sd = random_timm_state()
     del sd["blocks.1.mlp.fc2.weight"]
     save_file(sd, str(tmp_path / "partial.safetensors"))

@@ -2,24 +2,34 @@
 
 Names (timm's fused-qkv layout, nearly vitkit's own)::
 
-    patch_embed.proj.{weight,bias}  cls_token (1, 1, D)  pos_embed (1, [1 +] N, D)
-    blocks.{i}.norm1, attn.qkv (3D, D), attn.proj, norm2, mlp.fc1, mlp.fc2
-    norm    head    pre_logits.fc (older timm, representation layer + tanh)
+    patch_embed.proj.{weight,[bias]}  cls_token (1, 1, D)  dist_token  reg_token (1, R, D)  pos_embed  norm_pre
+    blocks.{i}.norm1, attn.qkv (3D, D), attn.proj, ls1.gamma, norm2, mlp.fc1 (or fc1_g, fc1_x), mlp.fc2, ls2.gamma
+    norm    attn_pool.{latent, q, kv, proj, norm, mlp.fc1, mlp.fc2}    head    head_dist    pre_logits.fc
 
-Semantics, from timm's ``vision_transformer.py``:
+Semantics, from timm's ``vision_transformer.py`` and ``deit.py``; what the weights show is read from them
+(register count, layer scale, pre-norm, patch bias, MAP head, distillation token, plain/SwiGLU MLP), the rest
+from ``model_args`` and checked against the weights:
 
-- ``pos_embed`` with ``1 + N`` entries is added after the class token is prepended (vitkit's layout); with
-  ``N`` entries (``no_embed_class=True``: DeiT-3, big_vision ports) it is added to the patches only, which
-  vitkit represents exactly with a zero class slot.
-- global_pool "token" reads the class token after ``norm``; a model without class token and with ``norm``
-  (``global_pool="avg", fc_norm=False``) normalises every token, then averages: vitkit's "gap".
-- ``fc_norm`` (timm's default for global_pool="avg"/MAE fine-tunes) normalises the *pooled* vector instead of
-  every token. LN(mean(x)) is a different function from mean(LN(x)), and vitkit's ViT has no such layer, so
-  such checkpoints are refused, as are register tokens, layer scale, qk-norm, pre-norm, attention pooling and
-  hybrid (ResNet) stems: each would be a silently different model.
-- GELU is exact (nn.GELU), LayerNorm eps 1e-6. The number of heads does not show in any shape: it comes
-  from the sidecar config (``model_args.num_heads``) or the paper's widths (Ti 3, S 6, B 12, L 16, H 16;
-  otherwise width / 64), or ``num_heads=`` in :func:`load`.
+- ``pos_embed`` with slots for the class (and DeiT's distillation) token is added after they are prepended
+  (vitkit's layout); with ``N`` entries (``no_embed_class=True``: DeiT-3, DINOv2, big_vision ports) it is added
+  to the patches only, which vitkit represents exactly with zero slots. Registers (timm ``reg_tokens``) follow
+  the class token without position (DINOv2); registers *with* position slots (``no_embed_class=False``) are
+  refused. On export a model with registers is written ``no_embed_class``, its class slot added to the token.
+- global_pool "token" reads the class token after ``norm`` (DeiT distilled: the mean of the class and
+  distillation tokens, logits the mean of ``head`` and ``head_dist``); "avg" with ``fc_norm=False`` is vitkit's
+  "gap"; "map" is timm's ``AttentionPoolLatent`` (SigLIP), vitkit's MAP head (one latent; beside prefix tokens
+  only with ``pool_include_prefix``). ``fc_norm`` (LN of the pooled vector, a different function), qk-norm,
+  ``scale_attn_norm``/``scale_mlp_norm`` and hybrid (ResNet) stems are refused.
+- The activation is ``act_layer``: ``gelu`` (timm's default), ``gelu_tanh``, ``quick_gelu`` (CLIP), ``silu``
+  (the gate of ``SwiGLUPacked``'s fc1 = [gate; up], vitkit's own layout, or ``SwiGLU``'s fc1_g/fc1_x; required
+  for a gated MLP). timm's SigLIP and CLIP entry points differ in it, so for MAP or pre-norm weights a config
+  without ``act_layer`` is refused (pass ``gelu=``). LayerNorm eps is 1e-6 unless the config's
+  ``layer_norm_eps`` says (pre-norm CLIP towers set 1e-5 in code: required, or ``layer_norm_eps=``).
+- timm's CLIP image towers hold the projection as a bias-free ``head``: it loads as the head; vitkit's
+  ``projection_size`` is written back as ``head`` with a zero bias.
+- The number of heads does not show in any shape: it comes from the sidecar config (``model_args.num_heads``)
+  or the paper's widths (Ti 3, S 6, B 12, L 16, H 16; otherwise width / 64), or ``num_heads=`` in :func:`load`.
+  Layer scale's value in the config is only its initialisation (``init_values``, else 1e-5).
 
 A timm hub folder is ``config.json`` (``architecture``, ``model_args``, ``pretrained_cfg``, ``label_names``)
 plus ``model.safetensors``; for a single file, a ``config.json`` with an ``architecture`` key beside it is used.
@@ -33,7 +43,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,46 +73,88 @@ SUFFIXES = (".safetensors", *torch_files.PICKLE_SUFFIXES)
 HEADS_BY_WIDTH = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 16}
 UNSUPPORTED = {
     "fc_norm.": "fc_norm (LayerNorm on the pooled vector, timm global_pool='avg')",
-    "reg_token": "register tokens",
-    "norm_pre.": "pre-norm (CLIP-style norm_pre)",
-    "attn_pool.": "attention pooling (global_pool='map')",
-    ".ls1.": "layer scale",
     ".attn.q_norm.": "qk-norm",
-    "dist_token": "distillation token (DeiT)",
+    ".attn.norm.": "scale_attn_norm",
+    ".mlp.norm.": "scale_mlp_norm",
+    "attn_pool.q_norm.": "qk-norm in the attention pool",
+    "attn_pool.pos_embed": "a position embedding in the attention pool",
     "patch_embed.backbone.": "hybrid ResNet stem (load the official .npz instead)",
 }
-_LINEARS = ["norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"]
+# timm's act_layer names -> vitkit's activation ("silu": the SwiGLU MLP's gate)
+ACT_LAYERS = {"gelu": "exact", "gelu_tanh": "tanh", "gelu_new": "tanh", "quick_gelu": "quick", "silu": "silu"}
+ACT_NAMES = {"exact": "gelu", "tanh": "gelu_tanh", "quick": "quick_gelu"}
+_LINEARS = ["norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc2"]
+_POOL_PARTS = ["q", "kv", "proj", "norm", "mlp.fc1", "mlp.fc2"]
 
 
-def key_map(cfg: ViTConfig, *, no_embed_class: bool = False) -> list[Rule]:
-    """timm names for a model with this config (blocks expanded)."""
-    rules: list[Rule] = [rule("patch_embed.proj.weight", "patch_embed.proj.weight")]
-    rules.append(rule("patch_embed.proj.bias", "patch_embed.proj.bias"))
+def _pair_rules(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
+    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
+
+
+def _mlp_rules(cfg: ViTConfig, split_swiglu: bool) -> list[Rule]:
+    """fc1: plain, timm's SwiGLUPacked (one fc1, gate rows first: vitkit's own layout) or SwiGLU (fc1_g, fc1_x)."""
+    if cfg.mlp == "swiglu" and split_swiglu:
+        cat = lambda g, x: np.concatenate([g, x], axis=0)  # noqa: E731
+        halves = lambda a: np.split(a, 2, axis=0)  # noqa: E731
+        return [
+            rule(f"blocks.{{i}}.mlp.fc1.{p}", [f"blocks.{{i}}.mlp.fc1_{n}.{p}" for n in "gx"], cat, halves)
+            for p in ("weight", "bias")
+        ]
+    return _pair_rules("blocks.{i}.mlp.fc1", "blocks.{i}.mlp.fc1")
+
+
+def key_map(cfg: ViTConfig, *, no_embed_class: bool = False, split_swiglu: bool = False) -> list[Rule]:
+    """timm names for a model with this config (blocks expanded). ``no_embed_class``: timm's pos_embed covers the
+    patches only (vitkit's class/distillation slots are zero); ``split_swiglu``: SwiGLU's fc1_g/fc1_x."""
+    rules = _pair_rules("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in _LINEARS:
-        rules.append(rule(f"blocks.{{i}}.{name}.weight", f"blocks.{{i}}.{name}.weight"))
-        if name != "attn.qkv" or cfg.qkv_bias:
-            rules.append(rule(f"blocks.{{i}}.{name}.bias", f"blocks.{{i}}.{name}.bias"))
-    rules += [rule("norm.weight", "norm.weight"), rule("norm.bias", "norm.bias")]
-    if cfg.classifier == "token":
-        rules.append(rule("cls_token", "cls_token"))
+        rules += _pair_rules(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}", name != "attn.qkv" or cfg.qkv_bias)
+    rules += _mlp_rules(cfg, split_swiglu) + _pair_rules("norm", "norm")
+    if cfg.layer_scale is not None:
+        rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.ls{n}.gamma") for n in (1, 2)]
+    if cfg.norm_pre:
+        rules += _pair_rules("norm_pre", "norm_pre")
+    rules += [rule(t, t) for t in ("cls_token", "dist_token", "reg_token") if _has_token(cfg, t)]
     if cfg.pos_embed == "learned":
-        if no_embed_class and cfg.classifier == "token":
-            rules.append(rule("pos_embed", "pos_embed", _with_zero_slot, _without_slot))
+        slots = cfg.num_pos_prefix
+        if no_embed_class and slots:
+            rules.append(rule("pos_embed", "pos_embed", _with_zero_slots(slots), _without_slots(slots)))
         else:
             rules.append(rule("pos_embed", "pos_embed"))
+    if cfg.classifier == "map":
+        rules.append(rule("attn_pool.probe", "attn_pool.latent"))
+        for part in _POOL_PARTS:
+            rules += _pair_rules(f"attn_pool.{part}", f"attn_pool.{part}")
     if cfg.representation_size:
         rules += [rule(f"pre_logits.0.{p}", f"pre_logits.fc.{p}") for p in ("weight", "bias")]
-    if cfg.num_classes > 0:
-        rules += [rule("head.weight", "head.weight"), rule("head.bias", "head.bias")]
+    if cfg.projection_size and cfg.num_classes == 0:  # timm's CLIP towers: the projection is a bias-free head
+        rules.append(rule("projection.weight", ["head.weight", "head.bias"], _bias_free, _zero_bias))
+    for head in ("head", "head_dist") if cfg.num_classes > 0 else ():
+        if head == "head" or cfg.distilled:
+            rules += _pair_rules(head, head)
     return expand(rules, cfg.depth)
 
 
-def _with_zero_slot(pe: Array) -> Array:
-    return np.concatenate([np.zeros_like(pe[:, :1]), pe], axis=1)
+def _bias_free(w: Array, b: Array) -> Array:
+    if np.any(b):
+        raise ValueError("a projection has no bias, but head.bias is not zero")
+    return w
 
 
-def _without_slot(pe: Array) -> tuple[Array]:
-    return (pe[:, 1:],)
+def _zero_bias(w: Array) -> tuple[Array, Array]:
+    return w, np.zeros(w.shape[0], dtype=w.dtype)
+
+
+def _has_token(cfg: ViTConfig, name: str) -> bool:
+    return {"cls_token": bool(cfg.class_token), "dist_token": cfg.distilled, "reg_token": cfg.num_registers > 0}[name]
+
+
+def _with_zero_slots(n: int) -> Callable[[Array], Array]:
+    return lambda pe: np.concatenate([np.zeros_like(pe[:, :1]).repeat(n, axis=1), pe], axis=1)
+
+
+def _without_slots(n: int) -> Callable[[Array], tuple[Array]]:
+    return lambda pe: (pe[:, n:],)
 
 
 def _weights_path(path: Path) -> Path | None:
@@ -163,6 +216,15 @@ def _keys(path: Path) -> set[str]:
     return set(torch_files.read_state_file(path))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a timm state dict stores what vitkit's config leaves open: ``no_embed_class`` (pos_embed on the
+    patches only) and ``split_swiglu`` (timm's SwiGLU with fc1_g/fc1_x rather than SwiGLUPacked's one fc1)."""
+
+    no_embed_class: bool = False
+    split_swiglu: bool = False
+
+
 def infer_config(
     weights: Mapping[str, torch.Tensor],
     sidecar: Mapping[str, Any] | None,
@@ -172,33 +234,39 @@ def infer_config(
     gelu: str | None = None,
     layer_norm_eps: float | None = None,
     image_size: tuple[int, int] | None = None,
-) -> tuple[ViTConfig, bool]:
-    """(config, no_embed_class) from shapes, the optional sidecar config and explicit overrides."""
+) -> tuple[ViTConfig, Layout]:
+    """(config, layout) from shapes, the optional sidecar config and explicit overrides."""
     for marker, what in UNSUPPORTED.items():
         if any(marker in k or k.startswith(marker) for k in weights):
             raise CheckpointError(f"{source}: timm {what} is not supported by vitkit's ViT")
-    args: dict[str, Any] = dict((sidecar or {}).get("model_args") or {})
-    pool = args.get("global_pool", (sidecar or {}).get("global_pool"))
-    try:
-        w = weights["patch_embed.proj.weight"]
-        fc1 = weights["blocks.0.mlp.fc1.weight"]
-    except KeyError as e:
-        raise CheckpointError(f"{source}: not a complete timm ViT state dict, missing {e.args[0]}") from None
-    D, C, P, P2 = (int(n) for n in w.shape)
+    doc = dict(sidecar or {})
+    args: dict[str, Any] = dict(doc.get("model_args") or {})
+    if "patch_embed.proj.weight" not in weights:
+        raise CheckpointError(f"{source}: not a complete timm ViT state dict, missing patch_embed.proj.weight")
+    D, C, P, P2 = (int(n) for n in weights["patch_embed.proj.weight"].shape)
     if P != P2:
         raise CheckpointError(f"{source}: non-square patches {P}x{P2} are not supported")
-    token = "cls_token" in weights
-    if token and pool not in (None, "token"):
-        raise CheckpointError(f"{source}: global_pool={pool!r} with a class token is not vitkit's ViT (token or GAP)")
-    if not token and pool not in (None, "avg"):
-        raise CheckpointError(f"{source}: global_pool={pool!r} is not supported (token or avg)")
+    tokens = _tokens(weights, args, D, source)
+    classifier = _classifier(weights, args, doc.get("global_pool"), tokens, source)
+    mlp, mlp_dim, split = _mlp(weights, source)
+    norm_pre = _agree(args, "pre_norm", "norm_pre.weight" in weights, "norm_pre", source)
+    scaled = _agree(args, "init_values", "blocks.0.ls1.gamma" in weights, "layer scale (ls1.gamma)", source)
+    family = "attention pooling (global_pool='map')" if classifier == "map" else "pre-norm (CLIP)" if norm_pre else ""
+    act = _activation(args.get("act_layer"), mlp, gelu, family, source)
+    eps = layer_norm_eps if layer_norm_eps is not None else doc.get("layer_norm_eps")
+    if eps is None and norm_pre:
+        raise CheckpointError(
+            f"{source}: pre-norm (CLIP) checkpoints set their LayerNorm eps in code (timm's CLIP towers: 1e-5) and "
+            "config.json has no layer_norm_eps; pass layer_norm_eps="
+        )
     depth = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks."))
     heads = num_heads or args.get("num_heads") or HEADS_BY_WIDTH.get(D) or max(D // 64, 1)
     if "pos_embed" not in weights:
         raise CheckpointError(f"{source}: no pos_embed (models without position embedding are not supported)")
     n = int(weights["pos_embed"].shape[1])
-    size = image_size or args.get("img_size") or ((sidecar or {}).get("pretrained_cfg") or {}).get("input_size", [])[1:]
-    image, no_embed_class = _grid_layout(n, token, P, size, args.get("no_embed_class"), source)
+    size = image_size or args.get("img_size") or (doc.get("pretrained_cfg") or {}).get("input_size", [])[1:]
+    slots = int(tokens["class_token"]) + int(tokens["distilled"])
+    image, no_embed_class = _grid_layout(n, slots, P, size, args.get("no_embed_class"), source)
     try:
         cfg = ViTConfig(
             image_size=image,
@@ -208,20 +276,119 @@ def infer_config(
             hidden_size=D,
             depth=depth,
             num_heads=int(heads),
-            mlp_dim=int(fc1.shape[0]),
-            classifier="token" if token else "gap",
+            mlp_dim=mlp_dim,
+            classifier=classifier,  # type: ignore[arg-type]
             representation_size=int(weights["pre_logits.fc.weight"].shape[0])
             if "pre_logits.fc.weight" in weights
             else None,
-            gelu=gelu or ("tanh" if args.get("act_layer") in ("gelu_tanh", "gelu_new") else "exact"),  # type: ignore[arg-type]
-            layer_norm_eps=layer_norm_eps
-            if layer_norm_eps is not None
-            else (sidecar or {}).get("layer_norm_eps", 1e-6),
+            gelu=act,  # type: ignore[arg-type]
+            layer_norm_eps=1e-6 if eps is None else eps,
             qkv_bias="blocks.0.attn.qkv.bias" in weights,
+            layer_scale=float(args.get("init_values") or 1e-5) if scaled else None,  # only its initial value
+            mlp=mlp,  # type: ignore[arg-type]
+            norm_pre=norm_pre,
+            patch_bias="patch_embed.proj.bias" in weights,
+            **tokens,
         )
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise CheckpointError(f"{source}: {e}") from None
-    return cfg, no_embed_class
+    return cfg, Layout(no_embed_class, split)
+
+
+def _agree(args: Mapping[str, Any], key: str, present: bool, what: str, source: str) -> bool:
+    """``present`` (seen in the weights), checked against model_args[key] when the config says."""
+    if args.get(key) is not None and bool(args[key]) != present:
+        raise CheckpointError(
+            f"{source}: model_args.{key}={args[key]!r}, but the weights {'have' if present else 'have no'} {what}"
+        )
+    return present
+
+
+def _tokens(weights: Mapping[str, torch.Tensor], args: Mapping[str, Any], D: int, source: str) -> dict[str, Any]:
+    """class_token, distilled (DeiT's dist_token) and num_registers (reg_token (1, R, D)), checked against the
+    config."""
+    token = _agree(args, "class_token", "cls_token" in weights, "a class token (cls_token)", source)
+    distilled = "dist_token" in weights
+    regs = 0
+    if "reg_token" in weights:
+        shape = tuple(int(n) for n in weights["reg_token"].shape)
+        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != D:
+            raise CheckpointError(f"{source}: reg_token has shape {shape}, expected (1, registers, {D})")
+        regs = shape[1]
+    if args.get("reg_tokens") is not None and args["reg_tokens"] != regs:
+        raise CheckpointError(
+            f"{source}: model_args.reg_tokens={args['reg_tokens']!r}, but the weights hold {regs} register tokens"
+        )
+    if regs and args.get("no_embed_class") is False:
+        raise CheckpointError(
+            f"{source}: timm register tokens with position slots (no_embed_class=False) are not supported"
+        )
+    if distilled and (regs or not token):
+        raise CheckpointError(f"{source}: a distillation token needs a class token and no registers (timm's DeiT)")
+    return {"class_token": token, "distilled": distilled, "num_registers": regs}
+
+
+def _classifier(
+    weights: Mapping[str, torch.Tensor], args: Mapping[str, Any], top_pool: Any, tokens: Mapping[str, Any], source: str
+) -> str:
+    """vitkit's pooling from timm's global_pool and the weights: token, avg (without fc_norm: "gap") or map."""
+    pool = args.get("global_pool", top_pool)
+    prefix = int(tokens["class_token"]) + int(tokens["distilled"]) + tokens["num_registers"]
+    if "attn_pool.latent" in weights:
+        latent = tuple(weights["attn_pool.latent"].shape)
+        if pool not in (None, "map") or len(latent) != 3 or latent[:2] != (1, 1):
+            raise CheckpointError(f"{source}: attn_pool with global_pool={pool!r} and latent {latent} is not supported")
+        if prefix and not args.get("pool_include_prefix"):
+            raise CheckpointError(
+                f"{source}: timm attention pooling over the patches only (pool_include_prefix=False) beside prefix "
+                "tokens is not supported"
+            )
+        return "map"
+    if pool in (None, "token") and tokens["class_token"]:
+        return "token"
+    if tokens["distilled"]:
+        raise CheckpointError(f"{source}: global_pool={pool!r} with a distillation token (timm's DeiT reads 'token')")
+    if pool in (None, "avg") and not (prefix and args.get("pool_include_prefix")):
+        return "gap"
+    raise CheckpointError(f"{source}: global_pool={pool!r} is not supported (token, avg or map)")
+
+
+def _mlp(weights: Mapping[str, torch.Tensor], source: str) -> tuple[str, int, bool]:
+    """(kind, hidden width, split SwiGLU) from block 0's MLP shapes."""
+    if "blocks.0.mlp.fc1_g.weight" in weights:
+        return "swiglu", int(weights["blocks.0.mlp.fc1_g.weight"].shape[0]), True
+    try:
+        h1, h2 = int(weights["blocks.0.mlp.fc1.weight"].shape[0]), int(weights["blocks.0.mlp.fc2.weight"].shape[1])
+    except (KeyError, IndexError) as e:
+        raise CheckpointError(f"{source}: not a complete timm ViT state dict, missing {e.args[0]}") from None
+    if h1 == h2:
+        return "plain", h1, False
+    if h1 == 2 * h2:
+        return "swiglu", h2, False  # timm's SwiGLUPacked: fc1 = [gate; up], vitkit's own layout
+    raise CheckpointError(f"{source}: mlp.fc1 has {h1} outputs and mlp.fc2 {h2} inputs (neither an MLP nor SwiGLU)")
+
+
+def _activation(act: Any, mlp: str, gelu: str | None, family: str, source: str) -> str:
+    """vitkit's gelu from timm's act_layer: read, never assumed where timm's entry points for a family differ."""
+    if act is not None and (not isinstance(act, str) or act not in ACT_LAYERS):
+        raise CheckpointError(f"{source}: act_layer {act!r} is not supported (known: {', '.join(ACT_LAYERS)})")
+    kind = ACT_LAYERS.get(act) if act is not None else None
+    if mlp == "swiglu":
+        if kind != "silu":
+            raise CheckpointError(
+                f"{source}: a SwiGLU MLP needs act_layer 'silu' in model_args (got {act!r}); the weights do not show it"
+            )
+        return "exact"  # unused: the gate is SiLU
+    if kind == "silu":
+        raise CheckpointError(f"{source}: act_layer 'silu' with a plain MLP is not supported")
+    if gelu or kind:
+        return str(gelu or kind)
+    if family:
+        raise CheckpointError(
+            f"{source}: timm's {family} models differ in act_layer and config.json has no model_args.act_layer; "
+            "pass gelu="
+        )
+    return "exact"
 
 
 def _square(n: int) -> bool:
@@ -229,37 +396,39 @@ def _square(n: int) -> bool:
 
 
 def _grid_layout(
-    n: int, token: bool, patch: int, size: Any, no_embed_class: Any, source: str
+    n: int, slots: int, patch: int, size: Any, no_embed_class: Any, source: str
 ) -> tuple[tuple[int, int], bool]:
-    """(image size, no_embed_class) for a ``pos_embed`` of ``n`` entries.
+    """(image size, no_embed_class) for a ``pos_embed`` of ``n`` entries, ``slots`` of them possibly for the
+    class (and distillation) token.
 
     With an image size (timm's config: ``model_args.img_size`` or ``pretrained_cfg.input_size``; or given),
-    the grid is known and the entry count says whether the class token has a slot. Without one, only a
+    the grid is known and the entry count says whether the prefix tokens have slots. Without one, only a
     square grid can be assumed, and ``n`` entries with a class token are ambiguous when ``n`` is a square:
     a sqrt(n) x sqrt(n) grid with no class slot (timm ``no_embed_class``), or a class slot plus a non-square
     grid of n - 1 (a 32x48 image with 8 px patches: 1 + 24 = 25) -- refused rather than guessed.
     """
+    what = "a class slot" if slots == 1 else "class and distillation slots"
     if isinstance(size, int) or (isinstance(size, (list, tuple)) and len(size) == 2):
         image = (int(size), int(size)) if isinstance(size, int) else (int(size[0]), int(size[1]))
         if image[0] % patch or image[1] % patch:
             raise CheckpointError(f"{source}: image size {image} is not a multiple of the patch size {patch}")
         grid = (image[0] // patch) * (image[1] // patch)
-        if not token and n == grid:
+        if not slots and n == grid:
             return image, False
-        if token and n in (grid, grid + 1) and (no_embed_class is None or bool(no_embed_class) == (n == grid)):
+        if slots and n in (grid, grid + slots) and (no_embed_class is None or bool(no_embed_class) == (n == grid)):
             return image, n == grid
         raise CheckpointError(
             f"{source}: pos_embed has {n} entries, but the image size {image} with {patch} px patches gives "
-            f"{grid} grid tokens{' (plus a class slot unless no_embed_class)' if token else ''}"
+            f"{grid} grid tokens{f' (plus {what} unless no_embed_class)' if slots else ''}"
         )
-    if token and no_embed_class is None and _square(n) and n > 1:
+    if slots and no_embed_class is None and _square(n) and n > 1:
         raise CheckpointError(
             f"{source}: {n} position entries are either a {math.isqrt(n)}x{math.isqrt(n)} grid with no class slot "
-            f"(timm no_embed_class) or a class slot plus a non-square grid of {n - 1}; put timm's config.json "
+            f"(timm no_embed_class) or {what} plus a non-square grid of {n - slots}; put timm's config.json "
             "(model_args.img_size) beside the weights, or pass image_size to timm_format.load"
         )
-    nec = bool(no_embed_class) if token and no_embed_class is not None else False
-    grid_tokens = n - (1 if token and not nec else 0)
+    nec = bool(no_embed_class) if slots and no_embed_class is not None else False
+    grid_tokens = n - (slots if not nec else 0)
     try:
         side = grid_side(grid_tokens)
     except ValueError:
@@ -293,7 +462,7 @@ def load(
 ) -> Checkpoint:
     """Read a timm ViT state dict (file or hub folder) into vitkit's layout, shape-checked.
 
-    ``num_heads``, ``gelu`` ("exact"/"tanh"), ``layer_norm_eps`` and ``image_size`` (the resolution the
+    ``num_heads``, ``gelu`` ("exact"/"tanh"/"quick"), ``layer_norm_eps`` and ``image_size`` (the resolution the
     weights were trained at) override what the file cannot tell.
     """
     weights_path = _weights_path(path)
@@ -301,7 +470,7 @@ def load(
         raise CheckpointError(f"{path}: expected a {'/'.join(SUFFIXES)} file or a timm folder with model weights")
     weights = torch_files.read_state_file(weights_path)
     sidecar = _sidecar(path)
-    cfg, no_embed_class = infer_config(
+    cfg, layout = infer_config(
         weights,
         sidecar,
         str(path),
@@ -312,9 +481,10 @@ def load(
     )
     check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(key_map(cfg, no_embed_class=no_embed_class), arrays, expected_state(cfg), source=str(path))
+    rules = key_map(cfg, no_embed_class=layout.no_embed_class, split_swiglu=layout.split_swiglu)
+    state = to_state_dict(rules, arrays, expected_state(cfg), source=str(path))
     labels = (sidecar or {}).get("label_names")
-    provenance: dict[str, Any] = {"layout": "timm VisionTransformer", "no_embed_class": no_embed_class}
+    provenance: dict[str, Any] = {"layout": "timm VisionTransformer", "no_embed_class": layout.no_embed_class}
     if sidecar:
         provenance["architecture"] = sidecar.get("architecture")
     if not (num_heads or ((sidecar or {}).get("model_args") or {}).get("num_heads")):
@@ -330,12 +500,21 @@ def load(
 
 
 def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
-    """A timm hub ``config.json``: the architecture plus the model_args that rebuild exactly this model."""
+    """A timm hub ``config.json``: the architecture plus the model_args that rebuild exactly this model
+    (``timm.create_model(architecture, **model_args)``; the architecture supplies only what JSON cannot say:
+    DeiT's distilled class, SwiGLUPacked)."""
     pre = meta.preprocess if meta else Preprocess(image_size=cfg.image_size)
-    pool = "token" if cfg.classifier == "token" else "avg"
+    pool = {"token": "token", "gap": "avg", "map": "map"}[cfg.classifier]
+    arch = "vit_base_patch16_224"  # any ViT entry point; model_args override every field it sets
+    if cfg.distilled:
+        arch = "deit_base_distilled_patch16_224"
+    elif cfg.mlp == "swiglu":
+        arch = "vit_giant_patch14_dinov2"  # mlp_layer=SwiGLUPacked
+    num_classes = cfg.num_classes or cfg.projection_size or 0  # timm's CLIP towers: the projection is the head
+    hidden = 2 * cfg.mlp_dim if cfg.mlp == "swiglu" else cfg.mlp_dim
     doc: dict[str, Any] = {
-        "architecture": "vit_base_patch16_224",  # any ViT entry point; model_args override every field
-        "num_classes": cfg.num_classes,
+        "architecture": arch,
+        "num_classes": num_classes,
         "num_features": cfg.hidden_size,
         "global_pool": pool,
         "model_args": {
@@ -345,13 +524,18 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
             "embed_dim": cfg.hidden_size,
             "depth": cfg.depth,
             "num_heads": cfg.num_heads,
-            "mlp_ratio": cfg.mlp_dim / cfg.hidden_size,
+            "mlp_ratio": _ratio(hidden, cfg.hidden_size),
             "qkv_bias": cfg.qkv_bias,
-            "class_token": cfg.classifier == "token",
+            "class_token": bool(cfg.class_token),
             "global_pool": pool,
             "fc_norm": False,
-            "num_classes": cfg.num_classes,
-            **({"act_layer": "gelu_tanh"} if cfg.gelu == "tanh" else {}),
+            "num_classes": num_classes,
+            "act_layer": "silu" if cfg.mlp == "swiglu" else ACT_NAMES[cfg.gelu],
+            "init_values": cfg.layer_scale or 0.0,  # not None: timm.create_model drops None, keeping the entry's
+            "reg_tokens": cfg.num_registers,
+            "no_embed_class": _no_embed_class(cfg),
+            "pre_norm": cfg.norm_pre,
+            "pool_include_prefix": cfg.classifier == "map" and cfg.num_prefix_tokens > 0,
         },
         "pretrained_cfg": {
             "input_size": [cfg.in_channels, *pre.image_size],
@@ -360,21 +544,70 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
             "std": list(pre.std),
             "crop_pct": pre.crop_pct if pre.resize == "crop" else 1.0,
             "crop_mode": "center" if pre.resize == "crop" else "squash",
-            "num_classes": cfg.num_classes,
+            "num_classes": num_classes,
         },
     }
     if meta and meta.class_names:
         doc["label_names"] = list(meta.class_names)
-    if cfg.layer_norm_eps != 1e-6:  # timm builds eps 1e-6; kept here so vitkit reads back the exact model
+    if cfg.layer_norm_eps != 1e-6 or cfg.norm_pre:  # timm builds 1e-6 (CLIP's entry points 1e-5): kept for vitkit
         doc["layer_norm_eps"] = cfg.layer_norm_eps
     return doc
+
+
+def _ratio(hidden: int, dim: int) -> float:
+    """The smallest mlp_ratio r with int(dim * r) == hidden (timm's Block rounds the width down)."""
+    r = hidden / dim
+    while int(dim * r) < hidden:
+        r = math.nextafter(r, math.inf)
+    return r
+
+
+def _no_embed_class(cfg: ViTConfig) -> bool:
+    """timm's layout for this model: registers never have position slots in timm's DINOv2 (no_embed_class);
+    otherwise the slots vitkit's position embedding has."""
+    return cfg.num_prefix_tokens > 0 and (cfg.num_registers > 0 or cfg.num_pos_prefix == 0)
+
+
+def _fold_slots(cfg: ViTConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Written as no_embed_class: the class/distillation slots of the position embedding are added to their
+    tokens (the same sums vitkit's forward computes) and zeroed."""
+    slots = cfg.num_pos_prefix
+    if not (_no_embed_class(cfg) and slots):
+        return state
+    state = dict(state)
+    pe = state["pos_embed"].clone()
+    for i, name in enumerate(["cls_token", "dist_token"][:slots]):
+        state[name] = state[name] + pe[:, i : i + 1]
+    pe[:, :slots] = 0
+    state["pos_embed"] = pe
+    return state
 
 
 def _recoverable_from_shapes(cfg: ViTConfig) -> bool:
     """Whether a bare state dict (no config) reads back as exactly this model."""
     heads = HEADS_BY_WIDTH.get(cfg.hidden_size) or max(cfg.hidden_size // 64, 1)
     square = cfg.grid_size[0] == cfg.grid_size[1]
-    return cfg.num_heads == heads and cfg.gelu == "exact" and cfg.layer_norm_eps == 1e-6 and square
+    plain = cfg.mlp == "plain" and cfg.classifier != "map" and not (cfg.norm_pre or cfg.distilled or cfg.num_registers)
+    unscaled = cfg.layer_scale is None and not cfg.projection_size
+    return (
+        cfg.num_heads == heads and cfg.gelu == "exact" and cfg.layer_norm_eps == 1e-6 and square and plain and unscaled
+    )
+
+
+def _check_representable(cfg: ViTConfig, target: str) -> None:
+    require(cfg.resnet_layers is None, target, "hybrid stems use timm's ResNetV2 with different StdConv eps")
+    require(not cfg.representation_size, target, "current timm ViTs have no pre-logits layer")
+    require(cfg.rope is None, target, "timm's VisionTransformer has no RoPE")
+    require(cfg.key_bias, target, "timm's VisionTransformer has no qkv bias without the key's")
+    require(
+        cfg.patch_bias != cfg.norm_pre, target, "timm's patch embedding has a bias exactly when there is no pre-norm"
+    )
+    require(not (cfg.distilled and cfg.num_registers), target, "timm's DeiT has no register tokens")
+    require(cfg.layer_scale != 0, target, "timm builds no layer scale for init_values=0")
+    require(
+        not (cfg.mlp == "swiglu" and cfg.classifier == "map"), target, "timm's MAP head after SwiGLU blocks differs"
+    )
+    require(not (cfg.projection_size and cfg.num_classes), target, "timm's CLIP towers hold the projection as the head")
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -397,10 +630,9 @@ def save(
     check_output(out, overwrite)
     cfg = model.cfg
     target = "a timm state dict"
-    require(cfg.resnet_layers is None, target, "hybrid stems use timm's ResNetV2 with different StdConv eps")
-    require(not cfg.representation_size, target, "current timm ViTs have no pre-logits layer")
+    _check_representable(cfg, target)
     cfg, state = with_learned_posemb(cfg, export_state(model))
-    arrays = from_state_dict(key_map(cfg), state)
+    arrays = from_state_dict(key_map(cfg, no_embed_class=_no_embed_class(cfg)), _fold_slots(cfg, state))
     tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
     if out.suffix == ".safetensors":
         from safetensors.torch import save_file
@@ -411,8 +643,9 @@ def save(
         require(
             _recoverable_from_shapes(cfg),
             f"{out.name}",
-            f"a bare .pth cannot record heads={cfg.num_heads}, gelu={cfg.gelu}, eps={cfg.layer_norm_eps} or a "
-            "non-square grid; write a .safetensors file or a folder (both carry timm's config)",
+            f"a bare .pth cannot record heads={cfg.num_heads}, gelu={cfg.gelu}, eps={cfg.layer_norm_eps}, a "
+            "non-square grid or the newer families' options; write a .safetensors file or a folder (both carry "
+            "timm's config)",
         )
         return write_file_atomic(out, lambda tmp: torch.save(tensors, tmp))
     files = {"config.json": json.dumps(timm_config(cfg, meta), indent=2) + "\n"}
