@@ -442,12 +442,14 @@ def preprocess_from(sidecar: Mapping[str, Any] | None, image_size: tuple[int, in
     """timm's pretrained_cfg as a Preprocess; timm's ViT defaults (0.9 centre crop, bicubic) without one."""
     pc: dict[str, Any] = dict((sidecar or {}).get("pretrained_cfg") or {})
     size = pc.get("input_size", [3, *image_size])
+    crop_pct = float(pc.get("crop_pct", 0.9))
+    squash = pc.get("crop_mode") == "squash"  # timm's squash: each side to size / crop_pct, then the centre crop
     return Preprocess(
         image_size=(int(size[1]), int(size[2])),
         mean=tuple(pc.get("mean", INCEPTION_MEAN)),
         std=tuple(pc.get("std", INCEPTION_STD)),
-        resize="squash" if pc.get("crop_mode") == "squash" else "crop",
-        crop_pct=float(pc.get("crop_pct", 0.9)),
+        resize=("squash" if crop_pct == 1.0 else "squash_crop") if squash else "crop",
+        crop_pct=crop_pct,
         interpolation=str(pc.get("interpolation", "bicubic")),
     )
 
@@ -542,8 +544,8 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
             "interpolation": pre.interpolation,
             "mean": list(pre.mean),
             "std": list(pre.std),
-            "crop_pct": pre.crop_pct if pre.resize == "crop" else 1.0,
-            "crop_mode": "center" if pre.resize == "crop" else "squash",
+            "crop_pct": 1.0 if pre.resize == "squash" else pre.crop_pct,
+            "crop_mode": "squash" if pre.resize in ("squash", "squash_crop") else "center",  # "shortest": center
             "num_classes": num_classes,
         },
     }
