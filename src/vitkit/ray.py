@@ -148,6 +148,12 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     source, spec = job.source, dataclasses.replace(job.engine, built=None)  # each actor builds its own
     assert isinstance(source, ImageSource)
     transform = EvalTransform(spec.preprocess, reference=spec.full_decode, uint8=feeds_gpu(spec.device, spec.backend))
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if options.actors * options.cpus_per_actor >= cpus:
+        raise ConfigError(
+            f"--actors {options.actors}: {options.actors} x {options.cpus_per_actor:g} CPU of the cluster's {cpus:g} "
+            "would leave none to decode on (fewer actors, or a larger cluster)"
+        )
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False  # the job's own bar
@@ -156,12 +162,13 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     chunks = [np.asarray(todo[s : s + b], dtype=np.int64).tobytes() for s in range(0, len(todo), b)]
     steps = ray.data.from_items([{"step": k, "positions": c} for k, c in enumerate(chunks)],
                                 override_num_blocks=max(1, len(chunks)))  # fmt: skip
-    decoded = steps.map_batches(Decode(source, transform), batch_size=1, num_cpus=1, max_retries=options.retries,
-                                retry_exceptions=True)  # fmt: skip
+    retries = {"max_retries": options.retries, "retry_exceptions": True}  # a task that raises runs again
+    decoded = steps.map_batches(Decode(source, transform), batch_size=1, num_cpus=1,
+                                ray_remote_args_fn=lambda: retries)  # fmt: skip
     calibration = lambda: calibration_sample(source, transform)  # noqa: E731
     kwargs = {"spec": spec, "task": task, "batch_size": b, "threads": options.threads, "calibration": calibration}
     return decoded.map_batches(
-        EngineActor, batch_size=1, fn_constructor_kwargs=kwargs, concurrency=options.actors,
+        EngineActor, batch_size=1, fn_constructor_kwargs=kwargs, compute=ray.data.ActorPoolStrategy(size=options.actors),
         num_cpus=options.cpus_per_actor, num_gpus=options.gpus_per_actor or None,
     )  # fmt: skip
 

@@ -62,7 +62,7 @@ def test_embed_on_ray_writes_the_local_jobs_rows(
     local, on_ray = tmp_path / "local.parquet", tmp_path / "ray.parquet"
     code, _, err = run_cli(capsys, *common, "--workers", "1", "--out", str(local))
     assert code == 0, err
-    code, _, err = run_cli(capsys, *common, "--out", str(on_ray), "--ray", "--actors", "2")
+    code, _, err = run_cli(capsys, *common, "--out", str(on_ray), "--ray", "--actors", "1")
     assert code == 0, err
     assert "note: 4 of 64 image(s) failed" in err
     a, b = read_embeddings(local), read_embeddings(on_ray)
@@ -96,6 +96,14 @@ def test_predict_on_ray_writes_the_local_jobs_rows(
     assert Path(f"{local}.vitkit.json").read_text() == Path(f"{on_ray}.vitkit.json").read_text()
 
 
+def test_actors_that_leave_no_cpu_to_decode_on_are_one_line(
+    capsys: pytest.CaptureFixture[str], cluster: None, ckpt: Path, images: Path, tmp_path: Path
+) -> None:
+    argv = ["embed", str(ckpt), str(images), "--out", str(tmp_path / "o.npy"), "--ray", "--actors", "2"]
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and "would leave none to decode on" in err and "Traceback" not in err
+
+
 def test_without_skip_bad_the_first_bad_image_stops_the_job_as_locally(
     capsys: pytest.CaptureFixture[str], cluster: None, ckpt: Path, images: Path, tmp_path: Path
 ) -> None:
@@ -120,7 +128,8 @@ def test_a_decoding_task_that_raises_is_retried(cluster: None, ckpt: Path, image
     loaded = load_checkpoint(ckpt)
     source = flaky_source(list_inputs([images], skip_bad=True), tmp_path / "tries")
     opts = EmbedOptions(batch_size=16, precision="fp32", skip_bad=True, progress=False)
-    embed_job(loaded, source, opts, tmp_path / "flaky.npy", ray=RayOptions(retries=2))
+    on_ray = RayOptions(retries=2, actors=2, cpus_per_actor=0.5)  # two actors on the two CPUs, one to decode
+    embed_job(loaded, source, opts, tmp_path / "flaky.npy", ray=on_ray)
     embed_job(loaded, FileSource(source.paths), opts, tmp_path / "plain.npy")
     assert len(list((tmp_path / "tries").iterdir())) == 4  # one failed try per batch of 16
     a, b = read_embeddings(tmp_path / "flaky.npy"), read_embeddings(tmp_path / "plain.npy")
