@@ -168,7 +168,8 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     calibration = lambda: calibration_sample(source, transform)  # noqa: E731
     kwargs = {"spec": spec, "task": task, "batch_size": b, "threads": options.threads, "calibration": calibration}
     return decoded.map_batches(
-        EngineActor, batch_size=1, fn_constructor_kwargs=kwargs, compute=ray.data.ActorPoolStrategy(size=options.actors),
+        EngineActor, batch_size=1, fn_constructor_kwargs=kwargs,
+        compute=ray.data.ActorPoolStrategy(size=options.actors),
         num_cpus=options.cpus_per_actor, num_gpus=options.gpus_per_actor or None,
     )  # fmt: skip
 
