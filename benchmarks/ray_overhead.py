@@ -27,7 +27,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import ray
-
     import vitkit
     from vitkit.checkpoints import load_checkpoint
     from vitkit.checkpoints.preprocess import Preprocess
