@@ -2,9 +2,10 @@
 (issue 45's overhead goal): ``vitkit embed`` of the same JPEGs with a random S/16 at 224 px, ``--precision auto``,
 locally (the default decoding workers) and with ``--ray`` on a local cluster of ``--cpus`` CPUs (one model
 actor holding one of them, decoding tasks the rest). The cluster is started before the clock; the Ray time
-includes its actor starting and building the engine, as the local time includes building it.
+includes its actor starting and building the engine, as the local time includes building it. (Not a table of
+BENCHMARKS.md, which is at its length limit; the numbers are in docs/ray.md.)
 
-    python benchmarks/ray_overhead.py --images 512 --cpus 2
+    python tools/ray_overhead.py --images 512 --cpus 2
 """
 
 from __future__ import annotations
