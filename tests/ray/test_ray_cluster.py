@@ -1,6 +1,7 @@
 """``vitkit embed --ray`` on a simulated two-node cluster (``ray.cluster_utils.Cluster``, one CPU a node: the
 model actor on one node, the decoding tasks on the other) writes the local job's file."""
 
+# ruff: noqa: F811  (the fixtures imported from test_ray_jobs are parameters of the test)
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ def test_embed_on_two_nodes_writes_the_local_jobs_file(
     two_nodes: None,
     ckpt: Path,
     images: Path,
-    tmp_path: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     from vitkit.outputs.arrays import read_embeddings
 
