@@ -163,6 +163,42 @@ def add_workers_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+LOCAL_RAY = "local"  # --ray without an address: a Ray cluster on this machine, for the job
+
+
+def ray_address(text: str) -> str:
+    """``--ray ADDRESS``: ``auto``, ``host:port`` or ``ray://host:port`` (a word like an image path is not one:
+    ``--ray`` took the argument after it)."""
+    if text in ("auto", LOCAL_RAY) or ":" in text:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is not a Ray address (auto, HOST:PORT or ray://HOST:PORT); give --ray alone after the images"
+    )
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Ray (pip install 'vitkit[ray]'; docs/ray.md)")
+    g.add_argument(
+        "--ray", nargs="?", const=LOCAL_RAY, type=ray_address, metavar="ADDRESS",
+        help="run the job on a Ray cluster: decoding as Ray tasks, the model in a pool of actors, the same output "
+        "written here (ADDRESS: auto for the running cluster, HOST:PORT or ray://HOST:PORT; none: a local cluster)",
+    )  # fmt: skip
+    g.add_argument("--actors", type=positive_int, default=1, help="with --ray: model actors (default 1)")
+    g.add_argument(
+        "--gpus-per-actor", type=float, default=0.0, help="with --ray: GPUs each model actor holds (default 0)"
+    )
+
+
+def ray_options(args: argparse.Namespace) -> Any:
+    """The :class:`vitkit.ray.RayOptions` of ``--ray`` (None without it)."""
+    if args.ray is None:
+        return None
+    from vitkit.ray import RayOptions
+
+    address = None if args.ray == LOCAL_RAY else args.ray
+    return RayOptions(address=address, actors=args.actors, gpus_per_actor=args.gpus_per_actor)
+
+
 def add_decode_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--decode",

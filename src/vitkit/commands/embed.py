@@ -11,11 +11,13 @@ from vitkit.commands.args import (
     IntermixedParser,
     add_decode_arg,
     add_engine_args,
+    add_ray_args,
     add_workers_arg,
     check_out_of_inputs,
     join_processes,
     leave_processes,
     positive_int,
+    ray_options,
     report_engine,
     resolve_workers,
 )
@@ -75,6 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p, backend=False)
     add_workers_arg(p)
     add_decode_arg(p)
+    add_ray_args(p)
     p.add_argument(
         "--skip-bad", action="store_true", help="a bad image: a row of NaN marked failed, counted at the end"
     )
@@ -111,7 +114,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     summary = embed_job(
         loaded, source, opts, args.out, resume=args.resume, overwrite=args.overwrite, on_engine=report_engine,
-        dist=info,
+        dist=info, ray=ray_options(args),
     )  # fmt: skip
     leave_processes(info)
     if info.is_main:

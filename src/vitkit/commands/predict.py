@@ -11,11 +11,13 @@ from vitkit.commands.args import (
     IntermixedParser,
     add_decode_arg,
     add_engine_args,
+    add_ray_args,
     add_workers_arg,
     check_out_of_inputs,
     join_processes,
     leave_processes,
     positive_int,
+    ray_options,
     report_engine,
     resolve_workers,
 )
@@ -56,6 +58,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     add_workers_arg(p)
     add_decode_arg(p)
+    add_ray_args(p)
     p.add_argument("--skip-bad", action="store_true", help="a bad image: a row marked failed, counted at the end")
     p.add_argument("--out", metavar="FILE", help="write rows to FILE: .jsonl, .csv or .parquet (pip install pyarrow)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run that --out holds")
@@ -107,7 +110,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     summary = predict_job(
         loaded, source, opts, out=args.out, resume=args.resume, overwrite=args.overwrite, as_json=args.json,
-        echo=echo, on_engine=report_engine, dist=info,
+        echo=echo, on_engine=report_engine, dist=info, ray=ray_options(args),
     )  # fmt: skip
     leave_processes(info)
     if not info.is_main:

@@ -292,14 +292,18 @@ class Collect:
         return join(self.parts)
 
 
-def run_job(job: Job, task: Task, sink: Sink | None) -> JobSummary:
+Steps = Callable[[Job, Task, JobSummary], Iterator[tuple[list[str], list[str | None], dict[str, Any]]]]
+
+
+def run_job(job: Job, task: Task, sink: Sink | None, steps: Steps | None = None) -> JobSummary:
     """Run ``task`` over every batch of ``job`` into ``sink``: the one loop of every batch job.
 
     Rows already in ``sink`` (``sink.ids``) are checked against the input (:func:`check_resume`) and skipped.
     Under ``torchrun`` the positions still to do are dealt out by :func:`vitkit.distributed.shard_steps` and
     process 0 (the only one with a ``sink``) writes every step's rows in input order. ``task(engine, batch)``
     gives the batch's columns, one value per item (failed items included, with ``skip_bad``). Returns the
-    :class:`JobSummary` (on process 0, of the whole job)."""
+    :class:`JobSummary` (on process 0, of the whole job). ``steps``: what runs the batches, in place of
+    :func:`job_steps` (:func:`vitkit.ray.ray_steps`: the same job on a Ray cluster)."""
     info = job.info
     summary = JobSummary(total=-1)
     if isinstance(job.source, ImageSource):
@@ -322,7 +326,7 @@ def run_job(job: Job, task: Task, sink: Sink | None) -> JobSummary:
         if summary.resumed == summary.total:
             return summary
     start = time.perf_counter()
-    for ids, errors, columns in job_steps(job, task, summary):
+    for ids, errors, columns in (steps or job_steps)(job, task, summary):
         assert sink is not None
         sink.write(columns)
         summary.written += len(ids)
@@ -335,6 +339,16 @@ def run_job(job: Job, task: Task, sink: Sink | None) -> JobSummary:
         summary.total = summary.written
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def ray_runner(options: Any) -> Steps | None:
+    """The steps of a job on Ray with ``options`` (a :class:`vitkit.ray.RayOptions`; None: the local
+    :func:`job_steps`). Ray and :mod:`vitkit.ray` are imported only then."""
+    if options is None:
+        return None
+    from vitkit.ray import ray_steps
+
+    return lambda job, task, summary: ray_steps(job, task, summary, options=options)
 
 
 def job_steps(
