@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "bench": 6,
     "search": 5,  # similarity search over embeddings (reads outputs, runs the embed job)
     "serve": 6,
+    "ray": 6,  # batch jobs on a Ray cluster: the inference jobs' steps as Ray tasks and actors (vitkit[ray])
     "": 7,  # the package itself: vitkit/__init__.py, the public API
     "commands": 8,
     "cli": 8,

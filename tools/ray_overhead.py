@@ -34,7 +34,7 @@ def main() -> None:
     from vitkit.data.stream import FileSource
     from vitkit.inference.embed import EmbedOptions, embed_job
     from vitkit.models import create_model
-    from vitkit.ray import RayOptions
+    from vitkit.ray import RayOptions, steps
 
     root = Path(tempfile.mkdtemp(prefix="vitkit-ray-bench-"))
     rng = np.random.default_rng(0)
@@ -52,7 +52,7 @@ def main() -> None:
         for name, on_ray in (("local", None), ("ray", RayOptions(actors=1))):
             out = root / f"{name}{r}.npy"
             start = time.perf_counter()
-            summary = embed_job(loaded, FileSource(paths), opts, out, ray=on_ray)
+            summary = embed_job(loaded, FileSource(paths), opts, out, steps=None if on_ray is None else steps(on_ray))
             wall = time.perf_counter() - start
             print(f"round {r} {name:5s}: {args.images / wall:7.1f} img/s ({wall:.1f} s; engine {summary.engine})",
                   flush=True)  # fmt: skip

@@ -35,7 +35,16 @@ from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import cpu_count
-from vitkit.inference.jobs import EngineSpec, Job, JobSummary, Task, calibration_sample, check_batch_fits, feeds_gpu
+from vitkit.inference.jobs import (
+    EngineSpec,
+    Job,
+    JobSummary,
+    Steps,
+    Task,
+    calibration_sample,
+    check_batch_fits,
+    feeds_gpu,
+)
 
 Step = tuple[list[str], list[str | None], dict[str, Any]]  # a batch's ids, errors and columns
 
@@ -207,3 +216,10 @@ def ray_steps(job: Job, task: Task, summary: JobSummary, *, options: RayOptions)
                 raise DataError(bad)
             bar.update(len(ids))
             yield ids, errors, columns
+
+
+def steps(options: RayOptions) -> Steps:
+    """What runs a batch job's steps on Ray with ``options``: pass it as ``steps=`` to
+    :func:`vitkit.inference.embed.embed_job` or :func:`vitkit.inference.predict.predict_job` (their local loop is
+    :func:`~vitkit.inference.jobs.job_steps`)."""
+    return lambda job, task, summary: ray_steps(job, task, summary, options=options)

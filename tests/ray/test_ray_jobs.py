@@ -119,6 +119,7 @@ def test_without_skip_bad_the_first_bad_image_stops_the_job_as_locally(
 def test_a_decoding_task_that_raises_is_retried(cluster: None, ckpt: Path, images: Path, tmp_path: Path) -> None:
     """The first try of every decoding task raises (an OSError, as a network file system gives); Ray runs it again
     and the job's rows are those of a run without faults."""
+    from vitkit import ray as vitkit_ray
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import FileSource, list_inputs
     from vitkit.inference.embed import EmbedOptions, embed_job
@@ -129,7 +130,7 @@ def test_a_decoding_task_that_raises_is_retried(cluster: None, ckpt: Path, image
     source = flaky_source(list_inputs([images], skip_bad=True), tmp_path / "tries")
     opts = EmbedOptions(batch_size=16, precision="fp32", skip_bad=True, progress=False)
     on_ray = RayOptions(retries=2, actors=2, cpus_per_actor=0.5)  # two actors on the two CPUs, one to decode
-    embed_job(loaded, source, opts, tmp_path / "flaky.npy", ray=on_ray)
+    embed_job(loaded, source, opts, tmp_path / "flaky.npy", steps=vitkit_ray.steps(on_ray))
     embed_job(loaded, FileSource(source.paths), opts, tmp_path / "plain.npy")
     assert len(list((tmp_path / "tries").iterdir())) == 4  # one failed try per batch of 16
     a, b = read_embeddings(tmp_path / "flaky.npy"), read_embeddings(tmp_path / "plain.npy")

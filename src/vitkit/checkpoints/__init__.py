@@ -29,7 +29,7 @@ import torch
 
 from vitkit.checkpoints import (
     big_vision,
-    hf,
+    hf_folder,
     lora_format,
     npz_files,
     official,
@@ -150,7 +150,12 @@ FORMATS: dict[str, Format] = {
         _check_file_output,
     ),
     "hf": Format(
-        "hf", "Hugging Face transformers ViT folder", hf.looks_like, hf.load, hf.save, torch_files.check_folder_output
+        "hf",
+        "Hugging Face transformers folder (ViT, DINOv2, DeiT, CLIP, SigLIP)",
+        hf_folder.looks_like,
+        hf_folder.load,
+        hf_folder.save,
+        torch_files.check_folder_output,
     ),
     "timm": Format(
         "timm",

@@ -22,7 +22,7 @@ layer_norm_eps (HF's default is 1e-12, not 1e-6), qkv_bias, image_size, patch_si
 
 Other transformers model types are read and written by their own modules, registered in :func:`families`
 by ``model_type`` (``hf_dino``: dinov2, dinov2_with_registers, deit; ``hf_clip``: clip_vision_model, clip,
-siglip_vision_model, siglip); this module dispatches on config.json.
+siglip_vision_model, siglip); :mod:`vitkit.checkpoints.hf_folder` dispatches on config.json.
 """
 
 from __future__ import annotations
@@ -69,13 +69,6 @@ class Family:
     load: Callable[[Path, Mapping[str, Any]], Checkpoint]
     save: Callable[[VisionTransformer, Path, CheckpointMeta | None, bool], Path]
     claims: Callable[[ViTConfig], bool]
-
-
-def families() -> dict[str, Family]:
-    """model_type -> its :class:`Family` (imported here: the families' modules build on this one)."""
-    from vitkit.checkpoints import hf_clip, hf_dino
-
-    return {**hf_dino.FAMILIES, **hf_clip.FAMILIES}
 
 
 def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
@@ -130,7 +123,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def looks_like(path: Path) -> bool:
-    """A folder whose config.json says ``model_type: vit`` (or one of :func:`families`)."""
+    """A folder whose config.json says ``model_type: vit``."""
     cfg = path / CONFIG
     if not (path.is_dir() and cfg.is_file()):
         return False
@@ -138,8 +131,7 @@ def looks_like(path: Path) -> bool:
         doc = json.loads(cfg.read_text())
     except (OSError, ValueError):
         return False
-    model_type = doc.get("model_type") if isinstance(doc, dict) else None
-    return isinstance(model_type, str) and (model_type == "vit" or model_type in families())
+    return isinstance(doc, dict) and doc.get("model_type") == "vit"
 
 
 def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
@@ -231,14 +223,6 @@ def _style(weights: Mapping[str, Any], prefix: str, source: str) -> str:
 def load(path: Path) -> Checkpoint:
     """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
     doc = _read_json(path / CONFIG)
-    model_type = doc.get("model_type", "vit")
-    if model_type != "vit":
-        known = families()
-        if not isinstance(model_type, str) or model_type not in known:
-            raise CheckpointError(
-                f"{path / CONFIG}: model_type {model_type!r} is not supported (known: vit, {', '.join(known)})"
-            )
-        return known[model_type].load(path, doc)
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
     try:
@@ -351,13 +335,10 @@ def save(
     ``num_classes > 0``: ``ViTForImageClassification`` (no pre-logits layer allowed: HF's classifier has none).
     ``num_classes == 0``: ``ViTModel``; a pre-logits layer becomes its pooler, otherwise load it with
     ``ViTModel.from_pretrained(..., add_pooling_layer=False)``. The preprocessing is written when it is a
-    plain resize (HF's ViTImageProcessor cannot centre-crop). A model that one of :func:`families` claims
-    (layer scale, registers, distillation, ...) is written by that family instead.
+    plain resize (HF's ViTImageProcessor cannot centre-crop). The other families' models are written by
+    their own modules (:func:`vitkit.checkpoints.hf_folder.save` chooses).
     """
     torch_files.check_folder_output(Path(path), overwrite)
-    family = next((f for f in families().values() if f.claims(model.cfg)), None)
-    if family is not None:
-        return family.save(model, Path(path), meta, overwrite)
     why = unrepresentable(model.cfg)
     require(why is None, "a transformers ViT folder", why or "")
     cfg, tensors = transformers_state(model, "vit." if model.cfg.num_classes > 0 else "", "hub")

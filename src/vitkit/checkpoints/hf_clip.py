@@ -402,5 +402,5 @@ def _save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, ove
     return save(model, path, meta, overwrite=overwrite)
 
 
-# config.json's model_type -> this module's reader and writer (:func:`vitkit.checkpoints.hf.families`)
+# config.json's model_type -> this module's reader and writer (:func:`vitkit.checkpoints.hf_folder.families`)
 FAMILIES = {t: Family(load, _save, claims) for t in ("clip_vision_model", "clip", "siglip_vision_model", "siglip")}

@@ -189,14 +189,14 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def ray_options(args: argparse.Namespace) -> Any:
-    """The :class:`vitkit.ray.RayOptions` of ``--ray`` (None without it)."""
+def ray_steps(args: argparse.Namespace) -> Any:
+    """What runs a batch job's steps with ``--ray`` (:func:`vitkit.ray.steps`); None without it: the local loop."""
     if args.ray is None:
         return None
-    from vitkit.ray import RayOptions
+    from vitkit.ray import RayOptions, steps
 
     address = None if args.ray == LOCAL_RAY else args.ray
-    return RayOptions(address=address, actors=args.actors, gpus_per_actor=args.gpus_per_actor)
+    return steps(RayOptions(address=address, actors=args.actors, gpus_per_actor=args.gpus_per_actor))
 
 
 def add_decode_arg(p: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ from vitkit.commands.args import (
     join_processes,
     leave_processes,
     positive_int,
-    ray_options,
+    ray_steps,
     report_engine,
     resolve_workers,
 )
@@ -114,7 +114,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
     opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     summary = embed_job(
         loaded, source, opts, args.out, resume=args.resume, overwrite=args.overwrite, on_engine=report_engine,
-        dist=info, ray=ray_options(args),
+        dist=info, steps=ray_steps(args),
     )  # fmt: skip
     leave_processes(info)
     if info.is_main:

@@ -17,7 +17,7 @@ from vitkit.commands.args import (
     join_processes,
     leave_processes,
     positive_int,
-    ray_options,
+    ray_steps,
     report_engine,
     resolve_workers,
 )
@@ -110,7 +110,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
     summary = predict_job(
         loaded, source, opts, out=args.out, resume=args.resume, overwrite=args.overwrite, as_json=args.json,
-        echo=echo, on_engine=report_engine, dist=info, ray=ray_options(args),
+        echo=echo, on_engine=report_engine, dist=info, steps=ray_steps(args),
     )  # fmt: skip
     leave_processes(info)
     if not info.is_main:

@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,12 +32,9 @@ from vitkit.data.stream import DatasetSource, ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import POOLS, InferenceEngine
-from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, image_source, ray_runner, run_job
+from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, Steps, image_source, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
-
-if TYPE_CHECKING:
-    from vitkit.ray import RayOptions
 
 
 @dataclass(frozen=True)
@@ -128,13 +125,13 @@ def embed_job(
     overwrite: bool = False,
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
-    ray: RayOptions | None = None,
+    steps: Steps | None = None,
 ) -> JobSummary:
     """``vitkit embed``: every image of ``source`` through the engine, its vector (:func:`embedding_vectors`)
     written to ``out`` batch by batch (:class:`~vitkit.outputs.arrays.EmbeddingWriter`; ``resume`` continues
     an interrupted run, ``overwrite`` starts it again). ``dist``: the processes of a ``torchrun`` job, each
-    embedding its share of the images, process 0 writing them in input order. ``ray``: the same job on a Ray
-    cluster (:mod:`vitkit.ray`), the same file written."""
+    embedding its share of the images, process 0 writing them in input order. ``steps``: what runs the batches
+    (:func:`vitkit.ray.steps`: the same job on a Ray cluster, the same file written)."""
     info = dist or DistInfo()
     cfg = loaded.model.cfg
     opts.check(cfg.depth, bool(cfg.class_token))
@@ -147,7 +144,7 @@ def embed_job(
               workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad, decode=opts.decode,
               progress=opts.progress, desc="embed", where=f"--out {out}", on_engine=on_engine, dist=info)  # fmt: skip
     try:
-        summary = run_job(job, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink, ray_runner(ray))
+        summary = run_job(job, lambda engine, batch: embed_columns(engine, batch, opts, shape), sink, steps)
         if sink is not None:  # on an error the chunks written so far stay, for --resume
             sink.close()
     finally:

@@ -303,7 +303,7 @@ def run_job(job: Job, task: Task, sink: Sink | None, steps: Steps | None = None)
     process 0 (the only one with a ``sink``) writes every step's rows in input order. ``task(engine, batch)``
     gives the batch's columns, one value per item (failed items included, with ``skip_bad``). Returns the
     :class:`JobSummary` (on process 0, of the whole job). ``steps``: what runs the batches, in place of
-    :func:`job_steps` (:func:`vitkit.ray.ray_steps`: the same job on a Ray cluster)."""
+    :func:`job_steps` (:func:`vitkit.ray.steps`: the same job on a Ray cluster)."""
     info = job.info
     summary = JobSummary(total=-1)
     if isinstance(job.source, ImageSource):
@@ -339,16 +339,6 @@ def run_job(job: Job, task: Task, sink: Sink | None, steps: Steps | None = None)
         summary.total = summary.written
     summary.seconds = time.perf_counter() - start
     return summary
-
-
-def ray_runner(options: Any) -> Steps | None:
-    """The steps of a job on Ray with ``options`` (a :class:`vitkit.ray.RayOptions`; None: the local
-    :func:`job_steps`). Ray and :mod:`vitkit.ray` are imported only then."""
-    if options is None:
-        return None
-    from vitkit.ray import ray_steps
-
-    return lambda job, task, summary: ray_steps(job, task, summary, options=options)
 
 
 def job_steps(

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -24,12 +24,9 @@ from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.jobs import EngineSpec, Job, JobSummary, image_source, job_steps, ray_runner, run_job
+from vitkit.inference.jobs import EngineSpec, Job, JobSummary, Steps, image_source, job_steps, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.rows import ColumnsError, Field, open_rows
-
-if TYPE_CHECKING:
-    from vitkit.ray import RayOptions
 
 ImageInput = str | os.PathLike[str] | Image.Image
 
@@ -245,14 +242,14 @@ def predict_job(
     echo: Callable[[str], None] = print,
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
-    ray: RayOptions | None = None,
+    steps: Steps | None = None,
 ) -> JobSummary:
     """``vitkit predict``: every image of ``source`` through the engine, the rows (:func:`prediction_fields`)
     written to ``out`` (.jsonl, .csv or .parquet, per batch; ``resume`` continues it, ``overwrite`` starts it
     again) or printed (:class:`ConsoleRows`). OpenVINO's int8 is calibrated on up to 300 of the input's own
     images. ``dist``: the processes of a ``torchrun`` job, each predicting its share of the images, process 0
-    writing every row in input order (:func:`~vitkit.inference.jobs.run_job`). ``ray``: the same job on a Ray
-    cluster (:mod:`vitkit.ray`), the same rows written."""
+    writing every row in input order (:func:`~vitkit.inference.jobs.run_job`). ``steps``: what runs the batches
+    (:func:`vitkit.ray.steps`: the same job on a Ray cluster, the same rows written)."""
     info = dist or DistInfo()
     if loaded.model.cfg.num_classes <= 0:
         raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
@@ -273,7 +270,7 @@ def predict_job(
         return prediction_columns(engine, batch, opts.top_k, logits=opts.logits, errors=True)  # the sink picks
 
     try:
-        return run_job(job, rows, sink, ray_runner(ray))
+        return run_job(job, rows, sink, steps)
     finally:
         close = getattr(sink, "close", None)
         if close is not None:
