@@ -5,6 +5,7 @@ status 2, and leaves every file as it was."""
 
 from __future__ import annotations
 
+import csv
 import json
 import multiprocessing
 import os
@@ -183,7 +184,23 @@ def test_resume_refuses_a_damaged_row_in_the_middle(
     out.write_bytes(whole[:-7])  # the last row cut mid-write
     code, err = predict(capsys, ckpts[0], str(images), "--out", str(out), "--batch-size", "1", "--resume")
     assert code == 0 and "wrote 6 rows" in err and "(5 were there already)" in err, err
-    assert out.read_bytes() == whole
+    assert out.read_bytes()[: len(whole) - len(lines[-1])] == whole[: -len(lines[-1])]  # the 5 rows untouched
+    # the last row written again: the same row, its probabilities to fp32 rounding (on a loaded machine the fast
+    # path's kernel race, which idle cores skip for a model this small, may pick another kernel for the rerun)
+    assert _fields(out.read_text().splitlines()[-1], suffix) == pytest.approx(_fields(lines[-1].decode(), suffix))
+
+
+def _fields(line: str, suffix: str) -> list[Any]:
+    """A written row's values: strings as they are, numbers as floats."""
+    values = list(json.loads(line).values()) if suffix == ".jsonl" else next(csv.reader([line]))
+    flat: list[Any] = []
+    for v in values:
+        for x in v if isinstance(v, list) else [v]:
+            try:
+                flat.append(float(x))
+            except (TypeError, ValueError):
+                flat.append(x)
+    return flat
 
 
 def test_a_foreign_parquet_file_is_neither_resumed_nor_overwritten(
