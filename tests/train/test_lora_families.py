@@ -17,7 +17,7 @@ from helpers import randomize_, rel_err
 from vitkit import load_checkpoint
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.configs import finetune_config
-from vitkit.models.lora import LoraLinear, LoraSpec, add_lora, adapted_layers
+from vitkit.models.lora import LoraLinear, LoraSpec, adapted_layers, add_lora
 from vitkit.train import train
 from vitkit.train.state import list_states, read_state
 
