@@ -89,7 +89,7 @@ def attention_analysis(
     attention maps of the first ``opts.max_overlays`` images, upsampled to the input size."""
     layer, heads = _check_layer_head(model, opts)
     model = model.eval().to(device)
-    prefix, stride = model.cfg.num_prefix_tokens, model.cfg.stride
+    prefix, stride, cls = model.cfg.num_prefix_tokens, model.cfg.stride, bool(model.cfg.class_token)
     dist_sum: torch.Tensor | None = None
     count = 0
     rollouts: list[torch.Tensor] = []
@@ -110,8 +110,8 @@ def attention_analysis(
         if keep:
             size = (x.shape[-2], x.shape[-1])
             sel = [a[:keep] for a in attns]
-            rollouts.append(upsample_maps(rollout_maps(sel, grid, prefix), size).cpu())
-            raw = attention_maps(sel[layer][:, heads], grid, prefix)  # (n, heads, gh, gw)
+            rollouts.append(upsample_maps(rollout_maps(sel, grid, prefix, cls), size).cpu())
+            raw = attention_maps(sel[layer][:, heads], grid, prefix, cls)  # (n, heads, gh, gw)
             layer_maps.append(upsample_maps(raw, size).cpu())
     if dist_sum is None:
         raise ConfigError("no images to analyse attention on")
@@ -191,11 +191,15 @@ def analyze(
     except NotApplicable as e:
         summary["patch_embedding_pca"] = {"skipped": str(e)}
 
-    pe, grid = position_embeddings(model)
-    sim = position_similarity(pe, grid)
-    kind = "learned" if cfg.pos_embed == "learned" else "fixed 2-D sin-cos"
-    fig = plots.plot_position_similarity(sim, out / "position_embedding_similarity.png", f"Position embedding ({kind})")
-    summary["position_embedding"] = {"figure": fig.name, "kind": cfg.pos_embed, **similarity_summary(sim)}
+    try:
+        pe, grid = position_embeddings(model)
+        sim = position_similarity(pe, grid)
+        kind = "learned" if cfg.pos_embed == "learned" else "fixed 2-D sin-cos"
+        name = out / "position_embedding_similarity.png"
+        fig = plots.plot_position_similarity(sim, name, f"Position embedding ({kind})")
+        summary["position_embedding"] = {"figure": fig.name, "kind": cfg.pos_embed, **similarity_summary(sim)}
+    except NotApplicable as e:
+        summary["position_embedding"] = {"skipped": str(e)}
 
     if not images:
         summary["attention"] = {"skipped": "no images given"}
@@ -233,7 +237,7 @@ def _attention_figures(
     dist_fig = plots.plot_attention_distance(
         res.mean_distance, out / "attention_distance.png", f"Mean attention distance ({res.num_images} images)", uniform
     )
-    query = "class token" if model.cfg.num_prefix_tokens else "mean over tokens"
+    query = "class token" if model.cfg.class_token else "mean over patch tokens"
     roll_fig = plots.plot_rollout(shown, res.rollout, list(names[:n]), out / "attention_rollout.png", query)
     m = min(n, MAX_HEAD_MAP_ROWS)  # one panel per head and image: keep the figure a readable size
     maps_fig = plots.plot_attention_maps(
@@ -245,6 +249,7 @@ def _attention_figures(
             "num_images": res.num_images,
             "units": "pixels of the model input",
             "class_token": "excluded (patch queries and patch keys only)",
+            "prefix_tokens_excluded": model.cfg.num_prefix_tokens,
             "renormalized_over_patches": opts.renormalize,
             "uniform_attention_reference": round(uniform, 4),
             "per_layer_head": res.mean_distance.round(4).tolist(),
@@ -253,7 +258,7 @@ def _attention_figures(
         "attention_rollout": {
             "figure": roll_fig.name,
             "images": list(names[:n]),
-            "source": "class-token row" if model.cfg.num_prefix_tokens else "mean over tokens (GAP model)",
+            "source": "class-token row" if model.cfg.class_token else "mean over patch-token rows (no class token)",
         },
         "attention_maps": {
             "images": list(names[:m]),

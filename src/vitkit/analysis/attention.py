@@ -1,24 +1,30 @@
 """What the attention of a ViT looks at: mean attention distance, attention rollout, raw attention maps.
 
 All functions take the attention probabilities of ``VisionTransformer.forward_intermediates`` (one
-(B, h, T, T) tensor per layer; rows are queries, columns keys; the first ``num_prefix`` tokens are the class
-token when there is one, then the patch grid in row-major order) and work batched on any device.
+(B, h, T, T) tensor per layer; rows are queries, columns keys; the first ``num_prefix`` tokens are the prefix
+tokens, ``[class, distillation, registers...]`` as far as the model has them, then the patch grid in row-major
+order) and work batched on any device.
 
 Conventions (also in the README and the ``analyze`` JSON):
 
 - **Mean attention distance** (paper fig. 7 right, fig. 11): for every head, the attention-weighted
   Euclidean distance in pixels between the centres of the query patch and the key patches, averaged over
   query patches and images. Pixel distance = patch-grid distance x the model's patch stride. Only patch
-  tokens count: the class token has no position, so it is dropped as a query and as a key, and each query's
-  weights over the patch keys are renormalised to sum to 1 (``renormalize=True``), which makes the value a
-  true weighted mean distance whatever mass went to the class token. With ``renormalize=False`` the mass on
-  the class token counts as distance 0 (some community plots do this; the value is then smaller).
+  tokens count: the prefix tokens (class, distillation, registers) have no position, so they are dropped as
+  queries and as keys, and each query's weights over the patch keys are renormalised to sum to 1
+  (``renormalize=True``), which makes the value a true weighted mean distance whatever mass went to the prefix
+  tokens (registers draw much of it). With ``renormalize=False`` the mass on the prefix tokens counts as
+  distance 0 (some community plots do this; the value is then smaller).
 - **Attention rollout** (Abnar & Zuidema 2020, paper fig. 6/14): per layer, average the heads, add the
   identity for the residual connection, renormalise the rows to sum to 1, and multiply through the layers
-  (R = A_L ... A_1). The map of an image is the class token's row of R over the patch tokens; a GAP model has
-  no class token and pools the mean of all tokens, so its map is the mean of all rows of R.
-- **Raw attention maps**: one layer's attention of the class token (GAP: the mean over all queries) to
-  the patch tokens, per head.
+  (R = A_L ... A_1). The map of an image is the class token's row of R over the patch tokens; a model without
+  a class token (GAP, MAP) has its map as the mean of the patch tokens' rows of R (registers are no query).
+- **Raw attention maps**: one layer's attention of the class token (without one: the mean over the patch
+  queries) to the patch tokens, per head.
+
+The maps cover the patch grid only: every prefix token is left out as a key. ``class_token`` (None: there is
+one iff ``num_prefix > 0``) says whether token 0 is a class token; a model with registers and no class token
+(``ViTConfig.class_token``) passes False.
 """
 
 from __future__ import annotations
@@ -91,23 +97,36 @@ def attention_rollout(attentions: Sequence[torch.Tensor]) -> torch.Tensor:
     return rollout
 
 
-def token_map(matrix: torch.Tensor, grid: tuple[int, int], num_prefix: int) -> torch.Tensor:
-    """Rows -> one patch-grid map per image: the class-token row, or the mean of all rows without one.
+def token_map(
+    matrix: torch.Tensor, grid: tuple[int, int], num_prefix: int, class_token: bool | None = None
+) -> torch.Tensor:
+    """Rows -> one patch-grid map per image: the class-token row, or the mean of the patch tokens' rows without
+    one (module doc for ``class_token``).
 
     ``matrix`` is (..., T, T) (a rollout or one head's attention); returns (..., gh, gw) over patch keys.
     """
-    rows = matrix[..., 0, :] if num_prefix > 0 else matrix.mean(dim=-2)  # (..., T)
+    N = grid[0] * grid[1]
+    if matrix.shape[-1] != num_prefix + N:
+        raise ValueError(f"attention over {matrix.shape[-1]} tokens does not match {num_prefix} + {grid[0]}x{grid[1]}")
+    if class_token is None:
+        class_token = num_prefix > 0
+    rows = matrix[..., 0, :] if class_token else matrix[..., num_prefix:, :].mean(dim=-2)  # (..., T)
     return rows[..., num_prefix:].reshape(*rows.shape[:-1], grid[0], grid[1])
 
 
-def rollout_maps(attentions: Sequence[torch.Tensor], grid: tuple[int, int], num_prefix: int) -> torch.Tensor:
+def rollout_maps(
+    attentions: Sequence[torch.Tensor], grid: tuple[int, int], num_prefix: int, class_token: bool | None = None
+) -> torch.Tensor:
     """(B, gh, gw): how much each patch flows into the pooled representation, by attention rollout."""
-    return token_map(attention_rollout(attentions), grid, num_prefix)
+    return token_map(attention_rollout(attentions), grid, num_prefix, class_token)
 
 
-def attention_maps(attn: torch.Tensor, grid: tuple[int, int], num_prefix: int) -> torch.Tensor:
-    """(B, h, gh, gw): one layer's attention from the class token (GAP: mean over queries) to the patches."""
-    return token_map(attn, grid, num_prefix)
+def attention_maps(
+    attn: torch.Tensor, grid: tuple[int, int], num_prefix: int, class_token: bool | None = None
+) -> torch.Tensor:
+    """(B, h, gh, gw): one layer's attention from the class token (without one: mean over the patch queries) to
+    the patches."""
+    return token_map(attn, grid, num_prefix, class_token)
 
 
 def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

@@ -55,9 +55,12 @@ def patch_embedding_pca(model: VisionTransformer, num_components: int = 28) -> P
 def position_embeddings(model: VisionTransformer) -> tuple[np.ndarray, tuple[int, int]]:
     """The patch part of the position embedding at the native grid, (N, D), and that grid.
 
-    Learned embeddings drop the class-token slot; ``sincos2d`` models return their fixed table.
+    Learned embeddings drop the class- and distillation-token slots (registers have none); ``sincos2d`` models
+    return their fixed table; a model without position embedding (RoPE) is NotApplicable.
     """
-    prefix = model.cfg.num_prefix_tokens
+    if model.cfg.pos_embed == "none":
+        raise NotApplicable("the model has no position embedding (pos_embed none: RoPE rotates q and k instead)")
+    prefix = model.cfg.num_pos_prefix
     pe: torch.Tensor = model.pos_embed[0, prefix:] if model.pos_embed is not None else model.pos_table[0]
     return pe.detach().cpu().double().numpy(), model.cfg.grid_size
 

@@ -310,7 +310,8 @@ class InferenceEngine:
     def forward(self, x: torch.Tensor, *, logits: bool = True, features: bool = False) -> Outputs:
         """Images (B, C, H, W), preprocessed -> :class:`Outputs` with the pre-logits features (B, R) and/or the
         logits (B, K), float32 on the CPU. The reference path computes exactly ``model.forward_head(
-        model.forward_features(x), pre_logits=True)`` and ``model.head`` of it (= ``model(x)``)."""
+        model.forward_features(x), pre_logits=True)`` and ``model.head`` of it (= ``model(x)``; DeiT's distilled
+        logits, the mean of two heads on two tokens, are ``forward_head`` of the same tokens)."""
         if not (logits or features):
             raise ValueError("nothing to compute: ask for logits, features or both")
         if logits and self.num_classes <= 0:
@@ -324,8 +325,11 @@ class InferenceEngine:
         with sdpa_backend(self.attention):
             if not features:
                 return Outputs(logits=runner(x).float().cpu())
-            rep = runner.forward_head(runner.forward_features(x), pre_logits=True)  # (B, R)
-            out = runner.head(rep).float().cpu() if logits else None
+            tokens = runner.forward_features(x)  # (B, T, D)
+            rep = runner.forward_head(tokens, pre_logits=True)  # (B, R)
+            out = None
+            if logits:
+                out = (runner.forward_head(tokens) if self.model.cfg.distilled else runner.head(rep)).float().cpu()
         return Outputs(features=rep.float().cpu(), logits=out)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

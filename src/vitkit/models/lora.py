@@ -34,8 +34,12 @@ from vitkit.errors import ConfigError, VitkitError
 from vitkit.models.fused import LoraAdapter, NormInput, lora_linear
 from vitkit.models.kernel_api import TrainingKernels
 
-# short target name -> the module it names in every block
+# short target name -> the module it names in every block (SwiGLU's too: fc1 holds its gate and up projections
+# stacked, fc2 is its down projection)
 TARGET_MODULES = {"qkv": "attn.qkv", "proj": "attn.proj", "fc1": "mlp.fc1", "fc2": "mlp.fc2"}
+# short target name -> the modules it names in a MAP head (``attn_pool``, SigLIP): its attention's query and
+# key-value projections, its output projection and its MLP, the same kinds of layer as a block's
+POOL_MODULES = {"qkv": ("q", "kv"), "proj": ("proj",), "fc1": ("mlp.fc1",), "fc2": ("mlp.fc2",)}
 ADAPTER = "default"  # peft's adapter name; one adapter per model
 MAX_RANK = 4096  # far above any useful adapter (ranks of 4-64 are usual); a rank sizes every adapter matrix
 M = TypeVar("M", bound=nn.Module)
@@ -67,9 +71,11 @@ class LoraSpec:
 
     def pattern(self) -> str:
         """The regular expression peft matches module names against (the whole name): the chosen projections
-        of every block, never the patch embedding's ``proj`` convolution."""
+        of every block and of a MAP head (``attn_pool``; a model without one has no such names), never the patch
+        embedding's ``proj`` convolution."""
         names = "|".join(TARGET_MODULES[t].replace(".", r"\.") for t in self.targets)
-        return rf"blocks\.\d+\.(?:{names})"
+        pool = "|".join(m.replace(".", r"\.") for t in self.targets for m in POOL_MODULES[t])
+        return rf"blocks\.\d+\.(?:{names})|attn_pool\.(?:{pool})"
 
     def peft_config(self) -> Any:
         """The equivalent ``peft.LoraConfig`` (needs peft installed; vitkit itself never calls it: the folders it
