@@ -362,7 +362,7 @@ class _Server:
             out["attention"] = {
                 "rollout_png": png_base64(pred.rollout),
                 "size": list(pred.rollout.shape),
-                "query": "class token" if self.served.model.cfg.num_prefix_tokens else "mean over tokens (GAP)",
+                "query": "class token" if self.served.model.cfg.class_token else "mean over the patch tokens",
                 "encoding": "base64 PNG, 8-bit greyscale, the model input's size; bright = attended",
             }
         return out

@@ -50,11 +50,14 @@ def model_figures(served: ServedModel, out_dir: Path) -> dict[str, Path | str]:
     """The weight-only figures of the model as PNGs in ``out_dir`` (a message where one does not apply)."""
     model = served.model
     figs: dict[str, Path | str] = {}
-    pe, grid = position_embeddings(model)
-    kind = "learned" if model.cfg.pos_embed == "learned" else "fixed 2-D sin-cos"
-    figs["position"] = plots.plot_position_similarity(
-        position_similarity(pe, grid), out_dir / "position_embedding_similarity.png", f"Position embedding ({kind})"
-    )
+    try:
+        pe, grid = position_embeddings(model)
+        kind = "learned" if model.cfg.pos_embed == "learned" else "fixed 2-D sin-cos"
+        figs["position"] = plots.plot_position_similarity(
+            position_similarity(pe, grid), out_dir / "position_embedding_similarity.png", f"Position embedding ({kind})"
+        )
+    except NotApplicable as e:  # RoPE models
+        figs["position"] = str(e)
     try:
         pca = patch_embedding_pca(model, 28)
         figs["filters"] = plots.plot_patch_pca(
@@ -72,6 +75,7 @@ class DemoModel:
         self.served = served
         cfg = served.model.cfg
         self.depth, self.num_heads, self.prefix = cfg.depth, cfg.num_heads, cfg.num_prefix_tokens
+        self.class_token = bool(cfg.class_token)  # registers are prefix tokens too: not the query
 
     def analyse(self, img: Image.Image) -> dict[str, Any]:
         """Top classes, rollout overlay and everything needed to draw raw attention maps later."""
@@ -82,7 +86,7 @@ class DemoModel:
         top = self.served.top_k(probs, k)
         size = (x.shape[-2], x.shape[-1])
         shown = display_image(img, self.served.preprocess)
-        roll = upsample_maps(rollout_maps(attns, grid, self.prefix), size)[0].numpy()
+        roll = upsample_maps(rollout_maps(attns, grid, self.prefix, self.class_token), size)[0].numpy()
         return {
             "labels": {t["label"]: t["prob"] for t in top},
             "top": top,
@@ -151,7 +155,7 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
     figs = model_figures(served, work_dir)
     examples = [[str(p)] for p in [*default_samples(work_dir), *samples]]
     head_choices = [MEAN_OF_HEADS] + [f"head {i + 1}" for i in range(demo_model.num_heads)]
-    query = "class token" if demo_model.prefix else "mean over tokens (GAP model)"
+    query = "class token" if demo_model.class_token else "mean over the patch tokens (no class token)"
     H, W = card["image_size"]
 
     def on_image(upload: dict[str, Any] | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:

@@ -196,12 +196,14 @@ class ServedModel:
     def rollout(self, x: torch.Tensor) -> np.ndarray:
         """(B, C, H, W) -> attention rollout maps (B, H, W) in [0, 1], upsampled to the input size."""
         attns, _, grid = self.attentions(x)
-        maps = rollout_maps(attns, grid, self.model.cfg.num_prefix_tokens)
+        cfg = self.model.cfg
+        maps = rollout_maps(attns, grid, cfg.num_prefix_tokens, bool(cfg.class_token))
         return upsample_maps(maps, (x.shape[-2], x.shape[-1])).cpu().numpy()
 
     def layer_maps(self, attns: list[torch.Tensor], grid: tuple[int, int], layer: int, size: tuple[int, int]) -> Any:
         """One layer's raw attention per head, (B, h, H, W) in [0, 1] (class token, or mean query for GAP)."""
-        maps = attention_maps(attns[layer], grid, self.model.cfg.num_prefix_tokens)
+        cfg = self.model.cfg
+        maps = attention_maps(attns[layer], grid, cfg.num_prefix_tokens, bool(cfg.class_token))
         return upsample_maps(maps, size).cpu().numpy()
 
     def run_batch(self, inputs: list[torch.Tensor], want_attention: list[bool]) -> list[Prediction]:
