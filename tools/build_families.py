@@ -45,7 +45,7 @@ EMBEDDING = {"dinov2": "class token", "siglip": "MAP output", "clip": "projected
 
 def hf_entry(repo: str, family: str, config: dict[str, Any], pre: dict[str, Any], aliases: list[str],
              notes: str | None = None, refused: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"name": repo, "aliases": aliases, "family": family, "repo_id": repo, "format": "hf",
+    return {"name": repo, "aliases": list(dict.fromkeys(aliases)), "family": family, "repo_id": repo, "format": "hf",
             "config": config, "load_options": {}, "preprocess": pre, "source": HF_SRC.format(repo), "notes": notes,
             "refused": refused}  # fmt: skip
 
