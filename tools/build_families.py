@@ -37,8 +37,10 @@ DEPTHS = {"S": 12, "B": 12, "L": 24, "g": 40}
 HF_SRC = "transformers config.json / preprocessor_config.json of https://huggingface.co/{}"
 TIMM_SRC = "timm 1.0.31 pretrained config {} (timm/models/{}.py)"
 
-SO400M = ("384 px is no multiple of the 14 px patch: the reference patch embedding drops the last 6 pixel rows "
-          "and columns (a 27x27 grid); vitkit's ViT takes only image sizes its patch divides")
+SO400M = (
+    "384 px is no multiple of the 14 px patch: the reference patch embedding drops the last 6 pixel rows "
+    "and columns (a 27x27 grid); vitkit's ViT takes only image sizes its patch divides"
+)
 EMBEDDING = {"dinov2": "class token", "siglip": "MAP output", "clip": "projected embedding",
              "deit": "logits (mean of both heads); features: class token"}  # fmt: skip
 
@@ -82,10 +84,12 @@ def dinov2() -> list[dict[str, Any]]:
                     "img_size": 518, "num_classes": 0, **({"reg_tokens": 4, "no_embed_class": True} if reg else {})}  # fmt: skip
             vitkit = {"image_size": [518, 518], "patch_size": 14, "num_classes": 0, "hidden_size": D,
                       "depth": DEPTHS[size], "num_heads": heads, "mlp_dim": 4 * D, "layer_scale": 1e-5,
-                      **({"num_registers": 4, "pos_embed_prefix": False} if reg else {})}  # fmt: skip
+                      **({"num_registers": 4} if reg else {})}  # fmt: skip
             pre = {"processor": "timm", "resize": "crop", "crop_pct": 1.0, "crop": 518, "interpolation": "bicubic",
                    **IMAGENET}  # fmt: skip
-            out.append(timm_entry(name, "dinov2", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre))
+            out.append(
+                timm_entry(name, "dinov2", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre)
+            )
     return out
 
 
@@ -156,9 +160,10 @@ def clip() -> list[dict[str, Any]]:
             name = (arch.replace("_clip_", "_clip_quickgelu_") if quick else arch) + ".openai"
             args = {"patch_size": patch, "embed_dim": D, "depth": depth, "num_heads": heads, "pre_norm": True,
                     "num_classes": proj, **({"act_layer": "quick_gelu"} if quick else {})}  # fmt: skip
-            vitkit = {"patch_size": patch, "num_classes": 0, "hidden_size": D, "depth": depth, "num_heads": heads,
+            # timm's projection is its head (Linear with a bias, zeros in these weights): loaded as that head
+            vitkit = {"patch_size": patch, "num_classes": proj, "hidden_size": D, "depth": depth, "num_heads": heads,
                       "mlp_dim": 4 * D, "gelu": "quick" if quick else "exact", "layer_norm_eps": 1e-5,
-                      "norm_pre": True, "patch_bias": False, "projection_size": proj}  # fmt: skip
+                      "norm_pre": True, "patch_bias": False}  # fmt: skip
             pre = {"processor": "timm", "resize": "crop", "crop_pct": 0.9, "crop": 224, "interpolation": "bicubic",
                    **OPENAI}  # fmt: skip
             note = None if quick else ("timm runs these OpenAI weights with exact GELU, as its entry point defines "
@@ -182,7 +187,14 @@ def deit() -> list[dict[str, Any]]:
         name = f"deit_{word}_distilled_patch16_224.fb_in1k"
         args = {"patch_size": 16, "embed_dim": D, "depth": 12, "num_heads": heads, "num_classes": 1000}
         vitkit = {"num_classes": 1000, "hidden_size": D, "num_heads": heads, "mlp_dim": 4 * D, "distilled": True}
-        pre = {"processor": "timm", "resize": "crop", "crop_pct": 0.9, "crop": 224, "interpolation": "bicubic", **IMAGENET}
+        pre = {
+            "processor": "timm",
+            "resize": "crop",
+            "crop_pct": 0.9,
+            "crop": 224,
+            "interpolation": "bicubic",
+            **IMAGENET,
+        }
         out.append(timm_entry(name, "deit", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre))
     return out
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from loopback_http import private_caches_fixture  # noqa: F401 (fixture)
 
-from helpers import run_cli
+from helpers import randomize_, run_cli
 from vitkit.checkpoints import load_checkpoint, load_pretrained
 from vitkit.errors import CheckpointError
 
@@ -116,7 +116,11 @@ def test_a_family_name_downloads_from_the_hub_and_loads_exactly(hub: HubServer, 
     reference = tiny_dinov2(tmp_path / "dinov2")
     hub.publish("facebook/dinov2-small", tmp_path / "dinov2")
     loaded = load_checkpoint("DINOv2-small")  # the short alias, any letter case
-    assert loaded.meta.provenance["resolved"] == {"name": "DINOv2-small", "kind": "hub", "repo_id": "facebook/dinov2-small"}
+    assert loaded.meta.provenance["resolved"] == {
+        "name": "DINOv2-small",
+        "kind": "hub",
+        "repo_id": "facebook/dinov2-small",
+    }
     registry = loaded.meta.provenance["registry"]
     assert registry["name"] == "facebook/dinov2-small" and registry["embedding"] == "class token"
     gets = [p for m, p in hub.log if m == "GET"]
@@ -162,3 +166,42 @@ def test_a_repository_missing_on_the_hub_is_one_line(hub: HubServer) -> None:
     msg = str(e.value)
     assert msg.startswith("facebook/dinov2-with-registers-small: registry dinov2 checkpoint")
     assert "config.json" in msg and "\n" not in msg
+
+
+def test_a_timm_name_loads_with_what_timms_hub_config_leaves_out(hub: HubServer, tmp_path: Path) -> None:
+    """timm's hub config.json names the architecture but not its act_layer: the registry entry supplies it
+    (timm's SigLIP towers run exact GELU), so the name loads equal to timm; the bare folder is refused. The
+    width is a paper width (192: 3 heads), as timm's configs leave the heads to the width too."""
+    import json
+    import sys
+
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
+    from timm_real import import_timm
+
+    vt = import_timm()
+    if vt is None:
+        pytest.skip("timm is not installed")
+    torch.manual_seed(1)
+    model = randomize_(vt.VisionTransformer(
+        img_size=32, patch_size=8, embed_dim=192, depth=2, num_heads=3, class_token=False, global_pool="map",
+        num_classes=0,
+    )).eval()  # fmt: skip
+    folder = tmp_path / "siglip"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    config = {"architecture": "vit_base_patch16_siglip_224", "num_classes": 0, "num_features": 192,
+              "global_pool": "map", "pretrained_cfg": {"input_size": [3, 32, 32], "interpolation": "bicubic",
+              "crop_pct": 0.9, "crop_mode": "center", "mean": [0.5] * 3, "std": [0.5] * 3, "num_classes": 0}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    hub.publish("timm/vit_base_patch16_siglip_224.webli", folder)
+
+    loaded = load_checkpoint("vit_base_patch16_siglip_224.webli")
+    assert loaded.meta.format == "timm" and loaded.meta.provenance["registry"]["load_options"] == {"gelu": "exact"}
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        ours, theirs = loaded.model(x), model(x)
+    assert float((ours - theirs).norm() / theirs.norm()) < 1e-5
+    with pytest.raises(CheckpointError, match=r"no model_args.act_layer; pass gelu="):
+        load_checkpoint(folder)

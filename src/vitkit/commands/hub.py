@@ -135,7 +135,9 @@ def _print_google(rows: list[dict[str, Any]]) -> None:
 
 def _print_families(rows: list[dict[str, Any]]) -> None:
     width = max(len(r["name"]) for r in rows)
-    print(f"{'name':<{width}}  {'family':<7}{'arch':<14}{'params':>8}  {'res':>4}  {'format':<7}{'embedding':<21}cached")
+    print(
+        f"{'name':<{width}}  {'family':<7}{'arch':<14}{'params':>8}  {'res':>4}  {'format':<7}{'embedding':<21}cached"
+    )
     for r in rows:
         params = f"{r['params'] / 1e6:>7.1f}M" if not r["refused"] else f"{'-':>8}"
         embedding = "refused" if r["refused"] else r["embedding"].split(" (")[0].split(";")[0]
