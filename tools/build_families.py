@@ -41,37 +41,92 @@ SO400M = (
     "384 px is no multiple of the 14 px patch: the reference patch embedding drops the last 6 pixel rows "
     "and columns (a 27x27 grid); vitkit's ViT takes only image sizes its patch divides"
 )
-EMBEDDING = {"dinov2": "class token", "siglip": "MAP output", "clip": "projected embedding",
-             "deit": "logits (mean of both heads); features: class token"}  # fmt: skip
+EMBEDDING = {
+    "dinov2": "class token",
+    "siglip": "MAP output",
+    "clip": "projected embedding",
+    "deit": "logits (mean of both heads); features: class token",
+}
 
 
-def hf_entry(repo: str, family: str, config: dict[str, Any], pre: dict[str, Any], aliases: list[str],
-             notes: str | None = None, refused: str | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"name": repo, "aliases": list(dict.fromkeys(aliases)), "family": family, "repo_id": repo, "format": "hf",
-            "config": config, "load_options": {}, "preprocess": pre, "source": HF_SRC.format(repo), "notes": notes,
-            "refused": refused}  # fmt: skip
+def hf_entry(
+    repo: str,
+    family: str,
+    config: dict[str, Any],
+    pre: dict[str, Any],
+    aliases: list[str],
+    notes: str | None = None,
+    refused: str | None = None,
+) -> dict[str, Any]:
+    return {
+        "name": repo,
+        "aliases": list(dict.fromkeys(aliases)),
+        "family": family,
+        "repo_id": repo,
+        "format": "hf",
+        "config": config,
+        "load_options": {},
+        "preprocess": pre,
+        "source": HF_SRC.format(repo),
+        "notes": notes,
+        "refused": refused,
+    }
 
 
-def timm_entry(name: str, family: str, arch: dict[str, Any], vitkit: dict[str, Any], pre: dict[str, Any],
-               load_options: dict[str, Any] | None = None, notes: str | None = None) -> dict[str, Any]:  # fmt: skip
+def timm_entry(
+    name: str,
+    family: str,
+    arch: dict[str, Any],
+    vitkit: dict[str, Any],
+    pre: dict[str, Any],
+    load_options: dict[str, Any] | None = None,
+    notes: str | None = None,
+) -> dict[str, Any]:
     module = "deit" if family == "deit" else "vision_transformer"
-    return {"name": f"timm/{name}", "aliases": [name], "family": family, "repo_id": f"timm/{name}",
-            "format": "timm", "config": arch, "vitkit_config": vitkit, "load_options": load_options or {},
-            "preprocess": pre, "source": TIMM_SRC.format(name, module), "notes": notes, "refused": None}  # fmt: skip
+    return {
+        "name": f"timm/{name}",
+        "aliases": [name],
+        "family": family,
+        "repo_id": f"timm/{name}",
+        "format": "timm",
+        "config": arch,
+        "vitkit_config": vitkit,
+        "load_options": load_options or {},
+        "preprocess": pre,
+        "source": TIMM_SRC.format(name, module),
+        "notes": notes,
+        "refused": None,
+    }
 
 
 def dinov2() -> list[dict[str, Any]]:
     out = []
-    pre = {"processor": "BitImageProcessor", "resize": "shortest", "resize_to": 256, "crop": 224,
-           "interpolation": "bicubic", **IMAGENET}  # fmt: skip
+    pre = {
+        "processor": "BitImageProcessor",
+        "resize": "shortest",
+        "resize_to": 256,
+        "crop": 224,
+        "interpolation": "bicubic",
+        **IMAGENET,
+    }
     for reg in (False, True):
         for size, word in (("S", "small"), ("B", "base"), ("L", "large"), ("g", "giant")):
             D, heads = WIDTHS[size]
             repo = f"facebook/dinov2-{'with-registers-' if reg else ''}{word}"
-            config = {"model_type": "dinov2_with_registers" if reg else "dinov2", "hidden_size": D,
-                      "num_hidden_layers": DEPTHS[size], "num_attention_heads": heads, "mlp_ratio": 4,
-                      "patch_size": 14, "image_size": 518, "hidden_act": "gelu", "layer_norm_eps": 1e-6,
-                      "layerscale_value": 1.0, "qkv_bias": True, "use_swiglu_ffn": size == "g"}  # fmt: skip
+            config = {
+                "model_type": "dinov2_with_registers" if reg else "dinov2",
+                "hidden_size": D,
+                "num_hidden_layers": DEPTHS[size],
+                "num_attention_heads": heads,
+                "mlp_ratio": 4,
+                "patch_size": 14,
+                "image_size": 518,
+                "hidden_act": "gelu",
+                "layer_norm_eps": 1e-6,
+                "layerscale_value": 1.0,
+                "qkv_bias": True,
+                "use_swiglu_ffn": size == "g",
+            }
             if reg:
                 config["num_register_tokens"] = 4
             alias = f"dinov2-{'reg4-' if reg else ''}{word}"
@@ -80,13 +135,35 @@ def dinov2() -> list[dict[str, Any]]:
         D, heads = WIDTHS[size]
         for reg in (False, True):
             name = f"vit_{word}_patch14_{'reg4_' if reg else ''}dinov2.lvd142m"
-            args = {"patch_size": 14, "embed_dim": D, "depth": DEPTHS[size], "num_heads": heads, "init_values": 1e-5,
-                    "img_size": 518, "num_classes": 0, **({"reg_tokens": 4, "no_embed_class": True} if reg else {})}  # fmt: skip
-            vitkit = {"image_size": [518, 518], "patch_size": 14, "num_classes": 0, "hidden_size": D,
-                      "depth": DEPTHS[size], "num_heads": heads, "mlp_dim": 4 * D, "layer_scale": 1e-5,
-                      **({"num_registers": 4} if reg else {})}  # fmt: skip
-            pre = {"processor": "timm", "resize": "crop", "crop_pct": 1.0, "crop": 518, "interpolation": "bicubic",
-                   **IMAGENET}  # fmt: skip
+            args = {
+                "patch_size": 14,
+                "embed_dim": D,
+                "depth": DEPTHS[size],
+                "num_heads": heads,
+                "init_values": 1e-5,
+                "img_size": 518,
+                "num_classes": 0,
+                **({"reg_tokens": 4, "no_embed_class": True} if reg else {}),
+            }
+            vitkit = {
+                "image_size": [518, 518],
+                "patch_size": 14,
+                "num_classes": 0,
+                "hidden_size": D,
+                "depth": DEPTHS[size],
+                "num_heads": heads,
+                "mlp_dim": 4 * D,
+                "layer_scale": 1e-5,
+                **({"num_registers": 4} if reg else {}),
+            }
+            pre = {
+                "processor": "timm",
+                "resize": "crop",
+                "crop_pct": 1.0,
+                "crop": 518,
+                "interpolation": "bicubic",
+                **IMAGENET,
+            }
             out.append(
                 timm_entry(name, "dinov2", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre)
             )
@@ -96,81 +173,193 @@ def dinov2() -> list[dict[str, Any]]:
 def siglip() -> list[dict[str, Any]]:
     out = []
     shapes = {"B/16": (768, 12, 12, 3072, 16), "L/16": (1024, 24, 16, 4096, 16), "So400m/14": (1152, 27, 16, 4304, 14)}
-    models = [("google/siglip-base-patch16-224", "B/16", 224), ("google/siglip-base-patch16-256", "B/16", 256),
-              ("google/siglip-base-patch16-384", "B/16", 384), ("google/siglip-base-patch16-512", "B/16", 512),
-              ("google/siglip-large-patch16-256", "L/16", 256), ("google/siglip-large-patch16-384", "L/16", 384),
-              ("google/siglip-so400m-patch14-384", "So400m/14", 384),
-              ("google/siglip2-base-patch16-224", "B/16", 224), ("google/siglip2-base-patch16-256", "B/16", 256),
-              ("google/siglip2-base-patch16-384", "B/16", 384), ("google/siglip2-base-patch16-512", "B/16", 512),
-              ("google/siglip2-large-patch16-256", "L/16", 256), ("google/siglip2-so400m-patch14-384", "So400m/14", 384)]  # fmt: skip
+    models = [
+        ("google/siglip-base-patch16-224", "B/16", 224),
+        ("google/siglip-base-patch16-256", "B/16", 256),
+        ("google/siglip-base-patch16-384", "B/16", 384),
+        ("google/siglip-base-patch16-512", "B/16", 512),
+        ("google/siglip-large-patch16-256", "L/16", 256),
+        ("google/siglip-large-patch16-384", "L/16", 384),
+        ("google/siglip-so400m-patch14-384", "So400m/14", 384),
+        ("google/siglip2-base-patch16-224", "B/16", 224),
+        ("google/siglip2-base-patch16-256", "B/16", 256),
+        ("google/siglip2-base-patch16-384", "B/16", 384),
+        ("google/siglip2-base-patch16-512", "B/16", 512),
+        ("google/siglip2-large-patch16-256", "L/16", 256),
+        ("google/siglip2-so400m-patch14-384", "So400m/14", 384),
+    ]
     for repo, shape, res in models:
         D, depth, heads, mlp, patch = shapes[shape]
         v2 = "siglip2" in repo
-        vision = {"hidden_size": D, "num_hidden_layers": depth, "num_attention_heads": heads, "intermediate_size": mlp,
-                  "patch_size": patch, "image_size": res, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6}  # fmt: skip
-        pre = {"processor": "SiglipImageProcessor", "resize": "squash", "crop": res,
-               "interpolation": None if v2 else "bicubic", **HALF}  # fmt: skip
+        vision = {
+            "hidden_size": D,
+            "num_hidden_layers": depth,
+            "num_attention_heads": heads,
+            "intermediate_size": mlp,
+            "patch_size": patch,
+            "image_size": res,
+            "hidden_act": "gelu_pytorch_tanh",
+            "layer_norm_eps": 1e-6,
+        }
+        pre = {
+            "processor": "SiglipImageProcessor",
+            "resize": "squash",
+            "crop": res,
+            "interpolation": None if v2 else "bicubic",
+            **HALF,
+        }
         notes = "SigLIP 2, fixed resolution: SigLIP's layout (model_type siglip)" if v2 else None
         short = repo.split("/")[1]
         config = {"model_type": "siglip", "vision_config": vision}
         out.append(hf_entry(repo, "siglip", config, pre, [short], notes, SO400M if patch == 14 else None))
-    naflex = {"model_type": "siglip2", "vision_config": {"hidden_size": 768, "num_hidden_layers": 12,
-              "num_attention_heads": 12, "intermediate_size": 3072, "patch_size": 16, "num_patches": 256}}  # fmt: skip
-    why = ("SigLIP 2 NaFlex (model_type siglip2): a linear patch embedding over flattened patches, a 16x16 position "
-           "grid resized to each image's aspect-preserving grid and an attention mask over padded patches; vitkit's "
-           "ViT has none of these (the fixed-resolution SigLIP 2 checkpoints load)")  # fmt: skip
-    out.append(hf_entry("google/siglip2-base-patch16-naflex", "siglip", naflex, {}, ["siglip2-base-patch16-naflex"],
-                        refused=why))  # fmt: skip
-    timm_models = [("vit_base_patch16_siglip_224.webli", 224, "B/16"), ("vit_base_patch16_siglip_256.webli", 256, "B/16"),
-                   ("vit_base_patch16_siglip_384.webli", 384, "B/16"),
-                   ("vit_so400m_patch14_siglip_384.webli", 384, "So400m/14")]  # fmt: skip
+    naflex = {
+        "model_type": "siglip2",
+        "vision_config": {
+            "hidden_size": 768,
+            "num_hidden_layers": 12,
+            "num_attention_heads": 12,
+            "intermediate_size": 3072,
+            "patch_size": 16,
+            "num_patches": 256,
+        },
+    }
+    why = (
+        "SigLIP 2 NaFlex (model_type siglip2): a linear patch embedding over flattened patches, a 16x16 position "
+        "grid resized to each image's aspect-preserving grid and an attention mask over padded patches; vitkit's "
+        "ViT has none of these (the fixed-resolution SigLIP 2 checkpoints load)"
+    )
+    out.append(
+        hf_entry(
+            "google/siglip2-base-patch16-naflex", "siglip", naflex, {}, ["siglip2-base-patch16-naflex"], refused=why
+        )
+    )
+    timm_models = [
+        ("vit_base_patch16_siglip_224.webli", 224, "B/16"),
+        ("vit_base_patch16_siglip_256.webli", 256, "B/16"),
+        ("vit_base_patch16_siglip_384.webli", 384, "B/16"),
+        ("vit_so400m_patch14_siglip_384.webli", 384, "So400m/14"),
+    ]
     for name, res, shape in timm_models:
         D, depth, heads, mlp, patch = shapes[shape]
-        args = {"patch_size": patch, "embed_dim": D, "depth": depth, "num_heads": heads, "class_token": False,
-                "global_pool": "map", "img_size": res, "num_classes": 0}  # fmt: skip
+        args = {
+            "patch_size": patch,
+            "embed_dim": D,
+            "depth": depth,
+            "num_heads": heads,
+            "class_token": False,
+            "global_pool": "map",
+            "img_size": res,
+            "num_classes": 0,
+        }
         if shape.startswith("So400m"):
             args["mlp_ratio"] = 3.7362
-        vitkit = {"image_size": [res, res], "patch_size": patch, "num_classes": 0, "hidden_size": D, "depth": depth,
-                  "num_heads": heads, "mlp_dim": mlp, "classifier": "map", "class_token": False}  # fmt: skip
+        vitkit = {
+            "image_size": [res, res],
+            "patch_size": patch,
+            "num_classes": 0,
+            "hidden_size": D,
+            "depth": depth,
+            "num_heads": heads,
+            "mlp_dim": mlp,
+            "classifier": "map",
+            "class_token": False,
+        }
         pre = {"processor": "timm", "resize": "crop", "crop_pct": 0.9, "crop": res, "interpolation": "bicubic", **HALF}
         note = "timm builds its SigLIP towers with exact GELU (big_vision and transformers: tanh GELU)"
-        entry = timm_entry(name, "siglip", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre,
-                           {"gelu": "exact"}, note)  # fmt: skip
+        entry = timm_entry(
+            name,
+            "siglip",
+            {"architecture": name.split(".")[0], "model_args": args},
+            vitkit,
+            pre,
+            {"gelu": "exact"},
+            note,
+        )
         out.append({**entry, "refused": SO400M if patch == 14 else None})
     return out
 
 
 def clip() -> list[dict[str, Any]]:
     out = []
-    models = [("openai/clip-vit-base-patch32", 768, 12, 12, 3072, 32, 224, 512),
-              ("openai/clip-vit-base-patch16", 768, 12, 12, 3072, 16, 224, 512),
-              ("openai/clip-vit-large-patch14", 1024, 24, 16, 4096, 14, 224, 768),
-              ("openai/clip-vit-large-patch14-336", 1024, 24, 16, 4096, 14, 336, 768)]  # fmt: skip
+    models = [
+        ("openai/clip-vit-base-patch32", 768, 12, 12, 3072, 32, 224, 512),
+        ("openai/clip-vit-base-patch16", 768, 12, 12, 3072, 16, 224, 512),
+        ("openai/clip-vit-large-patch14", 1024, 24, 16, 4096, 14, 224, 768),
+        ("openai/clip-vit-large-patch14-336", 1024, 24, 16, 4096, 14, 336, 768),
+    ]
     for repo, D, depth, heads, mlp, patch, res, proj in models:
-        vision = {"hidden_size": D, "num_hidden_layers": depth, "num_attention_heads": heads, "intermediate_size": mlp,
-                  "patch_size": patch, "image_size": res, "hidden_act": "quick_gelu", "layer_norm_eps": 1e-5}  # fmt: skip
-        pre = {"processor": "CLIPImageProcessor", "resize": "shortest", "resize_to": res, "crop": res,
-               "interpolation": "bicubic", **OPENAI}  # fmt: skip
+        vision = {
+            "hidden_size": D,
+            "num_hidden_layers": depth,
+            "num_attention_heads": heads,
+            "intermediate_size": mlp,
+            "patch_size": patch,
+            "image_size": res,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+        }
+        pre = {
+            "processor": "CLIPImageProcessor",
+            "resize": "shortest",
+            "resize_to": res,
+            "crop": res,
+            "interpolation": "bicubic",
+            **OPENAI,
+        }
         config = {"model_type": "clip", "projection_dim": proj, "vision_config": vision}
         out.append(hf_entry(repo, "clip", config, pre, [repo.split("/")[1]]))
-    timm_models = [("vit_base_patch32_clip_224", 768, 12, 12, 32, 512), ("vit_base_patch16_clip_224", 768, 12, 12, 16, 512),
-                   ("vit_large_patch14_clip_224", 1024, 24, 16, 14, 768)]  # fmt: skip
+    timm_models = [
+        ("vit_base_patch32_clip_224", 768, 12, 12, 32, 512),
+        ("vit_base_patch16_clip_224", 768, 12, 12, 16, 512),
+        ("vit_large_patch14_clip_224", 1024, 24, 16, 14, 768),
+    ]
     for arch, D, depth, heads, patch, proj in timm_models:
         for quick in (False, True):
             name = (arch.replace("_clip_", "_clip_quickgelu_") if quick else arch) + ".openai"
-            args = {"patch_size": patch, "embed_dim": D, "depth": depth, "num_heads": heads, "pre_norm": True,
-                    "num_classes": proj, **({"act_layer": "quick_gelu"} if quick else {})}  # fmt: skip
+            args = {
+                "patch_size": patch,
+                "embed_dim": D,
+                "depth": depth,
+                "num_heads": heads,
+                "pre_norm": True,
+                "num_classes": proj,
+                **({"act_layer": "quick_gelu"} if quick else {}),
+            }
             # timm's projection is its head (Linear with a bias, zeros in these weights): loaded as that head
-            vitkit = {"patch_size": patch, "num_classes": proj, "hidden_size": D, "depth": depth, "num_heads": heads,
-                      "mlp_dim": 4 * D, "gelu": "quick" if quick else "exact", "layer_norm_eps": 1e-5,
-                      "norm_pre": True, "patch_bias": False}  # fmt: skip
-            pre = {"processor": "timm", "resize": "crop", "crop_pct": 0.9, "crop": 224, "interpolation": "bicubic",
-                   **OPENAI}  # fmt: skip
-            note = None if quick else ("timm runs these OpenAI weights with exact GELU, as its entry point defines "
-                                       "(OpenAI trained them with QuickGELU: the _quickgelu_ name is the original)")  # fmt: skip
+            vitkit = {
+                "patch_size": patch,
+                "num_classes": proj,
+                "hidden_size": D,
+                "depth": depth,
+                "num_heads": heads,
+                "mlp_dim": 4 * D,
+                "gelu": "quick" if quick else "exact",
+                "layer_norm_eps": 1e-5,
+                "norm_pre": True,
+                "patch_bias": False,
+            }
+            pre = {
+                "processor": "timm",
+                "resize": "crop",
+                "crop_pct": 0.9,
+                "crop": 224,
+                "interpolation": "bicubic",
+                **OPENAI,
+            }
+            note = (
+                None
+                if quick
+                else (
+                    "timm runs these OpenAI weights with exact GELU, as its entry point defines "
+                    "(OpenAI trained them with QuickGELU: the _quickgelu_ name is the original)"
+                )
+            )
             options = {"gelu": "quick" if quick else "exact", "layer_norm_eps": 1e-5}
-            out.append(timm_entry(name, "clip", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre,
-                                  options, note))  # fmt: skip
+            out.append(
+                timm_entry(
+                    name, "clip", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre, options, note
+                )
+            )
     return out
 
 
@@ -178,11 +367,26 @@ def deit() -> list[dict[str, Any]]:
     out = []
     for word, D, heads in (("tiny", 192, 3), ("small", 384, 6), ("base", 768, 12)):
         repo = f"facebook/deit-{word}-distilled-patch16-224"
-        config = {"model_type": "deit", "hidden_size": D, "num_hidden_layers": 12, "num_attention_heads": heads,
-                  "intermediate_size": 4 * D, "patch_size": 16, "image_size": 224, "hidden_act": "gelu",
-                  "layer_norm_eps": 1e-12, "num_labels": 1000}  # fmt: skip
-        pre = {"processor": "DeiTImageProcessor", "resize": "squash_crop", "resize_to": 256, "crop": 224,
-               "interpolation": "bicubic", **IMAGENET}  # fmt: skip
+        config = {
+            "model_type": "deit",
+            "hidden_size": D,
+            "num_hidden_layers": 12,
+            "num_attention_heads": heads,
+            "intermediate_size": 4 * D,
+            "patch_size": 16,
+            "image_size": 224,
+            "hidden_act": "gelu",
+            "layer_norm_eps": 1e-12,
+            "num_labels": 1000,
+        }
+        pre = {
+            "processor": "DeiTImageProcessor",
+            "resize": "squash_crop",
+            "resize_to": 256,
+            "crop": 224,
+            "interpolation": "bicubic",
+            **IMAGENET,
+        }
         out.append(hf_entry(repo, "deit", config, pre, [repo.split("/")[1]]))
         name = f"deit_{word}_distilled_patch16_224.fb_in1k"
         args = {"patch_size": 16, "embed_dim": D, "depth": 12, "num_heads": heads, "num_classes": 1000}
@@ -207,24 +411,50 @@ def architecture(cfg_fields: dict[str, Any]) -> str:
 
 def finish(d: dict[str, Any]) -> dict[str, Any]:
     """Add the computed fields: vitkit's config (the loader's, for transformers entries), arch, params."""
-    probe = FamilyEntry.from_dict({**d, "vitkit_config": d.get("vitkit_config", {}), "architecture": "",
-                                   "embedding": "", "resolution": 0, "params": 0, "size_mib": None, "sha256": None})  # fmt: skip
+    probe = FamilyEntry.from_dict(
+        {
+            **d,
+            "vitkit_config": d.get("vitkit_config", {}),
+            "architecture": "",
+            "embedding": "",
+            "resolution": 0,
+            "params": 0,
+            "size_mib": None,
+            "sha256": None,
+        }
+    )
     if d["refused"]:
         vision = d["config"].get("vision_config") or d["config"].get("model_args") or {}
-        fields = {"hidden_size": vision.get("hidden_size") or vision.get("embed_dim"),
-                  "patch_size": vision.get("patch_size")}  # fmt: skip
+        fields = {
+            "hidden_size": vision.get("hidden_size") or vision.get("embed_dim"),
+            "patch_size": vision.get("patch_size"),
+        }
         params = 0
     else:
         cfg = loader_config(probe) or registry_config(probe)
         fields = config_fields(cfg)
         params = param_count(cfg)
     resolution = d["preprocess"].get("crop") or 0
-    return {"name": d["name"], "aliases": d["aliases"], "family": d["family"], "architecture": architecture(fields),
-            "repo_id": d["repo_id"], "format": d["format"], "config": d["config"],
-            "vitkit_config": {} if d["refused"] else fields, "load_options": d["load_options"],
-            "embedding": EMBEDDING[d["family"]], "resolution": resolution, "preprocess": d["preprocess"],
-            "params": params, "refused": d["refused"], "size_mib": None, "sha256": None, "source": d["source"],
-            "notes": d["notes"]}  # fmt: skip
+    return {
+        "name": d["name"],
+        "aliases": d["aliases"],
+        "family": d["family"],
+        "architecture": architecture(fields),
+        "repo_id": d["repo_id"],
+        "format": d["format"],
+        "config": d["config"],
+        "vitkit_config": {} if d["refused"] else fields,
+        "load_options": d["load_options"],
+        "embedding": EMBEDDING[d["family"]],
+        "resolution": resolution,
+        "preprocess": d["preprocess"],
+        "params": params,
+        "refused": d["refused"],
+        "size_mib": None,
+        "sha256": None,
+        "source": d["source"],
+        "notes": d["notes"],
+    }
 
 
 def main() -> None:

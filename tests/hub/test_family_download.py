@@ -193,7 +193,7 @@ def test_a_timm_name_loads_with_what_timms_hub_config_leaves_out(hub: HubServer,
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     config = {"architecture": "vit_base_patch16_siglip_224", "num_classes": 0, "num_features": 192,
               "global_pool": "map", "pretrained_cfg": {"input_size": [3, 32, 32], "interpolation": "bicubic",
-              "crop_pct": 0.9, "crop_mode": "center", "mean": [0.5] * 3, "std": [0.5] * 3, "num_classes": 0}}  # fmt: skip
+              "crop_pct": 0.9, "mean": [0.5] * 3, "std": [0.5] * 3, "num_classes": 0}}  # fmt: skip
     (folder / "config.json").write_text(json.dumps(config))
     hub.publish("timm/vit_base_patch16_siglip_224.webli", folder)
 

@@ -19,7 +19,7 @@ from vitkit.models.vit import VisionTransformer, ViTConfig
 
 def registry_config(entry: FamilyEntry) -> ViTConfig:
     """The config ``entry.vitkit_config`` declares (JSON lists back to tuples)."""
-    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in entry.vitkit_config.items()}
+    kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in entry.vitkit_config.items()}
     return ViTConfig(**kwargs)
 
 

@@ -90,8 +90,8 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 def cmd_models(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from vitkit.hub import is_cached, search
     from vitkit.hub import families as fam
+    from vitkit.hub import is_cached, search
 
     modern = args.family in FAMILIES
     found = [] if modern else [e for e in search(args.filter) if args.family in (None, e.family)]
