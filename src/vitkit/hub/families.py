@@ -45,10 +45,12 @@ class FamilyEntry:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FamilyEntry:
+        """An entry from its JSON object."""
         return cls(**{**d, "aliases": tuple(d.get("aliases", ()))})
 
     @property
     def names(self) -> tuple[str, ...]:
+        """Every name the entry answers to: its Hub id, then its aliases."""
         return (self.name, *self.aliases)
 
 
