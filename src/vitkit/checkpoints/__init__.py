@@ -215,6 +215,8 @@ def read_checkpoint(
         if name not in ("lora", "run"):
             raise ConfigError(f"{path}: lora_base is for a LoRA adapter folder, and this is a {name} checkpoint")
         ckpt = (_load_lora if name == "lora" else _load_run)(found.path, lora_base)
+    elif found.family is not None and found.family.load_options and name == "timm":
+        ckpt = timm_format.load(found.path, **found.family.load_options)  # what timm's hub config leaves out
     else:
         ckpt = FORMATS[name].load(found.path)
     check_preprocess(ckpt.cfg, ckpt.meta.preprocess, ckpt.meta.source)  # every format (the readers name the file)
@@ -265,7 +267,13 @@ def _with_source_metadata(meta: CheckpointMeta, num_classes: int, found: Resolve
         preprocess = replace(
             preprocess, mean=tuple(p["mean"]), std=tuple(p["std"]), resize=p["resize"], interpolation=p["interpolation"]
         )
-    elif names is None and meta.format in _NAMELESS_FORMATS:
+    elif found.family is not None:
+        fam = found.family
+        provenance["registry"] = {
+            "name": fam.name, "family": fam.family, "embedding": fam.embedding, "source": fam.source,
+            **({"load_options": fam.load_options} if fam.load_options else {}),
+        }  # fmt: skip
+    if entry is None and names is None and meta.format in _NAMELESS_FORMATS:
         label_set = label_set_for(num_classes)
         if label_set is not None:
             names = label_names(label_set)

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from vitkit.errors import VitkitError
+from vitkit.hub.families import FAMILIES
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,13 +67,21 @@ def cmd_download(args: argparse.Namespace) -> int:
 def _add_models(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "models",
-        help="list the registry of Google's released ViT checkpoints",
-        description="List the checkpoints vitkit knows by short name (the paper's ImageNet-21k and ImageNet "
-        "fine-tuned models, the AugReg family): parameters (without the head, computed), resolution, pre-training "
-        "data, fine-tuning data, ImageNet top-1 as published (with its source in --json), and whether it is "
-        "already in the cache. Any of these names works wherever a checkpoint is expected.",
+        help="list the registry of released ViT checkpoints (Google's, DINOv2, SigLIP, CLIP, DeiT)",
+        description="List the checkpoints vitkit knows by name: Google's (the paper's ImageNet-21k and ImageNet "
+        "fine-tuned models, the AugReg family) with parameters (without the head, computed), resolution, "
+        "pre-training data, fine-tuning data and ImageNet top-1 as published (with its source in --json); and the "
+        "modern families' Hugging Face Hub ids and timm names with architecture, parameters (computed), "
+        "resolution, default embedding and format; and whether each is already in the cache. Any of these names "
+        "works wherever a checkpoint is expected.",
     )
     p.add_argument("--filter", metavar="TEXT", help="only names, architectures or datasets containing TEXT")
+    p.add_argument(
+        "--family",
+        choices=("paper", "augreg", *FAMILIES),
+        help="only this family: Google's (paper, augreg) or a modern one (dinov2, siglip, clip, deit: Hugging Face "
+        "Hub ids and timm names, listed with their default embedding and format)",
+    )
     _add_cache_dir(p)
     p.add_argument("--json", action="store_true", help="print the full entries as JSON")
     p.set_defaults(func=cmd_models)
@@ -81,18 +90,36 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
 def cmd_models(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from vitkit.hub import families as fam
     from vitkit.hub import is_cached, search
 
-    found = search(args.filter)
-    if not found:
+    modern = args.family in FAMILIES
+    found = [] if modern else [e for e in search(args.filter) if args.family in (None, e.family)]
+    listed = [] if args.family in ("paper", "augreg") else fam.search(args.filter, args.family)
+    if not found and not listed:
         print(f"no registry entry matches {args.filter!r}", file=sys.stderr)
         return 1
-    rows: list[dict[str, Any]] = []
-    for e in found:
-        rows.append({**asdict(e), "cached": is_cached(e.url, args.cache_dir)})
+    rows: list[dict[str, Any]] = [{**asdict(e), "cached": is_cached(e.url, args.cache_dir)} for e in found]
+    family_rows = [{**asdict(e), "cached": _hub_cached(e.repo_id)} for e in listed]
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps(rows + family_rows, indent=1))
         return 0
+    if rows:
+        _print_google(rows)
+    if family_rows:
+        if rows:
+            print()
+        _print_families(family_rows)
+    return 0
+
+
+def _hub_cached(repo_id: str) -> bool:
+    from vitkit.hub.resolve import is_hub_cached
+
+    return is_hub_cached(repo_id)
+
+
+def _print_google(rows: list[dict[str, Any]]) -> None:
     width = max(len(r["name"]) for r in rows)
     head = f"{'params':>8}  {'res':>4}  {'pre-training':<13}{'fine-tuned':<12}{'top-1':>7}  cached"
     print(f"{'name':<{width}}  {'arch':<9}{head}")
@@ -104,4 +131,22 @@ def cmd_models(args: argparse.Namespace) -> int:
             f"{r['pretrain']:<13}{r['finetune'] or '-':<12}{top1:>7}  {'yes' if r['cached'] else 'no'}"
         )
     print(f"{len(rows)} models; params without the head; top-1: ImageNet-1k as published (sources: --json)")
-    return 0
+
+
+def _print_families(rows: list[dict[str, Any]]) -> None:
+    width = max(len(r["name"]) for r in rows)
+    print(
+        f"{'name':<{width}}  {'family':<7}{'arch':<14}{'params':>8}  {'res':>4}  {'format':<7}{'embedding':<21}cached"
+    )
+    for r in rows:
+        params = f"{r['params'] / 1e6:>7.1f}M" if not r["refused"] else f"{'-':>8}"
+        embedding = "refused" if r["refused"] else r["embedding"].split(" (")[0].split(";")[0]
+        print(
+            f"{r['name']:<{width}}  {r['family']:<7}{r['architecture']:<14}{params}  {r['resolution'] or '-':>4}  "
+            f"{r['format']:<7}{embedding:<21}{'yes' if r['cached'] else 'no'}"
+        )
+    refused = sum(1 for r in rows if r["refused"])
+    print(
+        f"{len(rows)} family checkpoints ({refused} refused: --json says why); params: vitkit's model as loaded; "
+        "names: the Hub id or the timm name"
+    )

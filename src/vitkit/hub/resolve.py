@@ -5,7 +5,9 @@
 1. a path that exists locally (always wins, whatever it looks like);
 2. an ``http(s)://`` or ``gs://`` URL (public buckets: ``gs://b/p`` is fetched from storage.googleapis.com);
 3. a short name from the registry of Google's released checkpoints (``vitkit models``);
-4. a Hugging Face Hub id ``org/name`` or ``org/name@revision`` (transformers or timm layout), fetched
+4. a name of the families' registry (:mod:`vitkit.hub.families`: ``facebook/dinov2-small``, ``dinov2-small``,
+   ``vit_small_patch14_reg4_dinov2.lvd142m``, optionally ``@revision``), fetched as its Hub id is;
+5. a Hugging Face Hub id ``org/name`` or ``org/name@revision`` (transformers or timm layout), fetched
    through ``huggingface_hub``: its cache, revisions, offline mode (``HF_HUB_OFFLINE=1``) and token
    (``HF_TOKEN`` / ``hf auth login``).
 
@@ -23,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vitkit.errors import CheckpointError, VitkitError
-from vitkit.hub import registry
+from vitkit.hub import families, registry
 from vitkit.hub.download import DownloadError, download, gs_to_https, is_cached, is_url
+from vitkit.hub.families import FamilyEntry
 from vitkit.hub.registry import Entry
 
 HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
@@ -47,6 +50,7 @@ class Resolved:
     url: str | None = None
     repo_id: str | None = None
     revision: str | None = None
+    family: FamilyEntry | None = None  # for names of the families' registry
 
 
 def parse_hub_id(name: str) -> tuple[str, str | None] | None:
@@ -79,6 +83,9 @@ def resolve(
     if entry is not None:
         path = download(entry.url, cache=cache_dir, sha256=entry.sha256, progress=progress)
         return Resolved(text, path, "registry", entry=entry, url=gs_to_https(entry.url))
+    family = families.lookup(text)
+    if family is not None:
+        return _fetch_family(text, family)
     close = registry.close_names(text)
     tried = "registry: no such name" + (f" (close: {', '.join(close)})" if close else " (vitkit models lists them)")
     hub = parse_hub_id(text)
@@ -90,6 +97,18 @@ def resolve(
     except VitkitError as e:
         raise NotFound(f"{missing}; {tried}; Hugging Face Hub: {e}") from None
     return Resolved(text, folder, "hub", repo_id=repo_id, revision=revision)
+
+
+def _fetch_family(text: str, entry: FamilyEntry) -> Resolved:
+    """A family registry name: its Hub repository (at the name's ``@revision``), unless vitkit refuses it."""
+    if entry.refused:
+        raise NotFound(f"{text}: {entry.name} is listed but cannot be loaded by vitkit: {entry.refused}")
+    revision = families.split_revision(text)[1]
+    try:
+        folder = fetch_hub(entry.repo_id, revision)
+    except VitkitError as e:
+        raise NotFound(f"{text}: registry {entry.family} checkpoint {entry.repo_id}, Hugging Face Hub: {e}") from None
+    return Resolved(text, folder, "hub", repo_id=entry.repo_id, revision=revision, family=entry)
 
 
 def looks_like_variant(text: str) -> bool:
@@ -130,6 +149,9 @@ def looks_like_path(text: str) -> bool:
 
 def is_cached_name(name: str, cache_dir: str | os.PathLike[str] | None = None) -> bool:
     """Whether a registry name or URL is already in the cache (no network)."""
+    family = families.lookup(name) if not is_url(name) else None
+    if family is not None:
+        return is_hub_cached(family.repo_id, families.split_revision(name)[1])
     entry = registry.lookup(name) if not is_url(name) else None
     return is_cached(entry.url if entry else name, cache_dir)
 
@@ -164,6 +186,16 @@ def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
             _hub_file(hf_hub_download, repo_id, shard, revision, label, required=True)
     _hub_file(hf_hub_download, repo_id, "preprocessor_config.json", revision, label, required=False)
     return folder
+
+
+def is_hub_cached(repo_id: str, revision: str | None = None) -> bool:
+    """Whether huggingface_hub's cache holds a repository's config.json and weights (no network)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    def cached(filename: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo_id, filename, revision=revision), str)
+
+    return cached("config.json") and any(cached(f) for f in WEIGHT_FILES)
 
 
 @contextmanager
