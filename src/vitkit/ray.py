@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from vitkit.data.eval_transform import EvalTransform
-from vitkit.data.stream import ImageSource, StreamBatch, Transform, stream_batches
+from vitkit.data.stream import ImageSource, StreamBatch, stream_batches
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import cpu_count
 from vitkit.inference.jobs import (
@@ -92,8 +92,8 @@ class Decode:
     the batch (positions, ids, labels, errors, images of the items that decoded) pickled. A bad image is a
     failed item with the local job's reason (always: whether that stops the job is the driver's ``skip_bad``)."""
 
-    def __init__(self, source: ImageSource, transform: Transform) -> None:
-        self.source, self.transform = source, transform
+    def __init__(self, source: ImageSource, transform: Callable[..., Any]) -> None:
+        self.source, self.transform = source, transform  # a vitkit.data.stream.Transform
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = []
