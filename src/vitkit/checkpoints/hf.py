@@ -122,18 +122,6 @@ def _read_json(path: Path) -> dict[str, Any]:
     return doc
 
 
-def looks_like(path: Path) -> bool:
-    """A folder whose config.json says ``model_type: vit``."""
-    cfg = path / CONFIG
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        doc = json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and doc.get("model_type") == "vit"
-
-
 def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
     if isinstance(value, int):
         return value, value

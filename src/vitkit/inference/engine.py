@@ -360,10 +360,9 @@ class InferenceEngine:
             pooled = tokens
         elif pool == "cls":
             pooled = tokens[:, 0]
-        elif pool == "gap":
-            pooled = tokens[:, self.model.cfg.num_prefix_tokens :].mean(dim=1)
-        elif pool == "cls+gap":  # (B, 2D)
-            pooled = torch.cat([tokens[:, 0], tokens[:, self.model.cfg.num_prefix_tokens :].mean(dim=1)], dim=-1)
+        elif pool in ("gap", "cls+gap"):
+            gap = tokens[:, self.model.cfg.num_prefix_tokens :].mean(dim=1)
+            pooled = gap if pool == "gap" else torch.cat([tokens[:, 0], gap], dim=-1)  # (B, D) or (B, 2D)
         else:  # the model's own pooling of an intermediate block
             pooled = self.model.pool(tokens.float())
         return pooled.float().cpu()

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from vitkit.errors import DataError
+from vitkit.inference.embed import EmbedOptions, vector_shape
 from vitkit.search.index import Index
 from vitkit.search.jobs import checkpoint_meta
 from vitkit.serve.engine import ServedModel
@@ -47,17 +48,11 @@ class SimilarImages:
         similar = cls(
             index, str(path), None if pool == "pre-logits" else pool, None if layer == "final" else int(layer)
         )
-        dim = similar.dimension_of(served)
+        (dim,) = vector_shape(served.loaded, EmbedOptions(pool=similar.pool, layer=similar.layer))
         if dim != index.dimension:
             raise DataError(f"{where}: the index holds vectors of dimension {index.dimension}, the checkpoint "
                             f"gives {dim}")  # fmt: skip
         return similar
-
-    def dimension_of(self, served: ServedModel) -> int:
-        """The width of the vectors ``served`` gives with this index's options (one forward of a blank image)."""
-        h, w = served.preprocess.image_size
-        channels = served.model.cfg.in_channels
-        return int(self.vectors(served, torch.zeros(1, channels, h, w)).shape[1])
 
     def vectors(self, served: ServedModel, x: torch.Tensor) -> np.ndarray:
         """Preprocessed images (B, C, H, W) -> their vectors (B, D), float32, as the index's were embedded."""
