@@ -127,3 +127,21 @@ def test_an_index_of_another_checkpoint_is_refused(
     assert main(["serve", str(other_path), "--index", str(index), "--port", str(port)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--index" in err[0] and "checkpoint" in err[0], err
+
+
+def test_a_folder_that_is_not_an_index_is_refused(
+    setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "notes.txt").write_text("buy milk\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    capsys.readouterr()
+    assert main(["serve", str(setup[0]), "--index", str(planted), "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(planted) in err[0], err
+    assert (planted / "notes.txt").read_text() == "buy milk\n" and sorted(p.name for p in planted.iterdir()) == [
+        "notes.txt"
+    ]
