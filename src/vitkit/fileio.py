@@ -4,7 +4,9 @@ Rules every writer follows (README: "never delete or overwrite what vitkit did n
 
 - every file is written by :func:`write_file_atomic` (every folder by :func:`write_dir_atomic`): into a new
   private folder beside it (mode 0700, a name vitkit marks as its own, ``.NAME.vitkit-tmp-`` and 16 random hex
-  digits), flushed to disk, and moved into place by rename, so a reader never sees a half-written file;
+  digits), flushed to disk, and moved into place by rename, so a reader never sees a half-written file; a file
+  or folder finished elsewhere (a download's resumable partial file, a sweep's winning run) is put in place by
+  :func:`publish` (flushed, then renamed). No other module renames a file into place itself;
 - never through a symbolic link: a destination that is a link (dangling or not), a FIFO, a device or a folder
   is refused with one line naming it (:func:`refuse_link`), checked again right before the rename; the rename
   itself replaces a name and never follows one; writers that append (a run's CSV logs) open the file
@@ -127,12 +129,20 @@ def remove_tree(path: Path) -> None:
     folder under its real name (the hidden rest is cleaned by :func:`clean_stale`)."""
     if not path.exists() or path.is_symlink():
         return
-    doomed = temp_path(path, "del")
     try:
-        os.replace(path, doomed)
+        doomed = set_aside(path)
     except OSError:
         doomed = path
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def set_aside(path: Path) -> Path:
+    """Rename ``path`` (a file or folder vitkit wrote, about to be deleted) to a hidden ``.NAME.vitkit-del-...``
+    name and return that: a kill while it is deleted leaves nothing partial under its real name, and
+    :func:`clean_stale` removes the rest."""
+    doomed = temp_path(path, "del")
+    os.replace(path, doomed)
+    return doomed
 
 
 def sync_tree(folder: Path) -> None:
@@ -485,11 +495,30 @@ def write_text_atomic(out: Path, text: str) -> Path:
     return write_file_atomic(out, lambda tmp: tmp.write_bytes(text.encode("utf-8")))
 
 
-def move_into_place(src: Path, dst: Path) -> None:
-    """Rename ``src`` (a file or folder vitkit wrote) onto ``dst``, refusing a ``dst`` that is a symbolic link,
-    a FIFO or a device (one line naming it): a rename replaces a name and never writes through one."""
+def publish(src: Path, dst: Path) -> None:
+    """Put a finished file or folder that vitkit wrote elsewhere in place of ``dst`` (a download's resumable
+    partial file, the winning run of a sweep): a file is flushed to disk and given :func:`file_mode`, then renamed
+    onto ``dst`` (a crash leaves ``dst`` as it was); a folder is swapped in by :func:`replace_dir`. A ``dst``
+    that is a symbolic link, a FIFO or a device is refused with one line naming it, right before the rename: a
+    rename replaces a name and never writes through one. Files written now go through
+    :func:`write_file_atomic` instead."""
+    if src.is_dir() and not src.is_symlink():
+        replace_dir(src, dst)
+        return
+    fd = os.open(src, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{src}: is not a regular file; vitkit puts only its own files in place")
+        os.fchmod(fd, file_mode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     refuse_link(dst)
+    if dst.is_dir():
+        raise ConfigError(f"{dst}: is a folder; vitkit puts a file there only in place of a file")
     os.replace(src, dst)
+    with contextlib.suppress(OSError):
+        fsync(dst.parent)
 
 
 def write_dir_atomic(out: Path, write: Callable[[Path], object]) -> Path:

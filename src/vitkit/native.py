@@ -41,7 +41,7 @@ from pathlib import Path
 
 from vitkit import hardware
 from vitkit.errors import VitkitError
-from vitkit.fileio import move_into_place, write_text_atomic
+from vitkit.fileio import write_file_atomic, write_text_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 
 COMPILE_TIMEOUT_S = 120.0  # a kernel compiles in about a second; past this the pure-PyTorch path is taken
@@ -144,8 +144,8 @@ def _build(source: str, name: str, flags: Sequence[str], where: Path) -> tuple[P
             why = f"exit status {returncode}" if returncode != 0 else "exit status 0 but no library written"
             _report(lib.stem, command, why, stderr)
             return None, False
-        try:
-            move_into_place(out, lib)  # atomic in one folder: others see nothing or the whole file; no link followed
+        try:  # copied into place by the one write-then-rename: others see nothing or the whole file
+            write_file_atomic(lib, lambda tmp: shutil.copyfile(out, tmp))
         except VitkitError as e:  # a link or a FIFO where the library goes: not followed, not used
             _report(lib.stem, command, str(e), b"")
             return None, False

@@ -53,7 +53,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from vitkit.errors import VitkitError
-from vitkit.fileio import fsync, move_into_place, write_text_atomic
+from vitkit.fileio import publish, write_text_atomic
 from vitkit.hub.cache import ENV_VAR, cache_dir, private_dirs, untrusted
 from vitkit.hub.transfer import (
     CHUNK,
@@ -298,7 +298,7 @@ def _adopt_legacy(url: str, final: Path, cache: str | os.PathLike[str] | None) -
     try:
         _private_folder(final.parent, cache)
         _private_folder(target.parent, cache)
-        move_into_place(old, final)  # the time stamp moves with it: the record still matches
+        publish(old, final)  # the time stamp moves with it: the record still matches
         _put_json(target, asdict(rec))
         old_record.unlink()
     except (OSError, VitkitError):
@@ -345,8 +345,7 @@ def download(
                 f"{url}: sha256 {digest} does not match the published {sha256.lower()}; the download was "
                 f"discarded (a changed or corrupted file); {what_to_do(url)} if you trust it"
             )
-        move_into_place(part, final)  # a link planted at final is refused, never followed
-        fsync(final.parent)
+        publish(part, final)  # flushed, then renamed: a link planted at final is refused, never followed
         _write_record(final, url, digest, bool(sha256), cache)
     finally:
         lock.release()

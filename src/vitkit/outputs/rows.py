@@ -11,7 +11,8 @@ failed image's labels). When ``write`` returns, the batch is complete on disk as
 - ``.parquet``: each batch a complete Parquet file in the folder ``NAME.parts/`` (written under a temporary
   name and renamed), merged into ``NAME`` by :meth:`RowWriter.close` (list fields as list columns), after
   which the folder is removed. A Parquet file is readable only once its footer is written, so a file cut
-  mid-write holds nothing recoverable; complete part files always are.
+  mid-write holds nothing recoverable; complete part files always are. A finished file that is resumed is
+  copied into the folder as its first part (the file itself stays until the merge replaces it).
 
 ``open_rows(..., resume=True)`` reopens an interrupted output: it drops a row cut mid-write (a JSONL/CSV line
 without its newline; a part file never appears half-written), and reports the rows already there (``done``,
@@ -29,6 +30,7 @@ import csv
 import io
 import json
 import os
+import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, move_into_place, text_id
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, text_id
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -345,11 +347,11 @@ class _ParquetWriter(RowWriter):
     def _reopen(self) -> None:
         import pyarrow.parquet as pq
 
-        if self.path.exists() and not self.parts.folder.exists():  # a finished file: reopened as the first part
-            self._check_ours(self.path)
-            self.parts.folder.mkdir()
-            move_into_place(self.path, self.parts.path(0))
         self.parts.drop_temporaries()
+        if self.path.exists() and not self.parts.numbered():  # a finished file: reopened as the first part
+            self._check_ours(self.path)
+            with open_regular(self.path, write=False) as done:  # copied (the store's write-then-rename): a kill
+                self.parts.write(0, lambda f: shutil.copyfileobj(done, f, 1 << 20))  # leaves the file as it was
         for number, part in self.parts.numbered():
             self._check_ours(part)
             for batch in pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed

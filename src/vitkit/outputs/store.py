@@ -30,9 +30,8 @@ from vitkit.fileio import (
     WRITER_KEY,
     check_output_location,
     create_new,
-    move_into_place,
     open_regular,
-    temp_path,
+    set_aside,
     write_file_atomic,
 )
 
@@ -288,9 +287,8 @@ class Parts:
         only the store's own files are deleted; a folder still holding anything else is left (hidden)."""
         if not self.folder.is_dir():
             return
-        aside = Parts(temp_path(self.folder, "del"), self.suffix, prefix=self.prefix, digits=self.digits,
+        aside = Parts(set_aside(self.folder), self.suffix, prefix=self.prefix, digits=self.digits,
                       extra=tuple(self.extra))  # fmt: skip
-        move_into_place(self.folder, aside.folder)
         aside.clear()
         for name in aside.extra:
             (aside.folder / name).unlink(missing_ok=True)

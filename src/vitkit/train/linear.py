@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from vitkit.configs import TrainConfig
 from vitkit.data.base import ImageDataset
 from vitkit.errors import ConfigError
-from vitkit.fileio import write_file_atomic, write_text_atomic
-from vitkit.train import build
+from vitkit.fileio import write_text_atomic
+from vitkit.train import build, logs
 from vitkit.train import distributed as distr
 from vitkit.train.feature_cache import AugmentedPass, Features, backbone_digest, cached_features
 from vitkit.train.probe import ProbeFit, fit_probe, write_head
@@ -103,7 +103,7 @@ def probe_summary(fit: ProbeFit) -> str:
 def write_probe_report(run: Run, fit: ProbeFit, extra: dict[str, Any]) -> None:
     doc = {"method": run.cfg.adapt.method, **fit.to_dict(), **extra}
     path = run.run_dir / PROBE_FILE
-    write_file_atomic(path, lambda tmp: tmp.write_text(json.dumps(doc, indent=2) + "\n"))
+    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
 
 
 class LinearRun(Run):
@@ -121,7 +121,7 @@ class LinearRun(Run):
         t0 = time.perf_counter()
         self._clean_after_kill()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.run_dir / "config.json", json.dumps(self.cfg.to_dict(), indent=2) + "\n")
+        logs.write_config(self.run_dir, self.cfg.to_dict())
         fit = fit_linear_head(self)
         metrics: dict[str, float] = {}
         if self.val_set is not None:

@@ -22,7 +22,7 @@ def start(run_dir: Path, config: dict[str, Any], step: int, resumed: bool) -> tu
     TensorBoard writer (None without tensorboard)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     refuse_link(run_dir / "tb")  # TensorBoard writes its event files in there
-    write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
+    write_config(run_dir, config)
     for name in CSV_LOGS:
         if resumed:
             truncate_csv(run_dir / name, step)
@@ -34,6 +34,12 @@ def start(run_dir: Path, config: dict[str, Any], step: int, resumed: bool) -> tu
     except ImportError:  # tensorboard is optional
         return rows, None
     return rows, SummaryWriter(str(run_dir / "tb"), purge_step=step if resumed else None)
+
+
+def write_config(run_dir: Path, config: dict[str, Any]) -> Path:
+    """A run's ``config.json`` (what resume and ``vitkit train --resume`` read back), the one writer of it:
+    written and renamed into place by :func:`~vitkit.fileio.write_text_atomic` (a crash leaves the old file)."""
+    return write_text_atomic(run_dir / "config.json", json.dumps(config, indent=2) + "\n")
 
 
 def log_step(run_dir: Path, tb: Any, rec: dict[str, float], images_per_s: float) -> None:

@@ -142,7 +142,7 @@ def _keep(folder: Path, best: float, grid: list[float]) -> None:
             _remove_run(_run_dir(folder, lr))
     won = _run_dir(folder, best)
     for entry in os.listdir(won):
-        fileio.move_into_place(won / entry, folder / entry)  # a link planted there is refused, never followed
+        fileio.publish(won / entry, folder / entry)  # a link planted there is refused, never followed
     won.rmdir()
     with contextlib.suppress(OSError):  # left when a run folder held files vitkit did not write
         (folder / "sweep").rmdir()
