@@ -39,7 +39,7 @@ def test_a_runs_config_json_survives_a_crash_mid_write(tmp_path: Path, monkeypat
     before = (tmp_path / "config.json").read_bytes()
     real = Path.write_bytes
     monkeypatch.setattr(Path, "write_bytes", lambda self, data: _dies_after(7)(self, data))
-    with pytest.raises(VitkitError, match="config.json: cannot write"):
+    with pytest.raises(VitkitError, match=r"config\.json: cannot write"):
         logs.write_config(tmp_path, {"name": "second", "optim": {"lr": 0.03}})
     monkeypatch.setattr(Path, "write_bytes", real)
     assert (tmp_path / "config.json").read_bytes() == before

@@ -54,6 +54,9 @@ MAX_TIFF_ENTRIES = 0xFFFF
 # RGB one at 0.9 GB; at the weighted limit, 22 MP, a float or 16-bit TIFF peaks below that RGB one)
 MODE_PIXEL_WEIGHT = {"F": 4, "I": 4, "I;16": 4, "I;16B": 4, "I;16L": 4, "I;16N": 4}
 
+# What the Python API takes as one image (vitkit.predict, vitkit.embed): a file's path or a decoded Pillow image
+ImageInput = str | os.PathLike[str] | Image.Image
+
 
 def read_image_file(path: str | os.PathLike[str], *, empty_ok: bool = False) -> bytes:
     """The bytes of an image file, read safely: opened without blocking (a FIFO never hangs), checked with

@@ -25,12 +25,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.data.stream import DatasetSource, ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, VitkitError
+from vitkit.images import ImageInput
 from vitkit.inference.engine import POOLS, InferenceEngine
 from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, Steps, image_source, run_job
 from vitkit.inference.provenance import job_meta
@@ -151,9 +151,6 @@ def embed_job(
         if sink is not None:
             sink.release()
     return summary
-
-
-ImageInput = str | os.PathLike[str] | Image.Image
 
 
 def embed(

@@ -16,19 +16,17 @@ from typing import Any, overload
 
 import numpy as np
 import torch
-from PIL import Image
 
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.data.stream import ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
 from vitkit.fileio import printable
+from vitkit.images import ImageInput
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import EngineSpec, Job, JobSummary, Steps, image_source, job_steps, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.rows import ColumnsError, Field, open_rows
-
-ImageInput = str | os.PathLike[str] | Image.Image
 
 
 @dataclass

@@ -31,7 +31,9 @@ class Closed(Exception):
 
 
 @dataclass
-class Job(Generic[T, R]):
+class Queued(Generic[T, R]):
+    """One request waiting in the batcher: its item, the future its answer goes to, when it arrived."""
+
     item: T
     future: Future[R] = field(default_factory=Future)
     arrived: float = field(default_factory=time.monotonic)
@@ -56,7 +58,7 @@ class Batcher(Generic[T, R]):
             raise ValueError("max_batch and max_queue must be positive, max_wait_ms non-negative")
         self.run, self.on_batch = run, on_batch
         self.max_batch, self.max_wait, self.max_queue = max_batch, max_wait_ms / 1000.0, max_queue
-        self._queue: deque[Job[T, R]] = deque()
+        self._queue: deque[Queued[T, R]] = deque()
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -76,7 +78,7 @@ class Batcher(Generic[T, R]):
             self._thread.start()
 
     def submit(self, item: T) -> Future[R]:
-        job: Job[T, R] = Job(item)
+        job: Queued[T, R] = Queued(item)
         with self._cond:
             if self._closing or self._thread is None:
                 raise Closed("the server is shutting down")
@@ -93,7 +95,7 @@ class Batcher(Generic[T, R]):
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def _next_batch(self) -> list[Job[T, R]] | None:
+    def _next_batch(self) -> list[Queued[T, R]] | None:
         with self._cond:
             while not self._queue:
                 if self._closing:
