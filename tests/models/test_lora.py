@@ -23,10 +23,10 @@ from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.lora import (
     LoraLinear,
     LoraSpec,
+    adapted_layers,
     adapter_state,
     add_lora,
     fused_lora,
-    is_adapted,
     load_adapter_state,
     merge_lora,
 )
@@ -64,7 +64,7 @@ def test_adapters_go_on_the_chosen_projections_only() -> None:
     assert trainable == {n for n in trainable if ".lora_" in n} | {"head.weight", "head.bias"}
     assert "blocks.0.attn.qkv.lora_A.default.weight" in trainable and len(trainable) == 2 * 4 + 2
     a = model.blocks[0].attn.qkv.lora_A["default"].weight
-    assert a.shape == (4, 32) and is_adapted(model)
+    assert a.shape == (4, 32) and adapted_layers(model) != []
 
 
 @pytest.mark.parametrize("targets", [("qkv", "proj", "fc1", "fc2"), ("fc1",)])
@@ -77,7 +77,7 @@ def test_merged_forward_equals_unmerged(targets: tuple[str, ...]) -> None:
         unmerged = model(x)
         base = merge_lora(copy.deepcopy(model)).eval()  # merged copy first: `model` keeps its adapters
         merged = base(x)
-    assert not is_adapted(base) and type(base.blocks[0].mlp.fc1) is nn.Linear
+    assert adapted_layers(base) == [] and type(base.blocks[0].mlp.fc1) is nn.Linear
     assert set(base.state_dict()) == set(tiny(representation_size=24).state_dict())  # a plain ViT again
     torch.testing.assert_close(merged, unmerged, rtol=1e-5, atol=1e-5)
     with torch.no_grad():

@@ -33,11 +33,6 @@ def label_names(label_set: str) -> list[str]:
     raise KeyError(f"unknown label set {label_set!r}; known: {', '.join(LABEL_SETS)}")
 
 
-def imagenet21k_synsets() -> list[str]:
-    """WordNet ids (``n01440764``...) of the ImageNet-21k classes, in the checkpoints' index order."""
-    return [synset for synset, _ in _imagenet21k()]
-
-
 def label_set_for(num_classes: int) -> str | None:
     """The shipped label set a head of ``num_classes`` outputs most likely uses (1000 or 21843), else None."""
     return {1000: "imagenet-1k", 21843: "imagenet-21k"}.get(num_classes)

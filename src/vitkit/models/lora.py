@@ -201,11 +201,6 @@ def adapted_layers(model: nn.Module) -> list[tuple[str, LoraLinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLinear)]
 
 
-def is_adapted(model: nn.Module) -> bool:
-    """Whether ``model`` holds LoRA layers."""
-    return bool(adapted_layers(model))
-
-
 @torch.no_grad()
 def merge_lora(model: M) -> M:
     """Fold every adapter into its layer's weight (``W += scaling B A``, as peft's ``merge``) and put the plain
