@@ -68,7 +68,7 @@ def client(tree: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> It
     index = Index.build(ids, rng.normal(size=(len(ids), 8)).astype(np.float32))
     Path(tree["gone"]).unlink()  # deleted after it was indexed
     served = ServedModel.from_checkpoint(make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny"), precision="fp32")
-    similar = SimilarImages(index, "thumbs.index", None, None, indexed_folder(index.ids))
+    similar = SimilarImages(index, "thumbs.index", None, None, indexed_folder(index.ids, os.getcwd()))
     assert similar.root == str(Path(tree["root"]) / "photos")  # the ``..`` id does not widen it
     opts = ServeOptions(max_batch=2, max_pixels=1_000_000, max_decoding=2)
     with TestClient(create_app(served, opts, similar)) as c:
@@ -139,16 +139,19 @@ def test_the_thumbnail_endpoint_is_in_the_schema_only_with_an_index(
 
 
 def test_relative_ids_are_taken_from_the_folder_the_server_started_in(
-    tree: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    tree: dict[str, str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    from vitkit.serve.similar import NotServed
+
     monkeypatch.chdir(tree["root"])
     ids = ["photos/china.jpg", "photos/sub/flower.png", "photos/out.jpg", "photos/../outside/secret.jpg"]
     index = Index.build(ids, np.eye(4, 8, dtype=np.float32))
-    similar = SimilarImages(index, "rel.index", None, None, indexed_folder(index.ids))
+    similar = SimilarImages(index, "rel.index", None, None, indexed_folder(index.ids, os.getcwd()))
     assert similar.root == str(Path(tree["root"]) / "photos")
+    monkeypatch.chdir(tmp_path)  # later changes of the current folder change nothing
+    (tmp_path / "photos").mkdir()
+    (tmp_path / "photos" / "china.jpg").write_bytes(b"another file")
     assert similar.image_file("photos/china.jpg") == os.path.realpath(tree["china"])
-    from vitkit.serve.similar import NotServed
-
     for id in ids[2:]:
         with pytest.raises(NotServed):
             similar.image_file(id)

@@ -310,7 +310,7 @@ def _similar_tab(gr: Any, view: SimilarView, count: int) -> None:
         with gr.Column(scale=1):
             verdict = gr.Markdown(elem_id="similar-verdict")
             shown = gr.Image(label="Query", interactive=False, elem_id="similar-query", format="jpeg")
-    gallery = gr.Gallery(label="Most similar indexed images", columns=4, object_fit="contain", height="auto",
+    gallery = gr.Gallery(label="Most similar indexed images", columns=4, object_fit="contain",
                          elem_id="neighbours", format="jpeg")  # fmt: skip
     table = gr.Markdown(elem_id="neighbour-table")
 

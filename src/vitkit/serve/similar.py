@@ -51,7 +51,8 @@ class SimilarImages:
     source: str
     pool: str | None
     layer: int | None
-    root: str | None = field(default=None)  # the indexed folder (absolute, links not resolved); None: no files
+    root: str | None = None  # the indexed folder (absolute, links not resolved); None: no files
+    cwd: str = field(default_factory=os.getcwd)  # what relative ids are relative to: the folder at start-up
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], served: ServedModel) -> SimilarImages:
@@ -70,7 +71,7 @@ class SimilarImages:
             str(path),
             None if pool == "pre-logits" else pool,
             None if layer == "final" else int(layer),
-            indexed_folder(index.ids),
+            indexed_folder(index.ids, os.getcwd()),
         )
         (dim,) = vector_shape(served.loaded, EmbedOptions(pool=similar.pool, layer=similar.layer))
         if dim != index.dimension:
@@ -101,7 +102,7 @@ class SimilarImages:
             raise NotServed("id not in the index") from None
         if self.root is None or not _is_path(id):
             raise NotServed("no image file of the indexed folder has this id")
-        real = os.path.realpath(os.path.abspath(id))
+        real = os.path.realpath(os.path.join(self.cwd, id))
         root = os.path.realpath(self.root)
         if os.path.commonpath([root, real]) != root or not os.path.isfile(real):
             raise NotServed("no image file of the indexed folder has this id")
@@ -134,10 +135,10 @@ def _is_path(id: str) -> bool:
     return bool(id) and "\0" not in id and ".." not in id.replace("\\", "/").split("/")
 
 
-def indexed_folder(ids: list[str]) -> str | None:
-    """The deepest folder holding every indexed id that can name a file (absolute, relative ids taken from the
-    current folder, links not resolved); None when there is none."""
-    folders = {os.path.dirname(os.path.abspath(i)) for i in ids if _is_path(i)}
+def indexed_folder(ids: list[str], cwd: str) -> str | None:
+    """The deepest folder holding every indexed id that can name a file (absolute, relative ids taken from
+    ``cwd``, links not resolved); None when there is none."""
+    folders = {os.path.dirname(os.path.normpath(os.path.join(cwd, i))) for i in ids if _is_path(i)}
     if not folders:
         return None
     return os.path.commonpath(sorted(folders))
