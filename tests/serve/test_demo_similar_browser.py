@@ -186,3 +186,19 @@ def test_similar_images_tab_in_headless_chromium(demo_url: str, built: dict[str,
             ctx.close()
     assert all(u.startswith(demo_url) or u.startswith(("data:", "blob:")) for u in requests), requests
     assert not any(str(built["photos"]) in u for u in requests)  # thumbnails from the page's folder, never the photos
+
+
+def test_demo_refuses_a_folder_that_is_not_an_index(
+    built: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``vitkit demo --index`` on a folder that is not an index: one line naming it, exit 2, before the page
+    starts; the folder is left as it was."""
+    pytest.importorskip("gradio")
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "manifest.json").write_text("{}\n")
+    capsys.readouterr()
+    assert main(["demo", str(built["ckpt"]), "--index", str(planted), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(planted) in err[0], err
+    assert [p.name for p in planted.iterdir()] == ["manifest.json"]
