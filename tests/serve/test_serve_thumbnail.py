@@ -155,3 +155,11 @@ def test_relative_ids_are_taken_from_the_folder_the_server_started_in(
     for id in ids[2:]:
         with pytest.raises(NotServed):
             similar.image_file(id)
+
+
+def test_a_method_not_allowed_lists_every_method_of_the_path(client: TestClient) -> None:
+    """/search has two routes (POST, GET): a 405 names both, as the schema lists both (schemathesis' ST205)."""
+    r = client.request("PUT", "/search")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST", r.headers
+    r = client.post("/thumbnail", params={"id": "x"})
+    assert r.status_code == 405 and r.headers["allow"] == "GET"

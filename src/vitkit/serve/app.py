@@ -514,7 +514,12 @@ async def _request_error(request: Request, exc: RequestError) -> Response:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:  # Allow: the methods of every route of the path (/search has two, each its own route)
+        methods = {m for r in request.app.routes if getattr(r, "path", None) == request.url.path
+                   for m in getattr(r, "methods", None) or ()}  # fmt: skip
+        headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))} if methods else headers
+    return _error(exc.status_code, str(exc.detail), headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
