@@ -17,12 +17,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="web page: upload an image, see the top-5, attention rollout, per-layer/head attention, model figures",
         description="Open a Gradio page for a checkpoint: upload, paste or pick a sample image; the top-5 classes "
         "as bars, the attention rollout overlaid on the image, one layer's raw attention per head (layer and head "
-        "selectors), and the model's position-embedding similarity and patch-embedding filter figures. "
-        "Needs: pip install 'vitkit[demo]'.",
+        "selectors), and the model's position-embedding similarity and patch-embedding filter figures; with "
+        "--index, a 'Similar images' tab. Needs: pip install 'vitkit[demo]'.",
     )
     add_model_options(p)
     p.add_argument("--port", type=int, default=7860, help="TCP port (default 7860)")
     p.add_argument("--samples", nargs="*", default=[], metavar="IMAGE", help="more sample images to offer")
+    p.add_argument(
+        "--index",
+        metavar="INDEX",
+        help="a vitkit index (vitkit index) made with this checkpoint: adds a 'Similar images' tab (an upload or an "
+        "indexed id -> its nearest indexed images as thumbnails, with ids and scores)",
+    )
     p.set_defaults(func=cmd_demo)
 
 
@@ -46,8 +52,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     served = ServedModel.from_checkpoint(
         args.checkpoint, format=args.format, precision="fp32", device=args.device, fast=False
     )
+    similar = None
+    if args.index is not None:
+        from vitkit.serve.similar import SimilarImages
+
+        similar = SimilarImages.open(args.index, served)
     with tempfile.TemporaryDirectory(prefix="vitkit-demo-") as work:
-        demo = build_demo(served, Path(work), samples)
+        demo = build_demo(served, Path(work), samples, similar)
         card = served.card()
         print(f"vitkit demo: {card['name']} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         launch(demo, args.host, args.port, [work, *{str(s.resolve().parent) for s in samples}])

@@ -120,8 +120,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--index",
         metavar="INDEX",
         help="a vitkit index (vitkit index) made with this checkpoint: adds POST /search (an image -> its nearest "
-        "indexed images) and GET /search?id= (an indexed image's neighbours); an index made by another checkpoint "
-        "or preprocessing is refused at start-up",
+        "indexed images), GET /search?id= (an indexed image's neighbours) and GET /thumbnail?id= (a small JPEG of an "
+        "indexed image, only files of the index); an index made by another checkpoint or preprocessing is refused "
+        "at start-up",
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

@@ -64,11 +64,11 @@ from vitkit.serve.schema import (
     SearchAnswer,
     error_doc,
 )
-from vitkit.serve.similar import SimilarImages
+from vitkit.serve.similar import THUMBNAIL_PX, NotServed, SimilarImages
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-ROUTES = ("/predict", "/search", "/health", "/metrics", "/model", "/docs", "/openapi.json")
+ROUTES = ("/predict", "/search", "/thumbnail", "/health", "/metrics", "/model", "/docs", "/openapi.json")
 _LOG = logging.getLogger("vitkit.serve")
 
 
@@ -367,6 +367,18 @@ class _Server:
             }
         return out
 
+    async def thumbnail(self, id: str) -> bytes:
+        """The ``GET /thumbnail`` answer: the indexed image's file decoded as uploads are (a worker process, the
+        pixel limit and decode timeout, one of the decoding slots), re-encoded small."""
+        assert self.similar is not None
+        job = Decoding()
+        async with self.decoding:
+            try:
+                return await run_in_threadpool(self.similar.thumbnail, id, lambda data: self.pool.decode(data, job))
+            except asyncio.CancelledError:
+                job.cancel()
+                raise
+
     async def search(self, request: Request, top_k: int) -> dict[str, Any]:
         """The ``POST /search`` answer: the uploaded image's nearest indexed images."""
         assert self.similar is not None
@@ -463,13 +475,51 @@ def _add_search_routes(app: FastAPI, server: _Server) -> None:
         except DataError:
             return _error(404, "id not in the index")
 
+    @app.get(
+        "/thumbnail",
+        summary="a small JPEG of an indexed image",
+        description=f"The indexed image `id` (an id /search answers), decoded as uploads are and re-encoded as a JPEG "
+        f"of at most {THUMBNAIL_PX} pixels a side. Only files of the index are served, and only inside the indexed "
+        "folder: an id not in the index, with a `..` part, or whose file is a link out of the folder is 404.",
+        response_class=Response,
+        responses={
+            200: {
+                "content": {"image/jpeg": {"schema": {"type": "string", "format": "binary"}}},
+                "description": "the thumbnail",
+            },
+            404: error_doc("the id is not in the index, or names no image file of the indexed folder"),
+            413: error_doc("the indexed image is over the pixel limit or its decoding outlived the decode timeout"),
+            422: error_doc("the id missing, empty or too long, or the indexed file is not a decodable image"),
+            504: error_doc("not answered within the request timeout"),
+        },
+    )
+    async def thumbnail(
+        id: str = Query(..., min_length=1, max_length=4096, description="an id in the index (an indexed path)"),
+    ) -> Response:
+        try:
+            data = await asyncio.wait_for(server.thumbnail(id), opts.timeout_s)
+        except TimeoutError:
+            return _error(504, f"not answered within the request timeout of {opts.timeout_s:g} s")
+        except NotServed as e:
+            return _error(404, str(e))
+        except ImageTooLarge as e:
+            return _error(413, str(e).split(": ", 1)[-1])
+        except DataError as e:
+            return _error(422, f"the indexed file is not a decodable image ({str(e).split(': ', 1)[-1]})")
+        return Response(data, media_type="image/jpeg", headers={"Cache-Control": "no-store"})
+
 
 async def _request_error(request: Request, exc: RequestError) -> Response:
     return _error(exc.status, exc.message)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-    return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+    headers = getattr(exc, "headers", None)
+    if exc.status_code == 405:  # Allow: the methods of every route of the path (/search has two, each its own route)
+        methods = {m for r in request.app.routes if getattr(r, "path", None) == request.url.path
+                   for m in getattr(r, "methods", None) or ()}  # fmt: skip
+        headers = {**(headers or {}), "Allow": ", ".join(sorted(methods))} if methods else headers
+    return _error(exc.status_code, str(exc.detail), headers)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> Response:

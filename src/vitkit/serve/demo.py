@@ -6,13 +6,20 @@ and the model's own figures: position-embedding similarity and the principal com
 patch-embedding filters (paper fig. 7). Uploads are decoded by vitkit's decoder (a file that is not an image
 is one line on the page and in the log), and predictions and attention come from the checkpoint's fp32 model
 (``forward_intermediates``), so the labels are those of ``vitkit predict``.
+
+With an index (``vitkit demo CKPT --index INDEX``, made by the same checkpoint) a "Similar images" tab shows an
+uploaded image, or an indexed one picked by id, and its nearest indexed images as thumbnails with their ids and
+scores: those of ``vitkit search``. The thumbnails are :meth:`SimilarImages.thumbnail`'s, written into the page's
+own folder; the indexed folder is never handed to Gradio, so nothing else on disk is served.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +34,10 @@ from vitkit.analysis.attention import rollout_maps, upsample_maps
 from vitkit.analysis.embeddings import NotApplicable, patch_embedding_pca, position_embeddings, position_similarity
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import write_file_atomic
-from vitkit.images import decode_image
+from vitkit.images import convert_image, decode_image
 from vitkit.serve.engine import ServedModel
 from vitkit.serve.net import check_free
+from vitkit.serve.similar import THUMBNAIL_PX, SimilarImages
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +137,71 @@ class DemoModel:
         return overlay(state["shown"], heat)
 
 
+class SimilarView:
+    """The "Similar images" tab's computations, independent of Gradio (tested directly): a query (an upload or an
+    indexed id) -> its vector, and a vector -> the neighbours' thumbnails, captions and table."""
+
+    def __init__(self, served: ServedModel, similar: SimilarImages, work_dir: Path) -> None:
+        self.served, self.similar = served, similar
+        self.thumbs = work_dir / "thumbnails"
+        self.thumbs.mkdir(parents=True, exist_ok=True)
+
+    def _decode(self, data: bytes) -> Image.Image:
+        return decode_image(data, "indexed image")
+
+    def thumbnail_file(self, id: str) -> str | None:
+        """The thumbnail of the indexed image ``id`` as a JPEG in the page's folder; None when it is not served."""
+        path = self.thumbs / f"{hashlib.sha256(id.encode()).hexdigest()[:32]}.jpg"
+        if not path.exists():
+            try:
+                data = self.similar.thumbnail(id, self._decode)
+            except DataError as e:
+                logger.warning("vitkit demo: no thumbnail for %s: %s", id, e)
+                return None
+            write_file_atomic(path, lambda tmp: tmp.write_bytes(data))
+        return str(path)
+
+    def query(self, upload: dict[str, Any] | None, id: str | None) -> tuple[Any, Any, str]:
+        """(query picture, state ``(vector, id)``, verdict) of an upload (Gradio's file record) or an indexed id;
+        a file that does not decode or an unknown id is one verdict line."""
+        if id:
+            try:
+                vector = np.asarray(self.similar.index.vector(id))
+            except DataError:
+                return None, None, f"**Not in the index:** {id}"
+            return self.thumbnail_file(id), (vector, id), f"**Query:** indexed image `{id}`"
+        if not upload or not upload.get("path"):
+            return None, None, ""
+        name = upload.get("orig_name") or Path(upload["path"]).name
+        try:
+            img = decode_image(upload["path"], name)
+        except DataError as e:
+            logger.warning("vitkit demo: upload refused: %s", e)
+            return None, None, f"**Cannot search with this upload:** {e}"
+        vector = self.similar.vectors(self.served, self.served.to_tensor(img)[None])[0]
+        shown = convert_image(img, "RGB")
+        shown.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX), Image.Resampling.BICUBIC)
+        return shown, (vector, None), f"**Query:** {name}"
+
+    def neighbours(self, state: tuple[np.ndarray, str | None] | None, k: int) -> tuple[list[tuple[str, str]], str]:
+        """The gallery (thumbnail, caption) and the table (rank, id, score) of the query's ``k`` neighbours."""
+        if state is None:
+            return [], ""
+        vector, skip = state
+        hits = self.similar.neighbours(vector, int(k), skip=skip)
+        gallery = [(self.thumbnail_file(h["id"]) or self._placeholder(), f"{h['score']:.4f} · {Path(h['id']).name}")
+                   for h in hits]  # fmt: skip
+        rows = "".join(f"| {i} | `{h['id']}` | {h['score']:.6f} |\n" for i, h in enumerate(hits, 1))
+        return gallery, f"| rank | id | score |\n|---|---|---|\n{rows}"
+
+    def _placeholder(self) -> str:
+        path = self.thumbs / "missing.png"
+        if not path.exists():
+            grey = Image.new("RGB", (32, 32), (200, 200, 200))
+            write_file_atomic(path, lambda tmp: grey.save(tmp, format="PNG"))
+        return str(path)
+
+
 def default_samples(out_dir: Path) -> list[Path]:
     """Sample images written into ``out_dir``: scikit-learn's two photos and three bundled 8x8 digits."""
     from sklearn.datasets import load_digits, load_sample_image
@@ -146,8 +219,11 @@ def default_samples(out_dir: Path) -> list[Path]:
     return paths
 
 
-def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()) -> Any:
-    """The Gradio Blocks page for ``served``; figures and samples are written into ``work_dir``."""
+def build_demo(
+    served: ServedModel, work_dir: Path, samples: Sequence[Path] = (), similar: SimilarImages | None = None
+) -> Any:
+    """The Gradio Blocks page for ``served``; figures, samples and thumbnails are written into ``work_dir``. With
+    ``similar`` (an index the checkpoint made) the page has a "Similar images" tab."""
     import gradio as gr
 
     demo_model = DemoModel(served)
@@ -157,10 +233,6 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
     head_choices = [MEAN_OF_HEADS] + [f"head {i + 1}" for i in range(demo_model.num_heads)]
     query = "class token" if demo_model.class_token else "mean over the patch tokens (no class token)"
     H, W = card["image_size"]
-
-    def on_image(upload: dict[str, Any] | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:
-        return demo_model.upload_view(upload, layer, head)
-
     with gr.Blocks(title=f"vitkit demo: {card['name']}", analytics_enabled=False) as demo:
         gr.Markdown(
             f"# vitkit demo: {card['name']}\n"
@@ -168,44 +240,92 @@ def build_demo(served: ServedModel, work_dir: Path, samples: Sequence[Path] = ()
             f"patch {card['patch_size']} · {card['depth']} layers x {card['num_heads']} heads · "
             f"classifier: {card['classifier']}"
         )
-        state = gr.State(None)
-        with gr.Row():
-            with gr.Column():
-                image = gr.Image(
-                    sources=["upload", "clipboard"], label="Image: upload, paste, or pick a sample",
-                    elem_id="input-image",
-                )  # fmt: skip
-                gr.Examples(examples=examples, inputs=image, label="Samples")
-            with gr.Column():
-                verdict = gr.Markdown(elem_id="verdict")
-                top5 = gr.Label(num_top_classes=5, label="Top-5", elem_id="top5")
-            with gr.Column():
-                rollout = gr.Image(
-                    label=f"Attention rollout ({query} -> pixels)", interactive=False, elem_id="rollout",
-                    format="png",
-                )  # fmt: skip
-        with gr.Row():
-            with gr.Column(scale=1):
-                layer = gr.Slider(1, demo_model.depth, value=demo_model.depth, step=1, label="Layer")
-                head = gr.Dropdown(head_choices, value=MEAN_OF_HEADS, label="Head")
-            with gr.Column(scale=2):
-                raw = gr.Image(
-                    label=f"Raw attention of the {query}", interactive=False, elem_id="raw-attention", format="png"
-                )
-        with gr.Row():  # no label badge over the figures: it covered their titles, which say what they show
-            gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False,
-                     show_label=False, elem_id="position-figure")  # fmt: skip
-            if isinstance(figs["filters"], Path):
-                gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False,
-                         show_label=False, elem_id="filters-figure")  # fmt: skip
-            else:
-                gr.Markdown(f"Patch-embedding filters: not shown ({figs['filters']}).")
-        # preprocess=False: the upload arrives as Gradio's file record and is decoded by vitkit's decoder, so a
-        # file that is not an image is one line on the page and in the log rather than Gradio's traceback
-        image.change(on_image, [image, layer, head], [top5, rollout, raw, state, verdict], preprocess=False)
-        layer.change(demo_model.layer_view, [state, layer, head], raw)
-        head.change(demo_model.layer_view, [state, layer, head], raw)
+        with gr.Tabs() if similar is not None else nullcontext():
+            with gr.Tab("Predictions", id="predictions") if similar is not None else nullcontext():
+                _prediction_tab(gr, demo_model, examples, head_choices, query, figs)
+            if similar is not None:
+                with gr.Tab("Similar images", id="similar", elem_id="similar-tab"):
+                    _similar_tab(gr, SimilarView(served, similar, work_dir), len(similar.index))
     return demo
+
+
+def _prediction_tab(gr: Any, demo_model: DemoModel, examples: list[list[str]], head_choices: list[str], query: str,
+                    figs: dict[str, Path | str]) -> None:  # fmt: skip
+    """The predictions: the upload, the top-5, the rollout, one layer's attention, the model's figures."""
+
+    def on_image(upload: dict[str, Any] | None, layer: int, head: str) -> tuple[Any, Any, Any, Any, str]:
+        return demo_model.upload_view(upload, layer, head)
+
+    state = gr.State(None)
+    with gr.Row():
+        with gr.Column():
+            image = gr.Image(
+                sources=["upload", "clipboard"], label="Image: upload, paste, or pick a sample",
+                elem_id="input-image",
+            )  # fmt: skip
+            gr.Examples(examples=examples, inputs=image, label="Samples")
+        with gr.Column():
+            verdict = gr.Markdown(elem_id="verdict")
+            top5 = gr.Label(num_top_classes=5, label="Top-5", elem_id="top5")
+        with gr.Column():
+            rollout = gr.Image(
+                label=f"Attention rollout ({query} -> pixels)", interactive=False, elem_id="rollout",
+                format="png",
+            )  # fmt: skip
+    with gr.Row():
+        with gr.Column(scale=1):
+            layer = gr.Slider(1, demo_model.depth, value=demo_model.depth, step=1, label="Layer")
+            head = gr.Dropdown(head_choices, value=MEAN_OF_HEADS, label="Head")
+        with gr.Column(scale=2):
+            raw = gr.Image(
+                label=f"Raw attention of the {query}", interactive=False, elem_id="raw-attention", format="png"
+            )
+    with gr.Row():  # no label badge over the figures: it covered their titles, which say what they show
+        gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False,
+                 show_label=False, elem_id="position-figure")  # fmt: skip
+        if isinstance(figs["filters"], Path):
+            gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False,
+                     show_label=False, elem_id="filters-figure")  # fmt: skip
+        else:
+            gr.Markdown(f"Patch-embedding filters: not shown ({figs['filters']}).")
+    # preprocess=False: the upload arrives as Gradio's file record and is decoded by vitkit's decoder, so a
+    # file that is not an image is one line on the page and in the log rather than Gradio's traceback
+    image.change(on_image, [image, layer, head], [top5, rollout, raw, state, verdict], preprocess=False)
+    layer.change(demo_model.layer_view, [state, layer, head], raw)
+    head.change(demo_model.layer_view, [state, layer, head], raw)
+
+
+def _similar_tab(gr: Any, view: SimilarView, count: int) -> None:
+    """Upload an image or pick an indexed id; the query and its nearest indexed images, with ids and scores."""
+    state = gr.State(None)
+    with gr.Row():
+        with gr.Column(scale=1):
+            upload = gr.Image(sources=["upload", "clipboard"], label="Image to search with: upload or paste",
+                              elem_id="similar-input")  # fmt: skip
+            ids = view.similar.index.ids
+            pick = gr.Dropdown(list(ids[:1000]), value=None, label=f"or an indexed image ({count} indexed)",
+                               allow_custom_value=True, filterable=True, elem_id="similar-id")  # fmt: skip
+            k = gr.Slider(1, min(50, max(1, count)), value=min(8, count), step=1, label="Neighbours",
+                          elem_id="similar-k")  # fmt: skip
+        with gr.Column(scale=1):
+            verdict = gr.Markdown(elem_id="similar-verdict")
+            shown = gr.Image(label="Query", interactive=False, elem_id="similar-query", format="jpeg")
+    gallery = gr.Gallery(label="Most similar indexed images", columns=4, object_fit="contain",
+                         elem_id="neighbours", format="jpeg")  # fmt: skip
+    table = gr.Markdown(elem_id="neighbour-table")
+
+    def by_upload(file: dict[str, Any] | None, k: int) -> tuple[Any, Any, str, Any, str]:
+        picture, st, line = view.query(file, None)
+        return (picture, st, line, *view.neighbours(st, k))
+
+    def by_id(id: str | None, k: int) -> tuple[Any, Any, str, Any, str]:
+        picture, st, line = view.query(None, id)
+        return (picture, st, line, *view.neighbours(st, k))
+
+    outputs = [shown, state, verdict, gallery, table]
+    upload.change(by_upload, [upload, k], outputs, preprocess=False)  # vitkit's decoder, as the predictions tab
+    pick.input(by_id, [pick, k], outputs)
+    k.release(view.neighbours, [state, k], [gallery, table])
 
 
 def launch(demo: Any, host: str, port: int, allowed: Sequence[str | os.PathLike[str]]) -> None:

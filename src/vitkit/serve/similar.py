@@ -5,23 +5,42 @@ An index answers only queries embedded by the checkpoint that made it: at start-
 digest and preprocessing are compared with the index's provenance (:data:`vitkit.search.index.COMPARED`), and a
 mismatch is refused in one line before the server listens. The precision may differ (bf16 rounds the vectors; the
 neighbours and their order are what the checkpoint computes, to that rounding).
+
+Thumbnails (``GET /thumbnail?id=`` and the demo's "Similar images" tab) show indexed images and nothing else on disk:
+an id is served only when it is in the index, names a path without ``..`` parts, and that path, its links resolved
+when asked for, lies in the indexed folder (the deepest folder holding every indexed file, links not resolved) and is
+a regular file; anything else is :class:`NotServed` (404). The file is read with vitkit's bounds
+(:func:`vitkit.images.read_image_file`), decoded by the caller's decoder (the server's worker processes, with its
+pixel limit and decode timeout) and re-encoded as a JPEG of at most :data:`THUMBNAIL_PX` pixels a side: the raw file
+never leaves the server.
 """
 
 from __future__ import annotations
 
+import io
 import os
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 
 from vitkit.errors import DataError
+from vitkit.images import convert_image, read_image_file
 from vitkit.inference.embed import EmbedOptions, vector_shape
 from vitkit.search.index import Index
 from vitkit.search.jobs import checkpoint_meta
 from vitkit.serve.engine import ServedModel
+
+THUMBNAIL_PX = 256  # the longest side of a thumbnail, in pixels
+THUMBNAIL_QUALITY = 85  # JPEG quality of the thumbnails
+
+
+class NotServed(DataError):
+    """An id whose image is not served: not in the index, or not a file in the indexed folder."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,8 @@ class SimilarImages:
     source: str
     pool: str | None
     layer: int | None
+    root: str | None = None  # the indexed folder (absolute, links not resolved); None: no files
+    cwd: str = field(default_factory=os.getcwd)  # what relative ids are relative to: the folder at start-up
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], served: ServedModel) -> SimilarImages:
@@ -46,7 +67,11 @@ class SimilarImages:
         if pool == "tokens":
             raise DataError(f"{where}: an index of token grids (--pool tokens) cannot be searched by image")
         similar = cls(
-            index, str(path), None if pool == "pre-logits" else pool, None if layer == "final" else int(layer)
+            index,
+            str(path),
+            None if pool == "pre-logits" else pool,
+            None if layer == "final" else int(layer),
+            indexed_folder(index.ids, os.getcwd()),
         )
         (dim,) = vector_shape(served.loaded, EmbedOptions(pool=similar.pool, layer=similar.layer))
         if dim != index.dimension:
@@ -68,6 +93,31 @@ class SimilarImages:
         """The neighbours of an indexed image (itself left out); DataError when the id is not in the index."""
         return self.neighbours(np.asarray(self.index.vector(id)), k, skip=id)
 
+    def image_file(self, id: str) -> str:
+        """The real path of the indexed image ``id``, checked now: NotServed unless ``id`` is in the index, has no
+        ``..`` part, and resolves (links followed) to a regular file inside the indexed folder."""
+        try:
+            self.index.vector(id)
+        except DataError:
+            raise NotServed("id not in the index") from None
+        if self.root is None or not _is_path(id):
+            raise NotServed("no image file of the indexed folder has this id")
+        real = os.path.realpath(os.path.join(self.cwd, id))
+        root = os.path.realpath(self.root)
+        if os.path.commonpath([root, real]) != root or not os.path.isfile(real):
+            raise NotServed("no image file of the indexed folder has this id")
+        return real
+
+    def thumbnail(self, id: str, decode: Callable[[bytes], Image.Image], px: int = THUMBNAIL_PX) -> bytes:
+        """A JPEG of the indexed image ``id``, at most ``px`` pixels a side: the file (:meth:`image_file`, read
+        with vitkit's size bound) decoded by ``decode`` (bytes -> image; its errors pass through), re-encoded."""
+        data = read_image_file(self.image_file(id))
+        img = convert_image(decode(data), "RGB")
+        img.thumbnail((px, px), Image.Resampling.BICUBIC)
+        out = io.BytesIO()
+        img.save(out, format="JPEG", quality=THUMBNAIL_QUALITY)
+        return out.getvalue()
+
     def card(self) -> dict[str, Any]:
         """What ``GET /model`` says of the index."""
         return {
@@ -78,3 +128,17 @@ class SimilarImages:
             "pool": self.pool or "pre-logits",
             "layer": "final" if self.layer is None else self.layer,
         }
+
+
+def _is_path(id: str) -> bool:
+    """Whether ``id`` can name an indexed file: not empty, no NUL, no ``..`` part (in either separator)."""
+    return bool(id) and "\0" not in id and ".." not in id.replace("\\", "/").split("/")
+
+
+def indexed_folder(ids: list[str], cwd: str) -> str | None:
+    """The deepest folder holding every indexed id that can name a file (absolute, relative ids taken from
+    ``cwd``, links not resolved); None when there is none."""
+    folders = {os.path.dirname(os.path.normpath(os.path.join(cwd, i))) for i in ids if _is_path(i)}
+    if not folders:
+        return None
+    return os.path.commonpath(sorted(folders))
