@@ -13,6 +13,7 @@ official    Google ViT/AugReg/hybrid .npz, vit_jax names
 big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
 hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
 timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
+dinov2      official DINOv2 state dict (facebookresearch/dinov2 hub .pth), read only
 lora        LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name
 ==========  ==========================================================================================
 """
@@ -29,6 +30,7 @@ import torch
 
 from vitkit.checkpoints import (
     big_vision,
+    dinov2_official,
     hf_folder,
     lora_format,
     npz_files,
@@ -160,10 +162,16 @@ FORMATS: dict[str, Format] = {
     "timm": Format(
         "timm",
         "timm ViT state dict (.safetensors/.pth file, or timm hub folder)",
-        timm_format.looks_like,
+        lambda p: timm_format.looks_like(p) and not dinov2_official.looks_like(p),
         timm_format.load,
         timm_format.save,
         timm_format.check_output,
+    ),
+    "dinov2": Format(
+        "dinov2",
+        "official DINOv2 state dict (facebookresearch/dinov2 hub .pth: mask_token, register_tokens, mlp.w12/w3)",
+        dinov2_official.looks_like,
+        dinov2_official.load,
     ),
 }
 
