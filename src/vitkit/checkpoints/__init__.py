@@ -13,6 +13,7 @@ official    Google ViT/AugReg/hybrid .npz, vit_jax names
 big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
 hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
 timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
+siglip      big_vision SigLIP .npz image tower (params/img/, MAP head)
 dinov2      official DINOv2 state dict (facebookresearch/dinov2 hub .pth), read only
 lora        LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name
 ==========  ==========================================================================================
@@ -35,6 +36,7 @@ from vitkit.checkpoints import (
     lora_format,
     npz_files,
     official,
+    siglip_npz,
     timm_format,
     torch_files,
     vitkit_format,
@@ -146,7 +148,7 @@ FORMATS: dict[str, Format] = {
     "big_vision": Format(
         "big_vision",
         "big_vision .npz (params/ prefix, Linen names, per-block or scan-stacked)",
-        big_vision.looks_like,
+        lambda p: big_vision.looks_like(p) and not siglip_npz.looks_like(p),
         big_vision.load,
         big_vision.save,
         _check_file_output,
@@ -166,6 +168,14 @@ FORMATS: dict[str, Format] = {
         timm_format.load,
         timm_format.save,
         timm_format.check_output,
+    ),
+    "siglip": Format(
+        "siglip",
+        "big_vision SigLIP .npz image tower (params/img/, MAPHead_0)",
+        siglip_npz.looks_like,
+        siglip_npz.load,
+        siglip_npz.save,
+        _check_file_output,
     ),
     "dinov2": Format(
         "dinov2",
