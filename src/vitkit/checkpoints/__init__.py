@@ -14,6 +14,7 @@ big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
 hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
 timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
 siglip      big_vision SigLIP .npz image tower (params/img/, MAP head)
+openclip    OpenAI CLIP / OpenCLIP state dict (visual.*), read only
 dinov2      official DINOv2 state dict (facebookresearch/dinov2 hub .pth), read only
 lora        LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name
 ==========  ==========================================================================================
@@ -36,6 +37,7 @@ from vitkit.checkpoints import (
     lora_format,
     npz_files,
     official,
+    openclip,
     siglip_npz,
     timm_format,
     torch_files,
@@ -176,6 +178,12 @@ FORMATS: dict[str, Format] = {
         siglip_npz.load,
         siglip_npz.save,
         _check_file_output,
+    ),
+    "openclip": Format(
+        "openclip",
+        "OpenAI CLIP / OpenCLIP state dict, its image tower (visual.*), read only",
+        openclip.looks_like,
+        openclip.load,
     ),
     "dinov2": Format(
         "dinov2",
