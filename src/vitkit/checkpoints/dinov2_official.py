@@ -12,7 +12,8 @@ index second); both forms are read. What the weights show is read from them: wid
 (``pos_embed`` has the class token's slot and a square grid: 1 + 37 x 37 at 518 px), registers (``register_tokens``:
 after the class token, without position, as vitkit's ``num_registers``), the MLP (``w12`` with twice ``w3``'s
 inputs: SwiGLU, gate rows first as vitkit's fc1). The rest is the code's and is fixed for every released
-model: exact GELU, LayerNorm eps 1e-6, qkv bias, layer scale. The number of heads shows in no shape: the four
+model: exact GELU, LayerNorm eps 1e-6 (qkv bias and layer scale, which every released model has, are read from
+``blocks.0.attn.qkv.bias`` and ``blocks.0.ls1.gamma``). The number of heads shows in no shape: the four
 released widths (384, 768, 1024, 1536) have 6, 12, 16 and 24; any other width is refused unless ``num_heads=``
 is given. ``mask_token`` serves masked-image-modelling inputs only: ignored on reading. This is the layout
 timm's ``checkpoint_filter_fn`` (``_convert_dinov2``) converts; the tests check vitkit against it.
@@ -77,12 +78,12 @@ def _keys(path: Path) -> set[str]:
 
 def _is_official(keys: set[str]) -> bool:
     blocks = "blocks.0.attn.qkv.weight" in keys or any(_CHUNKED.match(k) for k in keys)
-    return "patch_embed.proj.weight" in keys and "mask_token" in keys and blocks
+    return "patch_embed.proj.weight" in keys and ("mask_token" in keys or "register_tokens" in keys) and blocks
 
 
 def looks_like(path: Path) -> bool:
-    """An official DINOv2 state dict: ``patch_embed.proj.weight``, ``mask_token`` (which timm's and vitkit's
-    layouts never hold) and blocks, plain or chunked."""
+    """An official DINOv2 state dict: ``patch_embed.proj.weight``, ``mask_token`` or ``register_tokens`` (which
+    timm's and vitkit's layouts never hold) and blocks, plain or chunked."""
     return path.is_file() and path.suffix in SUFFIXES and _is_official(_keys(path))
 
 
@@ -147,7 +148,8 @@ def infer_config(weights: Mapping[str, torch.Tensor], source: str, *, num_heads:
             num_heads=int(heads),
             mlp_dim=mlp_dim,
             num_registers=registers,
-            layer_scale=1.0,  # the hub models' init_values; only its initial value
+            qkv_bias="blocks.0.attn.qkv.bias" in weights,
+            layer_scale=1.0 if "blocks.0.ls1.gamma" in weights else None,  # hub init_values; only its initial value
             mlp=mlp,  # type: ignore[arg-type]
             pos_resample="bicubic",
             name=f"DINOv2 {D}/{P}" + (f" reg{registers}" if registers else ""),
