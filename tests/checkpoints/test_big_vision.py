@@ -93,7 +93,9 @@ def test_gap_sincos_and_pre_logits(tmp_path: Path) -> None:
 def test_refusals(tmp_path: Path) -> None:
     arrays = as_big_vision()
     np.savez(tmp_path / "map.npz", **arrays, **{"params/MAPHead_0/probe": np.zeros((1, 1, 48), np.float32)})
-    with pytest.raises(CheckpointError, match="pool_type='map'"):
+    with pytest.raises(CheckpointError, match="pool_type='map'"):  # this reader's refusal; detection picks siglip
+        vitkit.load_pretrained(tmp_path / "map.npz", format="big_vision")
+    with pytest.raises(CheckpointError, match="cls: a class token beside a MAP head"):
         vitkit.load_pretrained(tmp_path / "map.npz")
     partial = dict(arrays)
     del partial["params/Transformer/encoderblock_1/MlpBlock_0/Dense_1/kernel"]

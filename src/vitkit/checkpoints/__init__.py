@@ -13,6 +13,9 @@ official    Google ViT/AugReg/hybrid .npz, vit_jax names
 big_vision  big_vision .npz (params/ prefix, Linen names, scan-stacked or not)
 hf          Hugging Face transformers ViT folder (config.json + model.safetensors)
 timm        timm ViT state dict (.safetensors/.pth) or timm hub folder
+siglip      big_vision SigLIP .npz image tower (params/img/, MAP head)
+openclip    OpenAI CLIP / OpenCLIP state dict (visual.*), read only
+dinov2      official DINOv2 state dict (facebookresearch/dinov2 hub .pth), read only
 lora        LoRA adapters + head, loaded onto (and merged into) the base checkpoint they name
 ==========  ==========================================================================================
 """
@@ -29,10 +32,13 @@ import torch
 
 from vitkit.checkpoints import (
     big_vision,
+    dinov2_official,
     hf_folder,
     lora_format,
     npz_files,
     official,
+    openclip,
+    siglip_npz,
     timm_format,
     torch_files,
     vitkit_format,
@@ -144,7 +150,7 @@ FORMATS: dict[str, Format] = {
     "big_vision": Format(
         "big_vision",
         "big_vision .npz (params/ prefix, Linen names, per-block or scan-stacked)",
-        big_vision.looks_like,
+        lambda p: big_vision.looks_like(p) and not siglip_npz.looks_like(p),
         big_vision.load,
         big_vision.save,
         _check_file_output,
@@ -160,10 +166,30 @@ FORMATS: dict[str, Format] = {
     "timm": Format(
         "timm",
         "timm ViT state dict (.safetensors/.pth file, or timm hub folder)",
-        timm_format.looks_like,
+        lambda p: timm_format.looks_like(p) and not dinov2_official.looks_like(p),
         timm_format.load,
         timm_format.save,
         timm_format.check_output,
+    ),
+    "siglip": Format(
+        "siglip",
+        "big_vision SigLIP .npz image tower (params/img/, MAPHead_0)",
+        siglip_npz.looks_like,
+        siglip_npz.load,
+        siglip_npz.save,
+        _check_file_output,
+    ),
+    "openclip": Format(
+        "openclip",
+        "OpenAI CLIP / OpenCLIP state dict, its image tower (visual.*), read only",
+        openclip.looks_like,
+        openclip.load,
+    ),
+    "dinov2": Format(
+        "dinov2",
+        "official DINOv2 state dict (facebookresearch/dinov2 hub .pth: mask_token, register_tokens, mlp.w12/w3)",
+        dinov2_official.looks_like,
+        dinov2_official.load,
     ),
 }
 

@@ -15,7 +15,8 @@ Semantics mapped exactly onto vitkit's model:
   class slot (1 + N entries, the pre-2022 layout); all are read.
 - no ``pos_embedding`` at all: fixed 2-D sin-cos (``posemb="sincos2d"``), which stores no grid: the image
   size is taken as 224 unless ``image_size=`` is given when loading.
-- pool_type "tok" (``cls`` present) or "gap" (no ``cls``); "map" (``MAPHead_0``) is refused. pool_type "0"
+- pool_type "tok" (``cls`` present) or "gap" (no ``cls``); "map" (``MAPHead_0``, SigLIP) is the ``siglip``
+  format's (:mod:`vitkit.checkpoints.siglip_npz`), refused here. pool_type "0"
   (first patch token, no class token) cannot be told from "gap" by structure and is read as "gap".
 - GELU is jax.nn.gelu's tanh approximation, LayerNorm eps 1e-6.
 

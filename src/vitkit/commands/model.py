@@ -78,20 +78,20 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 # the formats ``convert --to`` writes: those of vitkit.checkpoints.FORMATS with a writer (a test holds them equal),
 # named here so that building the parser imports no checkpoint code
-WRITABLE_FORMATS = ("vitkit", "official", "big_vision", "hf", "timm")
+WRITABLE_FORMATS = ("vitkit", "official", "big_vision", "hf", "timm", "siglip")
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     writable = list(WRITABLE_FORMATS)
     p = sub.add_parser(
         "convert",
-        help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm)",
+        help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm, siglip)",
         description="Read any supported checkpoint and write it in another format, keeping class names and "
         "preprocessing where the target can hold them. The written file is read back and its outputs compared "
         "with the source model on random images; the relative error is printed.",
     )
     p.add_argument("input", help="checkpoint path (file or folder)")
-    p.add_argument("output", help="output path (.npz for official/big_vision; folder for vitkit/hf; "
+    p.add_argument("output", help="output path (.npz for official/big_vision/siglip; folder for vitkit/hf; "
                    ".safetensors/.pth or folder for timm)")  # fmt: skip
     p.add_argument("--to", required=True, choices=writable, help="output format")
     add_load_options(p)
