@@ -5,6 +5,7 @@ leaves an output that ``--resume`` completes, without repeating a row, equal to 
 # ruff: noqa: F811  (the fixtures imported from test_ray_jobs are parameters of the tests)
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -136,7 +137,5 @@ def test_a_driver_killed_mid_job_resumes_without_repeating_rows(
 def with_group_gone(pgid: int) -> None:
     """The killed driver's local Ray cluster (its raylet, workers, GCS: started in the driver's session) ended:
     SIGKILL to that process group, which this test started."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
