@@ -54,8 +54,10 @@ class RayOptions:
     """Where and how a job runs on Ray: ``address`` (None: a local cluster started for the job; ``auto``: the
     running cluster; or ``host:port`` / ``ray://host:port``), ``actors`` model actors, each with
     ``cpus_per_actor`` / ``gpus_per_actor`` of Ray's resources and ``threads`` PyTorch threads (0: every core of
-    its node, as the local job's model takes), ``retries`` of a decoding task that raises, and ``num_cpus``, the
-    CPUs of a local cluster (None: Ray's default, every core)."""
+    its node, as the local job's model takes), ``retries`` of a decoding task that raises, ``actor_restarts``
+    of a model actor whose process dies (Ray's ``max_restarts``; -1: without limit) with its batches run again
+    (``max_task_retries``, the same number), and ``num_cpus``, the CPUs of a local cluster (None: Ray's
+    default, every core)."""
 
     address: str | None = None
     actors: int = 1
@@ -63,6 +65,7 @@ class RayOptions:
     gpus_per_actor: float = 0.0
     threads: int = 0
     retries: int = 3
+    actor_restarts: int = -1
     num_cpus: int | None = None
 
     def check(self) -> None:
@@ -176,10 +179,12 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
                                 ray_remote_args_fn=lambda: retries)  # fmt: skip
     calibration = lambda: calibration_sample(source, transform)  # noqa: E731
     kwargs = {"spec": spec, "task": task, "batch_size": b, "threads": options.threads, "calibration": calibration}
+    # a lost actor (its process killed, its node gone) is started again and its batches rerun: Ray's own options
+    restarts = {"max_restarts": options.actor_restarts, "max_task_retries": options.actor_restarts}
     return decoded.map_batches(
         EngineActor, batch_size=1, fn_constructor_kwargs=kwargs,
         compute=ray.data.ActorPoolStrategy(size=options.actors),
-        num_cpus=options.cpus_per_actor, num_gpus=options.gpus_per_actor or None,
+        num_cpus=options.cpus_per_actor, num_gpus=options.gpus_per_actor or None, **restarts,
     )  # fmt: skip
 
 

@@ -9,8 +9,10 @@ import sys
 from vitkit.commands.args import (
     IntermixedParser,
     add_engine_args,
+    add_ray_args,
     add_workers_arg,
     positive_int,
+    ray_steps,
     report_engine,
     resolve_workers,
 )
@@ -55,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_workers_arg(p)
     p.add_argument("--skip-bad", action="store_true", help="with -c: leave out images that do not decode")
     p.add_argument("--overwrite", action="store_true", help="replace an existing index at --out")
+    add_ray_args(p)  # with -c: the embedding on the way as 'vitkit embed --ray' runs it
     p.set_defaults(func=cmd_index)
 
     p = sub.add_parser(
@@ -99,7 +102,9 @@ def cmd_index(args: argparse.Namespace) -> int:
     workers = resolve_workers(args.workers, args.device)
     settings = jobs.EmbedSettings(pool=args.pool, layer=args.layer, precision=args.precision,
                                   batch_size=args.batch_size, device=args.device, workers=workers,
-                                  skip_bad=args.skip_bad)  # fmt: skip
+                                  skip_bad=args.skip_bad, steps=ray_steps(args))  # fmt: skip
+    if args.ray is not None and not args.checkpoint:
+        raise ConfigError("--ray: only with -c (it runs the embedding of images on the way, as embed --ray)")
     notes: list[str] = []
     if args.add or args.remove:
         if args.out:

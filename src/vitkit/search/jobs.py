@@ -44,6 +44,7 @@ class EmbedSettings:
     skip_bad: bool = False
     format: str | None = None
     progress: bool = True
+    steps: Any = None  # what runs the embedding's steps: None, the local loop; vitkit.ray.steps(...) for --ray
 
 
 def is_embeddings(source: Sequence[str]) -> bool:
@@ -76,7 +77,7 @@ def _embed_images(
     opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     if opts.pool == "tokens":
         raise ConfigError("--pool tokens: an index takes one vector per image (cls, gap or the default)")
-    embed_job(loaded, source, opts, side, resume=True, on_engine=on_engine)
+    embed_job(loaded, source, opts, side, resume=True, on_engine=on_engine, steps=s.steps)
     return side
 
 
