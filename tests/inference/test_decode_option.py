@@ -20,13 +20,13 @@ import torch
 from PIL import Image
 
 import vitkit
-from vitkit import hardware
 from helpers import run_cli, tiny_checkpoint
+from vitkit import hardware
 from vitkit.data.gpu_decode import GpuDecoder, GpuDecodeTransform
 from vitkit.data.stream import FileSource, list_inputs
 from vitkit.inference import jobs
-from vitkit.inference.policy import plan_engine
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.policy import plan_engine
 
 predict_module: Any = importlib.import_module("vitkit.inference.predict")
 sys.path.insert(0, str(Path(__file__).parents[1] / "data"))

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from train_helpers import tiny_config
 
 from vitkit.data.loader import eval_batches
-from vitkit.inference.engine import InferenceEngine
 from vitkit.inference import policy
+from vitkit.inference.engine import InferenceEngine
 from vitkit.train.trainer import Trainer
 
 
