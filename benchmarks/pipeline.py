@@ -251,6 +251,9 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[s
             module.InferenceEngine = NoOpEngine
         if gpu_path and hasattr(module, "feeds_gpu"):
             module.feeds_gpu = lambda *a, **k: True  # DataLoader then warns that it has no accelerator to pin for
+    plan_class: Any = getattr(importlib.import_module("vitkit.inference.policy"), "EnginePlan", None)
+    if gpu_path and plan_class is not None and hasattr(plan_class, "feeds_gpu"):  # since the plan holds the fact
+        plan_class.feeds_gpu = property(lambda self: True)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         start_cpu, start = time.process_time(), time.perf_counter()

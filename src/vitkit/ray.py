@@ -31,7 +31,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from vitkit.data.eval_transform import EvalTransform
 from vitkit.data.stream import ImageSource, StreamBatch, stream_batches
 from vitkit.errors import ConfigError, DataError
 from vitkit.hardware import cpu_count
@@ -43,7 +42,6 @@ from vitkit.inference.jobs import (
     Task,
     calibration_sample,
     check_batch_fits,
-    feeds_gpu,
 )
 
 Step = tuple[list[str], list[str | None], dict[str, Any]]  # a batch's ids, errors and columns
@@ -159,7 +157,7 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     pool of :class:`EngineActor` s, in input order."""
     source, spec = job.source, dataclasses.replace(job.engine, built=None)  # each actor builds its own
     assert isinstance(source, ImageSource)
-    transform = EvalTransform(spec.preprocess, reference=spec.full_decode, uint8=feeds_gpu(spec.device, spec.backend))
+    transform = spec.transform()
     cpus = ray.cluster_resources().get("CPU", 0)
     if options.actors * options.cpus_per_actor >= cpus:
         raise ConfigError(

@@ -21,10 +21,12 @@ from PIL import Image
 
 import vitkit
 from helpers import run_cli, tiny_checkpoint
+from vitkit import hardware
 from vitkit.data.gpu_decode import GpuDecoder, GpuDecodeTransform
 from vitkit.data.stream import FileSource, list_inputs
 from vitkit.inference import jobs
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.policy import plan_engine
 
 predict_module: Any = importlib.import_module("vitkit.inference.predict")
 sys.path.insert(0, str(Path(__file__).parents[1] / "data"))
@@ -107,13 +109,14 @@ def test_the_job_plans_the_decoder_the_option_device_and_installation_say(
 
     t = EvalTransform(pre, uint8=True)
     src = FileSource(files)
-    same, none = jobs.plan_decode("cpu", t, "cuda", "torch", src, range(3), 2)
+    gpu_plan, cpu_plan = plan_engine("bf16", "torch", "cuda"), plan_engine("bf16", "torch", "cpu")
+    same, none = jobs.plan_decode("cpu", t, gpu_plan, src, range(3), 2)
     assert same is t and none is None
-    wt, dec = jobs.plan_decode("gpu", t, "cuda", "torch", src, range(3), 2)
+    wt, dec = jobs.plan_decode("gpu", t, gpu_plan, src, range(3), 2)
     assert isinstance(wt, GpuDecodeTransform) and wt.cpu == t and dec is not None
     assert not installed  # the decoder is made when the job asks for it (after the engine), not before
     assert dec() is dec() and len(installed) == 1
-    wt, dec = jobs.plan_decode("auto", t, "cpu", "torch", src, range(3), 2)  # a CPU job: the workers decode
+    wt, dec = jobs.plan_decode("auto", t, cpu_plan, src, range(3), 2)  # a CPU job: the workers decode
     assert wt is t and dec is None and len(installed) == 1
     measured: list[Any] = []
 
@@ -126,15 +129,15 @@ def test_the_job_plans_the_decoder_the_option_device_and_installation_say(
         return DecodeRates(cpu=1.0, gpu=2.0 if gpu else 0.5)
 
     monkeypatch.setattr(jobs, "measure_rates", faster(True))
-    wt, dec = jobs.plan_decode("auto", t, "cuda", "torch", src, range(3), 2)
+    wt, dec = jobs.plan_decode("auto", t, gpu_plan, src, range(3), 2)
     assert isinstance(wt, GpuDecodeTransform) and list(measured[-1]) == [0, 1, 2]
     monkeypatch.setattr(jobs, "measure_rates", faster(False))
-    wt, dec = jobs.plan_decode("auto", t, "cuda", "torch", src, range(3), 2)
+    wt, dec = jobs.plan_decode("auto", t, gpu_plan, src, range(3), 2)
     assert wt is t and dec is None
     ref = EvalTransform(pre, reference=True)
-    assert jobs.plan_decode("auto", ref, "cuda", "torch", src, range(3), 2) == (ref, None)
+    assert jobs.plan_decode("auto", ref, gpu_plan, src, range(3), 2) == (ref, None)
     with pytest.raises(vitkit.errors.ConfigError, match=r"^--decode gpu: --precision fp32 is the reference"):
-        jobs.plan_decode("gpu", ref, "cuda", "torch", src, range(3), 2)
+        jobs.plan_decode("gpu", ref, gpu_plan, src, range(3), 2)
 
 
 def test_predict_job_decoding_on_the_gpu_gives_the_rows_of_the_cpu_decode(
@@ -181,6 +184,7 @@ def test_decode_gpu_refusals_are_one_line_exit_2(
         "vitkit eval: error: --decode gpu: the model must run on a CUDA device (--device cuda, --backend torch)"
     ]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(hardware, "has_native_bf16", lambda device="cpu": True)  # the plan asks (the GPU is faked)
     monkeypatch.setitem(sys.modules, "nvidia", None)  # not installed
     code, _, err = run_cli(capsys, "embed", str(ckpt), *files, "--out", str(tmp_path / "e.npy"), "--decode", "gpu",
                              "--device", "cuda")  # fmt: skip

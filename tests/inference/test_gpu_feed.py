@@ -26,6 +26,7 @@ from vitkit.data.eval_transform import EvalTransform, Normalizer
 from vitkit.data.stream import FileSource, StreamBatch, list_inputs
 from vitkit.inference import jobs
 from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.policy import plan_engine
 
 predict_module: Any = importlib.import_module("vitkit.inference.predict")  # (the package exports the function)
 CLASSES = ["cat", "dog", "ship", "car"]
@@ -90,12 +91,20 @@ def cuda_engine(loaded: Any) -> InferenceEngine:
 # ---- decisions, CUDA faked --------------------------------------------------------------------------------
 
 
-def test_only_a_cuda_engine_gets_uint8_pinned_batches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_a_cuda_engine_gets_uint8_batches(monkeypatch: pytest.MonkeyPatch, ckpt: Path) -> None:
+    """The plan says whether the engine feeds a GPU; the job's transform follows it (uint8 for a GPU)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert jobs.feeds_gpu("cuda") and jobs.feeds_gpu("auto") and jobs.feeds_gpu(torch.device("cuda", 1))
-    assert not jobs.feeds_gpu("cpu") and not jobs.feeds_gpu("cuda", "onnxruntime")
+    gpu = [plan_engine("fp32", "torch", d) for d in ("cuda", "auto", torch.device("cuda", 1))]
+    assert all(p.feeds_gpu for p in gpu)
+    assert not plan_engine("fp32", "torch", "cpu").feeds_gpu
+    assert not plan_engine("fp32", "onnxruntime", "auto").feeds_gpu  # the engines: the CPU, auto or not
+    with pytest.raises(vitkit.errors.ConfigError, match=r"^--backend onnxruntime: the engines run on the CPU"):
+        plan_engine("fp32", "onnxruntime", "cuda")
+    loaded = vitkit.load_checkpoint(ckpt)
+    assert jobs.EngineSpec.of(loaded, precision="fp32", device="cuda").transform().uint8
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert not jobs.feeds_gpu("auto")
+    assert not plan_engine("fp32", "torch", "auto").feeds_gpu
+    assert not jobs.EngineSpec.of(loaded, precision="fp32", device="auto").transform().uint8
 
 
 def test_dataloader_pinning_reaches_the_stream_batch(monkeypatch: pytest.MonkeyPatch) -> None:

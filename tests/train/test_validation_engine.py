@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from train_helpers import tiny_config
 
 from vitkit.data.loader import eval_batches
+from vitkit.inference import policy
 from vitkit.inference.engine import InferenceEngine
-from vitkit.train import validation as validation_module
 from vitkit.train.trainer import Trainer
 
 
@@ -38,7 +38,7 @@ def test_validation_sees_the_current_weights(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ema: float | None
 ) -> None:
     cfg = tiny_config(**{"steps": 6, "epochs": None, "ema_decay": ema})
-    monkeypatch.setattr(validation_module, "VALIDATION_FAST_TOKENS", 0)  # the digits pass is small: the engine anyway
+    monkeypatch.setattr(policy, "VALIDATION_FAST_TOKENS", 0)  # the digits pass is small: the engine anyway
     with Trainer(cfg, tmp_path / "run", progress=False) as t:
         assert t.val_set is not None
         forward, _ = t._validation_forward(t.val_set)

@@ -210,13 +210,15 @@ def add_decode_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_workers(workers: int | None, device: Any = "auto") -> int:
-    """``--workers`` as given, or the default for this machine and ``device`` (a name or a torch.device; "auto":
-    a GPU where there is one), see :func:`vitkit.data.stream.default_workers`."""
+def resolve_workers(workers: int | None, device: Any = "auto", backend: str = "torch") -> int:
+    """``--workers`` as given, or the default for this machine and where the engine on ``backend`` runs on
+    ``device`` (a name or a torch.device; "auto": a GPU where there is one; the ONNX engines: the CPU, by the
+    policy's one rule :func:`vitkit.inference.policy.engine_device`), see
+    :func:`vitkit.data.stream.default_workers`."""
     from vitkit.data.stream import default_workers
-    from vitkit.inference.jobs import feeds_gpu
+    from vitkit.inference.policy import engine_device
 
-    return default_workers(gpu=feeds_gpu(device)) if workers is None else workers
+    return default_workers(gpu=engine_device(backend, device).type == "cuda") if workers is None else workers
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, backend: bool = True, device: bool = True) -> None:

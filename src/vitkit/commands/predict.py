@@ -96,7 +96,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         precision=args.precision,
         backend=args.backend,
         device=args.device,
-        workers=resolve_workers(args.workers, args.device),
+        workers=resolve_workers(args.workers, args.device, args.backend),
         skip_bad=args.skip_bad,
         logits=args.logits,
         decode=args.decode,

@@ -275,7 +275,7 @@ def choose_decode(
     rates: Callable[[], DecodeRates | None] = lambda: None,
 ) -> bool:
     """Whether a job decodes its JPEGs on the GPU: ``decode`` as the option says (``cpu``, ``gpu``, ``auto``),
-    ``gpu_job`` whether its engine runs on a CUDA device (:func:`vitkit.inference.jobs.feeds_gpu`).
+    ``gpu_job`` whether its engine runs on a CUDA device (:attr:`vitkit.inference.policy.EnginePlan.feeds_gpu`).
     ``gpu`` without a CUDA job or without nvImageCodec is a ConfigError (one line). ``auto``: the GPU when
     nvImageCodec is installed, the job is on CUDA and ``rates()`` (:func:`measure_rates`, called only then)
     measures the GPU decoder faster than the workers; else the CPU."""

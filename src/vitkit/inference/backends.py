@@ -41,10 +41,10 @@ from torch import nn
 
 from vitkit import hardware
 from vitkit.errors import VitkitError
+from vitkit.inference.policy import BACKENDS, fast_dtype
 from vitkit.models.vit import VisionTransformer
 from vitkit.timing import time_alternating
 
-BACKENDS = ("torch", "onnxruntime", "openvino", "auto")
 ENGINES = ("onnxruntime", "openvino")
 _EXTRA = {"onnxruntime": ("onnxruntime", "onnx"), "openvino": ("openvino", "bench")}  # engine -> (module, extra)
 
@@ -184,21 +184,23 @@ def openvino_model(
     precision: str = "bf16",
     threads: int | None = None,
     calibration: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> EngineModel:
     """OpenVINO's CPU plugin: ``precision`` fp32 or bf16 (the inference-precision hint), or int8 (NNCF
-    post-training quantisation calibrated on ``calibration`` images (N, C, H, W); the rest in bf16 where the
-    CPU has bf16 instructions)."""
+    post-training quantisation calibrated on ``calibration`` images (N, C, H, W); the rest in ``dtype``, the
+    engine plan's, by default the policy's: bf16 where the CPU has bf16 instructions,
+    :func:`vitkit.inference.policy.fast_dtype`)."""
     if precision not in ("fp32", "bf16", "int8"):
         raise ValueError(f"openvino precision must be fp32, bf16 or int8, got {precision!r}")
     require_engine("openvino", int8=precision == "int8")
     import openvino as ov
 
     with signal_stack_kept():  # OpenVINO swaps the thread's signal stack; see signal_stack_kept
-        return _openvino_model(ov, onnx_path, precision, threads, calibration)
+        return _openvino_model(ov, onnx_path, precision, threads, calibration, dtype or fast_dtype(precision, "cpu"))
 
 
 def _openvino_model(
-    ov: Any, onnx_path: Path, precision: str, threads: int | None, calibration: torch.Tensor | None
+    ov: Any, onnx_path: Path, precision: str, threads: int | None, calibration: torch.Tensor | None, dtype: torch.dtype
 ) -> EngineModel:
     core = ov.Core()
     ov_model = core.read_model(str(onnx_path))
@@ -208,7 +210,7 @@ def _openvino_model(
             raise ValueError("openvino int8 (NNCF post-training quantisation) needs calibration images")
         ov_model = _nncf_int8(ov_model, calibration)
         detail += ", NNCF int8"
-    floating = precision if precision != "int8" else ("bf16" if hardware.has_native_bf16("cpu") else "fp32")
+    floating = "bf16" if dtype == torch.bfloat16 else "fp32"
     config = {
         "INFERENCE_PRECISION_HINT": "bf16" if floating == "bf16" else "f32",
         "INFERENCE_NUM_THREADS": _threads(threads),
@@ -289,15 +291,17 @@ def engine_model(
     *,
     threads: int | None = None,
     calibration: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
 ) -> EngineModel:
-    """One engine at one precision on an exported file (see ``export_for_engines``)."""
+    """One engine at one precision on an exported file (see ``export_for_engines``); ``dtype``: OpenVINO int8's
+    floating-point parts (the engine plan's; default the policy's)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
     if precision not in engine_precisions(engine):
         raise ValueError(f"{engine} computes in {' or '.join(engine_precisions(engine))} on CPU, not {precision}")
     if engine == "onnxruntime":
         return onnxruntime_model(onnx_path, int8=precision == "int8", threads=threads)
-    return openvino_model(onnx_path, precision=precision, threads=threads, calibration=calibration)
+    return openvino_model(onnx_path, precision=precision, threads=threads, calibration=calibration, dtype=dtype)
 
 
 def _precision(dtype: torch.dtype, int8: bool) -> str:
@@ -338,7 +342,9 @@ def optimize_with_backend(
         with tempfile.TemporaryDirectory(prefix="vitkit-engine-") as tmp:
             onnx_path = export_for_engines(model, tmp)
             for e in engines:
-                candidates[e] = engine_model(onnx_path, e, precision, threads=threads, calibration=calibration)
+                candidates[e] = engine_model(
+                    onnx_path, e, precision, threads=threads, calibration=calibration, dtype=dtype
+                )
     if backend != "auto":
         return candidates[backend]
     if not candidates:

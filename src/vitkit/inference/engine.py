@@ -119,17 +119,18 @@ class Outputs:
 class InferenceEngine:
     """A model, its preprocessing, a precision and a backend -> batched logits, probabilities or features.
 
-    ``model``: the fp32 model (left untouched; the fast precisions run a copy). ``precision``/``backend``: see
-    the module docstring (``auto`` resolved here); ``device`` a name (``auto``: this process's GPU where there
-    is one, as :func:`vitkit.hardware.resolve_device`) or a device. ``plan``: what to run, made beforehand by
+    ``model``: the fp32 model (left untouched; the fast precisions run a copy). ``precision``/``backend``: see the
+    module docstring (``auto`` resolved here); ``device`` a name (``auto``: this process's GPU where there is one,
+    as :func:`vitkit.hardware.resolve_device`) or a device. ``plan``: what to run, made beforehand by
     :func:`~vitkit.inference.policy.plan_engine` (it replaces ``precision``, ``backend``, ``device`` and
-    ``fp32_reference``; by default it is made here from them). ``batch_size``: the batch the engine will
-    mostly see, to choose oneDNN's weight layout and, on a GPU, the attention kernel (any batch works).
-    ``calibration``: OpenVINO int8's calibration images (N, C, H, W), or a function giving them, called only
-    when that engine is built (ConfigError when it is needed and missing). ``labels``: class names for :meth:`label`.
-    ``fp32_reference=False`` runs an explicit ``fp32`` on the fp32 fast path instead of the model itself (a
-    training run's validation pass). ``tune``: on the CPU, time the fast path's kernels on the model's shapes
-    and keep the fastest, or the plain model where it wins (:mod:`vitkit.inference.tune`; cached per machine,
+    ``fp32_reference``; by default it is made here from them); :attr:`plan` is that plan with what building measured
+    filled in (the backend ``auto`` chose, the kernel races' choice, the fastest SDPA backend). ``batch_size``: the
+    batch the engine will mostly see, to choose oneDNN's weight layout and, on a GPU, the attention kernel (any
+    batch works). ``calibration``: OpenVINO int8's calibration images (N, C, H, W), or a function giving them,
+    called only when that engine is built (ConfigError when it is needed and missing). ``labels``: class names for
+    :meth:`label`. ``fp32_reference=False`` runs an explicit ``fp32`` on the fp32 fast path instead of the model
+    itself (a training run's validation pass). ``tune``: on the CPU, time the fast path's kernels on the model's
+    shapes and keep the fastest, or the plain model where it wins (:mod:`vitkit.inference.tune`; cached per machine,
     model shape and batch); False keeps the built-in rules. Building takes time (packing weights, exporting and
     compiling for an engine): ``build_seconds`` says how much, :meth:`describe` says it all.
     """
@@ -151,23 +152,28 @@ class InferenceEngine:
     ) -> None:
         if plan is None:
             plan = plan_engine(precision, backend, device, fp32_reference=fp32_reference, batch_size=batch_size)
-        self.plan = plan
-        self.device = self.plan.device
+        self.device = plan.device
         self.model = model.eval().to(self.device)
         self.preprocess = preprocess
         self.normalizer = Normalizer(preprocess)
         self.labels = list(labels) if labels else None
-        self.precision = self.plan.precision
-        self.backend = self.plan.backend
+        self.precision = plan.precision
+        self.backend = plan.backend
         self.tune = tune
         self.tuning: Tuning | None = None  # the CPU fast path's measured choice (vitkit.inference.tune)
         self.attention: str | None = None  # CUDA: the SDPA backend measured fastest (None: PyTorch's own choice)
+        self.plan = plan
         start = time.perf_counter()
         self.runner: torch.nn.Module = self.model  # the reference and plain paths: the model itself
-        if self.plan.path == "fast":
+        if plan.path == "fast":
             self.runner = self._build(batch_size, calibration)
             self.backend = getattr(self.runner, "backend", self.backend)  # auto: the one it chose
             self.attention = self._fastest_attention(batch_size)
+            t = self.tuning
+            self.plan = dataclasses.replace(  # the plan with what building measured: what describe() prints
+                plan, backend=self.backend, attention=self.attention, plain_model=bool(t and t.plain),
+                kernels=t.summary() if t is not None and (t.plain or t.races) else None,
+            )  # fmt: skip
         self.build_seconds = time.perf_counter() - start
 
     @classmethod
@@ -243,17 +249,11 @@ class InferenceEngine:
         return names
 
     def describe(self) -> str:
-        """One line: the plan (:meth:`~vitkit.inference.policy.EnginePlan.describe`) as built, with what the
-        CPU's kernel races or the GPU's attention race chose and the build's cost, e.g. ``bf16 fast path on cpu,
+        """One line: the plan as built (:meth:`~vitkit.inference.policy.EnginePlan.describe`: what the CPU's
+        kernel races or the GPU's attention race chose) and the build's cost, e.g. ``bf16 fast path on cpu,
         built in 0.6 s``."""
-        what, t = None, self.tuning
-        if t is not None and t.plain:
-            what = f"{self.precision}, {t.summary()}"
-        elif t is not None and t.races:
-            what = f"{self.precision} fast path ({t.summary()})"
         built = f", built in {self.build_seconds:.1f} s" if self.plan.path == "fast" else ""
-        plan = dataclasses.replace(self.plan, backend=self.backend)  # auto: the backend it chose
-        return plan.describe(what, self.attention) + built
+        return self.plan.describe() + built
 
     # ---- compute --------------------------------------------------------------------------------------
 

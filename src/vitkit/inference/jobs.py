@@ -43,13 +43,21 @@ from vitkit.data.gpu_decode import (
     measure_rates,
     nvimgcodec_module,
 )
-from vitkit.data.stream import FileSource, ImageSource, StreamBatch, Transform, stream_batches, stream_iterable
+from vitkit.data.stream import (
+    FileSource,
+    ImageSource,
+    StreamBatch,
+    Transform,
+    default_workers,
+    stream_batches,
+    stream_iterable,
+)
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.fileio import text_id
-from vitkit.hardware import CpuShare, resolve_device, total_memory
+from vitkit.hardware import CpuShare, total_memory
 from vitkit.inference.engine import InferenceEngine, class_labels
-from vitkit.inference.policy import is_reference
+from vitkit.inference.policy import EnginePlan, plan_engine
 from vitkit.models.vit import VisionTransformer
 
 
@@ -87,35 +95,20 @@ class JobSummary:
         return f"{self.failed} of {self.written} image(s) failed and are marked as such (first: {self.first_failure})"
 
 
-def feeds_gpu(device: torch.device | str, backend: str = "torch") -> bool:
-    """Whether a job's engine will run on a CUDA device (``device`` as the engine takes it, ``auto`` resolved as
-    the engine resolves it; the ONNX engines run on the CPU). Its batches are then uint8 pixels
-    (``EvalTransform(uint8=True)``), copied to the GPU straight from the workers' pageable shared memory and
-    normalised there. Not page-locked first (a DataLoader's ``pin_memory=True``): on an H100 the DataLoader's
-    pinning thread took 54 ms a batch of 256 and an 8,192-image eval was 1.0-1.2 s slower with it in each of
-    three pairs (BENCHMARKS.md, "GPU"); buffers the workers fill already page-locked would avoid that copy. On
-    the CPU the workers keep normalising: normalising a batch in the job's process measured 2.6x the workers'
-    per-image cost there (a fresh 154 MB float batch faults in every page), and it would take the model's
-    cores."""
-    if backend != "torch":
-        return False
-    return (device if isinstance(device, torch.device) else resolve_device(device)).type == "cuda"
-
-
 def plan_decode(
     decode: str,
     transform: Transform,
-    device: torch.device | str,
-    backend: str,
+    plan: EnginePlan,
     source: ImageSource,
     positions: Sequence[int],
     workers: int,
 ) -> tuple[Transform, Callable[[], GpuDecoder] | None]:
     """``--decode`` for a job: the transform its workers run and, when its JPEGs are decoded on the GPU, a
-    function giving the :class:`~vitkit.data.gpu_decode.GpuDecoder` (made once, when first called: after the
-    engine, so that the workers start before CUDA does). ``gpu`` needs a CUDA job, nvImageCodec and the fast
-    path (``--precision fp32`` is Pillow's decode bit for bit): else one-line ConfigError. ``auto``: the GPU
-    where :func:`~vitkit.data.gpu_decode.choose_decode` measures it faster on the job's first JPEGs."""
+    function giving the :class:`~vitkit.data.gpu_decode.GpuDecoder` on the engine ``plan``'s device (made once,
+    when first called: after the engine, so that the workers start before CUDA does). ``gpu`` needs a CUDA job,
+    nvImageCodec and the fast path (``--precision fp32`` is Pillow's decode bit for bit): else one-line
+    ConfigError. ``auto``: the GPU where :func:`~vitkit.data.gpu_decode.choose_decode` measures it faster on
+    the job's first JPEGs."""
     if decode not in DECODES:
         raise ConfigError(f"--decode {decode!r}: choose one of {', '.join(DECODES)}")
     if decode == "cpu":
@@ -132,12 +125,11 @@ def plan_decode(
 
     def decoder() -> GpuDecoder:
         if not made:
-            dev = device if isinstance(device, torch.device) else resolve_device(device)
-            made.append(GpuDecoder(cpu.preprocess, nvimgcodec_module(), dev))
+            made.append(GpuDecoder(cpu.preprocess, nvimgcodec_module(), plan.device))
         return made[0]
 
-    gpu_job = feeds_gpu(device, backend)
-    if not choose_decode(decode, gpu_job, rates=lambda: measure_rates(source, positions, cpu, decoder(), workers)):
+    rates = lambda: measure_rates(source, positions, cpu, decoder(), workers)  # noqa: E731
+    if not choose_decode(decode, plan.feeds_gpu, rates=rates):
         return transform, None
     return GpuDecodeTransform(cpu), decoder
 
@@ -158,50 +150,81 @@ def check_resume(ids: Sequence[str], source: ImageSource, positions: Sequence[in
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """The engine a job will run, known before it is built: a model and its preprocessing in ``precision`` on
-    ``backend`` and ``device`` (``labels``: class names). Whether JPEGs are decoded in full (:attr:`full_decode`)
-    follows from it, so the job starts decoding before the weights are packed. ``built``: the engine already
-    built (:meth:`of_engine`; one engine for several jobs, its weights packed once), which :meth:`build` gives."""
+    """The engine a job will run, known before it is built: a model and its preprocessing, and the engine's
+    ``plan`` (:func:`~vitkit.inference.policy.plan_engine`, made once from the request and the machine: its
+    precision, backend and device; ``labels``: class names). The job's transform (full or reduced decode, uint8 or
+    float), its decoding workers and the engine all read the plan, so the job starts decoding before the weights
+    are packed. ``built``: the engine already built (:meth:`of_engine`; one engine for several jobs, its weights
+    packed once), which :meth:`build` gives."""
 
     model: VisionTransformer
     preprocess: Preprocess
-    precision: str = "fp32"
-    backend: str = "torch"
-    device: torch.device | str = "cpu"
+    plan: EnginePlan
     labels: Sequence[str] | None = None
     built: InferenceEngine | None = field(default=None, compare=False, repr=False)
 
     @classmethod
+    def planned(
+        cls,
+        model: VisionTransformer,
+        preprocess: Preprocess,
+        precision: str = "fp32",
+        backend: str = "torch",
+        device: torch.device | str = "cpu",
+        labels: Sequence[str] | None = None,
+    ) -> EngineSpec:
+        """The spec of ``model`` in ``precision`` on ``backend`` and ``device``: planned now (ConfigError for a
+        request that cannot run)."""
+        return cls(model, preprocess, plan_engine(precision, backend, device), labels)
+
+    @classmethod
     def of(cls, loaded: Loaded, **kwargs: Any) -> EngineSpec:
-        """The spec of a loaded checkpoint: its model, preprocessing and class names."""
-        return cls(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
+        """The spec of a loaded checkpoint: its model, preprocessing and class names (``kwargs``: ``precision``,
+        ``backend``, ``device``, as :meth:`planned`)."""
+        return cls.planned(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
 
     @classmethod
     def of_engine(cls, engine: InferenceEngine) -> EngineSpec:
-        """The spec of an engine already built: its own precision, backend (as chosen), device and plan."""
-        return cls(engine.model, engine.preprocess, engine.precision, engine.backend, engine.device, engine.labels,
-                   built=engine)  # fmt: skip
+        """The spec of an engine already built: its own plan (as built)."""
+        return cls(engine.model, engine.preprocess, engine.plan, engine.labels, built=engine)
 
     @property
-    def full_decode(self) -> bool:
-        """Whether the engine will be the reference, its JPEGs decoded in full (the policy's one rule)."""
-        if self.built is not None:
-            return self.built.plan.full_decode
-        return is_reference(self.precision, self.backend)
+    def precision(self) -> str:
+        return self.plan.precision
+
+    @property
+    def backend(self) -> str:
+        return self.plan.backend
+
+    @property
+    def device(self) -> torch.device:
+        return self.plan.device
+
+    def transform(self) -> EvalTransform:
+        """What a job's decoding workers run for this engine: JPEGs decoded in full for the reference, at reduced
+        scale otherwise; uint8 pixels for an engine on a GPU (normalised there), normalised floats otherwise."""
+        return EvalTransform(self.preprocess, reference=self.plan.full_decode, uint8=self.plan.feeds_gpu)
+
+    def workers(self, workers: int | None) -> int:
+        """``workers`` as given, or (None) the default for where the engine runs
+        (:func:`vitkit.data.stream.default_workers`: every core but one for a GPU's engine)."""
+        return default_workers(gpu=self.plan.feeds_gpu) if workers is None else workers
 
     def on(self, info: DistInfo) -> EngineSpec:
-        """The spec for one process of a ``torchrun`` job: on that process's device (an engine already built
-        stays where it is)."""
-        return self if self.built is not None or not info.enabled else dataclasses.replace(self, device=info.device)
+        """The spec for one process of a ``torchrun`` job: planned for that process's device (an engine already
+        built stays where it is)."""
+        if self.built is not None or not info.enabled:
+            return self
+        return dataclasses.replace(self, plan=self.plan.on(info.device))
 
     def build(self, batch_size: int, calibration: Callable[[], torch.Tensor] | None) -> InferenceEngine:
-        """The engine (weights packed, kernels chosen) for batches of about ``batch_size`` (the one already
-        built, if any)."""
+        """The engine of the plan (weights packed, kernels chosen by measurement and recorded on its plan) for
+        batches of about ``batch_size`` (the one already built, if any)."""
         if self.built is not None:
             return self.built
         return InferenceEngine(
-            self.model, self.preprocess, precision=self.precision, backend=self.backend, device=self.device,
-            batch_size=batch_size, calibration=calibration, labels=self.labels,
+            self.model, self.preprocess, plan=self.plan, batch_size=batch_size, calibration=calibration,
+            labels=self.labels,
         )  # fmt: skip
 
 
@@ -214,14 +237,14 @@ def engine_spec(
     device: torch.device | str | None = "cpu",
 ) -> EngineSpec:
     """What the evaluators and :func:`~vitkit.inference.features.extract` are given, as the one thing a job runs:
-    a spec as it is; an engine already built as its spec (:meth:`EngineSpec.of_engine`: its own precision,
-    backend and device; the other arguments are not used); a model as the spec of ``preprocess``, ``precision``,
-    ``backend`` and ``device`` (None: ``auto``)."""
+    a spec as it is; an engine already built as its spec (:meth:`EngineSpec.of_engine`: its own plan; the other
+    arguments are not used); a model as the spec of ``preprocess``, ``precision``, ``backend`` and ``device``
+    (None: ``auto``), planned now."""
     if isinstance(model, EngineSpec):
         return model
     if isinstance(model, InferenceEngine):
         return EngineSpec.of_engine(model)
-    return EngineSpec(model, preprocess, precision, backend, "auto" if device is None else device)
+    return EngineSpec.planned(model, preprocess, precision, backend, "auto" if device is None else device)
 
 
 Items = Iterable[tuple[Any, str, int]]  # (file path or PIL image, id, label): a source read once, in order
@@ -252,7 +275,7 @@ class Job:
     engine: EngineSpec
     batch_size: int = 32
     positions: Sequence[int] | None = None
-    workers: int = 0
+    workers: int | None = 0  # None: the default for where the engine runs (EngineSpec.workers)
     prefetch: int = 2
     skip_bad: bool = False
     decode: str = "cpu"
@@ -408,21 +431,21 @@ def check_batch_fits(batch_size: int, model: VisionTransformer, preprocess: Prep
 def _start(
     job: Job, resumed: int
 ) -> tuple[Iterator[StreamBatch], Callable[[], GpuDecoder] | None, int, Callable[[], InferenceEngine]]:
-    """The job's plan, then its decoding started: (batches, the GPU decoder's maker, the steps every process
-    runs (-1: until the source ends), the engine's maker). The transform follows from the engine's plan (full
-    or reduced decode, uint8 for a GPU), the decoding workers start now, and the engine is built after."""
+    """The job's decoding started from its engine's plan: (batches, the GPU decoder's maker, the steps every
+    process runs (-1: until the source ends), the engine's maker). The transform and the workers follow from the
+    plan (full or reduced decode, uint8 and every core for a GPU), the decoding workers start now, and the engine
+    is built after, from the same plan."""
     info, spec = job.info, job.engine.on(job.info)
     check_batch_fits(job.batch_size, spec.model, spec.preprocess)
-    device, backend = spec.device, spec.backend
-    transform = EvalTransform(spec.preprocess, reference=spec.full_decode, uint8=feeds_gpu(device, backend))
+    transform, workers = spec.transform(), spec.workers(job.workers)
     source = job.source
     calibration: Callable[[], torch.Tensor] | None = None
     if isinstance(source, ImageSource):
         todo = job.order()[resumed:]
-        worker_transform, decoder = plan_decode(job.decode, transform, device, backend, source, todo, job.workers)
+        worker_transform, decoder = plan_decode(job.decode, transform, spec.plan, source, todo, workers)
         mine, steps = shard_steps(todo, job.batch_size, info)
         decoded = stream_batches(
-            source, worker_transform, job.batch_size, positions=mine, workers=job.workers, prefetch=job.prefetch,
+            source, worker_transform, job.batch_size, positions=mine, workers=workers, prefetch=job.prefetch,
             skip_bad=job.skip_bad,
         )  # fmt: skip
         calibration = lambda: calibration_sample(source, transform)  # noqa: E731

@@ -30,16 +30,32 @@ import torch
 
 from vitkit import hardware
 from vitkit.errors import ConfigError
-from vitkit.inference.backends import BACKENDS
 from vitkit.inference.fp8 import fp8_unsupported
 from vitkit.timing import time_alternating
 
+BACKENDS = ("torch", "onnxruntime", "openvino", "auto")  # vitkit's fast path, the ONNX engines, the fastest of them
 PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp8")  # the engine's (predict, eval, serve, ...)
 FEATURE_PRECISIONS = ("fp32", "bf16", "int8")  # the feature cache's: fp32 the model itself; bf16, int8 the fast path
 PATHS = ("reference", "plain", "fast")
 SMALL_BATCH = 8  # up to this batch, CUDA graphs ("reduce-overhead") when compiling on a GPU
 SDPA = ("flash", "cudnn", "efficient", "math")  # PyTorch's fused attention kernels, by vitkit's names
 BF16_MIN_SPEEDUP = 1.2  # bf16 must beat fp32 by this much to be chosen by --precision auto (it also rounds more)
+# a training run's validation pass of at least this many tokens (images x tokens per image) runs on the inference
+# fast path, packed from the current weights; smaller ones on the model itself (see validation_plan)
+VALIDATION_FAST_TOKENS = 20_000
+
+
+def engine_device(backend: str, device: torch.device | str) -> torch.device:
+    """The device an engine on ``backend`` runs on: ``device`` (a name, ``auto``: this process's GPU where there is
+    one) for vitkit's own path; the CPU for ONNX Runtime and OpenVINO (``auto`` included), which run on the CPU
+    only (ConfigError for another device, and for an unknown backend). The one rule of where an engine runs."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    if isinstance(device, str):  # "auto": this process's GPU when there is one (the engines: the CPU)
+        device = hardware.resolve_device("cpu" if backend != "torch" and device == "auto" else device)
+    if backend != "torch" and device.type != "cpu":
+        raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {device}")
+    return device
 
 
 def fp32_fast_path_pays(device: torch.device | str = "cpu") -> bool:
@@ -123,8 +139,11 @@ def bench_precisions(task: str, device: torch.device | str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class EnginePlan:
-    """What an :class:`~vitkit.inference.engine.InferenceEngine` will run, decided before it is built
-    (:func:`plan_engine`)."""
+    """What an :class:`~vitkit.inference.engine.InferenceEngine` will run, decided once, before anything is decoded
+    or built (:func:`plan_engine`), from the request and the machine: a job's transform (:attr:`full_decode`,
+    :attr:`feeds_gpu`), its decoding workers and its engine all read it. The engine, once built, holds the plan
+    with what building measured filled in (``backend`` as chosen by ``auto``, ``kernels``, ``plain_model``,
+    ``attention``), which :meth:`describe` prints."""
 
     path: str  # one of PATHS
     precision: str  # resolved: fp32, bf16, int8 or fp8
@@ -135,6 +154,10 @@ class EnginePlan:
     sdpa_candidates: tuple[str, ...] = ()  # CUDA: timed on the model's attention shape; (): PyTorch's own choice
     compile: bool = False
     compile_mode: str | None = None  # torch.compile's mode; None: its default
+    # filled in when the engine is built (InferenceEngine.plan):
+    kernels: str | None = None  # the CPU kernel races' choice (vitkit.inference.tune.Tuning.summary); None: not run
+    plain_model: bool = False  # the races found the plain model (in ``dtype``) faster: it runs, not the fast path
+    attention: str | None = None  # CUDA: the SDPA backend measured fastest (None: PyTorch's own choice)
 
     @property
     def full_decode(self) -> bool:
@@ -143,11 +166,33 @@ class EnginePlan:
         :class:`vitkit.data.eval_transform.EvalTransform`)."""
         return self.path == "reference"
 
+    @property
+    def feeds_gpu(self) -> bool:
+        """Whether the engine runs on a CUDA device (the ONNX engines never do: :func:`engine_device`). A job's
+        batches are then uint8 pixels (``EvalTransform(uint8=True)``), copied to the GPU straight from the workers'
+        pageable shared memory and normalised there, and its decoding workers take every core but one
+        (:func:`vitkit.data.stream.default_workers`). Not page-locked first (a DataLoader's ``pin_memory=True``): on
+        an H100 the DataLoader's pinning thread took 54 ms a batch of 256 and an 8,192-image eval was 1.0-1.2 s
+        slower with it in each of three pairs (BENCHMARKS.md, "GPU"). On the CPU the workers keep normalising:
+        normalising a batch in the job's process measured 2.6x the workers' per-image cost there (a fresh 154 MB
+        float batch faults in every page), and it would take the model's cores."""
+        return self.device.type == "cuda"
+
+    def on(self, device: torch.device) -> EnginePlan:
+        """The same request planned for ``device`` (a ``torchrun`` process's own GPU); this plan when it is there."""
+        if device == self.device:
+            return self
+        return plan_engine(
+            self.requested, self.backend, device, fp32_reference=self.path == "reference" or self.requested != "fp32",
+            batch_size=SMALL_BATCH if self.compile_mode == "reduce-overhead" else None, compile=self.compile,
+        )  # fmt: skip
+
     def describe(self, what: str | None = None, attention: str | None = None) -> str:
-        """One line: ``--precision auto -> bf16; bf16 fast path on cpu``. ``what``: a built engine's own words
-        for the path; ``attention``: the SDPA backend measured fastest."""
+        """One line: ``--precision auto -> bf16; bf16 fast path on cpu``, with what building measured (the kernel
+        races' choice, the plain model where it won, the fastest SDPA backend). ``what``: other words for the
+        path; ``attention``: the SDPA backend measured fastest (default: the plan's)."""
         auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""
-        return f"{auto}{what or self._what(attention)} on {self.device}"
+        return f"{auto}{what or self._what(attention or self.attention)} on {self.device}"
 
     def _what(self, attention: str | None) -> str:
         if self.path == "reference":
@@ -156,7 +201,11 @@ class EnginePlan:
             return "fp32, the checkpoint's own model (the fp32 fast path is slower on this CPU)"
         if self.backend != "torch":
             return f"{self.precision} on {self.backend}"
+        if self.plain_model:
+            return f"{self.precision}, {self.kernels}"
         what = f"{self.precision} fast path"
+        if self.kernels is not None:
+            what += f" ({self.kernels})"
         if self.compile:
             what += f", torch.compile ({self.compile_mode or 'default'} mode)"
         if attention:
@@ -164,13 +213,6 @@ class EnginePlan:
         elif self.sdpa_candidates:
             what += f", attention: fastest of {'/'.join(self.sdpa_candidates)}"
         return what
-
-
-def is_reference(precision: str, backend: str, fp32_reference: bool = True) -> bool:
-    """Whether the engine is the reference: an explicit fp32 on vitkit's own path, the checkpoint's own model
-    with JPEGs decoded in full, bit for bit. A job knows it before anything is measured or built, so its decoding
-    (full or reduced scale) starts first."""
-    return backend == "torch" and precision == "fp32" and fp32_reference
 
 
 def plan_engine(
@@ -183,20 +225,15 @@ def plan_engine(
     compile: bool = False,
 ) -> EnginePlan:
     """The engine's plan for ``precision`` on ``backend`` and ``device`` (a name, ``auto``: this process's GPU
-    where there is one, the CPU for the ONNX engines). ``fp32_reference=False`` runs an explicit ``fp32`` on the
-    fp32 fast path instead of the model itself (a training run's validation pass). ``compile``: ``torch.compile``
-    the fast path where that is the choice (CUDA GPUs; with CUDA graphs for ``batch_size`` up to ``SMALL_BATCH``);
-    on a CPU the eager pre-packed path is faster. ConfigError for an unknown backend or precision and for a
-    combination that cannot run."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
-    if isinstance(device, str):  # "auto": this process's GPU when there is one (the engines: the CPU)
-        device = hardware.resolve_device("cpu" if backend != "torch" and device == "auto" else device)
-    if backend != "torch" and device.type != "cpu":
-        raise ConfigError(f"--backend {backend}: the engines run on the CPU, not {device}")
+    where there is one, the CPU for the ONNX engines: :func:`engine_device`). ``fp32_reference=False`` runs an
+    explicit ``fp32`` on the fp32 fast path instead of the model itself (a training run's validation pass).
+    ``compile``: ``torch.compile`` the fast path where that is the choice (CUDA GPUs; with CUDA graphs for
+    ``batch_size`` up to ``SMALL_BATCH``); on a CPU the eager pre-packed path is faster. ConfigError for an
+    unknown backend or precision and for a combination that cannot run."""
+    device = engine_device(backend, device)
     resolved = resolve_precision(precision, device, backend)
     path = "fast"
-    if is_reference(precision, backend, fp32_reference):
+    if backend == "torch" and precision == "fp32" and fp32_reference:  # the reference: known before anything runs
         path = "reference"
     elif backend == "torch" and precision == "auto" and resolved == "fp32" and not fp32_fast_path_pays(device):
         path = "plain"
@@ -207,6 +244,28 @@ def plan_engine(
     small = batch_size is not None and batch_size <= SMALL_BATCH
     mode = "reduce-overhead" if compile and gpu and small else None
     return EnginePlan(path, resolved, precision, backend, device, dtype, candidates, compile and gpu, mode)
+
+
+def validation_plan(
+    precision: str,
+    device: torch.device,
+    tokens: int,
+    *,
+    processes: int = 1,
+    compile: bool = False,
+    batch_size: int | None = None,
+) -> EnginePlan | None:
+    """The engine of a training run's validation pass of ``tokens`` (images x tokens per image), or None for the
+    training model itself. One process on the CPU (not compiled), and a pass of at least
+    ``VALIDATION_FAST_TOKENS``: the fast path packed from the current weights, in fp32 for an fp32 run (the
+    model's function up to fp32 rounding; ``precision`` the run's), for a bf16 run in bf16 where that is native
+    and faster than fp32 (else fp32). Packing the weights costs about what the fast path saves on ~12,000 tokens
+    (B/16 and S/16 at 224 px, 64 images: 0.98-0.99x the model's own pass; the default digits job's 5,700: 1.51x;
+    BENCHMARKS.md, benchmarks/validation_pass.py), so smaller passes keep the model."""
+    if tokens < VALIDATION_FAST_TOKENS or processes > 1 or device.type != "cpu" or compile:
+        return None
+    chosen = "fp32" if precision == "fp32" else resolve_precision("auto", device)
+    return plan_engine(chosen, "torch", device, fp32_reference=False, batch_size=batch_size)
 
 
 def _sdpa_enum(name: str) -> Any:

@@ -31,7 +31,7 @@ from vitkit.inference.engine import (  # re-exported: the serve command and its 
     check_calibration_used,
     uses_calibration,
 )
-from vitkit.inference.policy import PRECISIONS, resolve_precision
+from vitkit.inference.policy import PRECISIONS, plan_engine, resolve_precision
 
 __all__ = [
     "CALIBRATION_MAX_IMAGES",
@@ -99,11 +99,12 @@ class ServedModel:
         self.loaded = loaded
         if loaded.model.cfg.num_classes <= 0:
             raise ConfigError(f"{loaded.meta.source}: the model has no classification head; nothing to serve")
-        if backend != "torch" and (torch.device(device).type != "cpu" or not fast):
-            raise ConfigError(f"--backend {backend}: the engines run the fast path on the CPU")
+        if backend != "torch" and not fast:
+            raise ConfigError(f"--backend {backend}: the engines run the fast path, on the CPU")
+        # the plan, once: where it runs (the engines: the CPU, policy.engine_device), the precision auto resolves to
+        plan = plan_engine(precision if fast else "fp32", backend, device, batch_size=max_batch)
         if calibration is not None:  # without the fast path the precision is fp32: nothing calibrates
-            backend_precision = resolve_precision(precision, device, backend) if fast else "fp32"
-            check_calibration_used(backend, backend_precision)
+            check_calibration_used(backend, plan.precision)
         pre = loaded.meta.preprocess
 
         def calibrate() -> torch.Tensor:
@@ -113,14 +114,7 @@ class ServedModel:
 
             return real_image_batch(pre, digits=8)  # NNCF: 24 photos and 8 digits
 
-        self.engine = InferenceEngine.from_loaded(
-            loaded,
-            precision=precision if fast else "fp32",
-            backend=backend,
-            device=device,
-            batch_size=max_batch,
-            calibration=calibrate,
-        )
+        self.engine = InferenceEngine.from_loaded(loaded, plan=plan, batch_size=max_batch, calibration=calibrate)
         self.device = self.engine.device
         self.model = self.engine.model
         self.preprocess = pre

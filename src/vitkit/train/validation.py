@@ -18,14 +18,10 @@ from vitkit.data.base import ImageDataset
 from vitkit.data.loader import Batch, eval_batches
 from vitkit.data.resident import resident_eval_batches
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.policy import resolve_precision
+from vitkit.inference.policy import EnginePlan, validation_plan
 from vitkit.models.kernel_paths import set_fused_attention
 from vitkit.train import distributed as distr
 from vitkit.train.run import Run
-
-# a validation pass of at least this many tokens (images x tokens per image) runs on the inference fast path,
-# packed from the current weights; smaller ones on the model itself (see Trainer._validation_forward)
-VALIDATION_FAST_TOKENS = 20_000
 
 
 class ValidatedRun(Run):
@@ -41,7 +37,7 @@ class ValidatedRun(Run):
     ) -> None:
         super().__init__(cfg, run_dir, progress=progress, claim=claim)
         self._resident_eval: dict[int, list[Batch]] = {}  # id(dataset) -> its evaluation batches on the device
-        self._val_precision: str | None = None  # the validation pass's (see _validation_forward)
+        self._val_plans: dict[int, EnginePlan | None] = {}  # tokens of a pass -> its engine's plan (None: the model)
         self._val_used = self.precision  # what the last validation pass computed in
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
@@ -104,23 +100,20 @@ class ValidatedRun(Run):
         )
 
     def _validation_forward(self, dataset: ImageDataset) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
-        """(forward, autocast context) of a validation pass over ``dataset``. One process on the CPU, and a pass
-        of at least ``VALIDATION_FAST_TOKENS`` tokens (images x tokens per image): the inference engine's fast
-        path, built now from the current (EMA, when on) weights, in fp32 for an fp32 run (the model's function up
-        to fp32 rounding), for a bf16 run in bf16 where that is native and faster than fp32 (else fp32).
-        Otherwise (smaller passes, GPUs, several processes, torch.compile): the training model under the run's
-        autocast. Packing the weights costs about what the fast path saves on ~12,000 tokens (B/16 and S/16 at
-        224 px, 64 images: 0.98-0.99x the model's own pass; the default digits job's 5,700: 1.51x; BENCHMARKS.md,
-        benchmarks/validation_pass.py), so smaller passes keep the model."""
-        small = len(dataset) * self.net.cfg.num_tokens() < VALIDATION_FAST_TOKENS
-        if small or self.dist.world > 1 or self.device.type != "cpu" or self.cfg.compile:
+        """(forward, autocast context) of a validation pass over ``dataset``: the inference engine's fast path,
+        built now from the current (EMA, when on) weights, where the policy plans one
+        (:func:`vitkit.inference.policy.validation_plan`: one process on the CPU and a large enough pass; planned
+        once per pass size), else the training model under the run's autocast."""
+        tokens = len(dataset) * self.net.cfg.num_tokens()
+        if tokens not in self._val_plans:
+            self._val_plans[tokens] = validation_plan(
+                self.precision, self.device, tokens, processes=self.dist.world, compile=self.cfg.compile,
+                batch_size=self.cfg.data.eval_batch_size,
+            )  # fmt: skip
+        plan = self._val_plans[tokens]
+        if plan is None:
             self._val_used = self.precision
             return self.forward, self._autocast()
-        if self._val_precision is None:
-            self._val_precision = "fp32" if self.precision == "fp32" else resolve_precision("auto", self.device)
-        self._val_used = self._val_precision
-        engine = InferenceEngine(
-            self.net, self.preprocess, precision=self._val_precision, device=self.device,
-            batch_size=self.cfg.data.eval_batch_size, fp32_reference=False,
-        )  # fmt: skip
+        self._val_used = plan.precision
+        engine = InferenceEngine(self.net, self.preprocess, plan=plan, batch_size=self.cfg.data.eval_batch_size)
         return engine.logits, contextlib.nullcontext()
