@@ -25,7 +25,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.train.probe import STD_EPS, l2_grid
+
+STD_EPS = 1e-5  # added to the standard deviation: this ridge and the linear head of ``vitkit.train.probe``
+
+
+def l2_grid(base: float, low: float, high: float, step: float = 1.0) -> tuple[float, ...]:
+    """The one definition of a regularisation grid: ``base ** e`` for ``e`` from ``low`` to ``high`` by ``step``.
+    Each probe's grid is on the scale of its loss: the few-shot ridge's ``l2`` weighs a sum over rows
+    (:data:`L2_GRID`, big_vision's 2^-6 .. 2^16), the linear head's (:data:`vitkit.train.probe.L2_GRID`) a mean
+    over rows, so the one strength is not the other's: with every row doubled the ridge needs twice its l2, the
+    head the same. It lives here, and ``train/`` imports it: ``evaluate/`` imports nothing of ``train/``."""
+    return tuple(float(base**e) for e in np.arange(low, high + step / 2, step))
+
 
 BIAS_CONSTANT = 100.0
 DEFAULT_L2 = 2.0**10
