@@ -216,7 +216,9 @@ def ridge(backbone: Path, data: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     loaded = load_checkpoint(backbone)
     train, test = open_dataset(data, "train"), open_dataset(data, "test")
-    kw: dict[str, Any] = {"logits": False, "features": True, "batch_size": 512, "progress": False}
+    from vitkit.inference.features import ExtractOptions
+
+    kw: dict[str, Any] = {"logits": False, "features": True, "opts": ExtractOptions(batch_size=512, progress=False)}
     tr = extract(loaded.model, train, loaded.meta.preprocess, **kw)
     te = extract(loaded.model, test, loaded.meta.preprocess, **kw)
     assert tr.features is not None and te.features is not None

@@ -269,8 +269,8 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[s
             from vitkit.data.datasets import open_dataset
 
             ds = open_dataset(str(folder), "test")
-            got = features_module.extract(loaded.model, ds, loaded.meta.preprocess, batch_size=batch,
-                                          workers=workers, progress=False, precision="bf16")  # fmt: skip
+            run = features_module.ExtractOptions(batch_size=batch, workers=workers, progress=False, precision="bf16")
+            got = features_module.extract(loaded.model, ds, loaded.meta.preprocess, opts=run)
             n = len(got.labels)
         cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
     check_replaced(noops, n, mode)

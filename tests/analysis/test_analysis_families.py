@@ -20,6 +20,7 @@ from vitkit.analysis.analyze import AnalyzeOptions, analyze, attention_analysis
 from vitkit.analysis.attention import attention_maps, rollout_maps
 from vitkit.analysis.embeddings import position_embeddings
 from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.inference.features import ExtractOptions
 
 BASE = {"image_size": (16, 24), "patch_size": 4, "hidden_size": 16, "depth": 2, "num_heads": 2, "mlp_dim": 32}
 REGISTERS = {"num_registers": 4, "layer_scale": 0.5}  # DINOv2-reg4: [class, 4 registers, patches]
@@ -91,7 +92,7 @@ def test_analyze_writes_the_report_for_a_registers_model(tmp_path: Path, kw: dic
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 255, (16, 24, 3), dtype=np.uint8)) for _ in range(2)]
     pre = Preprocess(image_size=(16, 24))
-    summary = analyze(model, pre, images, ["a", "b"], tmp_path / "out", progress=False)
+    summary = analyze(model, pre, images, ["a", "b"], tmp_path / "out", run=ExtractOptions(progress=False))
     on_disk = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert on_disk["attention_distance"]["prefix_tokens_excluded"] == 5
     assert np.asarray(summary["attention_distance"]["per_layer_head"]).shape == (2, 2)

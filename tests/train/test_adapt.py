@@ -19,10 +19,12 @@ from vitkit import load_checkpoint
 from vitkit.configs import TrainConfig, finetune_config
 from vitkit.data.datasets import open_dataset
 from vitkit.errors import CheckpointError
-from vitkit.inference.features import extract
+from vitkit.inference.features import ExtractOptions, extract
 from vitkit.train import Trainer, feature_cache, train
 from vitkit.train.probe import STD_EPS
 from vitkit.train.state import list_states, read_state
+
+QUIET = ExtractOptions(progress=False)
 
 NAMES = ["five", "six", "seven", "eight", "nine"]  # the target task: new classes for the base's digits model
 
@@ -144,7 +146,7 @@ def test_the_run_and_eval_name_the_precision_of_their_top1(
 def _features(model: Path, data: Path, split: str) -> tuple[np.ndarray, np.ndarray]:
     loaded = load_checkpoint(model)
     out = extract(
-        loaded.model, open_dataset(data, split), loaded.meta.preprocess, logits=False, features=True, progress=False
+        loaded.model, open_dataset(data, split), loaded.meta.preprocess, logits=False, features=True, opts=QUIET
     )
     assert out.features is not None
     return out.features.astype(np.float64), out.labels
@@ -416,7 +418,7 @@ def _heldout_top1(model_dir: Path, data: Path, seed: int, fraction: float = 0.1)
     parts = split_off(open_dataset(data, "train"), fraction, seed)
     assert parts is not None
     loaded = load_checkpoint(model_dir)
-    got = extract(loaded.model, parts[1], loaded.meta.preprocess, logits=True, batch_size=512, progress=False)
+    got = extract(loaded.model, parts[1], loaded.meta.preprocess, opts=ExtractOptions(batch_size=512, progress=False))
     assert got.logits is not None
     return float((got.logits.argmax(1) == got.labels).mean())
 

@@ -16,7 +16,7 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.datasets import open_dataset
 from vitkit.data.transforms import TrainTransform
 from vitkit.errors import ConfigError
-from vitkit.inference.features import extract
+from vitkit.inference.features import ExtractOptions, extract
 from vitkit.models import create_model
 from vitkit.models.vit import VisionTransformer, ViTConfig
 from vitkit.train import feature_cache as fc
@@ -50,7 +50,7 @@ def test_features_equal_extract_and_come_back_from_the_cache(tmp_path: Path, cou
     ds = open_dataset("digits", "test")  # 359 examples: 4 chunks of 100
     model = tiny()
     first = fc.cached_features(model, ds, PRE, root=tmp_path, progress=False)
-    ref = extract(model, ds, PRE, logits=False, features=True, progress=False)
+    ref = extract(model, ds, PRE, logits=False, features=True, opts=ExtractOptions(progress=False))
     assert first.features.shape == (359, 12) and first.computed_chunks == 4 and sum(counted) == 359
     np.testing.assert_array_equal(first.features, ref.features)  # the pre-logits features, in dataset order
     np.testing.assert_array_equal(first.labels, ds.labels)
@@ -180,7 +180,7 @@ def test_an_interrupted_pass_keeps_its_finished_chunks(tmp_path: Path, counted: 
     counted.clear()
     rest = fc.cached_features(model, ds, PRE, root=tmp_path, progress=False)
     assert counted == [100, 59] and rest.cached_chunks == 2
-    ref = extract(model, ds, PRE, logits=False, features=True, progress=False)
+    ref = extract(model, ds, PRE, logits=False, features=True, opts=ExtractOptions(progress=False))
     np.testing.assert_array_equal(rest.features, ref.features)
 
 
@@ -236,7 +236,7 @@ def test_fast_features_are_the_engines_own(tmp_path: Path) -> None:
     got = fc.cached_features(model, ds, pre, root=tmp_path / "cache", precision="bf16", progress=False)
     engine = InferenceEngine(model, pre, precision="bf16", batch_size=64)
     assert engine.reduced_decode and engine.runner is not model
-    want = extract(engine, ds, pre, logits=False, features=True, progress=False)
+    want = extract(engine, ds, pre, logits=False, features=True, opts=ExtractOptions(progress=False))
     np.testing.assert_array_equal(got.features, want.features)
     full = engine.features(torch.stack([pre(ds[i][0]) for i in range(len(ds))])).numpy()  # fully decoded JPEGs
     assert not np.array_equal(got.features, full) and _rel(got.features, full) < 0.1

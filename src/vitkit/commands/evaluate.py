@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -61,6 +60,31 @@ def _l2(text: str) -> float | str:
     return value
 
 
+def _run_options(args: argparse.Namespace, device: Any, dist: Any = None, *, engine: bool = True) -> Any:
+    """The evaluators' one :class:`~vitkit.inference.features.ExtractOptions`, from a command's options
+    (``engine``: its ``--precision``, and ``--backend``/``--decode`` where it has them)."""
+    from vitkit.inference.features import ExtractOptions
+
+    chosen = {"precision": args.precision, "backend": getattr(args, "backend", "torch"),
+              "decode": getattr(args, "decode", "cpu")} if engine else {}  # fmt: skip
+    return ExtractOptions(batch_size=args.batch_size, workers=resolve_workers(args.workers, device),
+                          skip_bad=args.skip_bad, device=device, on_engine=report_engine, dist=dist,
+                          **chosen)  # fmt: skip
+
+
+def _open_split(args: argparse.Namespace, split: str, **kw: Any) -> Any:
+    """``--data``'s ``split``, nothing decoded yet: with ``--skip-bad`` an image that does not decode is left out
+    when the job's stream reaches it (``predecode=False``, as predict and embed open theirs)."""
+    from vitkit.data.datasets import open_noted
+
+    return open_noted(args.data, split, skip_bad=args.skip_bad, predecode=False, **kw)
+
+
+def _notes(notes: list[str]) -> None:
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     from vitkit.evaluate.metrics import LABEL_FILE_HELP
 
@@ -87,7 +111,6 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitkit.data.datasets import open_noted
     from vitkit.evaluate.evaluate import check_eval_report_dir, evaluate_dataset, write_eval_report
 
     out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
@@ -96,29 +119,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         check_eval_report_dir(out)  # refused before the evaluation, never after it
         check_out_of_inputs(out, args.data)
     loaded = load_for_eval(args)
-    dataset = open_noted(args.data, args.split, skip_bad=args.skip_bad, classes=loaded.meta.class_names,
-                         strict_classes=False)  # fmt: skip
-    report = evaluate_dataset(
-        loaded.model,
-        dataset,
-        loaded.meta.preprocess,
-        class_names=loaded.meta.class_names,
-        label_file=args.real_labels,
-        batch_size=args.batch_size,
-        device=info.device,
-        workers=resolve_workers(args.workers, info.device),
-        precision=args.precision,
-        backend=args.backend,
-        on_engine=report_engine,
-        dist=info,
-        decode=args.decode,
-    )
+    dataset = _open_split(args, args.split, classes=loaded.meta.class_names, strict_classes=False)
+    report = evaluate_dataset(loaded.model, dataset, loaded.meta.preprocess, class_names=loaded.meta.class_names,
+                              label_file=args.real_labels, opts=_run_options(args, info.device, info))  # fmt: skip
     leave_processes(info)
     if not info.is_main:
         return 0  # process 0 writes the report of the whole dataset
     paths = write_eval_report(report, out)
-    for note in report.notes:
-        print(f"note: {note}", file=sys.stderr)
+    _notes(report.notes)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -169,42 +177,23 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
 def cmd_fewshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitkit.data.datasets import open_noted
-    from vitkit.evaluate.evaluate import fewshot_dataset
+    from vitkit.evaluate.fewshot import fewshot_dataset, fewshot_embeddings
     from vitkit.fileio import check_output_file
     from vitkit.hardware import resolve_device
 
     if args.out:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
         check_out_of_inputs(args.out, getattr(args, "data", None))
+    probe = {"shots": args.shots, "seeds": range(args.seeds), "l2": args.l2, "heldout_per_class": args.heldout}
     if check_embedding_inputs(args):
-        from vitkit.evaluate.evaluate import fewshot_embeddings
-
-        result = fewshot_embeddings(
-            args.train_embeddings, args.test_embeddings, shots=args.shots, seeds=range(args.seeds), l2=args.l2,
-            heldout_per_class=args.heldout,
-        )  # fmt: skip
+        result = fewshot_embeddings(args.train_embeddings, args.test_embeddings, **probe)
         source = {"train_embeddings": args.train_embeddings, "test_embeddings": args.test_embeddings}
         return _print_fewshot(args, source, f"{args.train_embeddings} -> {args.test_embeddings}", result)
-    device = resolve_device(args.device)
     loaded = load_for_eval(args)
-    train = open_noted(args.data, args.train_split, skip_bad=args.skip_bad)
-    test = open_noted(args.data, args.test_split, skip_bad=args.skip_bad)
-    result = fewshot_dataset(
-        loaded.model,
-        train,
-        test,
-        loaded.meta.preprocess,
-        shots=args.shots,
-        seeds=range(args.seeds),
-        l2=args.l2,
-        heldout_per_class=args.heldout,
-        batch_size=args.batch_size,
-        device=device,
-        workers=resolve_workers(args.workers, device),
-        precision=args.precision,
-        on_engine=report_engine,
-    )
+    train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
+    result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
+                             opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
+    _notes(result.notes)
     source = {"checkpoint": args.checkpoint, "data": args.data}
     return _print_fewshot(args, source, f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})",
                           result)  # fmt: skip
@@ -287,21 +276,15 @@ def cmd_knn(args: argparse.Namespace) -> int:
     if check_embedding_inputs(args):
         notes: list[str] = []
         report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks, notes=notes)
-        for note in notes:
-            print(f"note: {note}", file=sys.stderr)
+        _notes(notes)
         what = f"{args.train_embeddings} -> {args.test_embeddings}"
     else:
-        from vitkit.data.datasets import open_noted
-
         loaded = load_for_eval(args)
-        train = open_noted(args.data, args.train_split, skip_bad=args.skip_bad)
-        test = open_noted(args.data, args.test_split, skip_bad=args.skip_bad)
-        report = knn_dataset(
-            loaded.model, train, test, loaded.meta.preprocess, batch_size=args.batch_size, device=info.device,
-            workers=resolve_workers(args.workers, info.device), precision=args.precision, on_engine=report_engine,
-            dist=info,
-            **chunks,
-        )  # fmt: skip
+        train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
+        report = knn_dataset(loaded.model, train, test, loaded.meta.preprocess, **chunks,
+                             opts=_run_options(args, info.device, info))  # fmt: skip
+        if info.is_main:
+            _notes(report.notes)
         what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"
     leave_processes(info)
     if not info.is_main:
@@ -341,22 +324,17 @@ def _add_analyze(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from vitkit.analysis.analyze import AnalyzeOptions, analyze, check_analysis_dir
-    from vitkit.data.datasets import open_noted, sample_images
+    from vitkit.analysis.analyze import AnalysisImages, AnalyzeOptions, analyze, check_analysis_dir, dataset_positions
+    from vitkit.data.stream import list_inputs
     from vitkit.hardware import resolve_device
-    from vitkit.images import load_image
 
     check_analysis_dir(args.out)  # refused before loading anything, never after the analyses
     check_out_of_inputs(args.out, args.images, args.data)
     device = resolve_device(args.device)
     loaded = load_for_eval(args, image_size=args.image_size)
-    images = [load_image(path) for path in args.images]  # fail on a bad file before any compute
-    names = [os.path.basename(path) for path in args.images]
-    if args.data:
-        dataset = open_noted(args.data, args.split, skip_bad=args.skip_bad)
-        more, more_names = sample_images(dataset, args.num_images)
-        images += more
-        names += more_names
+    files = list_inputs(args.images, skip_bad=args.skip_bad)  # a missing file: one line, before any compute
+    dataset = _open_split(args, args.split) if args.data else None
+    positions = dataset_positions(dataset, args.num_images) if dataset is not None else []
     L, h = loaded.model.cfg.depth, loaded.model.cfg.num_heads
     if args.layer == 0 or not -L <= args.layer <= L:
         raise VitkitError(f"--layer {args.layer}: the model has {L} layers (1..{L}, or -1 for the last)")
@@ -365,14 +343,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     opts = AnalyzeOptions(
         layer=args.layer - 1 if args.layer > 0 else args.layer,
         head=None if args.head is None else args.head - 1,
-        batch_size=args.batch_size,
         max_overlays=args.max_overlays,
     )
-    summary = analyze(
-        loaded.model, loaded.meta.preprocess, images, names, args.out, opts=opts, device=device,
-        source=args.checkpoint,
-    )  # fmt: skip
-    print(f"{args.checkpoint}: analysed {len(images)} image(s); wrote to {args.out}/")
+    pictures = AnalysisImages(files, None, dataset, positions)
+    summary = analyze(loaded.model, loaded.meta.preprocess, pictures, None, args.out, opts=opts,
+                      run=_run_options(args, device, engine=False), source=args.checkpoint)  # fmt: skip
+    _notes(summary.get("attention_distance", {}).get("notes", []))
+    print(f"{args.checkpoint}: analysed {len(pictures)} image(s); wrote to {args.out}/")
     for key, value in summary.items():
         if isinstance(value, dict):
             print(f"  {key:<30} {value.get('figure') or value.get('skipped')}")

@@ -1,8 +1,11 @@
-"""Evaluation runners behind ``vitkit eval`` and ``vitkit fewshot``, callable from Python.
+"""The evaluation behind ``vitkit eval``, callable from Python: top-1/top-5, per class, confusion matrix, ReaL.
 
-Both take a model, its :class:`~vitkit.checkpoints.preprocess.Preprocess` (from the checkpoint) and datasets that
-follow vitkit's data interface (``classes``, ``__len__``, ``__getitem__ -> (PIL image, label)``, or
-iterable-only for streams).
+Like the other evaluators (``fewshot_dataset`` in :mod:`vitkit.evaluate.fewshot`, ``knn_dataset`` in
+:mod:`vitkit.evaluate.knn`) it takes a model (or an engine, or its spec), its
+:class:`~vitkit.checkpoints.preprocess.Preprocess` (from the checkpoint), a dataset that follows vitkit's data
+interface (``classes``, ``__len__``, ``__getitem__ -> (PIL image, label)``, or iterable-only for streams) and
+one :class:`~vitkit.inference.features.ExtractOptions`, and reads the dataset through a
+:class:`~vitkit.inference.features.FeatureProvider`.
 """
 
 from __future__ import annotations
@@ -11,30 +14,20 @@ import csv
 import io
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from vitkit.checkpoints.preprocess import Preprocess
-from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
-from vitkit.evaluate.fewshot import (
-    DEFAULT_L2,
-    DEFAULT_SHOTS,
-    L2_GRID,
-    FewShotResult,
-    run_episodes,
-    sample_episodes,
-)
 from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
 from vitkit.fileio import check_report_dir, write_text_atomic
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.features import extract, is_map_style
-from vitkit.inference.jobs import EngineSpec, engine_spec
+from vitkit.inference.features import EXTRACT_DEFAULTS, ExtractOptions, FeatureProvider, is_map_style
+from vitkit.inference.jobs import EngineSpec
 from vitkit.models.vit import VisionTransformer
 
 
@@ -107,27 +100,18 @@ def evaluate_dataset(
     *,
     class_names: Sequence[str] | None = None,
     label_file: str | os.PathLike[str] | None = None,
-    batch_size: int = 64,
-    device: torch.device | str | None = "cpu",
-    workers: int = 0,
-    progress: bool = True,
-    precision: str = "fp32",
-    backend: str = "torch",
-    on_engine: Callable[[InferenceEngine], None] | None = None,
-    dist: DistInfo | None = None,
-    decode: str = "cpu",
+    opts: ExtractOptions = EXTRACT_DEFAULTS,
 ) -> EvalReport:
     """Top-1/top-5, per-class accuracy and confusion matrix (plus ReaL accuracy given a label-set file).
 
-    ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` in ``precision`` (default
-    ``fp32``: the model itself, the reference numbers) on ``backend`` (``on_engine`` is called with the engine
-    once built, after the inputs are checked), or an engine already built, or the spec of one
-    (:func:`~vitkit.inference.jobs.engine_spec`). ``workers``: decoding processes
-    (0: this one). ``dist``: the processes of a ``torchrun`` job, each running its share of the dataset; every
-    process gets the report of the whole dataset, the one a single process computes. ``decode``: where JPEGs
-    are decoded (``cpu``, ``gpu``, ``auto``: :func:`vitkit.inference.jobs.plan_decode`)."""
-    spec = engine_spec(model, preprocess, precision=precision, backend=backend, device=device)
-    K = spec.model.cfg.num_classes
+    ``model``: a model, run on an :class:`~vitkit.inference.engine.InferenceEngine` in ``opts.precision``
+    (default ``fp32``: the model itself, the reference numbers) on ``opts.backend`` (``opts.on_engine`` is called
+    with the engine once built, after the inputs are checked), or an engine already built, or the spec of one
+    (:func:`~vitkit.inference.jobs.engine_spec`). Under ``torchrun`` (``opts.dist``) each process runs its share
+    of the dataset and every process gets the report of the whole dataset, the one a single process computes.
+    Images that do not decode with ``opts.skip_bad`` are left out, said in the report's notes."""
+    features = FeatureProvider(model, preprocess, opts)
+    K = features.model.cfg.num_classes
     if K <= 0:
         raise ConfigError("the model has no classification head (num_classes=0); use 'vitkit fewshot' instead")
     mapping, notes = align_labels(list(dataset.classes), class_names, K)
@@ -138,13 +122,9 @@ def evaluate_dataset(
             sets = read_label_sets(label_file, len(dataset), names, dataset_file_names(dataset))
         elif not Path(label_file).is_file():
             raise DataError(f"{label_file}: no such label file")
-    out = extract(
-        spec, dataset, preprocess, batch_size=batch_size, workers=workers, desc="eval", progress=progress,
-        on_engine=on_engine, dist=dist, decode=decode,
-    )  # fmt: skip
+    out = features.extract(dataset, desc="eval")
     assert out.logits is not None
-    if out.decode_note:
-        notes = [*notes, out.decode_note]
+    notes = [*notes, *out.notes, *([out.decode_note] if out.decode_note else [])]
     labels = out.labels if mapping is None else mapping[out.labels]
     if labels.min() < 0 or labels.max() >= K:
         raise DataError(f"labels outside 0..{K - 1} in the dataset")
@@ -205,98 +185,3 @@ def _csv_text(rows: list[list[Any]]) -> str:
     buf = io.StringIO()
     csv.writer(buf).writerows(rows)
     return buf.getvalue()
-
-
-def dataset_labels(dataset: Any) -> np.ndarray | None:
-    """All labels without decoding images, when the dataset exposes them (``labels`` / ``targets``)."""
-    if not is_map_style(dataset):
-        return None
-    for attr in ("labels", "targets"):
-        labels = getattr(dataset, attr, None)
-        if labels is not None and len(labels) == len(dataset):
-            return np.asarray(labels, dtype=np.int64)
-    return None
-
-
-def fewshot_dataset(
-    model: VisionTransformer | InferenceEngine | EngineSpec,
-    train: Any,
-    test: Any,
-    preprocess: Preprocess,
-    *,
-    shots: Sequence[int] = DEFAULT_SHOTS,
-    seeds: Sequence[int] = (0, 1, 2),
-    l2: float | str = DEFAULT_L2,
-    heldout_per_class: int = 10,
-    l2_grid: Sequence[float] = L2_GRID,
-    batch_size: int = 64,
-    device: torch.device | str | None = "cpu",
-    workers: int = 0,
-    progress: bool = True,
-    precision: str = "fp32",
-    on_engine: Callable[[InferenceEngine], None] | None = None,
-) -> FewShotResult:
-    """Few-shot linear evaluation of a frozen model: features of the training split's sampled shots and of
-    the whole test split, then the closed-form probe of :mod:`vitkit.evaluate.fewshot`.
-
-    When the training dataset exposes its labels, only the sampled examples are run through the model.
-    ``model``: a model, run in ``precision`` (default ``fp32``: the model itself; ``on_engine`` is called with
-    the engine once built, after the episodes are drawn), or an engine already built, or the spec of one
-    (:func:`~vitkit.inference.jobs.engine_spec`).
-    """
-    K = len(train.classes)
-    if len(test.classes) != K:
-        raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
-    held = heldout_per_class if l2 == "auto" else 0
-    spec = engine_spec(model, preprocess, precision=precision, device=device)
-    built: list[InferenceEngine] = []
-
-    def engine() -> InferenceEngine:  # one engine for both splits (its weights packed once), built when needed
-        if not built:
-            built.append(spec.build(batch_size, None))
-            if on_engine is not None and built[0] is not spec.built:
-                on_engine(built[0])
-        return built[0]
-
-    kw: dict[str, Any] = {"batch_size": batch_size, "workers": workers, "progress": progress}
-    labels = dataset_labels(train)
-    if labels is not None:  # sample first, then extract only what the episodes use
-        episodes = sample_episodes(labels, K, shots, seeds, held)
-        needed = np.unique(np.concatenate([np.concatenate([e.train, e.heldout]) for e in episodes]))
-        tr = extract(engine(), train, preprocess, logits=False, features=True, indices=needed.tolist(), **kw,
-                     desc="features (train shots)")  # fmt: skip
-        pos = np.full(len(labels), -1, dtype=np.int64)
-        pos[tr.indices] = np.arange(len(tr.indices))
-        episodes = [type(e)(e.seed, e.shots, pos[e.train], pos[e.heldout]) for e in episodes]
-    else:
-        tr = extract(engine(), train, preprocess, logits=False, features=True, desc="features (train)", **kw)
-        episodes = sample_episodes(tr.labels, K, shots, seeds, held)
-    te = extract(engine(), test, preprocess, logits=False, features=True, desc="features (test)", **kw)
-    assert tr.features is not None and te.features is not None
-    return run_episodes(episodes, tr.features, tr.labels, te.features, te.labels, K, l2, l2_grid)
-
-
-def fewshot_embeddings(
-    train: str | os.PathLike[str],
-    test: str | os.PathLike[str],
-    *,
-    shots: Sequence[int] = DEFAULT_SHOTS,
-    seeds: Sequence[int] = (0, 1, 2),
-    l2: float | str = DEFAULT_L2,
-    heldout_per_class: int = 10,
-    l2_grid: Sequence[float] = L2_GRID,
-) -> FewShotResult:
-    """:func:`fewshot_dataset` on cached features: two outputs of ``vitkit embed`` (the training split's and the
-    test split's, of a labelled dataset) instead of a model's forward passes. The episodes are drawn from the
-    training file's labels exactly as from the dataset's, so the same features give the same result."""
-    from vitkit.evaluate.knn import comparable_embeddings
-
-    tr, te = comparable_embeddings(train, test)
-    if not (np.array_equal(tr.index, np.arange(len(tr))) and np.array_equal(te.index, np.arange(len(te)))):
-        raise DataError(f"{train} or {test}: not a whole split in order (the episodes address examples by position)")
-    K = int(max(tr.labels.max(), te.labels.max())) + 1
-    held = heldout_per_class if l2 == "auto" else 0
-    episodes = sample_episodes(tr.labels, K, shots, seeds, held)
-    x_tr = np.asarray(tr.vectors, dtype=np.float32).reshape(len(tr), -1)
-    x_te = np.asarray(te.vectors, dtype=np.float32).reshape(len(te), -1)
-    return run_episodes(episodes, x_tr, tr.labels, x_te, te.labels, K, l2, l2_grid)

@@ -14,18 +14,42 @@ numbers):
 
 ``l2`` is either fixed (big_vision's default 2^10) or ``"auto"``: chosen from a grid by accuracy on
 held-out training examples of every class that are not among the shots.
+
+The drivers behind ``vitkit fewshot`` are here too: :func:`fewshot_dataset` (a model's features of two splits,
+through one :class:`~vitkit.inference.features.FeatureProvider`) and :func:`fewshot_embeddings` (two outputs of
+``vitkit embed``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
-from vitkit.train.probe import STD_EPS, l2_grid
+from vitkit.evaluate.knn import comparable_embeddings
+from vitkit.inference.engine import InferenceEngine
+from vitkit.inference.features import EXTRACT_DEFAULTS, Extracted, ExtractOptions, FeatureProvider, is_map_style
+from vitkit.inference.jobs import EngineSpec
+from vitkit.models.vit import VisionTransformer
+
+STD_EPS = 1e-5  # added to the standard deviation: this ridge and the linear head of ``vitkit.train.probe``
+
+
+def l2_grid(base: float, low: float, high: float, step: float = 1.0) -> tuple[float, ...]:
+    """The one definition of a regularisation grid: ``base ** e`` for ``e`` from ``low`` to ``high`` by ``step``.
+    Each probe's grid is on the scale of its loss: the few-shot ridge's ``l2`` weighs a sum over rows
+    (:data:`L2_GRID`, big_vision's 2^-6 .. 2^16), the linear head's (:data:`vitkit.train.probe.L2_GRID`) a mean
+    over rows, so the one strength is not the other's: with every row doubled the ridge needs twice its l2, the
+    head the same. It lives here, and ``train/`` imports it: ``evaluate/`` imports nothing of ``train/``."""
+    return tuple(float(base**e) for e in np.arange(low, high + step / 2, step))
+
 
 BIAS_CONSTANT = 100.0
 DEFAULT_L2 = 2.0**10
@@ -139,6 +163,7 @@ class FewShotResult:
     accuracy: dict[int, list[float]] = field(default_factory=dict)  # shots -> one value per seed
     l2: dict[int, list[float]] = field(default_factory=dict)  # shots -> l2 used per seed
     l2_mode: str = "fixed"
+    notes: list[str] = field(default_factory=list)  # e.g. images left out that did not decode (skip_bad)
 
     def mean(self, shots: int) -> float:
         return float(np.mean(self.accuracy[shots]))
@@ -149,7 +174,7 @@ class FewShotResult:
         return float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
 
     def to_dict(self) -> dict[str, object]:
-        return {
+        return {  # the notes go to stderr
             "l2_mode": self.l2_mode,
             "seeds": self.seeds,
             "shots": {
@@ -232,3 +257,109 @@ def fewshot_evaluate(
     """Few-shot linear evaluation on precomputed features: sample episodes, fit, test (see module doc)."""
     episodes = sample_episodes(train_y, num_classes, shots, seeds, heldout_per_class if l2 == "auto" else 0)
     return run_episodes(episodes, train_x, train_y, test_x, test_y, num_classes, l2, l2_grid)
+
+
+def dataset_labels(dataset: Any) -> np.ndarray | None:
+    """All labels without decoding images, when the dataset exposes them (``labels`` / ``targets``)."""
+    if not is_map_style(dataset):
+        return None
+    for attr in ("labels", "targets"):
+        labels = getattr(dataset, attr, None)
+        if labels is not None and len(labels) == len(dataset):
+            return np.asarray(labels, dtype=np.int64)
+    return None
+
+
+def fewshot_dataset(
+    model: VisionTransformer | InferenceEngine | EngineSpec,
+    train: Any,
+    test: Any,
+    preprocess: Preprocess,
+    *,
+    shots: Sequence[int] = DEFAULT_SHOTS,
+    seeds: Sequence[int] = (0, 1, 2),
+    l2: float | str = DEFAULT_L2,
+    heldout_per_class: int = 10,
+    l2_grid: Sequence[float] = L2_GRID,
+    opts: ExtractOptions = EXTRACT_DEFAULTS,
+) -> FewShotResult:
+    """Few-shot linear evaluation of a frozen model: features of the training split's sampled shots and of
+    the whole test split, then the closed-form probe (module docstring).
+
+    When the training dataset exposes its labels, only the sampled examples are run through the model (a shot
+    that does not decode, with ``opts.skip_bad``, is left out and the shots are drawn again without it).
+    ``model``: a model, run in ``opts.precision`` (default ``fp32``: the model itself; ``opts.on_engine`` is
+    called with the engine once built, after the episodes are drawn), or an engine already built, or the spec of
+    one (:func:`~vitkit.inference.jobs.engine_spec`); one engine for both splits.
+    """
+    K = len(train.classes)
+    if len(test.classes) != K:
+        raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
+    held = heldout_per_class if l2 == "auto" else 0
+    features = FeatureProvider(model, preprocess, opts)
+    labels = dataset_labels(train)
+    if labels is not None:  # sample first, then extract only what the episodes use
+        tr, episodes, notes = _shot_features(features, train, labels, K, shots, seeds, held)
+    else:
+        tr = features.extract(train, logits=False, features=True, desc="features (train)")
+        episodes, notes = sample_episodes(tr.labels, K, shots, seeds, held), tr.notes
+    te = features.extract(test, logits=False, features=True, desc="features (test)")
+    assert tr.features is not None and te.features is not None
+    result = run_episodes(episodes, tr.features, tr.labels, te.features, te.labels, K, l2, l2_grid)
+    result.notes = [*notes, *te.notes]
+    return result
+
+
+def _shot_features(
+    features: FeatureProvider,
+    train: Any,
+    labels: np.ndarray,
+    num_classes: int,
+    shots: Sequence[int],
+    seeds: Sequence[int],
+    held: int,
+) -> tuple[Extracted, list[Episode], list[str]]:
+    """The features of the examples the episodes use, and the episodes (addressing those features' rows). The
+    episodes are drawn from the examples not known to fail; when a drawn one fails to decode (``skip_bad``) it is
+    left out and they are drawn again (with no failure: the one draw of every example's labels)."""
+    bad = np.zeros(len(labels), dtype=bool)
+    while True:
+        avail = np.flatnonzero(~bad)
+        episodes = sample_episodes(labels[avail], num_classes, shots, seeds, held)
+        needed = avail[np.unique(np.concatenate([np.concatenate([e.train, e.heldout]) for e in episodes]))]
+        tr = features.extract(train, logits=False, features=True, indices=needed.tolist(),
+                              desc="features (train shots)")  # fmt: skip
+        if not tr.failed:
+            break
+        bad[tr.failed] = True
+    notes = [] if not bad.any() else [
+        f"features (train shots): {int(bad.sum())} drawn image(s) did not decode; left out, the shots drawn again"
+    ]  # fmt: skip
+    pos = np.full(len(labels), -1, dtype=np.int64)
+    pos[tr.indices] = np.arange(len(tr.indices))
+    rows = [dataclasses.replace(e, train=pos[avail[e.train]], heldout=pos[avail[e.heldout]]) for e in episodes]
+    return tr, rows, notes
+
+
+def fewshot_embeddings(
+    train: str | os.PathLike[str],
+    test: str | os.PathLike[str],
+    *,
+    shots: Sequence[int] = DEFAULT_SHOTS,
+    seeds: Sequence[int] = (0, 1, 2),
+    l2: float | str = DEFAULT_L2,
+    heldout_per_class: int = 10,
+    l2_grid: Sequence[float] = L2_GRID,
+) -> FewShotResult:
+    """:func:`fewshot_dataset` on cached features: two outputs of ``vitkit embed`` (the training split's and the
+    test split's, of a labelled dataset) instead of a model's forward passes. The episodes are drawn from the
+    training file's labels exactly as from the dataset's, so the same features give the same result."""
+    tr, te = comparable_embeddings(train, test)
+    if not (np.array_equal(tr.index, np.arange(len(tr))) and np.array_equal(te.index, np.arange(len(te)))):
+        raise DataError(f"{train} or {test}: not a whole split in order (the episodes address examples by position)")
+    K = int(max(tr.labels.max(), te.labels.max())) + 1
+    held = heldout_per_class if l2 == "auto" else 0
+    episodes = sample_episodes(tr.labels, K, shots, seeds, held)
+    x_tr = np.asarray(tr.vectors, dtype=np.float32).reshape(len(tr), -1)
+    x_te = np.asarray(te.vectors, dtype=np.float32).reshape(len(te), -1)
+    return run_episodes(episodes, x_tr, tr.labels, x_te, te.labels, K, l2, l2_grid)

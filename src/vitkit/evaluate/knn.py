@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from vitkit.checkpoints.preprocess import Preprocess
-from vitkit.distributed import DistInfo
 from vitkit.errors import ConfigError, DataError
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.features import extract
-from vitkit.inference.jobs import EngineSpec, engine_spec
+from vitkit.inference.features import EXTRACT_DEFAULTS, ExtractOptions, FeatureProvider
+from vitkit.inference.jobs import EngineSpec
 from vitkit.inference.provenance import check_comparable
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
 from vitkit.outputs.arrays import Embeddings, read_embeddings
@@ -60,9 +58,11 @@ class KnnReport:
     temperature: float
     num_train: int
     num_test: int
+    notes: list[str] = field(default_factory=list)  # e.g. images left out that did not decode (skip_bad)
 
-    def to_dict(self) -> dict[str, float | int]:
-        return dict(self.__dict__)
+    def to_dict(self) -> dict[str, Any]:
+        """The figures (the notes go to stderr, as those of ``knn_embeddings`` do)."""
+        return {k: v for k, v in self.__dict__.items() if k != "notes"}
 
 
 def normalize(x: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -160,33 +160,25 @@ def knn_dataset(
     temperature: float = DEFAULT_TEMPERATURE,
     query_chunk: int = 256,
     bank_chunk: int = 65536,
-    batch_size: int = 64,
-    device: torch.device | str | None = "cpu",
-    workers: int = 0,
-    progress: bool = True,
-    precision: str = "fp32",
-    on_engine: Callable[[InferenceEngine], None] | None = None,
-    dist: DistInfo | None = None,
+    opts: ExtractOptions = EXTRACT_DEFAULTS,
 ) -> KnnReport:
     """kNN accuracy of a frozen model: pre-logits features of the whole training split (the bank) and of the
-    test split, then :func:`knn_evaluate`. ``model``: a model, run in ``precision`` (default ``fp32``: the model
-    itself), or an engine already built, or the spec of one
-    (:func:`~vitkit.inference.jobs.engine_spec`). ``dist``: the processes of a ``torchrun`` job, each extracting its
-    share of both splits (the report is the one process computes, on every process)."""
+    test split, through one :class:`~vitkit.inference.features.FeatureProvider` (one engine for both), then
+    :func:`knn_evaluate`. ``model``: a model, run in ``opts.precision`` (default ``fp32``: the model itself), or an
+    engine already built, or the spec of one (:func:`~vitkit.inference.jobs.engine_spec`). ``opts.dist``: the
+    processes of a ``torchrun`` job, each extracting its share of both splits (the report is the one process
+    computes, on every process). Images that do not decode with ``opts.skip_bad`` are left out, said in ``notes``."""
     K = len(train.classes)
     if len(test.classes) != K:
         raise DataError(f"the training split has {K} classes but the test split has {len(test.classes)}")
-    info = dist or DistInfo()
-    spec = engine_spec(model, preprocess, precision=precision, device=device).on(info)
-    engine = spec.build(batch_size, None)  # one engine for both splits (its weights packed once)
-    if on_engine is not None and info.is_main and engine is not spec.built:
-        on_engine(engine)
-    kw: dict[str, Any] = {"batch_size": batch_size, "workers": workers, "progress": progress, "dist": dist}
-    tr = extract(engine, train, preprocess, logits=False, features=True, desc="features (train)", **kw)
-    te = extract(engine, test, preprocess, logits=False, features=True, desc="features (test)", **kw)
+    features = FeatureProvider(model, preprocess, opts)
+    tr = features.extract(train, logits=False, features=True, desc="features (train)")
+    te = features.extract(test, logits=False, features=True, desc="features (test)")
     assert tr.features is not None and te.features is not None
-    return knn_evaluate(tr.features, tr.labels, te.features, te.labels, K, k=k, temperature=temperature,
-                        query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
+    report = knn_evaluate(tr.features, tr.labels, te.features, te.labels, K, k=k, temperature=temperature,
+                          query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
+    report.notes = [*tr.notes, *te.notes]
+    return report
 
 
 def knn_embeddings(

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from vitkit.checkpoints import Loaded, load_checkpoint
+from vitkit.checkpoints.train_state import latest_state, read_state
 from vitkit.errors import CheckpointError, ConfigError
 
 WEIGHTS = ("default", "ema", "raw")
@@ -36,8 +37,6 @@ def _strip(name: str) -> str:
 
 def run_weights(run_dir: str | os.PathLike[str], which: str) -> tuple[dict[str, torch.Tensor], int]:
     """(state dict, step) of the ``"ema"`` or ``"raw"`` weights in a run's latest training checkpoint."""
-    from vitkit.train.state import latest_state, read_state
-
     root = Path(run_dir)
     ckpt = latest_state(root / "checkpoints")
     if ckpt is None:

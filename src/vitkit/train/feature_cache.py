@@ -45,7 +45,7 @@ from vitkit.fileio import check_output_location, write_file_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 from vitkit.images import LazyImage
 from vitkit.inference.engine import InferenceEngine
-from vitkit.inference.features import extract
+from vitkit.inference.features import ExtractOptions, extract
 from vitkit.inference.policy import FEATURE_PRECISIONS
 from vitkit.models.vit import VisionTransformer
 from vitkit.outputs.store import Parts
@@ -239,8 +239,8 @@ def cached_features(
             what = f"{desc} {c + 1}/{len(starts)}" if len(starts) > 1 else desc
             if engine is None:
                 engine = InferenceEngine(model, pre, precision=precision, device=device, batch_size=batch_size)
-            out = extract(engine, source, pre, logits=False, features=True, batch_size=batch_size,
-                          indices=idx.tolist(), workers=workers, desc=what, progress=progress)  # fmt: skip
+            run = ExtractOptions(batch_size=batch_size, workers=workers, progress=progress)
+            out = extract(engine, source, pre, logits=False, features=True, indices=idx.tolist(), desc=what, opts=run)
             assert out.features is not None
             got = out.features.astype(np.float32, copy=False)
             if not np.array_equal(out.indices, idx) or not np.isfinite(got).all():

@@ -30,21 +30,12 @@ from torch import nn
 from tqdm import tqdm
 
 from vitkit.errors import DataError
+from vitkit.evaluate.fewshot import STD_EPS, l2_grid  # one grid rule and one epsilon for both probes
 from vitkit.models.vit import VisionTransformer
-
-
-def l2_grid(base: float, low: float, high: float, step: float = 1.0) -> tuple[float, ...]:
-    """The one definition of a regularisation grid: ``base ** e`` for ``e`` from ``low`` to ``high`` by ``step``.
-    Each probe's grid is on the scale of its loss: this head's ``l2`` weighs a mean over rows (:data:`L2_GRID`),
-    the few-shot ridge's a sum over rows (:data:`vitkit.evaluate.fewshot.L2_GRID`, big_vision's 2^-6 .. 2^16), so
-    the one strength is not the other's: with every row doubled the ridge needs twice its l2, this head the same."""
-    return tuple(float(base**e) for e in np.arange(low, high + step / 2, step))
-
 
 L2_GRID = l2_grid(10.0, -6.0, 0.0, 0.5)  # 1e-6 .. 1, per row (the loss is a mean)
 DEFAULT_L2 = 1e-3  # when held-out examples cannot be set aside (a class with a single example)
 GRID_TOL = 1e-5  # gradient tolerance of the held-out fits (their accuracies only rank the grid)
-STD_EPS = 1e-5  # added to the standard deviation: this head and the few-shot ridge (``vitkit.evaluate.fewshot``)
 
 
 def fit_logistic(

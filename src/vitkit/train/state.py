@@ -10,6 +10,7 @@ A training state is a folder ``checkpoints/step-000001234/`` of the run holding
 Writing goes to a hidden temporary folder (files fsync'ed), which is renamed into place in one
 ``os.replace``; only then are old checkpoints pruned (renamed to a hidden name, then deleted). A crash at
 any moment leaves either the new checkpoint complete or no trace of it, and the previous one untouched.
+Reading states (listing, the latest, one validated) is :mod:`vitkit.checkpoints.train_state`'s, re-used here.
 Hidden folders are never read, except ``.step-N.vitkit-old-...`` while the same step is being re-saved (see
 ``fileio.replace_dir``; the whole write is ``fileio.write_dir_atomic``). :func:`clean_states` removes what a
 kill left behind.
@@ -19,52 +20,35 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from vitkit.checkpoints.train_state import (  # the reading half, below: evaluate/weights.py reads runs too
+    META,
+    STATE_FORMAT,
+    STATE_VERSION,
+    STEP_NAME,
+    TENSORS,
+    is_complete,
+    latest_state,
+    list_states,
+    read_state,
+    read_state_meta,
+    state_name,
+)
 from vitkit.configs import TrainConfig
 from vitkit.errors import CheckpointError, ConfigError
-from vitkit.fileio import clean_stale, complete_dir, refuse_link, remove_tree, temp_target, write_dir_atomic
+from vitkit.fileio import clean_stale, refuse_link, remove_tree, write_dir_atomic
 from vitkit.train import distributed as distr
 from vitkit.train.ema import EMA
 
-STATE_FORMAT = "vitkit-train-state"
-STATE_VERSION = 1
-TENSORS = "state.safetensors"
-META = "state.json"
-_NAME = re.compile(r"^step-(\d{9})$")
 #: what a training state holds of a run: the bare model, its optimiser, the EMA (None: off), the processes
 Trained = tuple[nn.Module, torch.optim.Optimizer, EMA | None, distr.DistInfo]
-
-
-def state_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def list_states(folder: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    """Complete checkpoints in ``folder`` as (step, path), oldest first."""
-    root = Path(folder)
-    if not root.is_dir():
-        return []
-    found = []
-    names = {temp_target(entry.name, "old") or entry.name for entry in root.iterdir()}
-    for name in names:
-        m = _NAME.match(name)
-        entry = complete_dir(root / name)  # a step being re-saved is read from its previous copy
-        if m and _complete(entry):
-            found.append((int(m.group(1)), entry))
-    return sorted(found)
-
-
-def _complete(entry: Path) -> bool:
-    return (entry / TENSORS).is_file() and (entry / META).is_file()
 
 
 def clean_states(folder: str | os.PathLike[str]) -> list[str]:
@@ -74,15 +58,10 @@ def clean_states(folder: str | os.PathLike[str]) -> list[str]:
     done = clean_stale(root)
     if root.is_dir():
         for entry in sorted(root.iterdir()):
-            if _NAME.match(entry.name) and entry.is_dir() and not entry.is_symlink() and not _complete(entry):
+            if STEP_NAME.match(entry.name) and entry.is_dir() and not entry.is_symlink() and not is_complete(entry):
                 shutil.rmtree(entry, ignore_errors=True)
                 done.append(f"removed incomplete {entry.name}")
     return done
-
-
-def latest_state(folder: str | os.PathLike[str]) -> Path | None:
-    found = list_states(folder)
-    return found[-1][1] if found else None
 
 
 def write_state(
@@ -105,31 +84,6 @@ def write_state(
     for _, path in list_states(root)[:-keep_last]:
         remove_tree(path)
     return final
-
-
-def read_state_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The JSON half of a checkpoint (step, config ...), without loading tensors."""
-    p = Path(path) / META
-    try:
-        meta = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{p.parent}: not a training checkpoint (no {META})") from None
-    except ValueError as e:
-        raise CheckpointError(f"{p}: invalid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"{p}: not a vitkit training state")
-    return meta
-
-
-def read_state(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, meta) of one checkpoint folder, validated."""
-    p = Path(path)
-    meta = read_state_meta(p)
-    try:
-        tensors = load_file(str(p / TENSORS))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{p / TENSORS}: unreadable ({e})") from None
-    return tensors, meta
 
 
 def resolve_resume(path: str | os.PathLike[str]) -> Path:
