@@ -67,7 +67,8 @@ def _run_options(args: argparse.Namespace, device: Any, dist: Any = None, *, eng
 
     chosen = {"precision": args.precision, "backend": getattr(args, "backend", "torch"),
               "decode": getattr(args, "decode", "cpu")} if engine else {}  # fmt: skip
-    return ExtractOptions(batch_size=args.batch_size, workers=resolve_workers(args.workers, device),
+    backend = chosen.get("backend", "torch")
+    return ExtractOptions(batch_size=args.batch_size, workers=resolve_workers(args.workers, device, backend),
                           skip_bad=args.skip_bad, device=device, on_engine=report_engine, dist=dist,
                           **chosen)  # fmt: skip
 
