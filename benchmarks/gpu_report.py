@@ -200,7 +200,7 @@ def fp8_rows(name: str, batch: int, image_size: int, device: torch.device, repea
     alternating call by call: eager, and compiled unless ``compile`` is False (rowwise scales, and per-tensor
     ones); plus top-1 agreement of each with
     the fp32 model on the real images of ``vitkit bench --real-images`` (random weights, a random head)."""
-    from vitkit.bench.images import real_image_batch
+    from vitkit.bench.sample_images import real_image_batch
     from vitkit.checkpoints.preprocess import Preprocess
     from vitkit.inference.fast import optimize_for_inference
     from vitkit.inference.fp8 import fp8_unsupported, to_fp8

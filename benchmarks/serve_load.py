@@ -41,7 +41,7 @@ from sklearn.datasets import load_sample_image
 
 from vitkit.checkpoints.vitkit_format import save
 from vitkit.models import create_model
-from vitkit.serve.engine import ServedModel
+from vitkit.serve.served_model import ServedModel
 
 
 def rss_mib(pid: int) -> float:

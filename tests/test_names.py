@@ -38,55 +38,9 @@ SAME_CONCEPT: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
     ("module", "attention"): (
         ("inference/attention.py", "models/attention.py"),
         "softmax(q k^T / sqrt(d)) v, for training (hand-written backward) and for the inference fast path (a fused "
-        "kernel); analysis/attention.py is another concept, renamed below",
+        "kernel); analysis/attention_maps.py is another concept, renamed below",
     ),
 }
-
-# ---- renamed at merge: repeats in files other work holds open now; each entry is the rename it gets ----------
-# Remove an entry with its rename (the test fails on an entry the tree no longer matches).
-RENAMED_AT_MERGE: dict[tuple[str, str], tuple[tuple[str, ...], str]] = {
-    ("class", "Prediction"): (
-        ("inference/predict.py", "serve/engine.py"),
-        "serve/engine.py's Prediction -> Answer (one image's answer of the server; vitkit.Prediction is public API)",
-    ),
-    ("class", "Metrics"): (
-        ("evaluate/metrics.py", "serve/app.py"),
-        "serve/app.py's Metrics -> ServerMetrics (Prometheus counters, not evaluation metrics)",
-    ),
-    ("module", "engine"): (
-        ("inference/engine.py", "serve/engine.py"),
-        "serve/engine.py -> serve/served_model.py (it holds ServedModel, which is not an engine)",
-    ),
-    ("module", "distributed"): (
-        ("distributed.py", "train/distributed.py"),
-        "train/distributed.py -> train/ddp.py (model wrapping and failure handling of data-parallel training)",
-    ),
-    ("module", "tune"): (
-        ("inference/tune.py", "train/tune.py"),
-        "train/tune.py -> train/training_path.py (choose_training_path; inference/tune.py keeps tune_kernels)",
-    ),
-    ("module", "jobs"): (
-        ("inference/jobs.py", "search/jobs.py"),
-        "search/jobs.py -> search/operations.py (index/search/dedup as library functions; a Job is the runner's)",
-    ),
-    ("module", "schema"): (
-        ("configs/schema.py", "serve/schema.py"),
-        "serve/schema.py -> serve/openapi.py (the server's OpenAPI description, not the config schema)",
-    ),
-    ("module", "base"): (
-        ("checkpoints/base.py", "data/base.py"),
-        "checkpoints/base.py -> checkpoints/loaded.py, data/base.py -> data/dataset.py (what each package builds on)",
-    ),
-    ("module", "images"): (
-        ("bench/images.py", "images.py"),
-        "bench/images.py -> bench/sample_images.py (scikit-learn's sample images; images.py is the decoder)",
-    ),
-    ("module", "attention"): (
-        ("analysis/attention.py",),
-        "analysis/attention.py -> analysis/attention_maps.py (mean distance, rollout, maps: what attention looks at)",
-    ),
-}
-# ---- end of renamed at merge ---------------------------------------------------------------------------------
 
 
 def defined_names() -> dict[tuple[str, str], list[str]]:
@@ -104,7 +58,7 @@ def defined_names() -> dict[tuple[str, str], list[str]]:
 
 
 def _allowed(key: tuple[str, str]) -> set[str]:
-    return {p for table in (SAME_CONCEPT, RENAMED_AT_MERGE) for p in table.get(key, ((), ""))[0]}
+    return {p for table in (SAME_CONCEPT,) for p in table.get(key, ((), ""))[0]}
 
 
 def test_class_and_module_names_are_unique() -> None:
@@ -120,7 +74,7 @@ def test_class_and_module_names_are_unique() -> None:
 
 def test_every_allowed_repeat_is_still_in_the_tree() -> None:
     found = defined_names()
-    for table in (SAME_CONCEPT, RENAMED_AT_MERGE):
+    for table in (SAME_CONCEPT,):
         for key, (where, why) in table.items():
             assert why, key
             missing = set(where) - set(found.get(key, []))

@@ -284,7 +284,7 @@ def _resolve_import(target: str) -> bool:
 def resolve_reference(app: Sphinx, env: Any, node: Any, contnode: Any) -> Any:
     """Python references the domain did not find: a name written relative to another module than the one documented
     (``load_checkpoint`` in a docstring of ``vitkit.checkpoints.preprocess``) resolves to the one documented object of
-    that name; a real object that is not public (``vitkit.serve.engine.calibration_batch``) to the page of the
+    that name; a real object that is not public (``vitkit.serve.served_model.calibration_batch``) to the page of the
     module or package holding it. A name that exists nowhere stays missing (an error with -W)."""
     if node.get("refdomain") != "py":
         return None

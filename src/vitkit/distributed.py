@@ -1,4 +1,4 @@
-"""torchrun's process groups, shared by training (:mod:`vitkit.train.distributed` adds model wrapping and
+"""torchrun's process groups, shared by training (:mod:`vitkit.train.parallel` adds model wrapping and
 failure handling) and the batch jobs (``predict``, ``embed``, ``eval``, ``knn`` shard their input across processes).
 
 Launch with ``torchrun --nproc_per_node N -m vitkit ...``: torchrun's standard variables (RANK, WORLD_SIZE,

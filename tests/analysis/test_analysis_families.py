@@ -17,7 +17,7 @@ from PIL import Image
 import vitkit
 from helpers import randomize_
 from vitkit.analysis.analyze import AnalyzeOptions, analyze, attention_analysis
-from vitkit.analysis.attention import attention_maps, rollout_maps
+from vitkit.analysis.attention_maps import attention_maps, rollout_maps
 from vitkit.analysis.embeddings import position_embeddings
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.inference.features import ExtractOptions

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vitkit.analysis.analyze import AnalyzeOptions, attention_analysis
-from vitkit.analysis.attention import (
+from vitkit.analysis.attention_maps import (
     attention_maps,
     attention_rollout,
     mean_attention_distance,

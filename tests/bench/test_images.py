@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vitkit.bench.images import digit_images, real_image_batch, sample_photos
+from vitkit.bench.sample_images import digit_images, real_image_batch, sample_photos
 from vitkit.checkpoints.preprocess import Preprocess
 
 

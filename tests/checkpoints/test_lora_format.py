@@ -10,7 +10,7 @@ import pytest
 
 import vitkit
 from helpers import randomize_, run_cli
-from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.lora_format import save
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 import vitkit
 from helpers import FIXTURES
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
-from vitkit.checkpoints.base import model_numel
+from vitkit.checkpoints.loaded import model_numel
 from vitkit.data.datasets import open_dataset
 from vitkit.data.wds import expand_braces
 from vitkit.errors import CheckpointError, DataError

@@ -17,8 +17,8 @@ import torch
 from PIL import Image
 
 from vitkit.checkpoints.preprocess import Preprocess
-from vitkit.data.base import skipped_note
 from vitkit.data.datasets import open_dataset
+from vitkit.data.image_dataset import skipped_note
 from vitkit.data.loader import eval_batches
 from vitkit.data.transforms import TrainTransform
 from vitkit.errors import DataError

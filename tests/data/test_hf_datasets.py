@@ -14,8 +14,8 @@ import pytest
 from PIL import Image
 
 from helpers import FIXTURES, SRC, run_cli
-from vitkit.data.base import MissingSplitError
 from vitkit.data.datasets import open_dataset
+from vitkit.data.image_dataset import MissingSplitError
 from vitkit.errors import DataError
 
 datasets = pytest.importorskip("datasets")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from vitkit.data.base import ArrayDataset
 from vitkit.data.datasets import open_dataset
+from vitkit.data.image_dataset import ArrayDataset
 from vitkit.data.loader import TrainLoader
 from vitkit.data.resident import ResidentTrainLoader, prefetches, resident_loader
 from vitkit.data.transforms import RandAugment, TrainTransform, sample_rng

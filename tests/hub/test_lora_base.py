@@ -14,7 +14,7 @@ from loopback_http import Server, http_server_fixture, private_caches_fixture  #
 
 import vitkit
 from helpers import FIXTURES, run_cli
-from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.lora_format import RemoteBase, save
 from vitkit.errors import CheckpointError
 from vitkit.hub import download

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import meta_model
-from vitkit.analysis.attention import (
+from vitkit.analysis.attention_maps import (
     attention_maps,
     distance_matrix,
     mean_attention_distance,

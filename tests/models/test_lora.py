@@ -347,7 +347,7 @@ NO_PEFT = """
 import sys
 import torch
 import vitkit
-from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.lora_format import save
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.models import create_model

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import vitkit
-from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.lora_format import ADAPTERS, HEAD, PEFT_CONFIG, PEFT_VERSION, adapter_config, save
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.models import create_model

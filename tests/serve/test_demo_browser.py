@@ -38,7 +38,7 @@ def test_demo_model_predicts_like_vitkit_predict(
 ) -> None:
     pytest.importorskip("gradio")
     from vitkit.serve.demo import MEAN_OF_HEADS, DemoModel, build_demo, default_samples
-    from vitkit.serve.engine import ServedModel
+    from vitkit.serve.served_model import ServedModel
 
     served = ServedModel.from_checkpoint(ckpt, fast=False)
     state = DemoModel(served).analyse(Image.open(sample_jpeg))
@@ -62,7 +62,7 @@ def test_the_demo_page_prints_no_gradio_banner_and_leaves_the_figure_titles_unco
     own (its server's threads never write into this test process's captured streams), until the page answers."""
     pytest.importorskip("gradio")
     from vitkit.serve.demo import build_demo
-    from vitkit.serve.engine import ServedModel
+    from vitkit.serve.served_model import ServedModel
 
     demo = build_demo(ServedModel.from_checkpoint(ckpt, fast=False), tmp_path)
     names = ("Position-embedding similarity", "Patch-embedding filters (PCA)")
@@ -99,7 +99,7 @@ def test_demo_answers_a_file_that_is_not_an_image_in_one_line(
     image is classified as ``vitkit predict`` classifies it (the same decoder)."""
     pytest.importorskip("gradio")
     from vitkit.serve.demo import MEAN_OF_HEADS, DemoModel
-    from vitkit.serve.engine import ServedModel
+    from vitkit.serve.served_model import ServedModel
 
     demo = DemoModel(ServedModel.from_checkpoint(ckpt, fast=False))
     cache = tmp_path / "gradio-cache-8f3a"

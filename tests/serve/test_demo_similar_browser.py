@@ -76,7 +76,7 @@ def test_the_tab_answers_what_vitkit_search_answers(
 ) -> None:
     pytest.importorskip("gradio")
     from vitkit.serve.demo import SimilarView, build_demo
-    from vitkit.serve.engine import ServedModel
+    from vitkit.serve.served_model import ServedModel
     from vitkit.serve.similar import THUMBNAIL_PX, SimilarImages
 
     served = ServedModel.from_checkpoint(built["ckpt"], fast=False)

@@ -20,10 +20,10 @@ from fastapi.testclient import TestClient
 from serve_helpers import CLASSES, image_bytes, make_checkpoint, metric, png_header_bomb
 
 from helpers import FIXTURES
-from vitkit.analysis.attention import rollout_maps, upsample_maps
+from vitkit.analysis.attention_maps import rollout_maps, upsample_maps
 from vitkit.cli import main
 from vitkit.serve.app import ServeOptions, create_app
-from vitkit.serve.engine import ServedModel
+from vitkit.serve.served_model import ServedModel
 
 OFFICIAL = FIXTURES / "official_vit_tiny.npz"
 

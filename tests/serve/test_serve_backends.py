@@ -12,7 +12,7 @@ from serve_helpers import image_bytes, make_checkpoint
 
 from vitkit.errors import ConfigError
 from vitkit.inference.backends import EngineModel, engine_available
-from vitkit.serve.engine import ServedModel
+from vitkit.serve.served_model import ServedModel
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")

@@ -25,7 +25,7 @@ from serve_helpers import free_port, image_bytes, make_checkpoint, metric, uvico
 from helpers import SRC  # noqa: E402
 from vitkit.serve.app import ServeOptions, create_app  # noqa: E402
 from vitkit.serve.batcher import Batcher, Closed, QueueFull  # noqa: E402
-from vitkit.serve.engine import ServedModel  # noqa: E402
+from vitkit.serve.served_model import ServedModel  # noqa: E402
 
 
 @pytest.fixture(scope="module")

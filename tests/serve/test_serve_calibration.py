@@ -19,7 +19,7 @@ from vitkit.checkpoints import load_checkpoint
 from vitkit.errors import DataError
 from vitkit.images import load_image
 from vitkit.inference import backends
-from vitkit.serve.engine import calibration_batch
+from vitkit.serve.served_model import calibration_batch
 
 
 @pytest.fixture(scope="module")

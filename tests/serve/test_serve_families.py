@@ -12,12 +12,12 @@ import torch
 pytest.importorskip("fastapi")
 
 from helpers import randomize_
-from vitkit.analysis.attention import rollout_maps, upsample_maps
+from vitkit.analysis.attention_maps import rollout_maps, upsample_maps
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.checkpoints.vitkit_format import save
 from vitkit.models import create_model
 from vitkit.serve.demo import model_figures
-from vitkit.serve.engine import ServedModel
+from vitkit.serve.served_model import ServedModel
 
 SIZE = {"image_size": 16, "patch_size": 4, "hidden_size": 32, "depth": 2, "num_heads": 2, "mlp_dim": 48}
 

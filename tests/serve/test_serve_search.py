@@ -22,7 +22,7 @@ from vitkit.checkpoints.vitkit_format import save
 from vitkit.cli import main
 from vitkit.errors import DataError
 from vitkit.serve.app import ServeOptions, create_app
-from vitkit.serve.engine import ServedModel
+from vitkit.serve.served_model import ServedModel
 from vitkit.serve.similar import SimilarImages
 
 

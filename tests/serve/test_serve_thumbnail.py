@@ -23,7 +23,7 @@ from serve_helpers import make_checkpoint, png_header_bomb
 
 from vitkit.search.index import Index
 from vitkit.serve.app import ServeOptions, create_app
-from vitkit.serve.engine import ServedModel
+from vitkit.serve.served_model import ServedModel
 from vitkit.serve.similar import THUMBNAIL_PX, SimilarImages, indexed_folder
 
 

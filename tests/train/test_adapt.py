@@ -99,7 +99,7 @@ def test_every_method_gives_a_checkpoint_every_command_loads(
     assert code == 0, err
     assert {t["label"] for t in json.loads(out)["top"]} <= set(NAMES)
     # serve's engine
-    from vitkit.serve.engine import ServedModel
+    from vitkit.serve.served_model import ServedModel
 
     served = ServedModel.from_checkpoint(run, precision="fp32", fast=False)
     assert served.class_names == NAMES

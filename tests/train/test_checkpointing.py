@@ -8,7 +8,7 @@ import torch
 
 from vitkit import create_model
 from vitkit.models.vit import ViTConfig
-from vitkit.train.distributed import checkpoint_activations
+from vitkit.train.parallel import checkpoint_activations
 
 
 def test_checkpointed_blocks_give_the_same_gradients() -> None:

@@ -17,7 +17,7 @@ from train_helpers import assert_close_weights, tiny_config, weights
 
 from helpers import DEVICES, SRC
 from vitkit.train import train
-from vitkit.train.distributed import DistInfo, StopSignal, Terminated
+from vitkit.train.parallel import DistInfo, StopSignal, Terminated
 
 HERE = Path(__file__).parent
 

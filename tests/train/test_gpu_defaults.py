@@ -10,7 +10,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as dataloader_pin
 
 from vitkit import hardware
 from vitkit.data.loader import Batch
-from vitkit.train.distributed import fsdp_mixed_precision
+from vitkit.train.parallel import fsdp_mixed_precision
 
 
 def test_dataloader_pinning_reaches_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:

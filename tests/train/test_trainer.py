@@ -142,7 +142,8 @@ def test_activation_checkpointing_recomputes_the_blocks_and_trains_the_same(tmp_
 
 def test_attention_kernel_choice_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU "auto" picks the explicit softmax (faster backward) unless its probabilities pass 1 GiB (the rule,
-    where the built-in kernels win their race: vitkit.train.tune; tests/train/test_training_tune.py the race)."""
+    where the built-in kernels win their race: vitkit.train.training_path; tests/train/test_training_tune.py the
+    race)."""
     from vitkit.inference import tune
     from vitkit.models.vit import Attention
 

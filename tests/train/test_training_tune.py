@@ -1,5 +1,5 @@
-"""The CPU training step's kernels chosen by measurement (vitkit.train.tune), timings faked so that the choice is
-tested on any CPU; the chosen path still trains."""
+"""The CPU training step's kernels chosen by measurement (vitkit.train.training_path), timings faked so that the
+choice is tested on any CPU; the chosen path still trains."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from vitkit.models.kernel_paths import KernelPath
 from vitkit.models.vit import Block, VisionTransformer, ViTConfig
 from vitkit.train import Trainer
 from vitkit.train import kernels as cpu_kernels
-from vitkit.train.tune import choose_training_path
+from vitkit.train.training_path import choose_training_path
 
 REAL_TIMER = inference_tune.default_timer  # taken at import: --cpu-kind replaces the module's with a fake
 

@@ -1,7 +1,7 @@
 """Looking inside a ViT: the paper's figures 6, 7 and 11 (embeddings, attention distance, rollout)."""
 
 from vitkit.analysis.analyze import AnalyzeOptions, analyze, attention_analysis
-from vitkit.analysis.attention import (
+from vitkit.analysis.attention_maps import (
     attention_maps,
     attention_rollout,
     distance_matrix,

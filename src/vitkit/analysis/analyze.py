@@ -24,7 +24,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from vitkit.analysis import plots
-from vitkit.analysis.attention import (
+from vitkit.analysis.attention_maps import (
     attention_maps,
     distance_matrix,
     mean_attention_distance,

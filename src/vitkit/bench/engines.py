@@ -37,7 +37,7 @@ from vitkit.inference.backends import (
 from vitkit.models.vit import VisionTransformer
 
 SETTLE_S = 0.05  # idle time before each timed call when engines alternate with torch (its OpenMP spins ~10 ms)
-CALIBRATION_IMAGES = 32  # NNCF calibration: the first real images of vitkit.bench.images
+CALIBRATION_IMAGES = 32  # NNCF calibration: the first real images of vitkit.bench.sample_images
 
 
 def engines_in(compare: tuple[str, ...]) -> list[str]:
@@ -69,7 +69,7 @@ def engine_models(
         return []
     calibration = None
     if ("openvino", "int8") in wanted:
-        from vitkit.bench.images import real_image_batch
+        from vitkit.bench.sample_images import real_image_batch
 
         calibration = real_image_batch(pre)[:CALIBRATION_IMAGES]
     with tempfile.TemporaryDirectory(prefix="vitkit-bench-") as tmp:

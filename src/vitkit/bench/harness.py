@@ -36,9 +36,9 @@ from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.vit import VisionTransformer
 from vitkit.timing import Timing, synchronize, time_alternating
 from vitkit.train import kernels
-from vitkit.train.distributed import checkpoint_activations
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import adam_kernel
+from vitkit.train.parallel import checkpoint_activations
 
 PRECISIONS = ("fp32", "bf16-autocast", "bf16", "int8")
 TASKS = ("inference", "train")
@@ -422,7 +422,7 @@ def _references(
         reference = model(x).float()
         if not spec.real_images:
             return reference, None
-        from vitkit.bench.images import real_image_batch
+        from vitkit.bench.sample_images import real_image_batch
 
         images = real_image_batch(pre).to(x.device)
         return reference, (images, _batched(lambda t: model(t).float(), images, spec.batch_size))

@@ -43,7 +43,7 @@ from vitkit.checkpoints import (
     torch_files,
     vitkit_format,
 )
-from vitkit.checkpoints.base import (
+from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
     Loaded,

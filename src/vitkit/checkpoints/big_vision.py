@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import npz_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -49,6 +48,7 @@ from vitkit.checkpoints.keymap import (
     rule,
     to_state_dict,
 )
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side

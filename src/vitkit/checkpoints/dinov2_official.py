@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from vitkit.checkpoints import timm_format, torch_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.keymap import Rule, to_state_dict
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side

@@ -30,7 +30,9 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.base import (
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _linear, _read_json
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
     check_fits_file,
@@ -40,8 +42,6 @@ from vitkit.checkpoints.base import (
     require,
     with_learned_posemb,
 )
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _linear, _read_json
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig

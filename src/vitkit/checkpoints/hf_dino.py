@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.base import (
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _fused, _linear, _pair
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
     check_fits_file,
@@ -44,8 +46,6 @@ from vitkit.checkpoints.base import (
     require,
     with_learned_posemb,
 )
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _fused, _linear, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig

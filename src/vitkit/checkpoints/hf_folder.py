@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 from vitkit.checkpoints import hf, hf_clip, hf_dino
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta
 from vitkit.checkpoints.hf import CONFIG, Family
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer
 

@@ -38,7 +38,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vitkit import fileio
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, Loaded, state_digest
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, Loaded, state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, VitkitError
 from vitkit.hub import registry

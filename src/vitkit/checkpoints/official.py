@@ -25,15 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from vitkit.checkpoints import npz_files
-from vitkit.checkpoints.base import (
-    Checkpoint,
-    CheckpointMeta,
-    check_fits_file,
-    expected_state,
-    export_state,
-    require,
-    with_learned_posemb,
-)
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -47,6 +38,15 @@ from vitkit.checkpoints.keymap import (
     layernorm,
     rule,
     to_state_dict,
+)
+from vitkit.checkpoints.loaded import (
+    Checkpoint,
+    CheckpointMeta,
+    check_fits_file,
+    expected_state,
+    export_state,
+    require,
+    with_learned_posemb,
 )
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError

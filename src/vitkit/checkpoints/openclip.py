@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side

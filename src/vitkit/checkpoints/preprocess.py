@@ -38,7 +38,7 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # A centre crop refuses images more elongated than this (a 30000x1 PNG of 200 bytes is not a photograph)
 MAX_ASPECT_RATIO = 1000
 #: The largest side of a preprocessing size (the model's own bound; a checkpoint's preprocessing is held to
-#: its model's image size by :func:`vitkit.checkpoints.base.check_preprocess`)
+#: its model's image size by :func:`vitkit.checkpoints.loaded.check_preprocess`)
 MAX_SIDE = 1 << 16
 
 RESAMPLE = {

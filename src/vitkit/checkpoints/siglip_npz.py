@@ -28,7 +28,6 @@ from typing import Any
 import numpy as np
 
 from vitkit.checkpoints import big_vision, npz_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -43,6 +42,7 @@ from vitkit.checkpoints.keymap import (
     split_heads_out,
     to_state_dict,
 )
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side

@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.base import (
+from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
     check_fits_file,
@@ -61,7 +62,6 @@ from vitkit.checkpoints.base import (
     require,
     with_learned_posemb,
 )
-from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.fileio import WRITER, WRITER_KEY, check_output_file, write_file_atomic

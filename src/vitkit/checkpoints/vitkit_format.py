@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from vitkit import fileio
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.base import Checkpoint, CheckpointMeta, check_fits_file, check_preprocess
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, check_preprocess
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig

@@ -250,7 +250,7 @@ def report_engine(engine: Any) -> None:
     print(f"note: engine: {engine.describe()}", file=sys.stderr, flush=True)
 
 
-def load_for_eval(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:
+def load_checkpoint_args(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:
     from vitkit.evaluate.weights import load_for_eval
 
     loaded, note = load_for_eval(args.checkpoint, format=args.format, weights=args.weights, image_size=image_size)

@@ -38,8 +38,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from vitkit.images import load_image
     from vitkit.serve.demo import build_demo, launch
-    from vitkit.serve.engine import ServedModel
     from vitkit.serve.net import check_free
+    from vitkit.serve.served_model import ServedModel
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")

@@ -22,7 +22,7 @@ from vitkit.commands.args import (
     image_size,
     join_processes,
     leave_processes,
-    load_for_eval,
+    load_checkpoint_args,
     positive_float,
     positive_int,
     report_engine,
@@ -119,7 +119,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if info.is_main:
         check_eval_report_dir(out)  # refused before the evaluation, never after it
         check_out_of_inputs(out, args.data)
-    loaded = load_for_eval(args)
+    loaded = load_checkpoint_args(args)
     dataset = _open_split(args, args.split, classes=loaded.meta.class_names, strict_classes=False)
     report = evaluate_dataset(loaded.model, dataset, loaded.meta.preprocess, class_names=loaded.meta.class_names,
                               label_file=args.real_labels, opts=_run_options(args, info.device, info))  # fmt: skip
@@ -190,7 +190,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
         result = fewshot_embeddings(args.train_embeddings, args.test_embeddings, **probe)
         source = {"train_embeddings": args.train_embeddings, "test_embeddings": args.test_embeddings}
         return _print_fewshot(args, source, f"{args.train_embeddings} -> {args.test_embeddings}", result)
-    loaded = load_for_eval(args)
+    loaded = load_checkpoint_args(args)
     train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
     result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
                              opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
@@ -280,7 +280,7 @@ def cmd_knn(args: argparse.Namespace) -> int:
         _notes(notes)
         what = f"{args.train_embeddings} -> {args.test_embeddings}"
     else:
-        loaded = load_for_eval(args)
+        loaded = load_checkpoint_args(args)
         train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
         report = knn_dataset(loaded.model, train, test, loaded.meta.preprocess, **chunks,
                              opts=_run_options(args, info.device, info))  # fmt: skip
@@ -332,7 +332,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     check_analysis_dir(args.out)  # refused before loading anything, never after the analyses
     check_out_of_inputs(args.out, args.images, args.data)
     device = resolve_device(args.device)
-    loaded = load_for_eval(args, image_size=args.image_size)
+    loaded = load_checkpoint_args(args, image_size=args.image_size)
     files = list_inputs(args.images, skip_bad=args.skip_bad)  # a missing file: one line, before any compute
     dataset = _open_split(args, args.split) if args.data else None
     positions = dataset_positions(dataset, args.num_images) if dataset is not None else []

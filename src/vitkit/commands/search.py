@@ -97,10 +97,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.fileio import printable
-    from vitkit.search import jobs
+    from vitkit.search import operations
 
     workers = resolve_workers(args.workers, args.device)
-    settings = jobs.EmbedSettings(pool=args.pool, layer=args.layer, precision=args.precision,
+    settings = operations.EmbedSettings(pool=args.pool, layer=args.layer, precision=args.precision,
                                   batch_size=args.batch_size, device=args.device, workers=workers,
                                   skip_bad=args.skip_bad, steps=ray_steps(args))  # fmt: skip
     if args.ray is not None and not args.checkpoint:
@@ -115,12 +115,12 @@ def cmd_index(args: argparse.Namespace) -> int:
         if args.remove:
             if source:
                 raise ConfigError("--remove IDS INDEX takes no SOURCE")
-            index, removed = jobs.remove_from_index(jobs.read_ids_arg(args.remove), index_path)
+            index, removed = operations.remove_from_index(operations.read_ids_arg(args.remove), index_path)
             print(f"removed {removed} id(s) from {printable(index_path)}; {len(index)} left", file=sys.stderr)
             return 0
         if not source and not args.data:
             raise ConfigError("--add SOURCE INDEX: name what to add")
-        index, added = jobs.add_to_index(source, index_path, checkpoint=args.checkpoint, data=args.data,
+        index, added = operations.add_to_index(source, index_path, checkpoint=args.checkpoint, data=args.data,
                                          split=args.split, settings=settings, notes=notes,
                                          on_engine=report_engine)  # fmt: skip
         for n in notes:
@@ -132,7 +132,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     if not args.inputs and not args.data:
         raise ConfigError("give SOURCE: an output of vitkit embed, or images with -c")
     backend = "exact" if args.exact or not args.backend else args.backend
-    index = jobs.build_index(args.inputs, args.out, checkpoint=args.checkpoint, data=args.data, split=args.split,
+    index = operations.build_index(args.inputs, args.out, checkpoint=args.checkpoint, data=args.data, split=args.split,
                              backend=backend, overwrite=args.overwrite, settings=settings, notes=notes,
                              on_engine=report_engine)  # fmt: skip
     for n in notes:
@@ -143,18 +143,20 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from vitkit.fileio import printable
-    from vitkit.search import Index, jobs
+    from vitkit.search import Index, operations
 
     index = Index.open(args.index)
-    settings = jobs._settings_of(index)
+    settings = operations._settings_of(index)
     settings.device = args.device
-    q = jobs.query_vectors(index, args.queries, vectors=args.vectors, checkpoint=args.checkpoint, settings=settings)
-    rows = jobs.search_index(index, q, args.top_k)
+    q = operations.query_vectors(
+        index, args.queries, vectors=args.vectors, checkpoint=args.checkpoint, settings=settings
+    )
+    rows = operations.search_index(index, q, args.top_k)
     if args.out:
-        jobs.write_results(rows, args.out)
+        operations.write_results(rows, args.out)
         print(f"wrote the neighbours of {len(rows)} queries to {printable(args.out)}", file=sys.stderr)
     else:
-        for line in jobs.results_table(rows):
+        for line in operations.results_table(rows):
             print(printable(line))
     return 0
 
@@ -163,12 +165,12 @@ def cmd_dedup(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.fileio import printable
-    from vitkit.search import Index, jobs
+    from vitkit.search import Index, operations
     from vitkit.search.dedup import DEFAULT_THRESHOLD, find_groups, plot_scores
 
     index = Index.open(args.index)
     found = find_groups(index, DEFAULT_THRESHOLD if args.threshold is None else args.threshold, args.k)
-    jobs.write_groups(index, found, args.out)
+    operations.write_groups(index, found, args.out)
     out = Path(args.out)
     plot = Path(args.plot) if args.plot else out.with_name(out.stem + ".scores.png")
     plot_scores(found, plot)

@@ -216,8 +216,8 @@ class TrainConfig:
     # PyTorch's fused CPU kernel) unless its stored probabilities would pass 1 GiB, else fused SDPA (flash,
     # and always on GPU); the same function either way. Evaluation always runs the fused kernel. "measure": on CPU,
     # race vitkit's C kernels, PyTorch's explicit softmax and SDPA on one block and keep the fastest
-    # (vitkit.train.tune; for AMX Xeons) -- not the default, since a timing race could give two runs of one seed
-    # different kernels and so different rounding
+    # (vitkit.train.training_path; for AMX Xeons) -- not the default, since a timing race could give two runs of
+    # one seed different kernels and so different rounding
     attention: Literal["auto", "fused", "explicit", "measure"] = "auto"
     ema_decay: float | None = None  # Polyak averaging of weights (0.9999 in the paper's best runs)
     ema_warmup: bool = False  # decay min(ema_decay, (1 + step) / (10 + step)) early on

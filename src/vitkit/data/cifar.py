@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from vitkit.data.base import ArrayDataset, MissingSplitError, check_class_map, relabel, split_candidates
+from vitkit.data.image_dataset import ArrayDataset, MissingSplitError, check_class_map, relabel, split_candidates
 from vitkit.errors import DataError
 from vitkit.models.vit import MAX_CLASSES
 

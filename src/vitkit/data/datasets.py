@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitkit.data.base import ClassMapError, ImageDataset, MissingSplitError, check_class_map, relabel
+from vitkit.data.image_dataset import ClassMapError, ImageDataset, MissingSplitError, check_class_map, relabel
 from vitkit.errors import DataError
 
 # ------------------------------------------------------------------------------------------------------
@@ -76,10 +76,10 @@ def open_dataset(
 
 
 def open_noted(source: str, split: str, *, skip_bad: bool = False, **kw: Any) -> ImageDataset:
-    """:func:`open_dataset`, and what ``skip_bad`` dropped noted on stderr (:func:`~vitkit.data.base.note_skipped`):
-    how every command opens its ``--data`` (predict and embed through ``open_source``, eval, fewshot, knn, analyze).
-    """
-    from vitkit.data.base import note_skipped
+    """:func:`open_dataset`, and what ``skip_bad`` dropped noted on stderr
+    (:func:`~vitkit.data.image_dataset.note_skipped`): how every command opens its ``--data`` (predict and embed
+    through ``open_source``, eval, fewshot, knn, analyze)."""
+    from vitkit.data.image_dataset import note_skipped
 
     return note_skipped(open_dataset(source, split, skip_bad=skip_bad, **kw))
 

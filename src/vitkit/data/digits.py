@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitkit.data.base import ArrayDataset, MissingSplitError, split_candidates
+from vitkit.data.image_dataset import ArrayDataset, MissingSplitError, split_candidates
 from vitkit.errors import DataError
 
 TEST_FRACTION = 0.2

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from vitkit.data.base import (
+from vitkit.data.image_dataset import (
     ImageDataset,
     MissingSplitError,
     Skipped,

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitkit.data.base import (
+from vitkit.data.image_dataset import (
     ImageDataset,
     MissingSplitError,
     Skipped,

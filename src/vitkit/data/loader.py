@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitkit.data.base import ImageDataset
+from vitkit.data.image_dataset import ImageDataset
 from vitkit.data.transforms import sample_rng
 from vitkit.distributed import DistInfo, shard_steps
 from vitkit.errors import ConfigError, DataError

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from vitkit.checkpoints.npz_files import NPZ_ERRORS, check_npz_members
-from vitkit.data.base import (
+from vitkit.data.image_dataset import (
     ArrayDataset,
     MissingSplitError,
     as_labels,

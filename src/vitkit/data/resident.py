@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitkit.data.base import ArrayDataset, ImageDataset
+from vitkit.data.image_dataset import ArrayDataset, ImageDataset
 from vitkit.data.loader import Batch, TrainLoader, eval_batches
 from vitkit.data.transforms import _SUPPORT, TrainTransform, inception_crop_box, sample_rng
 from vitkit.images import convert_image

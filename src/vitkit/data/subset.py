@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from vitkit.data.base import ImageDataset
+from vitkit.data.image_dataset import ImageDataset
 from vitkit.images import LazyImage
 
 

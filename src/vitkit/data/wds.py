@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from vitkit.data.base import (
+from vitkit.data.image_dataset import (
     ImageDataset,
     MissingSplitError,
     Skipped,

@@ -5,7 +5,7 @@ inputs never end up in one file.
 An output records (string values, under these keys: Parquet schema metadata, ``meta.json`` of an embedding
 output's chunks and its finished file, the ``NAME.vitkit.json`` mark beside a JSONL/CSV file):
 
-- ``vitkit.checkpoint``: the SHA-256 of the weights (:func:`~vitkit.checkpoints.base.state_digest`: names,
+- ``vitkit.checkpoint``: the SHA-256 of the weights (:func:`~vitkit.checkpoints.loaded.state_digest`: names,
   shapes, dtypes and values, whatever file they came from);
 - ``vitkit.precision`` and ``vitkit.backend``: as asked (``auto`` stays ``auto``: resolving it here would time
   a GEMM, and a choice by timing may differ between two runs of one job);
@@ -23,7 +23,7 @@ import os
 from collections.abc import Mapping
 
 from vitkit.checkpoints import Loaded
-from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.loaded import state_digest
 from vitkit.data.stream import FileSource, ImageSource
 from vitkit.outputs.store import BACKEND, CHECKPOINT, INPUT, PRECISION, PREPROCESS, check_same
 

@@ -54,8 +54,7 @@ from vitkit.hardware import cpu_count
 from vitkit.images import ImageTooLarge
 from vitkit.serve.batcher import Batcher, Closed, QueueFull
 from vitkit.serve.decoding import DecoderPool, DecodeTimeout, Decoding
-from vitkit.serve.engine import Prediction, RequestError, ServedModel, png_base64
-from vitkit.serve.schema import (
+from vitkit.serve.openapi import (
     PREDICT_BODY,
     PREDICT_ERRORS,
     SEARCH_ID_ERRORS,
@@ -64,6 +63,7 @@ from vitkit.serve.schema import (
     SearchAnswer,
     error_doc,
 )
+from vitkit.serve.served_model import Answer, RequestError, ServedModel, png_base64
 from vitkit.serve.similar import THUMBNAIL_PX, NotServed, SimilarImages
 
 RAW_TYPES = ("application/octet-stream",)  # besides image/*
@@ -97,7 +97,7 @@ class ServeOptions:
         return max(1, min(self.max_queue, cpu_count()))
 
 
-class Metrics:
+class ServerMetrics:
     """The server's Prometheus metrics, in a registry of its own (no process-global state)."""
 
     def __init__(self, depth: Callable[[], float]) -> None:
@@ -124,7 +124,7 @@ class Metrics:
 class _CountRequests:
     """ASGI middleware: every HTTP response counted by path and status, and its latency observed."""
 
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
@@ -237,10 +237,10 @@ class _Server:
     def __init__(self, served: ServedModel, opts: ServeOptions, similar: SimilarImages | None = None) -> None:
         self.served, self.opts, self.similar = served, opts, similar
         self.card = served.card() if similar is None else {**served.card(), "search": similar.card()}
-        self.batcher: Batcher[tuple[torch.Tensor, bool, bool], Prediction] = Batcher(
+        self.batcher: Batcher[tuple[torch.Tensor, bool, bool], Answer] = Batcher(
             self._run, opts.max_batch, opts.max_wait_ms, opts.max_queue
         )
-        self.metrics = Metrics(lambda: self.batcher.depth)
+        self.metrics = ServerMetrics(lambda: self.batcher.depth)
         self.batcher.on_batch = self.metrics.observe_batch
         self.admitted = 0
         self.abandoned = 0  # decodings of timed-out requests still running, outside the slots
@@ -251,7 +251,7 @@ class _Server:
         mode = "L" if self.served.preprocess.grayscale else "RGB"  # what the model's preprocessing converts to
         return DecoderPool(self.opts.max_pixels, self.opts.decode_timeout_s, mode)
 
-    def _run(self, items: list[tuple[torch.Tensor, bool, bool]]) -> list[Prediction]:
+    def _run(self, items: list[tuple[torch.Tensor, bool, bool]]) -> list[Answer]:
         """One batch: probabilities (and rollouts) for every image, vectors for those that search."""
         preds = self.served.run_batch([x for x, _, _ in items], [a for _, a, _ in items])
         wanted = [i for i, (_, _, v) in enumerate(items) if v]
@@ -328,7 +328,7 @@ class _Server:
                 give_back()
             raise
 
-    async def admit(self, request: Request, attention: bool, vector: bool = False) -> Future[Prediction]:
+    async def admit(self, request: Request, attention: bool, vector: bool = False) -> Future[Answer]:
         """Read and decode the request's image and queue it for the model, refusing (503) before any of that
         while ``max_queue`` requests wait or are being read or decoded."""
         if not self.batcher.alive:
@@ -356,7 +356,7 @@ class _Server:
     async def answer(self, request: Request, top_k: int, attention: bool) -> dict[str, Any]:
         """The ``/predict`` answer: top-k labels, and the attention rollout when asked for."""
         future = await self.admit(request, attention)
-        pred: Prediction = await asyncio.wrap_future(future)  # cancelled with the request on timeout
+        pred: Answer = await asyncio.wrap_future(future)  # cancelled with the request on timeout
         out: dict[str, Any] = {"model": self.card["name"], "top": self.served.top_k(pred.probs, top_k)}
         if attention and pred.rollout is not None:
             out["attention"] = {
@@ -383,7 +383,7 @@ class _Server:
         """The ``POST /search`` answer: the uploaded image's nearest indexed images."""
         assert self.similar is not None
         future = await self.admit(request, attention=False, vector=True)
-        pred: Prediction = await asyncio.wrap_future(future)
+        pred: Answer = await asyncio.wrap_future(future)
         assert pred.vector is not None
         return {"model": self.card["name"], "neighbours": self.similar.neighbours(pred.vector, top_k)}
 

@@ -30,13 +30,13 @@ from PIL import Image
 
 from vitkit.analysis import plots
 from vitkit.analysis.analyze import display_image
-from vitkit.analysis.attention import rollout_maps, upsample_maps
+from vitkit.analysis.attention_maps import rollout_maps, upsample_maps
 from vitkit.analysis.embeddings import NotApplicable, patch_embedding_pca, position_embeddings, position_similarity
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import write_file_atomic
 from vitkit.images import convert_image, decode_image
-from vitkit.serve.engine import ServedModel
 from vitkit.serve.net import check_free
+from vitkit.serve.served_model import ServedModel
 from vitkit.serve.similar import THUMBNAIL_PX, SimilarImages
 
 logger = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ from vitkit.errors import DataError
 from vitkit.images import convert_image, read_image_file
 from vitkit.inference.embed import EmbedOptions, vector_shape
 from vitkit.search.index import Index
-from vitkit.search.jobs import checkpoint_meta
-from vitkit.serve.engine import ServedModel
+from vitkit.search.operations import checkpoint_meta
+from vitkit.serve.served_model import ServedModel
 
 THUMBNAIL_PX = 256  # the longest side of a thumbnail, in pixels
 THUMBNAIL_QUALITY = 85  # JPEG quality of the thumbnails

@@ -37,7 +37,7 @@ from PIL import Image
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save
 
-from vitkit.checkpoints.base import state_digest
+from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.transforms import TrainTransform, sample_rng, triple
 from vitkit.errors import ConfigError, DataError

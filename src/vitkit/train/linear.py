@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset
+from vitkit.data.image_dataset import ImageDataset
 from vitkit.errors import ConfigError
 from vitkit.fileio import write_text_atomic
 from vitkit.train import build, logs
-from vitkit.train import distributed as distr
+from vitkit.train import parallel as distr
 from vitkit.train.feature_cache import AugmentedPass, Features, backbone_digest, cached_features
 from vitkit.train.probe import ProbeFit, fit_probe, write_head
 from vitkit.train.run import Run, TrainResult

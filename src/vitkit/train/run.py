@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import load_checkpoint, lora_format, vitkit_format
-from vitkit.checkpoints.base import empty_model, state_digest
+from vitkit.checkpoints.loaded import empty_model, state_digest
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset, note_skipped, split_candidates
 from vitkit.data.datasets import open_dataset, open_split_or_none
+from vitkit.data.image_dataset import ImageDataset, note_skipped, split_candidates
 from vitkit.data.subset import split_off
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.fileio import check_output_location, clean_stale, refuse_link, remove_tree
@@ -29,7 +29,7 @@ from vitkit.hardware import restore_tf32, use_tf32
 from vitkit.inference.policy import train_precision
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
 from vitkit.train import build
-from vitkit.train import distributed as distr
+from vitkit.train import parallel as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 

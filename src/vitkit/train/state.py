@@ -44,7 +44,7 @@ from vitkit.checkpoints.train_state import (  # the reading half, below: evaluat
 from vitkit.configs import TrainConfig
 from vitkit.errors import CheckpointError, ConfigError
 from vitkit.fileio import clean_stale, refuse_link, remove_tree, write_dir_atomic
-from vitkit.train import distributed as distr
+from vitkit.train import parallel as distr
 from vitkit.train.ema import EMA
 
 #: what a training state holds of a run: the bare model, its optimiser, the EMA (None: off), the processes

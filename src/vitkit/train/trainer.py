@@ -42,14 +42,14 @@ from vitkit.hardware import CpuShare
 from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
 from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
-from vitkit.train import distributed as distr
+from vitkit.train import parallel as distr
 from vitkit.train import state as train_state
 from vitkit.train.ema import EMA
 from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
 from vitkit.train.run import TrainResult, check_run_dir, check_run_links, step_seed, train_precision
 from vitkit.train.state import resume_config
-from vitkit.train.tune import TrainingPath, choose_training_path
+from vitkit.train.training_path import TrainingPath, choose_training_path
 from vitkit.train.validation import ValidatedRun
 
 EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
@@ -65,7 +65,10 @@ def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micr
     fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
     keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
     sequences."""
-    if choice not in ("auto", "measure"):  # "measure": the rule is the race's built-in candidate (vitkit.train.tune)
+    if choice not in (
+        "auto",
+        "measure",
+    ):  # "measure": the rule is the race's built-in candidate (vitkit.train.training_path)
         return choice == "explicit"
     if device.type != "cpu":
         return False
@@ -153,7 +156,8 @@ class Trainer(ValidatedRun):
         return explicit_attention(self.cfg.attention, self.device, self.net.cfg, self._micro_batch())
 
     def _training_path(self) -> TrainingPath:
-        """The CPU step's kernels: the built-in rule, or raced (``vitkit.train.tune``) with ``attention="measure"``."""
+        """The CPU step's kernels: the built-in rule, or raced (``vitkit.train.training_path``) with
+        ``attention="measure"``."""
         if self.cfg.attention != "measure":  # the built-in rule (or the kernel set by hand): reproducible
             return TrainingPath(self.explicit_attention, kernels.load(), self.cfg.attention, {}, "as set")
         return choose_training_path(self.net, self._micro_batch(), self.precision, self.explicit_attention)

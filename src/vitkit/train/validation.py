@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vitkit.configs import TrainConfig
-from vitkit.data.base import ImageDataset
+from vitkit.data.image_dataset import ImageDataset
 from vitkit.data.loader import Batch, eval_batches
 from vitkit.data.resident import resident_eval_batches
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.policy import EnginePlan, validation_plan
 from vitkit.models.kernel_paths import set_fused_attention
-from vitkit.train import distributed as distr
+from vitkit.train import parallel as distr
 from vitkit.train.run import Run
 
 

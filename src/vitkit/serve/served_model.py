@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from vitkit.analysis.attention import attention_maps, rollout_maps, upsample_maps
+from vitkit.analysis.attention_maps import attention_maps, rollout_maps, upsample_maps
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
@@ -36,7 +36,7 @@ from vitkit.inference.policy import PRECISIONS, plan_engine, resolve_precision
 __all__ = [
     "CALIBRATION_MAX_IMAGES",
     "PRECISIONS",
-    "Prediction",
+    "Answer",
     "RequestError",
     "ServedModel",
     "calibration_batch",
@@ -64,7 +64,7 @@ def png_base64(gray: np.ndarray) -> str:
 
 
 @dataclass(frozen=True)
-class Prediction:
+class Answer:
     """One image's answer: class probabilities (K,) and, when asked for, the rollout map (H, W) in [0, 1] and the
     image's vector for a similar-images search (D,)."""
 
@@ -82,7 +82,7 @@ class ServedModel:
     ``precision="fp32"`` does. ``backend``: ``torch`` (vitkit's fast path), ``onnxruntime``, ``openvino`` or
     ``auto`` (the fastest of them here, measured at start-up); ONNX Runtime computes in fp32 or int8, so ``auto``
     precision means fp32 there. OpenVINO's int8 is calibrated on ``calibration`` (image files: see
-    :func:`calibration_batch`), else on the preprocessed sample photos and digits of ``vitkit.bench.images``;
+    :func:`calibration_batch`), else on the preprocessed sample photos and digits of ``vitkit.bench.sample_images``;
     ``calibration`` with any other backend or precision is refused (ConfigError), as it would not be used.
     """
 
@@ -110,7 +110,7 @@ class ServedModel:
         def calibrate() -> torch.Tensor:
             if calibration is not None:
                 return calibration_batch(calibration, pre)
-            from vitkit.bench.images import real_image_batch
+            from vitkit.bench.sample_images import real_image_batch
 
             return real_image_batch(pre, digits=8)  # NNCF: 24 photos and 8 digits
 
@@ -200,7 +200,7 @@ class ServedModel:
         maps = attention_maps(attns[layer], grid, cfg.num_prefix_tokens, bool(cfg.class_token))
         return upsample_maps(maps, size).cpu().numpy()
 
-    def run_batch(self, inputs: list[torch.Tensor], want_attention: list[bool]) -> list[Prediction]:
+    def run_batch(self, inputs: list[torch.Tensor], want_attention: list[bool]) -> list[Answer]:
         """Answer a batch: probabilities for all, rollout maps for those that asked."""
         x = torch.stack(inputs)  # (B, C, H, W)
         probs = self.probabilities(x)
@@ -209,7 +209,7 @@ class ServedModel:
         if wanted:
             rolled = self.rollout(x[wanted])
             maps = {i: rolled[j] for j, i in enumerate(wanted)}
-        return [Prediction(probs[i], maps.get(i)) for i in range(len(inputs))]
+        return [Answer(probs[i], maps.get(i)) for i in range(len(inputs))]
 
     def top_k(self, probs: torch.Tensor, k: int) -> list[dict[str, Any]]:
         """The k most probable classes of one image: label, class index, probability."""

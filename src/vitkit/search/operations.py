@@ -180,7 +180,7 @@ class Queries:
 
 def checkpoint_meta(loaded: Any) -> dict[str, str]:
     """The provenance keys of a loaded checkpoint that an index compares (weights digest, preprocessing)."""
-    from vitkit.checkpoints.base import state_digest
+    from vitkit.checkpoints.loaded import state_digest
 
     return {
         CHECKPOINT: state_digest(loaded.model.state_dict()),
