@@ -371,6 +371,18 @@ TABLES = [
         [[PY, "benchmarks/search_ann.py", "--n", "20000", "--queries", "200", "--ef", "64"]],
     ),
     Table(
+        "search-1m",
+        "Similarity search at 1M vectors: exact against the IVF lists",
+        [[PY, "benchmarks/search_ann.py", "--n", "1000000", "--libs", "exact", "ivf", "--nprobe", "4", "8", "16"]],
+        [[PY, "benchmarks/search_ann.py", "--n", "20000", "--queries", "200", "--libs", "exact", "ivf"]],
+    ),
+    Table(
+        "search-e2e",
+        "Similarity search end to end: vitkit index + search against vitkit embed",
+        [[PY, "benchmarks/search_e2e.py", "--images", "5000", "--precision", "fp32"]],
+        [[PY, "benchmarks/search_e2e.py", "--images", "200", "--queries", "20", "--precision", "fp32"]],
+    ),
+    Table(
         "families",
         "Model families: the fast path against transformers",
         [[PY, "benchmarks/families.py", "dinov2-s14-reg4", "siglip-b16", "--batch-size", "32", "--repeats", "5"]],

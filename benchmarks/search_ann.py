@@ -1,12 +1,15 @@
 """Feeds the table "Similarity search: exact against approximate (HNSW) libraries" of BENCHMARKS.md (``python
 benchmarks/run_all.py search``).
 
-Which approximate-nearest-neighbour library backs ``vitkit index --backend`` (issue 44): faiss-cpu's
-``IndexHNSWFlat``, hnswlib and usearch, each an HNSW graph with the same connectivity (M=16) and build effort
-(efConstruction=100), measured against vitkit's exact search (blocked float32 matrix products, the ground truth).
+Which approximate-nearest-neighbour structure backs ``vitkit index --backend`` (issue 44): faiss-cpu's
+``IndexHNSWFlat``, hnswlib and usearch, each an HNSW graph with the same connectivity (``--M``, 16) and build effort
+(``--ef-construction``, 100), and vitkit's own inverted file (``ivf``: k-means lists probed with exact products,
+:class:`vitkit.search.ann.Lists`, ``--nprobe`` lists per query), measured against vitkit's exact search (blocked
+float32 matrix products, the ground truth).
 
     flock /tmp/vitkit-cpu.lock env PYTHONPATH=src python benchmarks/search_ann.py \
-        [--n 200000] [--dim 384] [--libs exact faiss hnswlib usearch] [--ef 32 64 128] [--json out.json]
+        [--n 200000] [--dim 384] [--libs exact faiss hnswlib usearch ivf] [--ef 32 64 128] [--nprobe 4 8 16] \
+        [--M 16] [--ef-construction 100] [--json out.json]
 
 The vectors: a mixture of von Mises-Fisher-like clusters on the unit sphere (``--clusters`` centres uniform on
 S^(d-1), cluster weights from a Dirichlet(1) draw, each point the normalised centre + Gaussian noise of per-axis
@@ -14,7 +17,10 @@ sigma ``--spread``/sqrt(d)). Uniform random vectors in 384 dimensions have no ne
 almost equally far from all others, cosine ~ N(0, 1/d)), which makes recall@10 meaningless; image embeddings are
 clustered by content (classes, near-duplicates), with nearest-neighbour cosines well above the background. The
 default spread 1.0 puts a point's cosine to its centre near 0.7 and to a cluster-mate near 0.5, the range of
-ViT features of images of one class. Queries are 1,000 further draws from the same mixture.
+ViT features of images of one class. Queries are 1,000 further draws from the same mixture. The set is a mixture
+of exactly ``--clusters`` blobs, which suits a k-means partition (ivf's sqrt(n) lists are ~1,000 at 1M): real
+features form a less crisp hierarchy, so check recall on your own vectors (``vitkit index --backend ivf`` then
+``Index.search_rows(q, k, exact=True)`` for the truth).
 
 Per library: build time (``--threads`` threads), the index's memory (the library's saved file, and the growth of
 this process's resident memory during the build), recall@10 against exact top-10 for each efSearch, batch queries
@@ -38,8 +44,8 @@ from typing import Any
 import numpy as np
 
 K = 10
-M = 16
-EF_CONSTRUCTION = 100
+M = 16  # --M
+EF_CONSTRUCTION = 100  # --ef-construction
 
 
 def rss_bytes() -> int:
@@ -167,6 +173,27 @@ def run_lib(name: str, data: np.ndarray, queries: np.ndarray, truth: np.ndarray,
 
         def threads_to(t: int) -> None:
             state["threads"] = t
+    elif name == "ivf":
+        from vitkit.search.ann import Lists, ivf_params
+
+        index = Lists.build(data, ivf_params(n))
+        build = time.perf_counter() - t0
+        index.save(tmp / "l.ivf")
+        size = (tmp / "l.ivf").stat().st_size
+
+        def set_ef(ef: int) -> None:
+            index.nprobe = ef
+
+        def batch(q: np.ndarray) -> np.ndarray:
+            return index.search(q, K)
+
+        def one(q: np.ndarray) -> Any:
+            return index.search(q[None], K)
+
+        def threads_to(t: int) -> None:
+            import torch
+
+            torch.set_num_threads(t)
     else:
         raise SystemExit(f"unknown library {name}")
     grown = rss_bytes() - before
@@ -185,6 +212,7 @@ def run_lib(name: str, data: np.ndarray, queries: np.ndarray, truth: np.ndarray,
 
 
 def main() -> None:
+    global M, EF_CONSTRUCTION
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200_000)
     ap.add_argument("--dim", type=int, default=384)
@@ -192,10 +220,14 @@ def main() -> None:
     ap.add_argument("--clusters", type=int, default=1000)
     ap.add_argument("--spread", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--libs", nargs="+", default=["exact", "faiss", "hnswlib", "usearch"])
+    ap.add_argument("--libs", nargs="+", default=["exact", "faiss", "hnswlib", "usearch", "ivf"])
     ap.add_argument("--ef", nargs="+", type=int, default=[32, 64, 128])
+    ap.add_argument("--nprobe", nargs="+", type=int, default=[4, 8, 16], help="lists probed (ivf)")
+    ap.add_argument("--M", type=int, default=M)
+    ap.add_argument("--ef-construction", type=int, default=EF_CONSTRUCTION)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    M, EF_CONSTRUCTION = args.M, args.ef_construction
     import torch
 
     torch.set_num_threads(args.threads)
@@ -218,7 +250,8 @@ def main() -> None:
             if name == "exact":
                 record["libs"][name] = run_exact(data, queries, args.threads)
             else:
-                record["libs"][name] = run_lib(name, data, queries, truth, args.ef, args.threads, Path(d))
+                efs = args.nprobe if name == "ivf" else args.ef
+                record["libs"][name] = run_lib(name, data, queries, truth, efs, args.threads, Path(d))
             print(json.dumps({name: record["libs"][name]}), file=sys.stderr)
     print(json.dumps(record, indent=2))
     if args.json:

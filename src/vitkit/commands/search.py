@@ -49,7 +49,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="test", help="split of --data (default: test)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--exact", action="store_true", help="exact search only (the default)")
-    kind.add_argument("--backend", choices=["exact", "hnsw"], help="hnsw: an approximate graph (vitkit[search])")
+    kind.add_argument("--backend", choices=["exact", "hnsw", "ivf"],
+                      help="approximate: ivf (k-means lists, no extra needed; large collections) or hnsw (a graph, "
+                      "vitkit[search])")  # fmt: skip
     p.add_argument("--pool", choices=["cls", "gap", "cls+gap"], help="with -c: as 'vitkit embed --pool'")
     p.add_argument("--layer", type=int, metavar="N", help="with -c: as 'vitkit embed --layer'")
     p.add_argument("--batch-size", type=positive_int, default=32, help="with -c: images per forward pass")

@@ -7,7 +7,8 @@
   size in bytes and SHA-256;
 - ``ids.json``: the ids (image paths, dataset rows) in row order, a JSON list of strings;
 - ``vectors.f32``: the L2-normalised vectors, ``count`` x ``dimension`` little-endian float32, row-major, no header;
-- the approximate library's own file (``graph.hnsw``), when the backend is not exact.
+- the approximate backend's own file: ``graph.hnsw`` (hnswlib's graph) or ``lists.ivf`` (vitkit's k-means lists:
+  centres, list offsets, rows and a copy of the vectors in list order; raw little-endian, sizes from the manifest).
 
 Reading (:func:`verify`) checks, before any library parses anything and before anything is allocated by a declared
 size: the manifest (a regular file of at most 1 MiB, every field of its type and range), that each data file is
@@ -38,6 +39,7 @@ MANIFEST = "manifest.json"
 IDS = "ids.json"
 VECTORS = "vectors.f32"
 GRAPH = "graph.hnsw"
+LISTS = "lists.ivf"
 MANIFEST_MAX_BYTES = 1 << 20
 MAX_ID_BYTES = 16 << 10  # per id in ids.json (+ 1 MiB), as for vitkit embed's ids files
 MAX_DIMENSION = 1 << 16
@@ -66,7 +68,8 @@ def file_entry(path: Path) -> dict[str, Any]:
 
 def expected_files(backend: Mapping[str, Any]) -> set[str]:
     """The data files an index of ``backend`` holds (the manifest lists exactly these)."""
-    return {IDS, VECTORS} | ({GRAPH} if backend.get("name") != "exact" else set())
+    name = backend.get("name")
+    return {IDS, VECTORS} | ({LISTS} if name == "ivf" else {GRAPH} if name != "exact" else set())
 
 
 def _int(doc: Mapping[str, Any], key: str, lo: int, hi: int, where: str) -> int:
@@ -136,6 +139,7 @@ def verify(folder: Path) -> dict[str, Any]:
         VECTORS: (count * dim * 4, count * dim * 4),
         IDS: (2, (1 << 20) + count * MAX_ID_BYTES),
         GRAPH: (0, (1 << 20) + count * (dim * 4 + GRAPH_BYTES_PER_ROW)),
+        LISTS: (0, (count + 1) * (2 * dim * 4 + 16)),  # centres (at most count), offsets, rows, vectors
     }
     for name, entry in doc["files"].items():
         lo, hi = limits[name]

@@ -1,9 +1,9 @@
-"""``vitkit.Index``: image embeddings with their ids and provenance, searched exactly or through an HNSW graph,
-saved in vitkit's index format (:mod:`vitkit.search.format`).
+"""``vitkit.Index``: image embeddings with their ids and provenance, searched exactly, through k-means lists (IVF)
+or through an HNSW graph, saved in vitkit's index format (:mod:`vitkit.search.format`).
 
 Every vector is L2-normalised when it enters, so scores are cosine similarities. Exact search
-(:func:`vitkit.search.exact.exact_search`) is the ground truth; the approximate backend (:mod:`vitkit.search.ann`)
-proposes candidates from its graph and their scores are then computed exactly from the stored vectors, so both
+(:func:`vitkit.search.exact.exact_search`) is the ground truth; an approximate backend (:mod:`vitkit.search.ann`)
+proposes candidates from its lists or graph and their scores are then computed exactly from the stored vectors, so all
 backends report the same score for the same pair.
 
 Two sets of vectors can share an index (``add``) and a query can be searched in one only when they were made by the
@@ -33,7 +33,7 @@ from vitkit.search.exact import exact_search, normalise
 COMPARED = (CHECKPOINT, PREPROCESS, "vitkit.embed.pool", "vitkit.embed.layer", "vitkit.embed.shape")
 # what an index records of its vectors' making (whatever of these the source carried)
 RECORDED = (*COMPARED, "vitkit.precision", "vitkit.backend", "vitkit.embed.dtype", "vitkit.embed.l2")
-BACKENDS = ("exact", "hnsw")
+BACKENDS = ("exact", "hnsw", "ivf")
 
 
 @dataclass
@@ -44,13 +44,17 @@ class Hit:
     score: float
 
 
-def _backend_doc(backend: str) -> dict[str, Any]:
+def _backend_doc(backend: str, count: int) -> dict[str, Any]:
     if backend == "exact":
         return {"name": "exact"}
     if backend == "hnsw":
         from vitkit.search import ann
 
         return ann.params()
+    if backend == "ivf":
+        from vitkit.search import ann
+
+        return ann.ivf_params(count)
     raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
@@ -85,7 +89,7 @@ class Index:
     ) -> Index:
         """An index of ``vectors`` (N, D) under ``ids`` (N distinct strings); ``provenance``: what they were made
         from (``vitkit.*`` keys, as :func:`vitkit.embed` / ``vitkit embed`` record them)."""
-        doc = _backend_doc(backend)
+        doc = _backend_doc(backend, len(ids))
         ids = [text_id(str(i)) for i in ids]
         v = np.asarray(vectors)
         if v.ndim != 2 or len(v) != len(ids) or v.shape[1] < 1:
@@ -98,9 +102,9 @@ class Index:
         v = normalise(v)
         graph = None
         if doc["name"] != "exact":
-            from vitkit.search.ann import Graph
+            from vitkit.search.ann import structure
 
-            graph = Graph.build(v, doc)
+            graph = structure(doc["name"]).build(v, doc)
         return cls(ids, v, dict(provenance or {}), doc, graph)
 
     @classmethod
@@ -125,13 +129,14 @@ class Index:
         name = doc["backend"]["name"]
         if name == "exact" or count == 0:  # exact search reads every vector: in memory
             vectors = np.fromfile(folder / fmt.VECTORS, dtype="<f4").reshape(count, dim)
-        else:  # the graph holds its own copy; these are read only to score its candidates: mapped, not loaded
+        else:  # the graph/lists hold their own copy; these are read only to score candidates: mapped, not loaded
             vectors = np.memmap(folder / fmt.VECTORS, dtype="<f4", mode="r", shape=(count, dim))
         graph = None
-        if name == "hnsw":
-            from vitkit.search.ann import Graph
+        if name in ("hnsw", "ivf"):
+            from vitkit.search.ann import structure
 
-            graph = Graph.load(folder / fmt.GRAPH, dim, count, doc["backend"])
+            graph = structure(name).load(folder / (fmt.GRAPH if name == "hnsw" else fmt.LISTS), dim, count,
+                                         doc["backend"])  # fmt: skip
         elif name != "exact":
             raise fmt.IndexFileError(f"{folder}: backend {name!r} is not one this vitkit knows ({', '.join(BACKENDS)})")
         return cls(ids, vectors, doc["provenance"], doc["backend"], graph)
@@ -150,7 +155,7 @@ class Index:
             (tmp / fmt.IDS).write_text(json.dumps(self.ids, ensure_ascii=False), encoding="utf-8")
             np.ascontiguousarray(self.vectors, dtype="<f4").tofile(tmp / fmt.VECTORS)
             if self._graph is not None:
-                self._graph.save(tmp / fmt.GRAPH)
+                self._graph.save(tmp / (fmt.LISTS if self.backend["name"] == "ivf" else fmt.GRAPH))
             doc = fmt.manifest_doc(dimension=self.dimension, count=len(self), backend=self.backend,
                                    provenance=self.provenance, folder=tmp)  # fmt: skip
             (tmp / fmt.MANIFEST).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
@@ -213,9 +218,9 @@ class Index:
         self.ids = [self.ids[i] for i in keep]
         self.vectors = np.ascontiguousarray(self.vectors[keep])
         if self._graph is not None:
-            from vitkit.search.ann import Graph
+            from vitkit.search.ann import structure
 
-            self._graph = Graph.build(self.vectors, self.backend)
+            self._graph = structure(self.backend["name"]).build(self.vectors, self.backend)
         self._rows = None
         return len(drop)
 
