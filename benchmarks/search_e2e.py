@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -73,12 +74,23 @@ def make_checkpoint(path: Path, model: str) -> Path:
     return path
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str], rates: dict[str, float], name: str) -> float:
+    """The wall time of ``cmd`` (a fresh process); its embedding pass's final rate (tqdm's img/s) into ``rates``
+    and its engine note echoed, so that a run shows whether the two commands embedded alike."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     print("$ " + " ".join(cmd[2:]), file=sys.stderr)
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env)
-    return time.perf_counter() - t
+    run = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - t
+    if run.returncode:
+        sys.exit(f"{' '.join(cmd[2:])}: exit {run.returncode}\n{run.stderr[-4000:]}")
+    found = re.findall(r"([0-9.]+)img/s", run.stderr)
+    if found:
+        rates[name] = float(found[-1])
+    for line in run.stderr.splitlines():
+        if line.startswith("note: engine:"):
+            print(line, file=sys.stderr)
+    return seconds
 
 
 def main() -> None:
@@ -107,12 +119,14 @@ def main() -> None:
     same = ["--precision", args.precision, "--batch-size", str(args.batch_size)]
     c = str(ckpt)
     photos, queries = str(work / "photos"), str(work / "queries")
-    times = {
-        "embed_photos": timed([*vk, "embed", c, photos, "--out", str(runs / "photos.npy"), *same]),
-        "embed_queries": timed([*vk, "embed", c, queries, "--out", str(runs / "queries.npy"), *same]),
-        "index": timed([*vk, "index", photos, "-c", c, "--out", str(runs / "photos.index"), *same]),
-        "search": timed([*vk, "search", str(runs / "photos.index"), queries, "--out", str(runs / "hits.jsonl")]),
+    commands = {
+        "embed_photos": [*vk, "embed", c, photos, "--out", str(runs / "photos.npy"), *same],
+        "embed_queries": [*vk, "embed", c, queries, "--out", str(runs / "queries.npy"), *same],
+        "index": [*vk, "index", photos, "-c", c, "--out", str(runs / "photos.index"), *same],
+        "search": [*vk, "search", str(runs / "photos.index"), queries, "--out", str(runs / "hits.jsonl")],
     }
+    rates: dict[str, float] = {}
+    times = {name: timed(cmd, rates, name) for name, cmd in commands.items()}
     hits = (runs / "hits.jsonl").read_text().splitlines()
     assert len(hits) == args.queries, f"{len(hits)} result rows for {args.queries} queries"
     embed = times["embed_photos"] + times["embed_queries"]
@@ -121,7 +135,8 @@ def main() -> None:
     record: dict[str, Any] = {
         "machine": platform.processor() or platform.machine(), "model": args.model, "image_size": 224,
         "precision": args.precision, "batch_size": args.batch_size, "images": args.images, "queries": args.queries,
-        "seconds": times, "embed_ms_per_image": 1e3 * embed / n, "index_search_ms_per_image": 1e3 * total / n,
+        "seconds": times, "img_per_s": rates, "embed_ms_per_image": 1e3 * embed / n,
+        "index_search_ms_per_image": 1e3 * total / n,
         "ratio": total / embed,
     }  # fmt: skip
     print(json.dumps(record, indent=2))
