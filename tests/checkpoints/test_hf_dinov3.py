@@ -172,6 +172,7 @@ def test_bad_folders_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
         ref.save_pretrained(tmp_path / case)
         _edit_config(tmp_path / case, **changes)
         out = tmp_path / f"{case}-out"
+        capsys.readouterr()  # save_pretrained's progress bar
         code, _, err = run_cli(capsys, "convert", str(tmp_path / case), str(out), "--to", "vitkit")
         assert code == 2 and len(err.strip().splitlines()) == 1, (case, err)
         with pytest.raises(CheckpointError, match=match):

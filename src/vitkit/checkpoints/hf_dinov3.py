@@ -216,7 +216,8 @@ def config_json(cfg: ViTConfig) -> dict[str, Any]:
 
 
 def preprocess_from(folder: Path, image_size: tuple[int, int]) -> Preprocess:
-    """A DINOv3ViTImageProcessor config as a Preprocess (absent: its defaults, 224 x 224 bilinear squash)."""
+    """A DINOv3ViTImageProcessor config as a Preprocess (its defaults for absent fields: a bilinear squash to 224 x
+    224, ImageNet statistics; no file: the same squash to the model's size)."""
     path = folder / PREPROCESSOR
     doc: dict[str, Any] = hf._read_json(path) if path.is_file() else {}
     source = str(path)
@@ -225,7 +226,10 @@ def preprocess_from(folder: Path, image_size: tuple[int, int]) -> Preprocess:
             raise CheckpointError(f"{source}: {flag} false is not supported")
     if not np.isclose(float(doc.get("rescale_factor", 1 / 255)), 1 / 255, rtol=1e-6, atol=0):
         raise CheckpointError(f"{source}: rescale_factor {doc.get('rescale_factor')!r} is not supported (1/255)")
-    full = {**PROCESSOR_DEFAULTS, **{k: v for k, v in doc.items() if v is not None}}
+    defaults = dict(PROCESSOR_DEFAULTS)
+    if not path.is_file():  # no processor: the model's own size
+        defaults["size"] = {"height": image_size[0], "width": image_size[1]}
+    full = {**defaults, **{k: v for k, v in doc.items() if v is not None}}
     resample = int(full["resample"])
     if resample not in RESAMPLE:
         raise CheckpointError(f"{source}: resample {resample} is not supported (known: {sorted(RESAMPLE)})")
