@@ -1,9 +1,9 @@
-"""Writes src/vitkit/resources/vit_families.json: the public DINOv2, SigLIP, CLIP and DeiT checkpoints by name.
+"""Writes src/vitkit/resources/vit_families.json: the public DINOv2, DINOv3, SigLIP, CLIP and DeiT checkpoints by name.
 
 Sources (nothing here was downloaded; sha256 and sizes are null, recorded by huggingface_hub on download):
 - transformers folders: the architecture fields of each repository's config.json (hidden size, depth, heads,
   patch, image size, activation, eps, registers, projection), as transformers' conversion scripts write them
-  (transformers 5.24, models/{dinov2,dinov2_with_registers,siglip,clip,deit}/convert_*.py), and the image
+  (transformers 5.24, models/{dinov2,dinov2_with_registers,dinov3_vit,siglip,clip,deit}/convert_*.py), and the image
   processor each names (BitImageProcessor, SiglipImageProcessor, CLIPImageProcessor, DeiTImageProcessor).
 - timm: the entry points and pretrained configs of timm 1.0.31 (timm/models/vision_transformer.py, deit.py):
   model_args, input_size, crop_pct, interpolation, mean/std; timm builds SigLIP towers with nn.GELU (no
@@ -31,7 +31,7 @@ from vitkit.hub.families import FamilyEntry
 IMAGENET = {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
 HALF = {"mean": [0.5, 0.5, 0.5], "std": [0.5, 0.5, 0.5]}
 OPENAI = {"mean": [0.48145466, 0.4578275, 0.40821073], "std": [0.26862954, 0.26130258, 0.27577711]}
-SIZES = {192: "Ti", 384: "S", 768: "B", 1024: "L", 1152: "So400m", 1536: "g"}
+SIZES = {192: "Ti", 384: "S", 768: "B", 1024: "L", 1152: "So400m", 1280: "H", 1536: "g", 4096: "7B"}
 WIDTHS = {"S": (384, 6), "B": (768, 12), "L": (1024, 16), "g": (1536, 24)}
 DEPTHS = {"S": 12, "B": 12, "L": 24, "g": 40}
 HF_SRC = "transformers config.json / preprocessor_config.json of https://huggingface.co/{}"
@@ -43,6 +43,7 @@ SO400M = (
 )
 EMBEDDING = {
     "dinov2": "class token",
+    "dinov3": "class token",
     "siglip": "MAP output",
     "clip": "projected embedding",
     "deit": "logits (mean of both heads); features: class token",
@@ -167,6 +168,51 @@ def dinov2() -> list[dict[str, Any]]:
             out.append(
                 timm_entry(name, "dinov2", {"architecture": name.split(".")[0], "model_args": args}, vitkit, pre)
             )
+    return out
+
+
+def dinov3() -> list[dict[str, Any]]:
+    """The DINOv3 ViTs on LVD-1689M: the 7B and those distilled from it, with the architecture fields of their
+    config.json (patch 16, 4 registers, RoPE base 100, no key bias, LayerNorm eps 1e-5; S+, H+ and 7B gated with
+    silu). Nothing was downloaded: the parameter counts are checked against facebookresearch/dinov3's model table
+    (21M, 29M, 86M, 300M, 840M, 6716M) by tests/checkpoints/test_hf_dinov3.py."""
+    pre = {
+        "processor": "DINOv3ViTImageProcessorFast",
+        "resize": "squash",
+        "crop": 224,
+        "interpolation": "bilinear",
+        **IMAGENET,
+    }
+    models = [  # name, hidden, depth, heads, intermediate, gated
+        ("vits16", 384, 12, 6, 1536, False),
+        ("vits16plus", 384, 12, 6, 1536, True),
+        ("vitb16", 768, 12, 12, 3072, False),
+        ("vitl16", 1024, 24, 16, 4096, False),
+        ("vith16plus", 1280, 32, 20, 5120, True),
+        ("vit7b16", 4096, 40, 32, 8192, True),
+    ]
+    out = []
+    for name, D, depth, heads, hidden, gated in models:
+        repo = f"facebook/dinov3-{name}-pretrain-lvd1689m"
+        config = {
+            "model_type": "dinov3_vit",
+            "hidden_size": D,
+            "num_hidden_layers": depth,
+            "num_attention_heads": heads,
+            "intermediate_size": hidden,
+            "patch_size": 16,
+            "image_size": 224,
+            "hidden_act": "silu" if gated else "gelu",
+            "use_gated_mlp": gated,
+            "layer_norm_eps": 1e-5,
+            "layerscale_value": 1.0,
+            "num_register_tokens": 4,
+            "rope_theta": 100.0,
+            "query_bias": True,
+            "key_bias": False,
+            "value_bias": True,
+        }
+        out.append(hf_entry(repo, "dinov3", config, pre, [f"dinov3-{name}", repo.split("/")[1]]))
     return out
 
 
@@ -458,7 +504,7 @@ def finish(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    models = [finish(d) for d in [*dinov2(), *siglip(), *clip(), *deit()]]
+    models = [finish(d) for d in [*dinov2(), *dinov3(), *siglip(), *clip(), *deit()]]
     doc = {
         "about": "Public checkpoints of the modern ViT families on the Hugging Face Hub (transformers and timm "
         "folders). params: vitkit's model as loaded (heads and projection included, DINOv2's mask_token not). "

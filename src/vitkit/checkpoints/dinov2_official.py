@@ -19,9 +19,13 @@ is given. ``mask_token`` serves masked-image-modelling inputs only: ignored on r
 timm's ``checkpoint_filter_fn`` (``_convert_dinov2``) converts; the tests check vitkit against it.
 
 Preprocessing: DINOv2's evaluation transform (bicubic resize of the shorter side to 256/224 of the crop, centre
-crop, ImageNet mean/std), at the model's own grid. At another image size, the official code resamples the
-position grid with bicubic and an offset of 0.1; vitkit resamples with timm's antialiased bicubic, so only the
-native size is exact.
+crop, ImageNet mean/std), at the model's own grid. At another image size (the 518 px weights at 224 px) the
+position grid is resampled as transformers' ``Dinov2Model`` resamples it and as :mod:`vitkit.checkpoints.hf_dino`
+loads DINOv2 (``pos_resample="bicubic_plain"``: bicubic, not antialiased, to the new grid), so the same weights
+give the same features from either format (tests/checkpoints/test_dinov2_resample.py). The official code's
+``interpolate_pos_encoding`` is that bicubic with ``scale_factor=(n + 0.1) / M`` instead of the size (its
+``interpolate_offset``): source coordinates shifted by up to a few hundredths of a cell, a difference that test
+measures; timm resamples with antialiasing (``pos_resample="bicubic"``), which also differs.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vitkit.checkpoints import timm_format, torch_files
+from vitkit.checkpoints import hf_dino, timm_format, torch_files
 from vitkit.checkpoints.keymap import Rule, to_state_dict
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
@@ -151,7 +155,7 @@ def infer_config(weights: Mapping[str, torch.Tensor], source: str, *, num_heads:
             qkv_bias="blocks.0.attn.qkv.bias" in weights,
             layer_scale=1.0 if "blocks.0.ls1.gamma" in weights else None,  # hub init_values; only its initial value
             mlp=mlp,  # type: ignore[arg-type]
-            pos_resample="bicubic",
+            pos_resample=hf_dino.POS_RESAMPLE[hf_dino.DINO],  # type: ignore[arg-type]  # transformers'
             name=f"DINOv2 {D}/{P}" + (f" reg{registers}" if registers else ""),
         )
     except (ValueError, TypeError) as e:

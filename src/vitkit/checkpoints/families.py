@@ -1,9 +1,10 @@
 """The model each family registry entry (:mod:`vitkit.hub.families`) describes, and how the loader sees it.
 
 ``registry_config(entry)``: the :class:`ViTConfig` the entry declares (``vitkit_config``); ``loader_config``:
-the one vitkit's own loader builds from the entry's transformers config (``hf_dino`` / ``hf_clip``), None
-for timm entries (whose loader reads shapes: the tests build timm's model to check those); ``param_count``:
-the parameters of vitkit's model for a config, counted on the meta device (no memory, no initialisation).
+the one vitkit's own loader builds from the entry's transformers config (``hf_dino`` / ``hf_dinov3`` /
+``hf_clip``), None for timm entries (whose loader reads shapes: the tests build timm's model to check those);
+``param_count``: the parameters of vitkit's model for a config, counted on the meta device (no memory, no
+initialisation).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from vitkit.checkpoints import hf_clip, hf_dino
+from vitkit.checkpoints import hf_clip, hf_dino, hf_dinov3
 from vitkit.hub.families import FamilyEntry
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -31,6 +32,8 @@ def loader_config(entry: FamilyEntry) -> ViTConfig | None:
     model_type = str(doc.get("model_type"))
     if model_type in (hf_dino.DINO, hf_dino.DINO_REG):
         return hf_dino.dino_config(doc, model_type, entry.name)
+    if model_type == hf_dinov3.MODEL_TYPE:
+        return hf_dinov3.dinov3_config(doc, entry.name)
     if model_type == hf_dino.DEIT:
         return hf_dino.deit_config(doc, int(doc.get("num_labels") or len(doc.get("id2label") or {})), entry.name)
     family, _, vision = hf_clip.vision_doc(doc, entry.name)

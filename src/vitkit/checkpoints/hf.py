@@ -21,8 +21,8 @@ layer_norm_eps (HF's default is 1e-12, not 1e-6), qkv_bias, image_size, patch_si
 ``preprocessor_config.json`` supplies image_mean/std, size and resample when present.
 
 Other transformers model types are read and written by their own modules, registered in :func:`families`
-by ``model_type`` (``hf_dino``: dinov2, dinov2_with_registers, deit; ``hf_clip``: clip_vision_model, clip,
-siglip_vision_model, siglip); :mod:`vitkit.checkpoints.hf_folder` dispatches on config.json.
+by ``model_type`` (``hf_dino``: dinov2, dinov2_with_registers, deit; ``hf_dinov3``: dinov3_vit; ``hf_clip``:
+clip_vision_model, clip, siglip_vision_model, siglip); :mod:`vitkit.checkpoints.hf_folder` dispatches on config.json.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The ``hf`` checkpoint format: a transformers folder of any model type vitkit reads, dispatched on config.json's
 ``model_type`` to the module that reads and writes that family's layout -- ``vit`` (:mod:`vitkit.checkpoints.hf`),
-``dinov2``/``dinov2_with_registers``/``deit`` (:mod:`vitkit.checkpoints.hf_dino`), ``clip_vision_model``/``clip``/
-``siglip_vision_model``/``siglip`` (:mod:`vitkit.checkpoints.hf_clip`). A model is written by the first family
-that claims its config (layer scale, registers or SwiGLU: DINOv2; distilled: DeiT; CLIP's and SigLIP's options),
-else as a plain ViT folder.
+``dinov3_vit`` (:mod:`vitkit.checkpoints.hf_dinov3`), ``dinov2``/``dinov2_with_registers``/``deit``
+(:mod:`vitkit.checkpoints.hf_dino`), ``clip_vision_model``/``clip``/``siglip_vision_model``/``siglip``
+(:mod:`vitkit.checkpoints.hf_clip`). A model is written by the first family that claims its config (DINOv3's RoPE:
+DINOv3; layer scale, registers or SwiGLU: DINOv2; distilled: DeiT; CLIP's and SigLIP's options), else as a plain
+ViT folder.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from vitkit.checkpoints import hf, hf_clip, hf_dino
+from vitkit.checkpoints import hf, hf_clip, hf_dino, hf_dinov3
 from vitkit.checkpoints.hf import CONFIG, Family
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta
 from vitkit.errors import CheckpointError
@@ -21,7 +22,7 @@ from vitkit.models.vit import VisionTransformer
 
 def families() -> dict[str, Family]:
     """model_type -> its :class:`~vitkit.checkpoints.hf.Family`, besides ``vit``."""
-    return {**hf_dino.FAMILIES, **hf_clip.FAMILIES}
+    return {**hf_dinov3.FAMILIES, **hf_dino.FAMILIES, **hf_clip.FAMILIES}  # DINOv3 claims before DINOv2
 
 
 def looks_like(path: Path) -> bool:
