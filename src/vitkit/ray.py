@@ -6,9 +6,13 @@ the local job's batches (``batch_size`` consecutive positions); then
 
 - :class:`Decode` (Ray *tasks*, on any node's CPUs, retried when one raises) reads and transforms one batch
   with vitkit's own decoder (:func:`vitkit.data.stream.stream_batches`: the byte cap, pixel cap, scan bound and
-  format allow-list of :mod:`vitkit.images`), a bad image staying a failed item of its batch as locally;
+  format allow-list of :mod:`vitkit.images`) to uint8 pixels (``EvalTransform(uint8=True)``, as a GPU job's
+  workers do: a quarter of the bytes through the object store), a bad image staying a failed item of its batch
+  as locally;
 - :class:`EngineActor` (a pool of Ray *actors*, ``actors`` of them) holds the engine, built once per actor from
-  the job's :class:`~vitkit.inference.jobs.EngineSpec`, and runs the job's task over each decoded batch;
+  the job's :class:`~vitkit.inference.jobs.EngineSpec`, normalises each decoded batch on its device
+  (:meth:`~vitkit.inference.engine.InferenceEngine.prepare`: bit for bit the floats the local job's workers
+  compute) and runs the job's task over it;
 - the driver takes the batches back in input order and hands their columns to the job's sink, which writes the
   same files as the local job (resume, provenance and all: :func:`~vitkit.inference.jobs.run_job`).
 
@@ -89,8 +93,9 @@ def _pack(value: Any) -> bytes:
 
 class Decode:
     """A Ray Data task (``map_batches(Decode(source, transform), batch_size=1)``): each row's ``positions``
-    (int64 bytes) read from ``source`` and transformed as the local job's decoding workers do, to a row holding
-    the batch (positions, ids, labels, errors, images of the items that decoded) pickled. A bad image is a
+    (int64 bytes) read from ``source`` and transformed as the local job's decoding workers do (``transform``:
+    :func:`dataset` gives the job's with ``uint8=True``), to a row holding the batch (positions, ids, labels,
+    errors, images of the items that decoded) pickled. A bad image is a
     failed item with the local job's reason (always: whether that stops the job is the driver's ``skip_bad``)."""
 
     def __init__(self, source: ImageSource, transform: Callable[..., Any]) -> None:
@@ -108,8 +113,9 @@ class Decode:
 class EngineActor:
     """A Ray Data actor (``map_batches(EngineActor, fn_constructor_kwargs=...)``): the engine of ``spec`` built
     once for batches of ``batch_size`` (``calibration``: OpenVINO int8's sample), ``threads`` PyTorch threads (0:
-    every core of its node); each :class:`Decode` d batch through ``task`` (the local job's: ``(engine,
-    batch) -> columns``), to a row holding (ids, errors, columns) pickled and the engine's description."""
+    every core of its node); each :class:`Decode` d batch (uint8 pixels normalised here, floats as they are)
+    through ``task`` (the local job's: ``(engine, batch) -> columns``), to a row holding (ids, errors, columns)
+    pickled and the engine's description."""
 
     def __init__(
         self,
@@ -128,7 +134,8 @@ class EngineActor:
         for raw in rows["batch"]:
             positions, ids, labels, errors, images = pickle.loads(raw)
             batch = StreamBatch(positions, ids, labels, errors, torch.from_numpy(images))
-            (fed,) = self.engine.feed([batch])
+            (fed,) = self.engine.feed([batch])  # on a GPU: copied there and normalised (uint8 pixels)
+            fed = dataclasses.replace(fed, images=self.engine.prepare(fed.images))  # elsewhere normalised here
             out.append(_pack((ids, errors, dict(self.task(self.engine, fed)))))
         described = self.engine.describe()
         return {"step": np.asarray(rows["step"]), "rows": np.array(out, dtype=object),
@@ -157,7 +164,8 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     pool of :class:`EngineActor` s, in input order."""
     source, spec = job.source, dataclasses.replace(job.engine, built=None)  # each actor builds its own
     assert isinstance(source, ImageSource)
-    transform = spec.transform()
+    transform = spec.transform()  # the local job's; its decoding tasks stop before normalising (uint8 pixels)
+    pixels = dataclasses.replace(transform, uint8=True)
     cpus = ray.cluster_resources().get("CPU", 0)
     if options.actors * options.cpus_per_actor >= cpus:
         raise ConfigError(
@@ -173,7 +181,7 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     steps = ray.data.from_items([{"step": k, "positions": c} for k, c in enumerate(chunks)],
                                 override_num_blocks=max(1, len(chunks)))  # fmt: skip
     retries = {"max_retries": options.retries, "retry_exceptions": True}  # a task that raises runs again
-    decoded = steps.map_batches(Decode(source, transform), batch_size=1, num_cpus=1,
+    decoded = steps.map_batches(Decode(source, pixels), batch_size=1, num_cpus=1,
                                 ray_remote_args_fn=lambda: retries)  # fmt: skip
     calibration = lambda: calibration_sample(source, transform)  # noqa: E731
     kwargs = {"spec": spec, "task": task, "batch_size": b, "threads": options.threads, "calibration": calibration}
