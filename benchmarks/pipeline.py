@@ -6,11 +6,14 @@ logits), over an ImageFolder of photo JPEGs of about 500 x 375 (``--images``, de
 scikit-learn's two sample photos, as ``batch_inference.py`` makes them), batch ``--batch-size`` (256). It
 reports:
 
-- **main-process CPU per image**: ``time.process_time()`` of the job's process (all its threads) over the job,
-  for ``--images`` and a quarter of them, the difference divided by the difference in images (fixed costs
-  cancel), for ``predict --out x.jsonl``, ``predict --out x.parquet`` and ``eval`` (its logits collected), on
-  the path of a job whose engine is on a GPU (uint8 batches; the GPU's normalisation is left out with the
-  model), and ``eval-cpu``, the path on a CPU device (float batches, normalised by the workers); and
+- **main-process CPU per image**: the CPU time of the job's main thread (``time.thread_time()``, where the
+  job's loop, the engine's feed and the sink run) over the job, for ``--images`` and a quarter of them, the
+  difference divided by the difference in images (fixed costs cancel); beside it the same of the whole process
+  (``time.process_time()``, every thread), which earlier versions of this table reported and which counts the
+  CPU that PyTorch's OpenMP threads spend spinning between parallel regions (it moved 24-72 us/image between
+  runs of one job). Both for ``predict --out x.jsonl``, ``predict --out x.parquet`` and ``eval`` (its logits
+  collected), on the path of a job whose engine is on a GPU (uint8 batches; the GPU's normalisation is left out
+  with the model), and ``eval-cpu``, the path on a CPU device (float batches, normalised by the workers); and
   ``pin copy``, a copy of a uint8 batch into another buffer (both already in memory) per image, the least
   that ``pin_memory`` costs the pinning thread on a GPU machine (there is no CUDA to pin with here);
 - **each worker against raw decoding**: one process decoding the same files with simplejpeg, alone (the call
@@ -20,7 +23,11 @@ reports:
   difference of the two folders, so start-up is left out).
 
 The engine is built in bf16 (whatever the CPU: the model is replaced), so that no start-up timing (``auto``
-times a GEMM) adds noise to the differences.
+times a GEMM) adds noise to the differences. The no-op replaces the engine where the job runner builds it
+(``InferenceEngine`` in ``vitkit.inference.jobs``; in ``predict`` and ``features`` before the runner), and the
+GPU path is taken by making the plan feed a GPU (``EnginePlan.feeds_gpu``; a module function before the plan
+held it); the no-op counts what it is given, and a job in which it did not see every image, or on the GPU path
+saw floats instead of uint8 pixels, gives no figure (exit 1: the real model ran, or the CPU path).
 
 ``--baseline REV`` measures the ``src/`` of git revision REV the same way in the same run (each measurement
 its own process, with that ``src/`` first on the path; the old code's workers hand over float batches). Run it
@@ -100,23 +107,26 @@ def run_child(src: Path, *argv: str) -> dict[str, Any]:
 def measure(src: Path, big: Path, small: Path, ckpt: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Every mode at 1 worker, and ``eval`` at 2 .. max workers, each over both folders ``--rounds`` times:
     per image, main-process CPU and wall time over the difference of the two folders (medians)."""
-    res: dict[str, Any] = {"main_us_per_image": {}, "scaling_img_s": {}}
+    res: dict[str, Any] = {"main_us_per_image": {}, "process_us_per_image": {}, "scaling_img_s": {}}
     n_big, n_small = len(list(big.glob("test/*/*.jpg"))), len(list(small.glob("test/*/*.jpg")))
     runs = [(mode, 1) for mode in MODES] + [("eval", w) for w in range(2, args.max_workers + 1)]
     for mode, w in runs:
-        cpu, rate = [], []
+        main, cpu, rate = [], [], []
         for _ in range(args.rounds):
             r = {size: run_child(src, "job", mode, str(folder), str(ckpt), str(args.batch_size), str(w))
                  for size, folder in (("big", big), ("small", small))}  # fmt: skip
             if r["big"].get("skipped"):
                 break
+            main.append((r["big"]["main_thread_s"] - r["small"]["main_thread_s"]) / (n_big - n_small) * 1e6)
             cpu.append((r["big"]["cpu_s"] - r["small"]["cpu_s"]) / (n_big - n_small) * 1e6)
             rate.append((n_big - n_small) / (r["big"]["wall_s"] - r["small"]["wall_s"]))
         if not cpu:
             continue
         if w == 1:
-            res["main_us_per_image"][mode] = median(cpu)
-            print(f"  {mode:16s} main-process CPU {median(cpu):7.1f} us/image {[round(c, 1) for c in cpu]}", flush=True)
+            res["main_us_per_image"][mode] = median(main)
+            res["process_us_per_image"][mode] = median(cpu)
+            print(f"  {mode:16s} main thread {median(main):7.1f} us/image {[round(c, 1) for c in main]}; "
+                  f"whole process {median(cpu):7.1f} {[round(c, 1) for c in cpu]}", flush=True)  # fmt: skip
         if mode == "eval":
             res["scaling_img_s"][str(w)] = median(rate)
             print(f"  eval, {w} worker(s): {median(rate):.0f} img/s {[round(r) for r in rate]}", flush=True)
@@ -177,42 +187,54 @@ def main() -> None:
 
 def child(argv: list[str]) -> dict[str, Any]:
     if argv[0] == "job":
-        mode, folder, ckpt, batch, workers = argv[1:]
-        return job(mode, Path(folder), Path(ckpt), int(batch), int(workers))
+        mode, folder, ckpt, batch, workers, *replace = argv[1:]
+        return job(mode, Path(folder), Path(ckpt), int(batch), int(workers), *replace)
     return decode_rates(Path(argv[1]), Path(argv[2]))
 
 
 class NoOp:
-    """The model replaced: zero logits (B, K), whatever the input; counts the images it was given, so that a
-    measurement in which the real model ran instead is refused (:func:`check_replaced`)."""
+    """The model replaced: zero logits (B, K), whatever the input; counts the images it was given, and those
+    given as uint8 pixels, so that a measurement in which the real model ran instead, or the GPU path was not
+    taken, is refused (:func:`check_replaced`)."""
 
     def __init__(self, num_classes: int) -> None:
         self.num_classes = num_classes
         self.images = 0
+        self.uint8 = 0
 
     def __call__(self, x: Any) -> Any:
         import torch
 
         self.images += x.shape[0]
+        self.uint8 += x.shape[0] if x.dtype == torch.uint8 else 0
         return torch.zeros(x.shape[0], self.num_classes)
 
 
-def check_replaced(noops: list[NoOp], images: int, mode: str) -> None:
-    """Refuse the figure unless the no-op model saw every image of the job: where the code builds its engine
-    elsewhere than where the benchmark replaced it, the real model ran and the figure is the model's, not the
-    pipeline's (as on 320323f, where eval's '17.5 us/image' could only be reproduced as ~585)."""
-    seen = sum(n.images for n in noops)
+def check_replaced(noops: list[NoOp], images: int, mode: str, gpu_path: bool) -> None:
+    """Refuse the figure unless the no-op model saw every image of the job, as uint8 pixels on the GPU path:
+    where the code builds its engine elsewhere than where the benchmark replaced it, the real model ran and the
+    figure is the model's, not the pipeline's (as on 320323f, where eval's '17.5 us/image' could only be
+    reproduced as ~585); where the plan's ``feeds_gpu`` was not replaced, the figure is the CPU path's."""
+    seen, uint8 = sum(n.images for n in noops), sum(n.uint8 for n in noops)
     if seen != images:
         raise SystemExit(
             f"{mode}: the no-op model saw {seen} of {images} images; the engine was built where the benchmark did not "
             "replace it, so this would measure the real model: no figure"
         )
+    if gpu_path and uint8 != images:
+        raise SystemExit(
+            f"{mode}: {images - uint8} of {images} images reached the no-op as floats, not the GPU path's uint8 "
+            "pixels: feeds_gpu was decided where the benchmark did not replace it; no figure"
+        )
 
 
-def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[str, Any]:
-    """One job over ``folder`` with the no-op model: main-process CPU seconds and images per second of wall.
-    Every mode but ``eval-cpu`` takes the path of a job whose engine is on a GPU (uint8 batches; the pinning
-    and the GPU's normalisation left out); ``eval-cpu`` the path on a CPU device (the workers normalise)."""
+def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: str = "all") -> dict[str, Any]:
+    """One job over ``folder`` with the no-op model: the main thread's and the whole process's CPU seconds and
+    images per second of wall. Every mode but ``eval-cpu`` takes the path of a job whose engine is on a GPU
+    (uint8 batches; the pinning and the GPU's normalisation left out); ``eval-cpu`` the path on a CPU device (the
+    workers normalise). ``replace`` (the child's trailing word): ``all``, the engine and the plan's ``feeds_gpu``;
+    ``engine`` or ``none`` leave the plan or both as they are, the case of a version that decides them where this
+    script does not replace them, which must be refused (``tests/bench/test_pipeline_refusal.py``)."""
     import importlib
 
     import torch
@@ -242,21 +264,24 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[s
 
     # where each version builds its engine: the one runner (inference/jobs.py, EngineSpec.build) since the
     # runner landed; predict and features before it
+    gpu_plan = gpu_path and replace == "all"
     for name in ("vitkit.inference.jobs", "vitkit.inference.predict", "vitkit.inference.features"):
+        if replace == "none":
+            break
         try:
             module: Any = importlib.import_module(name)
         except ImportError:
             continue
         if hasattr(module, "InferenceEngine"):
             module.InferenceEngine = NoOpEngine
-        if gpu_path and hasattr(module, "feeds_gpu"):
+        if gpu_plan and hasattr(module, "feeds_gpu"):
             module.feeds_gpu = lambda *a, **k: True  # DataLoader then warns that it has no accelerator to pin for
     plan_class: Any = getattr(importlib.import_module("vitkit.inference.policy"), "EnginePlan", None)
-    if gpu_path and plan_class is not None and hasattr(plan_class, "feeds_gpu"):  # since the plan holds the fact
+    if gpu_plan and plan_class is not None and hasattr(plan_class, "feeds_gpu"):  # since the plan holds the fact
         plan_class.feeds_gpu = property(lambda self: True)
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        start_cpu, start = time.process_time(), time.perf_counter()
+        start_cpu, start_main, start = time.process_time(), time.thread_time(), time.perf_counter()
         if mode.startswith("predict"):
             from vitkit.data.stream import FileSource, list_inputs
 
@@ -269,12 +294,18 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int) -> dict[s
             from vitkit.data.datasets import open_dataset
 
             ds = open_dataset(str(folder), "test")
-            run = features_module.ExtractOptions(batch_size=batch, workers=workers, progress=False, precision="bf16")
-            got = features_module.extract(loaded.model, ds, loaded.meta.preprocess, opts=run)
+            kw: dict[str, Any] = {"batch_size": batch, "workers": workers, "progress": False, "precision": "bf16"}
+            if hasattr(features_module, "ExtractOptions"):  # the options record, since evaluation is in one place
+                got = features_module.extract(
+                    loaded.model, ds, loaded.meta.preprocess, opts=features_module.ExtractOptions(**kw)
+                )
+            else:
+                got = features_module.extract(loaded.model, ds, loaded.meta.preprocess, **kw)
             n = len(got.labels)
-        cpu, wall = time.process_time() - start_cpu, time.perf_counter() - start
-    check_replaced(noops, n, mode)
-    return {"cpu_s": cpu, "wall_s": wall, "images": n, "img_s": n / wall}
+        main_cpu, cpu = time.thread_time() - start_main, time.process_time() - start_cpu
+        wall = time.perf_counter() - start
+    check_replaced(noops, n, mode, gpu_path)
+    return {"main_thread_s": main_cpu, "cpu_s": cpu, "wall_s": wall, "images": n, "img_s": n / wall}
 
 
 def decode_rates(folder: Path, ckpt: Path) -> dict[str, Any]:

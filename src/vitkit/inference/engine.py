@@ -1,13 +1,13 @@
 """One inference engine for every job: a model and its preprocessing, run at a precision on a backend.
 
-:class:`InferenceEngine` is what ``vitkit predict``, ``eval``, ``fewshot``, ``serve`` and ``demo`` put their
-images through. It holds the checkpoint's fp32 model, its :class:`~vitkit.checkpoints.preprocess.Preprocess`
-and, for the fast precisions, the copy ``optimize_for_inference`` made of it, and gives batched logits,
-probabilities or pre-logits features (the representation the paper's linear probes use), the tokens of a
-named block pooled (``features(x, layer=, pool=)``, what ``vitkit embed`` stores) and the fp32 model's
-attention probabilities for analysis (:meth:`InferenceEngine.attentions`). Callers use these and the engine's
-facts (``num_classes``, ``plan``, ``describe()``); what runs inside (``runner``: the model, the fast path or an
-ONNX engine) is the engine's own.
+:class:`InferenceEngine` is what every job puts its images through (the job runner builds it from the job's
+:class:`~vitkit.inference.jobs.EngineSpec` and its plan; serve builds its own). It holds the checkpoint's fp32
+model, its :class:`~vitkit.checkpoints.preprocess.Preprocess` and, for the fast precisions, the copy
+``optimize_for_inference`` made of it, and gives batched logits, probabilities or pre-logits features (the
+representation the paper's linear probes use), the tokens of a named block pooled (``features(x, layer=, pool=)``,
+what ``vitkit embed`` stores) and the fp32 model's attention probabilities for analysis
+(:meth:`InferenceEngine.attentions`). Callers use these and the engine's facts (``num_classes``, ``plan``,
+``describe()``); what runs inside (``runner``: the model, the fast path or an ONNX engine) is the engine's own.
 
 Precisions (:func:`vitkit.inference.policy.resolve_precision`; the path, dtype and device are the engine's plan,
 :func:`vitkit.inference.policy.plan_engine`, made before the engine is built):
