@@ -379,7 +379,7 @@ TABLES = [
     Table(
         "search-e2e",
         "Similarity search end to end: vitkit index + search against vitkit embed",
-        [[PY, "benchmarks/search_e2e.py", "--images", "5000", "--precision", "fp32"]],
+        [[PY, "benchmarks/search_e2e.py", "--images", "10000", "--precision", "fp32"]],
         [[PY, "benchmarks/search_e2e.py", "--images", "200", "--queries", "20", "--precision", "fp32"]],
     ),
     Table(
