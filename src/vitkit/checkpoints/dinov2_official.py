@@ -66,16 +66,9 @@ def key_map(cfg: ViTConfig) -> list[Rule]:
 
 
 def _keys(path: Path) -> set[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), "pt") as f:
-                return set(f.keys())
-        except (SafetensorError, OSError):
-            return set()
+    """The file's tensor names, or none when it is unreadable (then it is not this format)."""
     try:
-        return set(torch_files.read_state_file(path))
+        return torch_files.state_keys(path)
     except CheckpointError:
         return set()
 

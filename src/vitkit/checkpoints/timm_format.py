@@ -198,22 +198,10 @@ def looks_like(path: Path) -> bool:
     if weights is None:
         return False
     try:
-        keys = _keys(weights)
+        keys = torch_files.state_keys(weights)
     except CheckpointError:
         return False
     return "patch_embed.proj.weight" in keys and "blocks.0.attn.qkv.weight" in keys
-
-
-def _keys(path: Path) -> set[str]:
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), "pt") as f:
-                return set(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-    return set(torch_files.read_state_file(path))
 
 
 @dataclass(frozen=True)

@@ -154,3 +154,17 @@ def native_looks_like(folder: Path) -> bool:
         return json.loads((folder / "config.json").read_text()).get("format") == "vitkit"
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def state_keys(path: Path) -> set[str]:
+    """The tensor names of a state-dict file (safetensors: from its header; else :func:`read_state_file`), without
+    building a model: what the format detectors look at. CheckpointError naming the file when it is unreadable."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), "pt") as f:
+                return set(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
+    return set(read_state_file(path))
