@@ -23,13 +23,14 @@ reports:
   difference of the two folders, so start-up is left out).
 
 The engine is built in bf16 (whatever the CPU: the model is replaced), so that no start-up timing (``auto``
-times a GEMM) adds noise to the differences, and the CPU time of building it (the kernel races of the fast path
-included) is left out of both figures: a fixed cost, but one that varied by tens of milliseconds between runs,
-tens of us/image in the difference. The no-op replaces the engine where the job runner builds it
-(``InferenceEngine`` in ``vitkit.inference.jobs``; in ``predict`` and ``features`` before the runner), and the
-GPU path is taken by making the plan feed a GPU (``EnginePlan.feeds_gpu``; a module function before the plan
-held it); the no-op counts what it is given, and a job in which it did not see every image, or on the GPU path
-saw floats instead of uint8 pixels, gives no figure (exit 1: the real model ran, or the CPU path).
+times a GEMM) adds noise to the differences, and before the job is timed: its build (packing weights) is a fixed
+cost that varied by tens of milliseconds between runs, tens of us/image in the difference. The no-op goes in
+through the engine's documented seam (:class:`vitkit.inference.engine.InferenceEngine`): the script builds the
+engine, puts the no-op in the model's place (``runner``) and hands the job ``EngineSpec.of_engine(engine)``; the GPU
+path is taken with a plan whose ``feeds_gpu`` says True. A version before the seam (``--baseline``) is patched
+where it builds its engine instead, its build's CPU left out. The no-op counts what it is given, and a job in
+which it did not see every image, or on the GPU path saw floats instead of uint8 pixels, gives no figure (exit 1:
+the real model ran, or the CPU path).
 
 ``--baseline REV`` measures the ``src/`` of git revision REV the same way in the same run (each measurement
 its own process, with that ``src/`` first on the path; the old code's workers hand over float batches). Run it
@@ -43,6 +44,7 @@ under the machine's lock::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import platform
@@ -235,8 +237,8 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: 
     images per second of wall. Every mode but ``eval-cpu`` takes the path of a job whose engine is on a GPU
     (uint8 batches; the pinning and the GPU's normalisation left out); ``eval-cpu`` the path on a CPU device (the
     workers normalise). ``replace`` (the child's trailing word): ``all``, the engine and the plan's ``feeds_gpu``;
-    ``engine`` or ``none`` leave the plan or both as they are, the case of a version that decides them where this
-    script does not replace them, which must be refused (``tests/bench/test_pipeline_refusal.py``)."""
+    ``engine`` leaves the plan as planned (the CPU path's transform), ``none`` the job's own engine: the cases
+    of a replacement that did not take, which must be refused (``tests/bench/test_pipeline_refusal.py``)."""
     import importlib
 
     import torch
@@ -244,7 +246,6 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: 
     import vitkit
     from vitkit.data.eval_transform import EvalTransform
 
-    engine_module: Any = importlib.import_module("vitkit.inference.engine")
     predict_module: Any = importlib.import_module("vitkit.inference.predict")  # (the package exports the function)
     features_module: Any = importlib.import_module("vitkit.inference.features")
     new = "uint8" in EvalTransform.__dataclass_fields__
@@ -255,37 +256,15 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: 
     K = loaded.model.cfg.num_classes
 
     noops: list[NoOp] = []
-
     build = {"main_thread_s": 0.0, "cpu_s": 0.0}  # the engine's build, left out: a fixed cost that varies
-
-    class NoOpEngine(engine_module.InferenceEngine):  # type: ignore[misc,name-defined]
-        def __init__(self, *a: Any, **k: Any) -> None:
-            main, cpu = time.thread_time(), time.process_time()
-            super().__init__(*a, **k)
-            build["main_thread_s"] += time.thread_time() - main
-            build["cpu_s"] += time.process_time() - cpu
-            self.runner = NoOp(K)
-            noops.append(self.runner)
-            if gpu_path:  # the GPU's work: uint8 batches reach the no-op model as they are
-                self.normalizer = lambda x: x
-
-    # where each version builds its engine: the one runner (inference/jobs.py, EngineSpec.build) since the
-    # runner landed; predict and features before it
-    gpu_plan = gpu_path and replace == "all"
-    for name in ("vitkit.inference.jobs", "vitkit.inference.predict", "vitkit.inference.features"):
-        if replace == "none":
-            break
-        try:
-            module: Any = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "InferenceEngine"):
-            module.InferenceEngine = NoOpEngine
-        if gpu_plan and hasattr(module, "feeds_gpu"):
-            module.feeds_gpu = lambda *a, **k: True  # DataLoader then warns that it has no accelerator to pin for
-    plan_class: Any = getattr(importlib.import_module("vitkit.inference.policy"), "EnginePlan", None)
-    if gpu_plan and plan_class is not None and hasattr(plan_class, "feeds_gpu"):  # since the plan holds the fact
-        plan_class.feeds_gpu = property(lambda self: True)
+    jobs_module: Any = importlib.import_module("vitkit.inference.jobs")
+    seam = "engine" in inspect.signature(predict_module.predict_job).parameters
+    engine = None
+    if seam:  # the engine's documented seam (InferenceEngine's docstring): nothing patched in vitkit's modules
+        engine = seam_engine(loaded, K, noops, gpu_path and replace == "all") if replace != "none" else None
+    else:  # a version before the seam: patch where it builds its engine and decides feeds_gpu
+        patch_engine(loaded, K, noops, gpu_path and replace == "all", replace, build, gpu_path)
+    spec = jobs_module.EngineSpec.of_engine(engine) if engine is not None else None
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         start_cpu, start_main, start = time.process_time(), time.thread_time(), time.perf_counter()
@@ -295,7 +274,7 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: 
             source = FileSource(list_inputs([folder]))
             out = Path(tmp) / ("x.parquet" if mode == "predict-parquet" else "x.jsonl")
             opts = predict_module.PredictOptions(batch_size=batch, workers=workers, progress=False, precision="bf16")
-            predict_module.predict_job(loaded, source, opts, out=out)
+            predict_module.predict_job(loaded, source, opts, out=out, **({"engine": spec} if spec else {}))
             n = len(source)
         else:
             from vitkit.data.datasets import open_dataset
@@ -304,7 +283,7 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: 
             kw: dict[str, Any] = {"batch_size": batch, "workers": workers, "progress": False, "precision": "bf16"}
             if hasattr(features_module, "ExtractOptions"):  # the options record, since evaluation is in one place
                 got = features_module.extract(
-                    loaded.model, ds, loaded.meta.preprocess, opts=features_module.ExtractOptions(**kw)
+                    spec or loaded.model, ds, loaded.meta.preprocess, opts=features_module.ExtractOptions(**kw)
                 )
             else:
                 got = features_module.extract(loaded.model, ds, loaded.meta.preprocess, **kw)
@@ -315,6 +294,71 @@ def job(mode: str, folder: Path, ckpt: Path, batch: int, workers: int, replace: 
     check_replaced(noops, n, mode, gpu_path)
     return {"main_thread_s": main_cpu, "cpu_s": cpu, "wall_s": wall, "images": n, "img_s": n / wall,
             "build_main_thread_s": build["main_thread_s"], "build_cpu_s": build["cpu_s"]}  # fmt: skip
+
+
+def seam_engine(loaded: Any, num_classes: int, noops: list[NoOp], gpu_plan: bool) -> Any:
+    """The job's engine, built here before the job is timed, through the engine's seam: the plan of a bf16 engine
+    (whatever the CPU: no start-up timing of ``auto``), as a plan that feeds a GPU on the GPU path, the no-op in
+    the model's place and the GPU's normalisation left out (uint8 batches reach the no-op as they are)."""
+    import dataclasses
+
+    from vitkit.inference.engine import InferenceEngine
+    from vitkit.inference.policy import EnginePlan, plan_engine
+
+    class GpuFedPlan(EnginePlan):
+        @property
+        def feeds_gpu(self) -> bool:
+            return True
+
+    plan = plan_engine("bf16", "torch", "cpu")
+    if gpu_plan:
+        plan = GpuFedPlan(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)})
+    engine: Any = InferenceEngine(loaded.model, loaded.meta.preprocess, plan=plan, tune=False)
+    noop = NoOp(num_classes)
+    engine.runner = noop
+    noops.append(noop)
+    if gpu_plan:
+        engine.normalizer = lambda x: x
+    return engine
+
+
+def patch_engine(
+    loaded: Any, num_classes: int, noops: list[NoOp], gpu_plan: bool, replace: str, build: dict[str, float],
+    gpu_path: bool,
+) -> None:  # fmt: skip
+    """A version without the engine's seam: the no-op replaces ``InferenceEngine`` where the version builds it
+    (the one runner, ``inference/jobs.py``, since it landed; ``predict`` and ``features`` before it), and
+    ``feeds_gpu`` is made True where it is decided (a module function, then the plan's property); the build's
+    CPU is counted in ``build`` to be left out."""
+    import importlib
+
+    engine_module: Any = importlib.import_module("vitkit.inference.engine")
+
+    class NoOpEngine(engine_module.InferenceEngine):  # type: ignore[misc,name-defined]
+        def __init__(self, *a: Any, **k: Any) -> None:
+            main, cpu = time.thread_time(), time.process_time()
+            super().__init__(*a, **k)
+            build["main_thread_s"] += time.thread_time() - main
+            build["cpu_s"] += time.process_time() - cpu
+            self.runner = NoOp(num_classes)
+            noops.append(self.runner)
+            if gpu_path:
+                self.normalizer = lambda x: x
+
+    for name in ("vitkit.inference.jobs", "vitkit.inference.predict", "vitkit.inference.features"):
+        if replace == "none":
+            break
+        try:
+            module: Any = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "InferenceEngine"):
+            module.InferenceEngine = NoOpEngine
+        if gpu_plan and hasattr(module, "feeds_gpu"):
+            module.feeds_gpu = lambda *a, **k: True
+    plan_class: Any = getattr(importlib.import_module("vitkit.inference.policy"), "EnginePlan", None)
+    if gpu_plan and plan_class is not None and hasattr(plan_class, "feeds_gpu"):
+        plan_class.feeds_gpu = property(lambda self: True)
 
 
 def decode_rates(folder: Path, ckpt: Path) -> dict[str, Any]:

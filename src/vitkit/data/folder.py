@@ -175,7 +175,7 @@ def list_image_files(root: str | os.PathLike[str], what: str) -> list[str]:
 
 
 def _is_candidate(e: os.DirEntry[str]) -> bool:
-    return not e.name.startswith(".") and Path(e.name).suffix.lower() in IMAGE_EXTENSIONS
+    return not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
 
 
 def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
@@ -202,9 +202,7 @@ def _broken_links(folder: Path, wanted: Callable[[os.DirEntry[str]], bool]) -> l
     """(path, reason) of the symbolic links in ``folder`` that are dangling or loop: they are reported
     like any other bad item, never dropped silently."""
     out = []
-    for e in sorted(os.scandir(folder), key=lambda e: e.name):
-        if not (e.is_symlink() and wanted(e)):
-            continue
+    for e in sorted((e for e in os.scandir(folder) if e.is_symlink() and wanted(e)), key=lambda e: e.name):
         try:
             os.stat(e.path)
         except OSError as err:

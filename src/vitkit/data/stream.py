@@ -154,7 +154,9 @@ def _images_under(folder: Path) -> list[str]:
     for root, dirs, files in os.walk(folder):  # symbolic links to folders are not followed
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         found += [
-            os.path.join(root, f) for f in files if not f.startswith(".") and Path(f).suffix.lower() in IMAGE_EXTENSIONS
+            os.path.join(root, f)
+            for f in files
+            if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS
         ]
     return sorted(found)
 

@@ -133,6 +133,11 @@ class InferenceEngine:
     shapes and keep the fastest, or the plain model where it wins (:mod:`vitkit.inference.tune`; cached per machine,
     model shape and batch); False keeps the built-in rules. Building takes time (packing weights, exporting and
     compiling for an engine): ``build_seconds`` says how much, :meth:`describe` says it all.
+
+    The seam for measuring a job without its model: build the engine, set ``runner`` (what it runs in the model's
+    place, called on the batch as the model would be) and, on the GPU path, ``normalizer``, and give the job
+    ``EngineSpec.of_engine(engine)``; a plan whose class answers ``feeds_gpu`` True takes the GPU path's transform
+    without a GPU. ``benchmarks/pipeline.py`` does both and refuses a figure in which its replacement did not run.
     """
 
     def __init__(

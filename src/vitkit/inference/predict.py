@@ -241,17 +241,20 @@ def predict_job(
     on_engine: Callable[[InferenceEngine], None] | None = None,
     dist: DistInfo | None = None,
     steps: Steps | None = None,
+    engine: EngineSpec | None = None,
 ) -> JobSummary:
     """``vitkit predict``: every image of ``source`` through the engine, the rows (:func:`prediction_fields`)
     written to ``out`` (.jsonl, .csv or .parquet, per batch; ``resume`` continues it, ``overwrite`` starts it
     again) or printed (:class:`ConsoleRows`). OpenVINO's int8 is calibrated on up to 300 of the input's own
     images. ``dist``: the processes of a ``torchrun`` job, each predicting its share of the images, process 0
     writing every row in input order (:func:`~vitkit.inference.jobs.run_job`). ``steps``: what runs the batches
-    (:func:`vitkit.ray.steps`: the same job on a Ray cluster, the same rows written)."""
+    (:func:`vitkit.ray.steps`: the same job on a Ray cluster, the same rows written). ``engine``: the spec to run
+    instead of the one planned from ``loaded`` and ``opts`` (an engine built beforehand, with its own plan:
+    :meth:`EngineSpec.of_engine`; the seam through which ``benchmarks/pipeline.py`` runs its no-op model)."""
     info = dist or DistInfo()
     if loaded.model.cfg.num_classes <= 0:
         raise VitkitError(f"{loaded.meta.source}: the model has no classification head; nothing to predict")
-    spec = EngineSpec.of(loaded, precision=opts.precision, backend=opts.backend, device=opts.device)
+    spec = engine or EngineSpec.of(loaded, precision=opts.precision, backend=opts.backend, device=opts.device)
     job = Job(source, spec, opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
               decode=opts.decode, progress=opts.progress, desc="predict", where=f"--out {out}", on_engine=on_engine,
               dist=info)  # fmt: skip
