@@ -174,8 +174,13 @@ def list_image_files(root: str | os.PathLike[str], what: str) -> list[str]:
     return sorted(found)
 
 
+def is_image_name(name: str) -> bool:
+    """Whether a file named ``name`` is listed as an image: not hidden, an image extension (any case)."""
+    return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
+
+
 def _is_candidate(e: os.DirEntry[str]) -> bool:
-    return not e.name.startswith(".") and os.path.splitext(e.name)[1].lower() in IMAGE_EXTENSIONS
+    return is_image_name(e.name)
 
 
 def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:

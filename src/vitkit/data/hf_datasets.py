@@ -84,7 +84,19 @@ def is_saved_dataset(path: Path) -> bool:
 def _data_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path] if path.suffix in FILE_SUFFIXES else []
-    return sorted(p for p in path.rglob("*") if p.suffix in FILE_SUFFIXES and p.is_file() and "cache-" not in p.name)
+    return sorted(Path(f) for f in _walk_data_files(path))
+
+
+def _walk_data_files(folder: Path) -> Iterator[str]:
+    """The Parquet/Arrow files under ``folder`` (not ``datasets``' cache files), from directory entries, in walk
+    order; links to folders are not followed. Asked of every folder given to ``open_dataset``
+    (:func:`is_hf_source`), a walk with pathlib cost an image folder ~75 us per image of an ``eval``'s main thread,
+    more than the rest of the job."""
+    for root, _, names in os.walk(folder):
+        for name in names:
+            data = os.path.splitext(name)[1] in FILE_SUFFIXES and "cache-" not in name
+            if data and os.path.isfile(os.path.join(root, name)):
+                yield os.path.join(root, name)
 
 
 def is_hf_source(source: str) -> bool:
@@ -104,15 +116,8 @@ def is_hf_source(source: str) -> bool:
 
 
 def _has_data_file(folder: Path) -> bool:
-    """Whether :func:`_data_files` of ``folder`` is not empty, from directory entries alone and stopping at the
-    first: asked of every folder given to ``open_dataset``, it walked an image folder's every file with pathlib
-    (75 us per image of the main thread of an ``eval`` over 2,048 JPEGs, more than the rest of the job)."""
-    for root, _, names in os.walk(folder):
-        for name in names:
-            data = os.path.splitext(name)[1] in FILE_SUFFIXES and "cache-" not in name
-            if data and os.path.isfile(os.path.join(root, name)):
-                return True
-    return False
+    """Whether :func:`_data_files` of ``folder`` is not empty, stopping at the first."""
+    return next(_walk_data_files(folder), None) is not None
 
 
 # the file suffixes of datasets vitkit reads: a name ending so is a path (a Hub id never names a file)

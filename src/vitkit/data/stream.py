@@ -36,7 +36,7 @@ import torch
 from PIL import Image
 
 from vitkit.data import globs
-from vitkit.data.folder import IMAGE_EXTENSIONS
+from vitkit.data.folder import IMAGE_EXTENSIONS, is_image_name
 from vitkit.errors import DataError
 from vitkit.hardware import cpu_count
 from vitkit.images import LazyImage, load_image, open_lazy
@@ -153,11 +153,7 @@ def _images_under(folder: Path) -> list[str]:
     found: list[str] = []
     for root, dirs, files in os.walk(folder):  # symbolic links to folders are not followed
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [
-            os.path.join(root, f)
-            for f in files
-            if not f.startswith(".") and os.path.splitext(f)[1].lower() in IMAGE_EXTENSIONS
-        ]
+        found += [os.path.join(root, f) for f in files if is_image_name(f)]
     return sorted(found)
 
 
