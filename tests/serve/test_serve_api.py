@@ -22,8 +22,9 @@ from serve_helpers import CLASSES, image_bytes, make_checkpoint, metric, png_hea
 from helpers import FIXTURES
 from vitkit.analysis.attention_maps import rollout_maps, upsample_maps
 from vitkit.cli import main
-from vitkit.serve.app import ServeOptions, create_app
+from vitkit.serve.app import create_app
 from vitkit.serve.served_model import ServedModel
+from vitkit.serve.server import ServeOptions
 
 OFFICIAL = FIXTURES / "official_vit_tiny.npz"
 

@@ -23,9 +23,10 @@ pytest.importorskip("fastapi")
 from serve_helpers import free_port, image_bytes, make_checkpoint, metric, uvicorn_thread, wait_healthy  # noqa: E402
 
 from helpers import SRC  # noqa: E402
-from vitkit.serve.app import ServeOptions, create_app  # noqa: E402
+from vitkit.serve.app import create_app  # noqa: E402
 from vitkit.serve.batcher import Batcher, Closed, QueueFull  # noqa: E402
 from vitkit.serve.served_model import ServedModel  # noqa: E402
+from vitkit.serve.server import ServeOptions  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,9 @@ from vitkit.checkpoints import load_checkpoint
 from vitkit.checkpoints.vitkit_format import save
 from vitkit.cli import main
 from vitkit.errors import DataError
-from vitkit.serve.app import ServeOptions, create_app
+from vitkit.serve.app import create_app
 from vitkit.serve.served_model import ServedModel
+from vitkit.serve.server import ServeOptions
 from vitkit.serve.similar import SimilarImages
 
 

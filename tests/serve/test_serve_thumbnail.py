@@ -22,8 +22,9 @@ from fastapi.testclient import TestClient
 from serve_helpers import make_checkpoint, png_header_bomb
 
 from vitkit.search.index import Index
-from vitkit.serve.app import ServeOptions, create_app
+from vitkit.serve.app import create_app
 from vitkit.serve.served_model import ServedModel
+from vitkit.serve.server import ServeOptions
 from vitkit.serve.similar import THUMBNAIL_PX, SimilarImages, indexed_folder
 
 

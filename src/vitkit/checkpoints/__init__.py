@@ -40,6 +40,7 @@ from vitkit.checkpoints import (
     openclip,
     siglip_npz,
     timm_format,
+    timm_writer,
     torch_files,
     vitkit_format,
 )
@@ -168,8 +169,8 @@ FORMATS: dict[str, Format] = {
         "timm ViT state dict (.safetensors/.pth file, or timm hub folder)",
         lambda p: timm_format.looks_like(p) and not dinov2_official.looks_like(p),
         timm_format.load,
-        timm_format.save,
-        timm_format.check_output,
+        timm_writer.save,
+        timm_writer.check_output,
     ),
     "siglip": Format(
         "siglip",

@@ -134,9 +134,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from vitkit.data.folder import list_image_files
-    from vitkit.serve.app import ServeOptions, create_app
+    from vitkit.serve.app import create_app
     from vitkit.serve.net import bind, server_config
     from vitkit.serve.served_model import ServedModel, check_calibration_used, uses_calibration
+    from vitkit.serve.server import ServeOptions
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port}: must be 1..65535")

@@ -59,7 +59,7 @@ FD_RESERVE = 64
 
 
 def server_config(app: Any, opts: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> Any:
-    """The ``uvicorn.Config`` of ``vitkit serve`` for ``app`` and its :class:`~vitkit.serve.app.ServeOptions`.
+    """The ``uvicorn.Config`` of ``vitkit serve`` for ``app`` and its :class:`~vitkit.serve.server.ServeOptions`.
 
     No connection limit that refuses (uvicorn's ``limit_concurrency`` counts idle connections, so 88 sockets that
     send nothing answered every later request, health checks included, with 503): the app's own admission control
