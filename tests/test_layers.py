@@ -25,6 +25,8 @@ PKG = SRC / "vitkit"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "fileio": 0,
+    "output_paths": 0,  # may an output go there (every command checks before any work)
+    "textids": 0,  # ids and names as text
     "hardware": 0,
     "timing": 0,
     "distributed": 0,  # torchrun process groups (train and the batch jobs)

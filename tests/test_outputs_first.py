@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_cli
-from vitkit import fileio
+from vitkit import output_paths
 from vitkit.errors import ConfigError
 
 MISSING_CKPT = "./missing-checkpoint.npz"  # spelled as a path: refused without any lookup or download
@@ -134,10 +134,10 @@ def test_a_place_that_cannot_be_written_is_refused(tmp_path: Path, monkeypatch: 
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda p, mode: Path(p) != ro and real_access(p, mode))
     for check in (
-        lambda: fileio.check_output_location(ro / "sub" / "out.json"),
-        lambda: fileio.check_output_location(ro, inside=True),
-        lambda: fileio.check_output_file(ro / "out.json", overwrite=False),
+        lambda: output_paths.check_output_location(ro / "sub" / "out.json"),
+        lambda: output_paths.check_output_location(ro, inside=True),
+        lambda: output_paths.check_output_file(ro / "out.json", overwrite=False),
     ):
         with pytest.raises(ConfigError, match="cannot write in"):
             check()
-    fileio.check_output_location(tmp_path / "new" / "out.json")  # a writable parent: fine
+    output_paths.check_output_location(tmp_path / "new" / "out.json")  # a writable parent: fine

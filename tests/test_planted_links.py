@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from helpers import randomize_, run_cli
-from vitkit import create_model, fileio, save_pretrained
+from vitkit import create_model, fileio, output_paths, save_pretrained
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError
 
@@ -209,7 +209,7 @@ def test_eval_report_link_planted_after_the_check(tmp_path: Path) -> None:
     mine = victim(tmp_path / "home", "photo.png")
     report = EvalReport(compute_metrics(torch.randn(6, 3).numpy(), np.array([0, 1, 2, 0, 1, 2]), 3), ["a", "b", "c"])
     rep = tmp_path / "rep"
-    real = fileio.check_report_dir
+    real = output_paths.check_report_dir
 
     def check_then_plant(*args: object, **kw: object) -> None:
         real(*args, **kw)  # type: ignore[arg-type]

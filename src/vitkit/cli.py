@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from vitkit.commands import bench, demo, embed, evaluate, hub, model, predict, search, serve, train
 from vitkit.commands.args import Parser
 from vitkit.errors import VitkitError
-from vitkit.fileio import printable
+from vitkit.textids import printable
 from vitkit.version import __version__
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [

@@ -41,11 +41,12 @@ from vitkit.analysis.embeddings import (
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.stream import ImageSource, StreamBatch
 from vitkit.errors import ConfigError
-from vitkit.fileio import check_report_dir, write_text_atomic
+from vitkit.fileio import write_text_atomic
 from vitkit.images import LazyImage, convert_image, load_image, open_lazy
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import EXTRACT_DEFAULTS, ExtractOptions, FeatureProvider
 from vitkit.models.vit import VisionTransformer
+from vitkit.output_paths import check_report_dir
 
 MAX_HEAD_MAP_ROWS = 4
 

@@ -54,11 +54,12 @@ from vitkit.checkpoints.loaded import (
 )
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, ConfigError
-from vitkit.fileio import check_not_input, check_output_file, complete_dir
+from vitkit.fileio import complete_dir
 from vitkit.hub import Resolved, label_names, label_set_for, resolve
 from vitkit.hub.resolve import NotFound, looks_like_variant
 from vitkit.models.variants import PATCH_SIZES, create_model, parse_name
 from vitkit.models.vit import VisionTransformer
+from vitkit.output_paths import check_not_input, check_output_file
 
 
 class SaveFn(Protocol):

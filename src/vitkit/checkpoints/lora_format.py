@@ -37,7 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from vitkit import fileio
+from vitkit import fileio, output_paths
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, Loaded, state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, VitkitError
@@ -110,7 +110,7 @@ def save(
     adapters were trained on, as ``load_checkpoint`` takes it (a local path is stored absolute);
     ``base_digest``: its ``state_digest`` as loaded at its own resolution and head."""
     out = Path(path)
-    fileio.check_output_dir(out, allowed=FILES, owned=looks_like, overwrite=overwrite, what="LoRA adapter folder")
+    output_paths.check_output_dir(out, allowed=FILES, owned=looks_like, overwrite=overwrite, what="LoRA adapter folder")
     local = Path(base)
     doc = {
         "format": FORMAT,

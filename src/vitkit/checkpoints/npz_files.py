@@ -22,7 +22,8 @@ import numpy as np
 
 from vitkit.checkpoints.keymap import Array
 from vitkit.errors import CheckpointError, VitkitError
-from vitkit.fileio import check_output_file, write_file_atomic
+from vitkit.fileio import write_file_atomic
+from vitkit.output_paths import check_output_file
 
 # what reading a corrupt .npz (a zip of .npy members) raises: zip structure, CRC, deflate, header errors, and an
 # array too large for memory (MemoryError: never a traceback, though check_npz_members refuses a lying header first)

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from vitkit.errors import VitkitError
-from vitkit.fileio import check_output_file, write_file_atomic
+from vitkit.fileio import write_file_atomic
 from vitkit.models.vit import VisionTransformer
+from vitkit.output_paths import check_output_file
 
 DEFAULT_OPSET = 18
 

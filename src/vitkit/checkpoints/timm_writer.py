@@ -18,8 +18,9 @@ from vitkit.checkpoints.keymap import from_state_dict
 from vitkit.checkpoints.loaded import CheckpointMeta, export_state, require, with_learned_posemb
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.checkpoints.timm_format import ACT_NAMES, HEADS_BY_WIDTH, META_KEY, SUFFIXES, key_map
-from vitkit.fileio import WRITER, WRITER_KEY, check_output_file, write_file_atomic
+from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
 from vitkit.models.vit import VisionTransformer, ViTConfig
+from vitkit.output_paths import check_output_file
 
 
 def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from vitkit import fileio
+from vitkit import fileio, output_paths
 from vitkit.errors import CheckpointError
 
 PICKLE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
@@ -120,7 +120,7 @@ def _folder_owned(folder: Path) -> bool:
 def check_folder_output(out: Path, overwrite: bool) -> None:
     """Refuse to replace anything but a checkpoint folder vitkit wrote, whatever folder format it wrote there
     (vitkit, hf, timm: every writer of a folder checks this one rule), and that only with ``overwrite``."""
-    fileio.check_output_dir(
+    output_paths.check_output_dir(
         out, allowed=FOLDER_FILES, owned=_folder_owned, overwrite=overwrite, what="checkpoint folder"
     )
 

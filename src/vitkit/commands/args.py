@@ -286,7 +286,7 @@ def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     from pathlib import Path
 
     from vitkit.errors import ConfigError
-    from vitkit.fileio import overlaps
+    from vitkit.output_paths import overlaps
 
     if out is None:
         return

@@ -70,8 +70,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from vitkit.bench.harness import BenchSpec, run_bench
     from vitkit.bench.report import format_report
     from vitkit.checkpoints import model_from
-    from vitkit.fileio import check_output_file, write_file_atomic
+    from vitkit.fileio import write_file_atomic
     from vitkit.inference.policy import bench_precisions
+    from vitkit.output_paths import check_output_file
 
     for out in (args.json, args.plot):  # refused before minutes of measuring, never after them
         if out:

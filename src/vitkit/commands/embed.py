@@ -92,10 +92,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
-    from vitkit.fileio import printable
     from vitkit.inference.embed import EmbedOptions, embed_job
     from vitkit.inference.jobs import check_batch_fits
     from vitkit.outputs.arrays import check_embeddings_output
+    from vitkit.textids import printable
 
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if info.is_main:  # before anything else (process 0 alone: the others would see its first chunks)

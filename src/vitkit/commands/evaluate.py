@@ -179,8 +179,8 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.evaluate.fewshot import fewshot_dataset, fewshot_embeddings
-    from vitkit.fileio import check_output_file
     from vitkit.hardware import resolve_device
+    from vitkit.output_paths import check_output_file
 
     if args.out:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
@@ -266,7 +266,7 @@ def cmd_knn(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from vitkit.evaluate.knn import knn_dataset, knn_embeddings
-    from vitkit.fileio import check_output_file
+    from vitkit.output_paths import check_output_file
 
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if args.out and info.is_main:  # refused before the work, never after it

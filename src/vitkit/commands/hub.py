@@ -40,9 +40,9 @@ def _add_download(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_download(args: argparse.Namespace) -> int:
-    from vitkit.fileio import check_output_location
     from vitkit.hub import read_record, resolve
     from vitkit.hub.cache import cache_dir
+    from vitkit.output_paths import check_output_location
 
     cache = cache_dir(args.cache_dir)  # where the downloads go: refused before any request
     if cache.exists() and not cache.is_dir():

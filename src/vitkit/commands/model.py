@@ -142,7 +142,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from vitkit.checkpoints import load_checkpoint
     from vitkit.checkpoints.onnx_export import export_onnx, validate_onnx
-    from vitkit.fileio import check_not_input, check_output_file
+    from vitkit.output_paths import check_not_input, check_output_file
 
     check_not_input(Path(args.output), [args.checkpoint])
     check_output_file(Path(args.output), overwrite=args.overwrite)

@@ -72,10 +72,10 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
-    from vitkit.fileio import printable
     from vitkit.inference.jobs import check_batch_fits
     from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
     from vitkit.outputs.rows import check_rows_output
+    from vitkit.textids import printable
 
     if bool(args.images) == bool(args.data):
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")

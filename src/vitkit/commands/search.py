@@ -98,8 +98,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_index(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
-    from vitkit.fileio import printable
     from vitkit.search import operations
+    from vitkit.textids import printable
 
     workers = resolve_workers(args.workers, args.device)
     settings = operations.EmbedSettings(pool=args.pool, layer=args.layer, precision=args.precision,
@@ -144,8 +144,8 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_search(args: argparse.Namespace) -> int:
-    from vitkit.fileio import printable
     from vitkit.search import Index, operations
+    from vitkit.textids import printable
 
     index = Index.open(args.index)
     settings = operations._settings_of(index)
@@ -166,9 +166,9 @@ def cmd_search(args: argparse.Namespace) -> int:
 def cmd_dedup(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitkit.fileio import printable
     from vitkit.search import Index, operations
     from vitkit.search.dedup import DEFAULT_THRESHOLD, find_groups, plot_scores
+    from vitkit.textids import printable
 
     index = Index.open(args.index)
     found = find_groups(index, DEFAULT_THRESHOLD if args.threshold is None else args.threshold, args.k)

@@ -24,11 +24,12 @@ import numpy as np
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import ConfigError, DataError
 from vitkit.evaluate.metrics import Metrics, compute_metrics, read_label_sets
-from vitkit.fileio import check_report_dir, write_text_atomic
+from vitkit.fileio import write_text_atomic
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import EXTRACT_DEFAULTS, ExtractOptions, FeatureProvider, is_map_style
 from vitkit.inference.jobs import EngineSpec
 from vitkit.models.vit import VisionTransformer
+from vitkit.output_paths import check_report_dir
 
 
 def align_labels(

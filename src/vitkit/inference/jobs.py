@@ -54,11 +54,11 @@ from vitkit.data.stream import (
 )
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
-from vitkit.fileio import text_id
 from vitkit.hardware import CpuShare, total_memory
 from vitkit.inference.engine import InferenceEngine, class_labels
 from vitkit.inference.policy import EnginePlan, plan_engine
 from vitkit.models.vit import VisionTransformer
+from vitkit.textids import text_id
 
 
 class Sink(Protocol):

@@ -21,12 +21,12 @@ from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.data.stream import ImageSource, StreamBatch
 from vitkit.distributed import DistInfo
 from vitkit.errors import VitkitError
-from vitkit.fileio import printable
 from vitkit.images import ImageInput
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.jobs import EngineSpec, Job, JobSummary, Steps, image_source, job_steps, run_job
 from vitkit.inference.provenance import job_meta
 from vitkit.outputs.rows import ColumnsError, Field, open_rows
+from vitkit.textids import printable
 
 
 @dataclass

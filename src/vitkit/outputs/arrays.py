@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from vitkit.errors import DataError
-from vitkit.fileio import WRITER, WRITER_KEY, text_id, write_file_atomic
+from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -49,6 +49,7 @@ from vitkit.outputs.store import (
     pyarrow,
     write_parquet,
 )
+from vitkit.textids import text_id
 
 EMBED_FORMATS = (".parquet", ".npy", ".safetensors")
 DTYPES = {"fp32": np.float32, "fp16": np.float16}

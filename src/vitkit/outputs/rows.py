@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, text_id
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -56,6 +56,7 @@ from vitkit.outputs.store import (
     write_parquet,
     write_sidecar,
 )
+from vitkit.textids import text_id
 
 FORMATS = (".jsonl", ".csv", ".parquet")
 KINDS = ("int", "float", "str", "bool", "int_list", "float_list", "str_list")
@@ -107,7 +108,7 @@ def _rows(fields: Sequence[Field], columns: Mapping[str, Any]) -> tuple[int, lis
 
 
 def _texts(field: Field, values: list[Any]) -> list[Any]:
-    """A str column's values in the one text form of ids (:func:`~vitkit.fileio.text_id`: non-UTF-8 bytes of a
+    """A str column's values in the one text form of ids (:func:`~vitkit.textids.text_id`: non-UTF-8 bytes of a
     file name as ``\\xNN``); other columns as they are."""
     if field.kind == "str":
         return [v if v is None else text_id(str(v)) for v in values]

@@ -25,15 +25,8 @@ from typing import Any, BinaryIO, TypeVar
 
 from vitkit import fileio
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import (
-    WRITER,
-    WRITER_KEY,
-    check_output_location,
-    create_new,
-    open_regular,
-    set_aside,
-    write_file_atomic,
-)
+from vitkit.fileio import WRITER, WRITER_KEY, create_new, open_regular, set_aside, write_file_atomic
+from vitkit.output_paths import check_output_location
 
 CHECKPOINT, PRECISION, BACKEND, PREPROCESS, INPUT = (
     "vitkit.checkpoint", "vitkit.precision", "vitkit.backend", "vitkit.preprocess", "vitkit.input",

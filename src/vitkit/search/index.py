@@ -22,11 +22,12 @@ from typing import Any
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import clean_stale, complete_dir, text_id, write_dir_atomic
+from vitkit.fileio import clean_stale, complete_dir, write_dir_atomic
 from vitkit.outputs.arrays import Embeddings, read_embeddings
 from vitkit.outputs.store import CHECKPOINT, PREPROCESS, check_same
 from vitkit.search import format as fmt
 from vitkit.search.exact import exact_search, normalise
+from vitkit.textids import text_id
 
 # what decides whether two vectors are comparable (precision and storage dtype only round them; l2 does not
 # matter for cosine similarity)

@@ -41,13 +41,14 @@ from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.data.transforms import TrainTransform, sample_rng, triple
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import check_output_location, write_file_atomic
+from vitkit.fileio import write_file_atomic
 from vitkit.hub.cache import cache_dir, private_dirs, untrusted
 from vitkit.images import LazyImage
 from vitkit.inference.engine import InferenceEngine
 from vitkit.inference.features import ExtractOptions, extract
 from vitkit.inference.policy import FEATURE_PRECISIONS
 from vitkit.models.vit import VisionTransformer
+from vitkit.output_paths import check_output_location
 from vitkit.outputs.store import Parts
 
 KEY_VERSION = 2  # 2: bf16/int8 features from the engine's own fast path (1: a stand-in model, full decoding)

@@ -24,10 +24,11 @@ from vitkit.data.datasets import open_dataset, open_split_or_none
 from vitkit.data.image_dataset import ImageDataset, note_skipped, split_candidates
 from vitkit.data.subset import split_off
 from vitkit.errors import ConfigError, VitkitError
-from vitkit.fileio import check_output_location, clean_stale, refuse_link, remove_tree
+from vitkit.fileio import clean_stale, refuse_link, remove_tree
 from vitkit.hardware import restore_tf32, use_tf32
 from vitkit.inference.policy import train_precision
 from vitkit.models.lora import LoraSpec, add_lora, merge_lora
+from vitkit.output_paths import check_output_location
 from vitkit.train import build
 from vitkit.train import parallel as distr
 from vitkit.train import state as train_state
