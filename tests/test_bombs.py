@@ -210,7 +210,8 @@ def test_an_arrow_cell_over_the_cap_is_refused_from_its_offsets(
 
 def test_a_sparse_ids_file_is_refused_from_its_size(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """knn read a 1.5 GB sparse ``test.ids.json`` (3.2 GiB) before its error; 64 MiB here, for one vector."""
-    from vitkit.outputs.arrays import EmbeddingWriter, read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
+    from vitkit.outputs.arrays import EmbeddingWriter
 
     out = tmp_path / "test.npy"
     w = EmbeddingWriter(out, {})

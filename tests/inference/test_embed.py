@@ -25,7 +25,7 @@ from vitkit.data.datasets import open_dataset
 from vitkit.inference.embed import EmbedOptions, embedding_vectors
 from vitkit.inference.engine import InferenceEngine
 from vitkit.models import create_model
-from vitkit.outputs.arrays import read_embeddings
+from vitkit.outputs.array_reader import read_embeddings
 
 CLASSES = ["cat", "dog", "ship"]
 
@@ -264,7 +264,7 @@ def test_parquet_without_pyarrow_is_refused_before_any_work(monkeypatch, tmp_pat
     """Without the optional pyarrow, a .parquet output is one line before an image is read (it once failed only
     when assembling, after every embedding was computed, leaving the parts folder behind)."""
     from vitkit.errors import ConfigError
-    from vitkit.outputs.arrays import embeddings_format
+    from vitkit.outputs.array_reader import embeddings_format
 
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow -> ImportError
     with pytest.raises(ConfigError, match=r"needs pyarrow"):

@@ -18,7 +18,7 @@ from helpers import SRC, randomize_
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.distributed import DistInfo, shard_steps
 from vitkit.models import create_model
-from vitkit.outputs.arrays import read_embeddings
+from vitkit.outputs.array_reader import read_embeddings
 
 HERE = Path(__file__).parent
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}

@@ -1,4 +1,4 @@
-"""Embedding files read back (``vitkit.outputs.arrays.read_embeddings``): a damaged ids file or metadata
+"""Embedding files read back (``vitkit.outputs.array_reader.read_embeddings``): a damaged ids file or metadata
 field is one line naming the file, never a traceback (issue 32, section 4)."""
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ import pytest
 
 from vitkit import fileio
 from vitkit.errors import DataError
-from vitkit.outputs.arrays import EmbeddingWriter, read_embeddings
+from vitkit.outputs.array_reader import read_embeddings
+from vitkit.outputs.arrays import EmbeddingWriter
 from vitkit.outputs.rows import Field, open_rows
 from vitkit.outputs.store import Parts
 

@@ -45,7 +45,7 @@ def test_embed_on_two_nodes_writes_the_local_jobs_file(
     images: Path,
     tmp_path: Path,
 ) -> None:
-    from vitkit.outputs.arrays import read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
 
     assert len(ray.nodes()) == 2
     common = ["embed", str(ckpt), str(images), "--precision", "fp32", "--batch-size", "8", "--skip-bad"]
@@ -105,7 +105,7 @@ def many(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def test_predict_and_embed_over_2048_jpegs_on_two_nodes_are_the_local_jobs(
     capsys: pytest.CaptureFixture[str], two_nodes: None, many: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from vitkit.outputs.arrays import read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
 
     ckpt, folder = many
     common = [str(folder), "--precision", "fp32", "--batch-size", "32", "--skip-bad"]

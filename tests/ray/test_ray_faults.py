@@ -64,7 +64,7 @@ def test_an_actor_killed_mid_job_is_restarted_and_every_row_written_once(
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import FileSource, list_inputs
     from vitkit.inference.embed import EmbedOptions, embed_job
-    from vitkit.outputs.arrays import read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
 
     loaded = load_checkpoint(ckpt)
     marks = tmp_path / "reads"
@@ -101,7 +101,7 @@ def test_a_driver_killed_mid_job_resumes_without_repeating_rows(
 ) -> None:
     """``vitkit embed --ray`` in a subprocess (its own local Ray cluster), SIGKILLed once it has written some rows
     through the output store (parts on disk), then rerun with ``--resume``: the local job's file."""
-    from vitkit.outputs.arrays import read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
 
     out = tmp_path / "ray.parquet"
     common = ["embed", str(ckpt), str(images), "--precision", "fp32", "--batch-size", "2", "--skip-bad"]

@@ -56,7 +56,7 @@ def images(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_embed_on_ray_writes_the_local_jobs_rows(
     capsys: pytest.CaptureFixture[str], cluster: None, ckpt: Path, images: Path, tmp_path: Path
 ) -> None:
-    from vitkit.outputs.arrays import read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
 
     common = ["embed", str(ckpt), str(images), "--precision", "fp32", "--batch-size", "8", "--skip-bad"]
     local, on_ray = tmp_path / "local.parquet", tmp_path / "ray.parquet"
@@ -123,7 +123,7 @@ def test_a_decoding_task_that_raises_is_retried(cluster: None, ckpt: Path, image
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import FileSource, list_inputs
     from vitkit.inference.embed import EmbedOptions, embed_job
-    from vitkit.outputs.arrays import read_embeddings
+    from vitkit.outputs.array_reader import read_embeddings
     from vitkit.ray import RayOptions
 
     loaded = load_checkpoint(ckpt)

@@ -28,7 +28,7 @@ from vitkit.inference.features import EXTRACT_DEFAULTS, ExtractOptions, FeatureP
 from vitkit.inference.jobs import EngineSpec
 from vitkit.inference.provenance import check_comparable
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
-from vitkit.outputs.arrays import Embeddings, read_embeddings
+from vitkit.outputs.array_reader import Embeddings, read_embeddings
 
 DEFAULT_K = 20
 DEFAULT_TEMPERATURE = 0.07

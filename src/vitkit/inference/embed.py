@@ -34,7 +34,8 @@ from vitkit.images import ImageInput
 from vitkit.inference.engine import POOLS, InferenceEngine
 from vitkit.inference.jobs import Collect, EngineSpec, Job, JobSummary, Steps, image_source, run_job
 from vitkit.inference.provenance import job_meta
-from vitkit.outputs.arrays import DTYPES, Embeddings, EmbeddingWriter
+from vitkit.outputs.array_reader import Embeddings
+from vitkit.outputs.arrays import DTYPES, EmbeddingWriter
 
 
 @dataclass(frozen=True)
@@ -169,7 +170,7 @@ def embed(
     progress: bool = False,
 ) -> Embeddings:
     """Embeddings of images (file paths or PIL images) or of a dataset (``vitkit.open_dataset(...)``, labels
-    kept), in memory, in input order: :class:`~vitkit.outputs.arrays.Embeddings` (``vectors`` (N, R) or
+    kept), in memory, in input order: :class:`~vitkit.outputs.array_reader.Embeddings` (``vectors`` (N, R) or
     (N, T, D), ``ids``, ``labels``). ``pool``, ``layer``, ``l2``, ``dtype``: as :class:`EmbedOptions`;
     ``precision``: ``fp32`` (default: the checkpoint's own model), ``auto``, ``bf16`` or ``int8``. For outputs
     larger than memory, use ``vitkit embed`` (or :func:`embed_job`), which writes them to a file as it goes."""

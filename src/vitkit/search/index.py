@@ -23,7 +23,7 @@ import numpy as np
 
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import clean_stale, complete_dir, write_dir_atomic
-from vitkit.outputs.arrays import Embeddings, read_embeddings
+from vitkit.outputs.array_reader import Embeddings, read_embeddings
 from vitkit.outputs.store import CHECKPOINT, PREPROCESS, check_same
 from vitkit.search import format as fmt
 from vitkit.search.exact import exact_search, normalise

@@ -23,7 +23,7 @@ import numpy as np
 
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import clean_stale, write_text_atomic
-from vitkit.outputs.arrays import EMBED_FORMATS, ids_path, read_embeddings
+from vitkit.outputs.array_reader import EMBED_FORMATS, ids_path, read_embeddings
 from vitkit.outputs.store import CHECKPOINT, PREPROCESS
 from vitkit.search.index import Hit, Index
 
