@@ -40,7 +40,6 @@ from vitkit.data.resident import resident_loader
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.hardware import CpuShare
 from vitkit.models.kernel_paths import set_fused_attention, set_training_kernels
-from vitkit.models.vit import ViTConfig
 from vitkit.train import build, kernels, logs
 from vitkit.train import parallel as distr
 from vitkit.train import state as train_state
@@ -49,31 +48,12 @@ from vitkit.train.heap import heap_kept
 from vitkit.train.optim import apply_decoupled_sgd_decay, build_optimizer, fitted_warmup, lr_at, set_lr
 from vitkit.train.run import TrainResult, check_run_dir, check_run_links, step_seed, train_precision
 from vitkit.train.state import resume_config
-from vitkit.train.training_path import TrainingPath, choose_training_path
+from vitkit.train.training_path import TrainingPath, choose_training_path, explicit_attention
 from vitkit.train.validation import ValidatedRun
-
-EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
 
 
 class NonFiniteLossError(VitkitError):
     """The loss or the gradient norm became NaN/inf (and skipping was not requested)."""
-
-
-def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
-    """Whether training steps run the explicit softmax attention (else the fused SDPA kernel; evaluation always
-    runs the fused one). ``choice`` "auto": the explicit softmax on CPU, whose backward is faster than PyTorch's
-    fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
-    keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
-    sequences."""
-    if choice not in (
-        "auto",
-        "measure",
-    ):  # "measure": the rule is the race's built-in candidate (vitkit.train.training_path)
-        return choice == "explicit"
-    if device.type != "cpu":
-        return False
-    kept = micro_batch * model.num_heads * model.num_tokens() ** 2 * 4 * model.depth  # fp32 probabilities, all layers
-    return kept <= EXPLICIT_ATTENTION_BYTES
 
 
 class Trainer(ValidatedRun):

@@ -32,8 +32,24 @@ from vitkit.inference import tune as inference_tune
 from vitkit.inference.tune import MIN_GAIN, MIN_MEASURABLE_S, Timer
 from vitkit.models.kernel_api import TrainingKernels
 from vitkit.models.kernel_paths import set_block_path
-from vitkit.models.vit import Block, VisionTransformer
+from vitkit.models.vit import Block, VisionTransformer, ViTConfig
 from vitkit.train import kernels as cpu_kernels
+
+EXPLICIT_ATTENTION_BYTES = 1 << 30  # attention "auto" on CPU: most probabilities the explicit kernel may keep
+
+
+def explicit_attention(choice: str, device: torch.device, model: ViTConfig, micro_batch: int) -> bool:
+    """Whether training steps run the explicit softmax attention (else the fused SDPA kernel; evaluation always
+    runs the fused one). ``choice`` "auto": the explicit softmax on CPU, whose backward is faster than PyTorch's
+    fused CPU kernel at every ViT length measured (17-577 tokens, BENCHMARKS.md), as long as the probabilities it
+    keeps for the backward pass stay under EXPLICIT_ATTENTION_BYTES; the fused (flash) kernel on GPU and for long
+    sequences."""
+    if choice not in ("auto", "measure"):  # "measure": the rule is the race's built-in candidate
+        return choice == "explicit"
+    if device.type != "cpu":
+        return False
+    kept = micro_batch * model.num_heads * model.num_tokens() ** 2 * 4 * model.depth  # fp32 probabilities, all layers
+    return kept <= EXPLICIT_ATTENTION_BYTES
 
 
 @dataclass(frozen=True)
@@ -68,7 +84,7 @@ def choose_training_path(
     load: Callable[[], TrainingKernels | None] = cpu_kernels.load,
 ) -> TrainingPath:
     """The fastest way to train ``net``'s blocks here (CPU). ``explicit_rule``: the built-in choice of attention
-    (``vitkit.train.trainer.explicit_attention``); the race keeps it unless an alternative wins by ``MIN_GAIN``.
+    (:func:`explicit_attention`); the race keeps it unless an alternative wins by ``MIN_GAIN``.
     ``timer``: how candidates are timed (default: :func:`vitkit.inference.tune.default_timer`)."""
     c = load()
     if not explicit_rule:  # the fused kernel: the explicit path's probabilities would not fit (long sequences)
