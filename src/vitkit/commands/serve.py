@@ -43,78 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_model_options(p)
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
-    p.add_argument(
-        "--precision",
-        choices=["auto", "fp32", "bf16", "int8", "fp8"],
-        default="auto",
-        help="fast-path precision: auto = bf16 where the CPU has bf16 instructions (AVX512_BF16/AMX) or on CUDA, "
-        "else fp32; int8 = dynamically quantised linear layers (CPU); fp8 = fp8 GEMMs (GPUs of compute capability "
-        "8.9+)",
-    )
-    p.add_argument(
-        "--backend",
-        choices=["torch", "onnxruntime", "openvino", "auto"],
-        default="torch",
-        help="what runs the model: torch (vitkit's fast path, default), onnxruntime (fp32 or int8), openvino (fp32, "
-        "bf16, NNCF int8), or auto (the fastest of those installed, measured at start-up); the engines run vitkit's "
-        "ONNX export (pip install 'vitkit[bench]')",
-    )
-    p.add_argument(
-        "--calibration",
-        metavar="DIR",
-        help="a folder of images like the ones you will serve (sub-folders too, e.g. an ImageFolder's classes; a "
-        "large folder is sampled evenly) to calibrate OpenVINO's int8 (--backend openvino or auto with --precision "
-        "int8); default: vitkit's bundled sample photos and digits",
-    )
-    p.add_argument("--max-batch", type=positive_int, default=8, help="images per forward pass at most (default 8)")
-    p.add_argument(
-        "--max-wait-ms",
-        type=lambda s: positive_float(s, allow_zero=True),
-        default=5.0,
-        help="longest a request waits for others to join its batch (default 5)",
-    )
-    p.add_argument(
-        "--max-queue",
-        type=positive_int,
-        default=64,
-        help="requests waiting at most (for the model, or being read or decoded); more get 503 before their upload "
-        "is read (default 64)",
-    )
-    p.add_argument(
-        "--max-decoding",
-        type=positive_int,
-        help="images decoded at once, each up to --max-pixels x 4 bytes and a copy in memory (default: one per CPU "
-        "core, at most --max-queue)",
-    )
-    p.add_argument("--timeout", type=positive_float, default=30.0, help="request timeout in seconds, 504 (default 30)")
-    p.add_argument(
-        "--header-timeout",
-        type=positive_float,
-        default=10.0,
-        help="seconds a connection may take to send a whole request head, from opening or from its last answer; "
-        "then it is closed (idle connections never hold the server; default 10)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=positive_float,
-        default=30.0,
-        help="seconds a request's body may take to arrive, from the end of its head, however slowly it trickles in; "
-        "then 408 and the connection is closed (default 30)",
-    )
-    p.add_argument(
-        "--decode-timeout",
-        type=positive_float,
-        default=10.0,
-        help="seconds an image may take to decode (each is decoded in a worker process); then the process is "
-        "killed and the request answered 413, so a decoder bomb never holds a decoding slot longer (default 10)",
-    )
-    p.add_argument("--max-upload-mb", type=positive_float, default=16.0, help="largest upload in MiB, 413 (default 16)")
-    p.add_argument(
-        "--max-pixels",
-        type=positive_int,
-        default=40_000_000,
-        help="largest image in pixels, checked from the header before decoding, 413 (default 40000000)",
-    )
+    _add_engine_options(p)
+    _add_load_options(p)
     p.add_argument("--top-k", type=positive_int, default=5, help="labels per answer unless ?top_k= says (default 5)")
     p.add_argument(
         "--index",
@@ -126,6 +56,89 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    """What runs the model: precision, backend, calibration."""
+    g = p.add_argument_group("engine")
+    g.add_argument(
+        "--precision",
+        choices=["auto", "fp32", "bf16", "int8", "fp8"],
+        default="auto",
+        help="fast-path precision: auto = bf16 where the CPU has bf16 instructions (AVX512_BF16/AMX) or on CUDA, "
+        "else fp32; int8 = dynamically quantised linear layers (CPU); fp8 = fp8 GEMMs (GPUs of compute capability "
+        "8.9+)",
+    )
+    g.add_argument(
+        "--backend",
+        choices=["torch", "onnxruntime", "openvino", "auto"],
+        default="torch",
+        help="what runs the model: torch (vitkit's fast path, default), onnxruntime (fp32 or int8), openvino (fp32, "
+        "bf16, NNCF int8), or auto (the fastest of those installed, measured at start-up); the engines run vitkit's "
+        "ONNX export (pip install 'vitkit[bench]')",
+    )
+    g.add_argument(
+        "--calibration",
+        metavar="DIR",
+        help="a folder of images like the ones you will serve (sub-folders too, e.g. an ImageFolder's classes; a "
+        "large folder is sampled evenly) to calibrate OpenVINO's int8 (--backend openvino or auto with --precision "
+        "int8); default: vitkit's bundled sample photos and digits",
+    )
+
+
+def _add_load_options(p: argparse.ArgumentParser) -> None:
+    """Batching, admission, the size limits of an upload and the timeouts of a connection and a request."""
+    g = p.add_argument_group("batching and admission")
+    g.add_argument("--max-batch", type=positive_int, default=8, help="images per forward pass at most (default 8)")
+    g.add_argument(
+        "--max-wait-ms",
+        type=lambda s: positive_float(s, allow_zero=True),
+        default=5.0,
+        help="longest a request waits for others to join its batch (default 5)",
+    )
+    g.add_argument(
+        "--max-queue",
+        type=positive_int,
+        default=64,
+        help="requests waiting at most (for the model, or being read or decoded); more get 503 before their upload "
+        "is read (default 64)",
+    )
+    g.add_argument(
+        "--max-decoding",
+        type=positive_int,
+        help="images decoded at once, each up to --max-pixels x 4 bytes and a copy in memory (default: one per CPU "
+        "core, at most --max-queue)",
+    )
+    g = p.add_argument_group("limits and timeouts")
+    g.add_argument("--max-upload-mb", type=positive_float, default=16.0, help="largest upload in MiB, 413 (default 16)")
+    g.add_argument(
+        "--max-pixels",
+        type=positive_int,
+        default=40_000_000,
+        help="largest image in pixels, checked from the header before decoding, 413 (default 40000000)",
+    )
+    g.add_argument("--timeout", type=positive_float, default=30.0, help="request timeout in seconds, 504 (default 30)")
+    g.add_argument(
+        "--header-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds a connection may take to send a whole request head, from opening or from its last answer; "
+        "then it is closed (idle connections never hold the server; default 10)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=positive_float,
+        default=30.0,
+        help="seconds a request's body may take to arrive, from the end of its head, however slowly it trickles in; "
+        "then 408 and the connection is closed (default 30)",
+    )
+    g.add_argument(
+        "--decode-timeout",
+        type=positive_float,
+        default=10.0,
+        help="seconds an image may take to decode (each is decoded in a worker process); then the process is "
+        "killed and the request answered 413, so a decoder bomb never holds a decoding slot longer (default 10)",
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
