@@ -49,7 +49,18 @@ LAYER_ORDER = [
 ]
 NOT_API = {"commands"}
 # the top-level modules documented on one page ("the floor": errors, devices, timing, files, images, compiled kernels)
-CORE_MODULES = ["errors", "hardware", "timing", "fileio", "output_paths", "textids", "images", "native", "distributed", "ray"]
+CORE_MODULES = [
+    "errors",
+    "hardware",
+    "timing",
+    "fileio",
+    "output_paths",
+    "textids",
+    "images",
+    "native",
+    "distributed",
+    "ray",
+]
 
 
 def packages() -> list[str]:
