@@ -87,3 +87,28 @@ def test_embed_output_add_remove_and_other_checkpoint(capsys: pytest.CaptureFixt
     assert Index.open(ix).ids == first[1:] + rest
     code, _, err = run_cli(capsys, "search", str(ix), str(imgs / "1.png"))
     assert code == 2 and "-c" in err  # built from embed's output: the checkpoint is not known
+
+
+def test_image_queries_embedded_at_the_index_precision(capsys: pytest.CaptureFixture[str],
+                                                       setup: dict[str, Path]) -> None:  # fmt: skip
+    """An image query is embedded at the precision its index records (bf16 here), not in fp32, so an indexed image
+    queried by its file finds itself with the very vector it was indexed with (in fp32 its vector differs by up to
+    3.5e-3 a component). bf16 rows do not depend on their batch mates; int8 activations are scaled per batch, so
+    an int8 index cannot promise this."""
+    root, imgs, ckpt = setup["root"], setup["imgs"], setup["ckpt"]
+    ix = root / "ix-bf16"
+    code, _, err = run_cli(capsys, "index", str(imgs), "--out", str(ix), "-c", str(ckpt), "--precision", "bf16")
+    assert code == 0, err
+    index = Index.open(ix)
+    from vitkit.search import operations
+
+    settings = operations.settings_of(index)
+    assert index.provenance["vitkit.precision"] == settings.precision == "bf16"
+    queries = [str(imgs / f"{i}.png") for i in (0, 3, 6)]
+    q = operations.query_vectors(index, queries, settings=settings)
+    for name, v in zip(queries, q.vectors, strict=True):
+        np.testing.assert_allclose(v / np.linalg.norm(v), index.vector(name), atol=1e-6)
+    code, _, err = run_cli(capsys, "search", str(ix), queries[0], "--top-k", "1", "--out", str(root / "p.jsonl"))
+    assert code == 0, err
+    (row,) = [json.loads(line) for line in (root / "p.jsonl").read_text().splitlines()]
+    assert row["neighbours"][0]["id"] == queries[0] and row["neighbours"][0]["score"] == pytest.approx(1.0, abs=1e-6)

@@ -148,7 +148,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     from vitkit.textids import printable
 
     index = Index.open(args.index)
-    settings = operations._settings_of(index)
+    settings = operations.settings_of(index)
     settings.device = args.device
     q = operations.query_vectors(
         index, args.queries, vectors=args.vectors, checkpoint=args.checkpoint, settings=settings

@@ -24,7 +24,7 @@ import numpy as np
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import clean_stale, write_text_atomic
 from vitkit.outputs.array_reader import EMBED_FORMATS, ids_path, read_embeddings
-from vitkit.outputs.store import CHECKPOINT, PREPROCESS
+from vitkit.outputs.store import CHECKPOINT, PRECISION, PREPROCESS
 from vitkit.search.index import Hit, Index
 
 CHECKPOINT_SOURCE = "vitkit.index.checkpoint"  # the -c an index was built with, used by search when -c is not given
@@ -127,7 +127,7 @@ def add_to_index(
         ckpt = checkpoint or index.provenance.get(CHECKPOINT_SOURCE)
         if ckpt is None:
             raise ConfigError("to add images give the index's checkpoint with -c")
-        side = _embed_images(ckpt, source, data, split, target, settings or _settings_of(index), on_engine)
+        side = _embed_images(ckpt, source, data, split, target, settings or settings_of(index), on_engine)
         added = index.add_embeddings(side, notes=notes)
     if added:
         index.save(target, overwrite=True)
@@ -162,11 +162,14 @@ def remove_from_index(ids: Sequence[str], path: str | os.PathLike[str]) -> tuple
 # ---- search ------------------------------------------------------------------------------------------------
 
 
-def _settings_of(index: Index) -> EmbedSettings:
+def settings_of(index: Index) -> EmbedSettings:
+    """How the index's images were embedded, as its provenance records it: the pooling, the layer and the engine
+    precision (``fp32`` when the index does not say: one built from another tool's vectors). Image queries and
+    additions are embedded with these, so that a query of an indexed image finds it at a score of 1."""
     pool = index.provenance.get("vitkit.embed.pool", "pre-logits")
     layer = index.provenance.get("vitkit.embed.layer", "final")
     return EmbedSettings(pool=None if pool == "pre-logits" else pool, layer=None if layer == "final" else int(layer),
-                         progress=False)  # fmt: skip
+                         precision=index.provenance.get(PRECISION, "fp32"), progress=False)  # fmt: skip
 
 
 @dataclass
@@ -217,13 +220,13 @@ def query_vectors(
         ckpt = checkpoint or index.provenance.get(CHECKPOINT_SOURCE)
         if ckpt is None:
             raise ConfigError("image queries need the index's checkpoint: give it with -c")
-        s = settings or _settings_of(index)
+        s = settings or settings_of(index)
         loaded = load_checkpoint(ckpt, format=s.format)
         found = {**checkpoint_meta(loaded), "vitkit.embed.pool": index.provenance.get("vitkit.embed.pool", ""),
                  "vitkit.embed.layer": index.provenance.get("vitkit.embed.layer", "")}  # fmt: skip
         index.check_comparable({**index.provenance, **found}, f"-c {ckpt}")
         e = embed(loaded, [out.labels[i] for i in images], pool=s.pool, layer=s.layer, batch_size=s.batch_size,
-                  precision="fp32", device=s.device)  # fmt: skip
+                  precision=s.precision, device=s.device)  # fmt: skip
         shape = json.dumps(list(e.vectors.shape[1:]))
         if index.provenance.get("vitkit.embed.shape", shape) != shape:
             raise DataError(f"-c {ckpt}: vectors of shape {shape}, the index holds "
