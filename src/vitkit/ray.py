@@ -180,9 +180,9 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     chunks = [np.asarray(todo[s : s + b], dtype=np.int64).tobytes() for s in range(0, len(todo), b)]
     steps = ray.data.from_items([{"step": k, "positions": c} for k, c in enumerate(chunks)],
                                 override_num_blocks=max(1, len(chunks)))  # fmt: skip
-    retries = {"max_retries": options.retries, "retry_exceptions": True}  # a task that raises runs again
-    decoded = steps.map_batches(Decode(source, pixels), batch_size=1, num_cpus=1,
-                                ray_remote_args_fn=lambda: retries)  # fmt: skip
+    # a task that raises runs again (ray.remote's own options, passed through map_batches' ray_remote_args)
+    decoded = steps.map_batches(Decode(source, pixels), batch_size=1, num_cpus=1, max_retries=options.retries,
+                                retry_exceptions=True)  # fmt: skip
     calibration = lambda: calibration_sample(source, transform)  # noqa: E731
     kwargs = {"spec": spec, "task": task, "batch_size": b, "threads": options.threads, "calibration": calibration}
     # a lost actor (its process killed, its node gone) is started again and its batches rerun: Ray's own options
