@@ -224,8 +224,13 @@ def preprocess_from(folder: Path, image_size: tuple[int, int]) -> Preprocess:
     path = folder / PREPROCESSOR
     if not path.is_file():
         return Preprocess(image_size=image_size, mean=IMAGENET_MEAN, std=IMAGENET_STD, interpolation="bicubic")
-    doc = hf._read_json(path)
-    source = str(path)
+    return processor_preprocess(hf._read_json(path), str(path))
+
+
+def processor_preprocess(doc: Mapping[str, Any], source: str) -> Preprocess:
+    """An image processor's config (BitImageProcessor, DeiTImageProcessor, DINOv3ViTImageProcessor with its
+    defaults filled in) as a Preprocess: a resize (and centre crop), rescale by 1/255, normalisation. CheckpointError
+    naming ``source`` and the field for anything else."""
     for flag in ("do_resize", "do_rescale"):
         if not doc.get(flag, True):
             raise CheckpointError(f"{source}: {flag} false is not supported")

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, hf_dino, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, _fused, _linear, _pair
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _fused, _linear, _pair
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -53,7 +53,7 @@ from vitkit.checkpoints.loaded import (
     export_state,
     require,
 )
-from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
+from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -221,33 +221,13 @@ def preprocess_from(folder: Path, image_size: tuple[int, int]) -> Preprocess:
     path = folder / PREPROCESSOR
     doc: dict[str, Any] = hf._read_json(path) if path.is_file() else {}
     source = str(path)
-    for flag in ("do_resize", "do_rescale"):
-        if not doc.get(flag, True):
-            raise CheckpointError(f"{source}: {flag} false is not supported")
-    if not np.isclose(float(doc.get("rescale_factor", 1 / 255)), 1 / 255, rtol=1e-6, atol=0):
-        raise CheckpointError(f"{source}: rescale_factor {doc.get('rescale_factor')!r} is not supported (1/255)")
     defaults = dict(PROCESSOR_DEFAULTS)
     if not path.is_file():  # no processor: the model's own size
         defaults["size"] = {"height": image_size[0], "width": image_size[1]}
     full = {**defaults, **{k: v for k, v in doc.items() if v is not None}}
-    resample = int(full["resample"])
-    if resample not in RESAMPLE:
-        raise CheckpointError(f"{source}: resample {resample} is not supported (known: {sorted(RESAMPLE)})")
     if full.get("do_center_crop") and "crop_size" not in full:
         raise CheckpointError(f"{source}: do_center_crop without crop_size is not supported")
-    size, mode, pct = hf_dino._resize_mode(full, source)
-    normalize = full.get("do_normalize", True)
-    try:
-        return Preprocess(
-            image_size=size,
-            mean=tuple(full.get("image_mean", IMAGENET_MEAN)) if normalize else (0.0, 0.0, 0.0),
-            std=tuple(full.get("image_std", IMAGENET_STD)) if normalize else (1.0, 1.0, 1.0),
-            resize=mode,
-            crop_pct=pct,
-            interpolation=RESAMPLE[resample],
-        )
-    except ValueError as e:
-        raise CheckpointError(f"{source}: {e}") from None
+    return hf_dino.processor_preprocess(full, source)
 
 
 def preprocessor_config(pre: Preprocess) -> dict[str, Any] | None:
