@@ -376,7 +376,11 @@ class ImageTooLarge(DataError):
 
 
 def decode_image(
-    source: str | os.PathLike[str] | bytes, name: str, *, max_pixels: int | Literal["default"] | None = "default"
+    source: str | os.PathLike[str] | bytes,
+    name: str,
+    *,
+    max_pixels: int | Literal["default"] | None = "default",
+    draft: tuple[int, int] | None = None,
 ) -> Image.Image:
     """The one decoder of every command (datasets, shards, predict, analyze, serve): a file path or the encoded
     bytes -> a fully decoded PIL image (palette images as RGBA). ``name`` identifies it in errors.
@@ -385,6 +389,10 @@ def decode_image(
     (default :func:`max_image_pixels`; checked before any pixel is decoded), a decoder failure on malformed
     bytes -- becomes one DataError naming the item (:class:`ImageTooLarge` for too many pixels), so
     ``skip_bad`` can count and drop it like any other bad file.
+
+    ``draft`` = (width, height): a JPEG is decoded at the smallest of 1/8, 1/4, 1/2 scale that keeps at least that
+    size (libjpeg's DCT scaling, Pillow's ``Image.draft``), for a thumbnail; other formats decode at full size.
+    The pixel limit applies to the size the header declares either way.
     """
     if isinstance(source, bytes) and not source:
         raise DataError(f"{name}: empty image data (0 bytes)")
@@ -402,6 +410,8 @@ def decode_image(
                 _check_mode(w, h, img.mode, limit, name)
                 if w * h == 0:
                     raise DataError(f"{name}: image of {w}x{h} pixels has no pixels")
+                if draft is not None:
+                    img.draft(img.mode if img.mode in ("RGB", "L") else None, draft)  # JPEG only; else a no-op
                 img.load()
                 return img.copy() if img.mode != "P" else img.convert("RGBA")
     except DataError:

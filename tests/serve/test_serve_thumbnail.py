@@ -164,3 +164,32 @@ def test_a_method_not_allowed_lists_every_method_of_the_path(client: TestClient)
     assert r.status_code == 405 and r.headers["allow"] == "GET, POST", r.headers
     r = client.post("/thumbnail", params={"id": "x"})
     assert r.status_code == 405 and r.headers["allow"] == "GET"
+
+
+def test_a_large_jpeg_is_made_small_in_the_decoding_process(tmp_path: Path) -> None:
+    """A thumbnail of a 4096x3072 JPEG: decoded at 1/8 scale (libjpeg's DCT scaling, 512x384, not 12.6 MP), made
+    small in the worker process, so only the thumbnail crosses the pipe; the same picture as Pillow's full decode
+    made small. A PNG has no reduced decode: it is decoded whole and made small all the same."""
+    from sklearn.datasets import load_sample_image
+
+    from vitkit.images import decode_image
+    from vitkit.serve.decoding import DecoderPool, Decoding
+
+    big = Image.fromarray(load_sample_image("china.jpg")).resize((4096, 3072), Image.Resampling.BICUBIC)
+    jpeg, png = io.BytesIO(), io.BytesIO()
+    big.save(jpeg, format="JPEG", quality=90)
+    big.resize((1024, 768)).save(png, format="PNG")
+    assert decode_image(jpeg.getvalue(), "big", draft=(THUMBNAIL_PX, THUMBNAIL_PX)).size == (512, 384)
+    assert decode_image(png.getvalue(), "big", draft=(THUMBNAIL_PX, THUMBNAIL_PX)).size == (1024, 768)
+    pool = DecoderPool(20_000_000, 10.0, "RGB")
+    try:
+        for data in (jpeg.getvalue(), png.getvalue()):
+            thumb = pool.decode(data, Decoding(), THUMBNAIL_PX)
+            want = Image.open(io.BytesIO(data)).convert("RGB")
+            want.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX), Image.Resampling.BICUBIC)
+            assert thumb.size == want.size == (THUMBNAIL_PX, 192)
+            err = np.abs(np.asarray(thumb, dtype=np.float32) - np.asarray(want, dtype=np.float32)).mean()
+            assert err < 3, err
+        assert pool.decode(png.getvalue(), Decoding()).size == (1024, 768)  # 0: the image itself
+    finally:
+        pool.close()

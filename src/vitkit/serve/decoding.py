@@ -7,8 +7,10 @@ slot, so four such uploads made a 32 px PNG sent 3 s later wait 27 s. Here each 
 :mod:`vitkit.images`, not torch), and the process is killed when the decoding outlives ``--decode-timeout`` or its
 request gives up (timeout, client gone): its slot and its core are free at once. Workers are reused between images.
 
-Wire format, parent -> child: an 8-byte big-endian length and the encoded bytes. Child -> parent: a JSON line
-(``{"mode", "size", "n"}`` or ``{"error": "too_large"|"bad", "message"}``), then ``n`` bytes of raw pixels.
+Wire format, parent -> child: an 8-byte big-endian length, a 4-byte thumbnail size (0: the image itself; else at
+most that many pixels a side, a JPEG decoded at reduced scale and the image made small in the child, so that only
+the thumbnail crosses the pipe) and the encoded bytes. Child -> parent: a JSON line (``{"mode", "size", "n"}`` or
+``{"error": "too_large"|"bad", "message"}``), then ``n`` bytes of raw pixels.
 """
 
 from __future__ import annotations
@@ -83,10 +85,11 @@ class _Worker:
                 os.close(fd)
         self._to_child = self._from_child = -1
 
-    def decode(self, data: bytes | bytearray, deadline: float, job: Decoding) -> Image.Image:
-        """Send ``data``; the decoded image, or the child's DataError, or DecodeTimeout at ``deadline``."""
+    def decode(self, data: bytes | bytearray, deadline: float, job: Decoding, thumbnail: int = 0) -> Image.Image:
+        """Send ``data``; the decoded image (at most ``thumbnail`` pixels a side when not 0), or the child's
+        DataError, or DecodeTimeout at ``deadline``."""
         try:
-            os.write(self._to_child, struct.pack(">Q", len(data)))
+            os.write(self._to_child, struct.pack(">QI", len(data), thumbnail))
             view = memoryview(data)
             while view:  # the pipe holds 64 KiB: the child reads while we write (it never writes before it has all)
                 view = view[os.write(self._to_child, view[: 1 << 20]) :]
@@ -169,8 +172,9 @@ class DecoderPool:
         with self._lock:
             self._idle.extend(workers)
 
-    def decode(self, data: bytes | bytearray, job: Decoding) -> Image.Image:
-        """``data`` decoded by a worker process; DataError (ImageTooLarge, DecodeTimeout) as :func:`decode_image`."""
+    def decode(self, data: bytes | bytearray, job: Decoding, thumbnail: int = 0) -> Image.Image:
+        """``data`` decoded by a worker process; DataError (ImageTooLarge, DecodeTimeout) as :func:`decode_image`.
+        ``thumbnail``: at most that many pixels a side (a JPEG decoded at reduced scale), 0: the image itself."""
         with self._lock:
             worker = self._idle.pop() if self._idle else None
         worker = worker or self._start()
@@ -179,7 +183,7 @@ class DecoderPool:
             worker.kill()
         reuse = False
         try:
-            img = worker.decode(data, time.monotonic() + self.timeout_s, job)
+            img = worker.decode(data, time.monotonic() + self.timeout_s, job, thumbnail)
             reuse = True
             return img
         except DataError as e:
@@ -226,9 +230,12 @@ def _read_exact(fd: int, n: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _answer(data: bytes) -> tuple[dict[str, Any], bytes]:
+def _answer(data: bytes, thumbnail: int = 0) -> tuple[dict[str, Any], bytes]:
     try:
-        img = convert_image(decode_image(data, "image", max_pixels=int(sys.argv[3])), sys.argv[4])
+        draft = (thumbnail, thumbnail) if thumbnail else None
+        img = convert_image(decode_image(data, "image", max_pixels=int(sys.argv[3]), draft=draft), sys.argv[4])
+        if thumbnail:
+            img.thumbnail((thumbnail, thumbnail), Image.Resampling.BICUBIC)
         raw = img.tobytes()
         return {"mode": img.mode, "size": list(img.size), "n": len(raw)}, raw
     except ImageTooLarge as e:
@@ -244,11 +251,12 @@ def _answer(data: bytes) -> tuple[dict[str, Any], bytes]:
 def _child() -> None:
     """Decode images from the parent's pipe until it closes."""
     read_fd, write_fd = int(sys.argv[1]), int(sys.argv[2])
-    while (size := _read_exact(read_fd, 8)) is not None:
-        data = _read_exact(read_fd, struct.unpack(">Q", size)[0])
+    while (wire := _read_exact(read_fd, 12)) is not None:
+        size, thumbnail = struct.unpack(">QI", wire)
+        data = _read_exact(read_fd, size)
         if data is None:
             return
-        head, raw = _answer(data)
+        head, raw = _answer(data, thumbnail)
         out = json.dumps(head).encode() + b"\n"
         for part in (out, raw):
             view = memoryview(part)

@@ -146,8 +146,8 @@ class SimilarView:
         self.thumbs = work_dir / "thumbnails"
         self.thumbs.mkdir(parents=True, exist_ok=True)
 
-    def _decode(self, data: bytes) -> Image.Image:
-        return decode_image(data, "indexed image")
+    def _decode(self, data: bytes, px: int) -> Image.Image:
+        return decode_image(data, "indexed image", draft=(px, px))  # a JPEG at reduced scale
 
     def thumbnail_file(self, id: str) -> str | None:
         """The thumbnail of the indexed image ``id`` as a JPEG in the page's folder; None when it is not served."""

@@ -226,7 +226,7 @@ class Server:
         job = Decoding()
         async with self.decoding:
             try:
-                return await run_in_threadpool(self.similar.thumbnail, id, lambda data: self.pool.decode(data, job))
+                return await run_in_threadpool(self.similar.thumbnail, id, lambda d, px: self.pool.decode(d, job, px))
             except asyncio.CancelledError:
                 job.cancel()
                 raise

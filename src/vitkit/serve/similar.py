@@ -108,11 +108,12 @@ class SimilarImages:
             raise NotServed("no image file of the indexed folder has this id")
         return real
 
-    def thumbnail(self, id: str, decode: Callable[[bytes], Image.Image], px: int = THUMBNAIL_PX) -> bytes:
+    def thumbnail(self, id: str, decode: Callable[[bytes, int], Image.Image], px: int = THUMBNAIL_PX) -> bytes:
         """A JPEG of the indexed image ``id``, at most ``px`` pixels a side: the file (:meth:`image_file`, read
-        with vitkit's size bound) decoded by ``decode`` (bytes -> image; its errors pass through), re-encoded."""
+        with vitkit's size bound) decoded by ``decode`` ((bytes, px) -> an image of about that size, a JPEG decoded
+        at reduced scale; its errors pass through), made small and re-encoded."""
         data = read_image_file(self.image_file(id))
-        img = convert_image(decode(data), "RGB")
+        img = convert_image(decode(data, px), "RGB")
         img.thumbnail((px, px), Image.Resampling.BICUBIC)
         out = io.BytesIO()
         img.save(out, format="JPEG", quality=THUMBNAIL_QUALITY)
