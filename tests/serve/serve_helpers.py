@@ -112,3 +112,74 @@ def wait_healthy(proc: subprocess.Popen[Any], url: str, seconds: float = 60) -> 
             pass
         assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
         time.sleep(0.1)
+
+
+@contextmanager
+def vitkit_server(args: list[str], *, log: Path | None = None, ready: str = "/health") -> Iterator[tuple[str, Any]]:
+    """``python -m vitkit ARGS --port P`` (``serve`` or ``demo``) as a subprocess on loopback, yielded as (base URL,
+    process) once ``ready`` answers 200 (AssertionError with what it printed when it exits or takes over 120 s
+    first). Its output goes to ``log``, or to a pipe the caller may read; it is stopped afterwards (SIGTERM, then
+    SIGKILL after 20 s)."""
+    import os
+    import sys
+
+    import httpx
+
+    from helpers import SRC
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vitkit", *args, "--port", str(port)]
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = log.open("w") if log is not None else subprocess.PIPE
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+    if log is not None:
+        out.close()  # type: ignore[union-attr]
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            try:
+                if httpx.get(f"{url}{ready}", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                printed = log.read_text() if log is not None else proc.stdout.read() if proc.stdout else ""
+                raise AssertionError(f"vitkit {args[0]} did not start:\n{printed}")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def chromium_page(profile: Path) -> Iterator[tuple[Any, Any]]:
+    """(Playwright's sync API, a new page) in Debian's headless chromium with a profile folder of its own; the test
+    is skipped where chromium or Playwright is not installed, and fails on CI without chromium (``.ci/run``
+    installs it)."""
+    import os
+    import shutil
+
+    import pytest
+
+    chromium = shutil.which("chromium") or "/usr/bin/chromium"
+    if not os.path.exists(chromium):
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed on CI (.ci/run installs it with apt-get)")
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--no-first-run"]  # fmt: skip
+    with sync_api.sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(
+            str(profile), executable_path=chromium, headless=True, args=flags, viewport={"width": 1400, "height": 1000}
+        )
+        try:
+            yield sync_api, ctx.new_page()
+        finally:
+            ctx.close()

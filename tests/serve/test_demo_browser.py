@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -20,12 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from serve_helpers import free_port, make_checkpoint
+from serve_helpers import chromium_page, free_port, make_checkpoint, vitkit_server
 
 from helpers import SRC
 from vitkit.cli import main
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module")
@@ -128,66 +125,27 @@ def demo_url(demo_process: tuple[str, subprocess.Popen[str]]) -> str:
 
 @pytest.fixture
 def demo_process(ckpt: Path) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "vitkit", "demo", str(ckpt), "--port", str(port)]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    import httpx
-
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"vitkit demo did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-            time.sleep(0.25)
-        yield url, proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with vitkit_server(["demo", str(ckpt)], ready="/") as running:
+        yield running
 
 
 @pytest.mark.slow
 def test_demo_in_headless_chromium(
     demo_url: str, ckpt: Path, sample_jpeg: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    if not os.path.exists(CHROMIUM):
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed on CI (.ci/run installs it with apt-get)")
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
     assert main(["predict", "-c", str(ckpt), "--precision", "fp32", "--json", "--top-k", "1", str(sample_jpeg)]) == 0
     label = json.loads(capsys.readouterr().out)["top"][0]["label"]
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--no-first-run"]  # fmt: skip
-    with sync_api.sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=flags,
-            viewport={"width": 1400, "height": 1000},
-        )  # fmt: skip
-        try:
-            page = ctx.new_page()
-            page.goto(demo_url, wait_until="domcontentloaded", timeout=60_000)
-            page.locator("#input-image input[type=file]").set_input_files(str(sample_jpeg))
-            verdict = page.locator("#verdict")
-            sync_api.expect(verdict).to_contain_text(f"Prediction: {label}", timeout=60_000)
-            sync_api.expect(page.locator("#top5")).to_contain_text(label)
-            for elem in ("#rollout img", "#raw-attention img"):
-                img = page.locator(elem).first
-                sync_api.expect(img).to_be_visible(timeout=30_000)
-                width = img.evaluate("e => e.complete ? e.naturalWidth : 0")
-                assert width >= 32, elem  # a decoded picture, not a placeholder
-        finally:
-            ctx.close()
+    with chromium_page(tmp_path / "profile") as (sync_api, page):
+        page.goto(demo_url, wait_until="domcontentloaded", timeout=60_000)
+        page.locator("#input-image input[type=file]").set_input_files(str(sample_jpeg))
+        verdict = page.locator("#verdict")
+        sync_api.expect(verdict).to_contain_text(f"Prediction: {label}", timeout=60_000)
+        sync_api.expect(page.locator("#top5")).to_contain_text(label)
+        for elem in ("#rollout img", "#raw-attention img"):
+            img = page.locator(elem).first
+            sync_api.expect(img).to_be_visible(timeout=30_000)
+            width = img.evaluate("e => e.complete ? e.naturalWidth : 0")
+            assert width >= 32, elem  # a decoded picture, not a placeholder
 
 
 def stop(proc: subprocess.Popen[str]) -> str:
@@ -203,33 +161,18 @@ def test_demo_in_headless_chromium_refuses_a_non_image_upload(
 ) -> None:
     """A text file named like a PNG (so the browser's own file-type check lets it through to the server): one line
     on the page, one line in the demo's log, no traceback and no Gradio preprocessing message."""
-    if not os.path.exists(CHROMIUM):
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed on CI (.ci/run installs it with apt-get)")
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
     url, proc = demo_process
     fake = tmp_path / "holiday.png"
     fake.write_text("these are not the pixels you are looking for\n")
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--no-first-run"]  # fmt: skip
-    with sync_api.sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=flags,
-            viewport={"width": 1400, "height": 1000},
-        )  # fmt: skip
-        try:
-            page = ctx.new_page()
-            page.goto(url, wait_until="domcontentloaded", timeout=60_000)
-            page.locator("#input-image input[type=file]").set_input_files(str(fake))
-            verdict = page.locator("#verdict")
-            sync_api.expect(verdict).to_contain_text(
-                "Cannot classify this upload: holiday.png: not a recognised image file", timeout=60_000
-            )
-            assert "\n" not in verdict.inner_text().strip()
-            assert page.locator(".toast-body").count() == 0  # no Gradio error pop-up
-        finally:
-            ctx.close()
+    with chromium_page(tmp_path / "profile") as (sync_api, page):
+        page.goto(url, wait_until="domcontentloaded", timeout=60_000)
+        page.locator("#input-image input[type=file]").set_input_files(str(fake))
+        verdict = page.locator("#verdict")
+        sync_api.expect(verdict).to_contain_text(
+            "Cannot classify this upload: holiday.png: not a recognised image file", timeout=60_000
+        )
+        assert "\n" not in verdict.inner_text().strip()
+        assert page.locator(".toast-body").count() == 0  # no Gradio error pop-up
     log = stop(proc)
     assert "Traceback" not in log and "preprocess" not in log, log
     assert [line for line in log.splitlines() if "holiday.png" in line] == [

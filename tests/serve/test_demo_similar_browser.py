@@ -11,22 +11,15 @@ model's input is small (as ``vitkit predict`` does), the page at full size, so a
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from PIL import Image
-from serve_helpers import free_port, make_checkpoint
+from serve_helpers import chromium_page, free_port, make_checkpoint, vitkit_server
 
-from helpers import SRC
 from vitkit.cli import main
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 K = 8  # the tab's default number of neighbours
 
 
@@ -111,79 +104,40 @@ def test_the_tab_answers_what_vitkit_search_answers(
 
 @pytest.fixture
 def demo_url(built: dict[str, Path]) -> Iterator[str]:
-    import httpx
-
-    port = free_port()
-    cmd = [sys.executable, "-m", "vitkit", "demo", str(built["ckpt"]), "--index", str(built["index"])]
-    proc = subprocess.Popen([*cmd, "--port", str(port)], env={**os.environ, "PYTHONPATH": str(SRC)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            try:
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"vitkit demo did not start:\n{proc.stdout.read() if proc.stdout else ''}")
-            time.sleep(0.25)
+    with vitkit_server(["demo", str(built["ckpt"]), "--index", str(built["index"])], ready="/") as (url, _):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.slow
 def test_similar_images_tab_in_headless_chromium(demo_url: str, built: dict[str, Path], tmp_path: Path) -> None:
-    if not os.path.exists(CHROMIUM):
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed on CI (.ci/run installs it with apt-get)")
-        pytest.skip("Debian's chromium is not installed (apt-get install chromium)")
-    sync_api = pytest.importorskip("playwright.sync_api")
     from vitkit.serve.similar import THUMBNAIL_PX
 
     want = search_cli(built["index"], str(built["query"]), tmp_path / "q.jsonl")
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--no-first-run"]  # fmt: skip
-    with sync_api.sync_playwright() as pw:
-        ctx = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=flags,
-            viewport={"width": 1400, "height": 1000},
-        )  # fmt: skip
-        try:
-            page = ctx.new_page()
-            requests: list[str] = []
-            page.on("request", lambda r: requests.append(r.url))
-            page.goto(demo_url, wait_until="domcontentloaded", timeout=60_000)
-            page.get_by_role("tab", name="Similar images").click()
-            page.locator("#similar-input input[type=file]").set_input_files(str(built["query"]))
-            sync_api.expect(page.locator("#similar-verdict")).to_contain_text("Query: query.png", timeout=60_000)
-            rows = page.locator("#neighbour-table tbody tr")
-            sync_api.expect(rows).to_have_count(K, timeout=30_000)
-            cells = [[c.strip() for c in rows.nth(i).locator("td").all_inner_texts()] for i in range(K)]
-            assert [c[1] for c in cells] == [n["id"] for n in want]
-            assert [float(c[2]) for c in cells] == pytest.approx([n["score"] for n in want], abs=1e-5)
-            thumbs = page.locator("#neighbours img")
-            sync_api.expect(thumbs).to_have_count(K, timeout=30_000)
-            for i in range(K):
-                img = thumbs.nth(i)
-                img.scroll_into_view_if_needed()
-                page.wait_for_function("e => e.complete && e.naturalWidth > 0", arg=img.element_handle())
-                w, h = img.evaluate("e => [e.naturalWidth, e.naturalHeight]")
-                assert 0 < max(w, h) <= THUMBNAIL_PX, (i, w, h)  # a thumbnail, not the photo
-            captions = page.locator("#neighbours").inner_text()
-            for n in want:
-                assert Path(n["id"]).name in captions
-            query = page.locator("#similar-query img").first
-            sync_api.expect(query).to_be_visible(timeout=30_000)
-        finally:
-            ctx.close()
+    with chromium_page(tmp_path / "profile") as (sync_api, page):
+        requests: list[str] = []
+        page.on("request", lambda r: requests.append(r.url))
+        page.goto(demo_url, wait_until="domcontentloaded", timeout=60_000)
+        page.get_by_role("tab", name="Similar images").click()
+        page.locator("#similar-input input[type=file]").set_input_files(str(built["query"]))
+        sync_api.expect(page.locator("#similar-verdict")).to_contain_text("Query: query.png", timeout=60_000)
+        rows = page.locator("#neighbour-table tbody tr")
+        sync_api.expect(rows).to_have_count(K, timeout=30_000)
+        cells = [[c.strip() for c in rows.nth(i).locator("td").all_inner_texts()] for i in range(K)]
+        assert [c[1] for c in cells] == [n["id"] for n in want]
+        assert [float(c[2]) for c in cells] == pytest.approx([n["score"] for n in want], abs=1e-5)
+        thumbs = page.locator("#neighbours img")
+        sync_api.expect(thumbs).to_have_count(K, timeout=30_000)
+        for i in range(K):
+            img = thumbs.nth(i)
+            img.scroll_into_view_if_needed()
+            page.wait_for_function("e => e.complete && e.naturalWidth > 0", arg=img.element_handle())
+            w, h = img.evaluate("e => [e.naturalWidth, e.naturalHeight]")
+            assert 0 < max(w, h) <= THUMBNAIL_PX, (i, w, h)  # a thumbnail, not the photo
+        captions = page.locator("#neighbours").inner_text()
+        for n in want:
+            assert Path(n["id"]).name in captions
+        query = page.locator("#similar-query img").first
+        sync_api.expect(query).to_be_visible(timeout=30_000)
     assert all(u.startswith(demo_url) or u.startswith(("data:", "blob:")) for u in requests), requests
     assert not any(str(built["photos"]) in u for u in requests)  # thumbnails from the page's folder, never the photos
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +21,7 @@ import pytest
 pytest.importorskip("schemathesis")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from serve_helpers import free_port, make_checkpoint, metric  # noqa: E402
-
-from helpers import SRC  # noqa: E402
+from serve_helpers import make_checkpoint, metric, vitkit_server  # noqa: E402
 
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
 SEED = 20250125  # fixed: the same requests on every run; change it to explore
@@ -35,26 +32,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, subp
     """``vitkit serve`` on the tiny centre-crop checkpoint with small limits (1 MiB, 1 MP), its log in a file."""
     tmp = tmp_path_factory.mktemp("fuzz")
     ckpt = make_checkpoint(tmp / "tiny")
-    port, log = free_port(), tmp / "serve.log"
-    cmd = [sys.executable, "-m", "vitkit", "serve", str(ckpt), "--port", str(port), "--precision", "fp32"]
-    cmd += ["--max-upload-mb", "1", "--max-pixels", "1000000", "--log-level", "warning"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=out, stderr=out, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    log = tmp / "serve.log"
+    args = ["serve", str(ckpt), "--precision", "fp32", "--max-upload-mb", "1", "--max-pixels", "1000000"]
+    with vitkit_server([*args, "--log-level", "warning"], log=log) as (url, proc):
         yield url, proc, log
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.slow

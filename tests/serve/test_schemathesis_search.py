@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,8 @@ import pytest
 pytest.importorskip("schemathesis")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
-from serve_helpers import free_port, image_bytes, make_checkpoint, metric  # noqa: E402
+from serve_helpers import image_bytes, make_checkpoint, metric, vitkit_server  # noqa: E402
 
-from helpers import SRC  # noqa: E402
 from vitkit.cli import main  # noqa: E402
 
 HOOKS = Path(__file__).with_name("schemathesis_hooks.py")
@@ -36,22 +34,9 @@ def test_schemathesis_finds_nothing_in_the_search_endpoints(tmp_path: Path) -> N
     for seed in range(6):
         (images / f"img{seed}.png").write_bytes(image_bytes(seed, (50 + seed, 40)))
     assert main(["index", str(images), "-c", str(ckpt), "--out", str(tmp_path / "index"), "--exact"]) == 0
-    port, log = free_port(), tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "vitkit", "serve", str(ckpt), "--index", str(tmp_path / "index"), "--port", str(port)]
-    cmd += ["--precision", "fp32", "--max-upload-mb", "1", "--max-pixels", "1000000", "--log-level", "warning"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(SRC)}, stdout=out, stderr=out, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    log = tmp_path / "serve.log"
+    args = ["serve", str(ckpt), "--index", str(tmp_path / "index"), "--precision", "fp32", "--max-upload-mb", "1"]
+    with vitkit_server([*args, "--max-pixels", "1000000", "--log-level", "warning"], log=log) as (url, proc):
         assert httpx.get(f"{url}/thumbnail", params={"id": str(images / "img1.png")}).status_code == 200
         st = [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "all", "--no-color"]
         st += ["--seed", str(SEED), "--max-examples", "80", "--request-timeout", "30"]
@@ -67,7 +52,4 @@ def test_schemathesis_finds_nothing_in_the_search_endpoints(tmp_path: Path) -> N
         assert not any(s.startswith("5") for s in statuses), statuses
         assert metric(text, "vitkit_requests_total", path="/thumbnail", status="404") >= 10
         assert metric(text, "vitkit_requests_total", path="/search", status="200") >= 20
-    finally:
-        proc.kill()
-        proc.wait()
     assert "Traceback" not in log.read_text()
