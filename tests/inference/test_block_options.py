@@ -33,7 +33,7 @@ OPTIONS: dict[str, list[Any]] = {
     "num_registers": [0, 2],
     "pos_embed": ["learned", "sincos2d", "none"],
     "pos_embed_prefix": [True, False],
-    "pos_resample": ["bilinear", "bicubic", "bicubic_plain"],
+    "pos_resample": ["bilinear", "bicubic", "bicubic_plain", "bicubic_offset"],
     "rope": [None, "dinov3"],
     "layer_scale": [None, 0.5],
     "mlp": ["plain", "swiglu"],

@@ -20,12 +20,12 @@ timm's ``checkpoint_filter_fn`` (``_convert_dinov2``) converts; the tests check 
 
 Preprocessing: DINOv2's evaluation transform (bicubic resize of the shorter side to 256/224 of the crop, centre
 crop, ImageNet mean/std), at the model's own grid. At another image size (the 518 px weights at 224 px) the
-position grid is resampled as transformers' ``Dinov2Model`` resamples it and as :mod:`vitkit.checkpoints.hf_dino`
-loads DINOv2 (``pos_resample="bicubic_plain"``: bicubic, not antialiased, to the new grid), so the same weights
-give the same features from either format (tests/checkpoints/test_dinov2_resample.py). The official code's
-``interpolate_pos_encoding`` is that bicubic with ``scale_factor=(n + 0.1) / M`` instead of the size (its
-``interpolate_offset``): source coordinates shifted by up to a few hundredths of a cell, a difference that test
-measures; timm resamples with antialiasing (``pos_resample="bicubic"``), which also differs.
+position grid is resampled as the official code's ``interpolate_pos_encoding`` resamples it: bicubic, not
+antialiased, given the scale factor ``(n + 0.1) / M`` rather than the size (its default ``interpolate_offset=0.1``;
+``pos_resample="bicubic_offset"``), so a file of the official hub gives the official model's features at any size
+(tests/checkpoints/test_dinov2_resample.py). transformers' ``Dinov2Model`` resamples to the size instead
+(``"bicubic_plain"``, as :mod:`vitkit.checkpoints.hf_dino` loads it) and timm with antialiasing (``"bicubic"``):
+the same weights at 224 px give slightly different features from each of the three references, as they do there.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from vitkit.checkpoints import hf_dino, timm_format, torch_files
+from vitkit.checkpoints import timm_format, torch_files
 from vitkit.checkpoints.keymap import Rule, to_state_dict
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
@@ -148,7 +148,7 @@ def infer_config(weights: Mapping[str, torch.Tensor], source: str, *, num_heads:
             qkv_bias="blocks.0.attn.qkv.bias" in weights,
             layer_scale=1.0 if "blocks.0.ls1.gamma" in weights else None,  # hub init_values; only its initial value
             mlp=mlp,  # type: ignore[arg-type]
-            pos_resample=hf_dino.POS_RESAMPLE[hf_dino.DINO],  # type: ignore[arg-type]  # transformers'
+            pos_resample="bicubic_offset",  # the official interpolate_pos_encoding (interpolate_offset 0.1)
             name=f"DINOv2 {D}/{P}" + (f" reg{registers}" if registers else ""),
         )
     except (ValueError, TypeError) as e:

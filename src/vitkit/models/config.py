@@ -37,7 +37,7 @@ PosEmbed = Literal["learned", "sincos2d", "none"]
 Gelu = Literal["exact", "tanh", "quick"]
 MlpKind = Literal["plain", "swiglu"]
 Rope = Literal["dinov3"]
-Resample = Literal["bilinear", "bicubic", "bicubic_plain"]
+Resample = Literal["bilinear", "bicubic", "bicubic_plain", "bicubic_offset"]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "gelu": ("exact", "tanh", "quick"),
     "mlp": ("plain", "swiglu"),
     "rope": (None, "dinov3"),
-    "pos_resample": ("bilinear", "bicubic", "bicubic_plain"),
+    "pos_resample": ("bilinear", "bicubic", "bicubic_plain", "bicubic_offset"),
 }
 _MAX_REGISTERS = 1024
 

@@ -51,6 +51,10 @@ def resample_grid(
         (PyTorch's antialiased kernel, a = -0.5, which differs from the plain bicubic one even when enlarging).
       - ``"bicubic_plain"``: the plain bicubic kernel (a = -0.75, half-pixel, no antialias) to the new size, as
         transformers' ``interpolate_pos_encoding`` of ViT, DeiT, CLIP, SigLIP and DINOv2 computes it.
+      - ``"bicubic_offset"``: the same kernel given the scale factor ``(n + 0.1) / m`` per axis instead of the size
+        (the output is still ``n`` cells; the sampling points move by up to 0.1 of a cell): facebookresearch/dinov2's
+        ``interpolate_pos_encoding`` with its default ``interpolate_offset=0.1`` (that code pairs the width's factor
+        with the rows, so it agrees with this one on square grids only).
     """
     if tuple(old_grid) == tuple(new_grid):
         return posemb
@@ -66,8 +70,14 @@ def resample_grid(
         x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False, antialias=True)
     elif method == "bicubic_plain":
         x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False)
+    elif method == "bicubic_offset":
+        scale = ((new_grid[0] + 0.1) / gh, (new_grid[1] + 0.1) / gw)
+        x = F.interpolate(x, scale_factor=scale, mode="bicubic", align_corners=False)
+        assert tuple(x.shape[-2:]) == tuple(new_grid), (x.shape, new_grid)  # floor(m (n + 0.1) / m) == n
     else:
-        raise ValueError(f"unknown position-embedding resampling method {method!r} (bilinear, bicubic, bicubic_plain)")
+        raise ValueError(
+            f"unknown position-embedding resampling {method!r} (bilinear, bicubic, bicubic_plain, bicubic_offset)"
+        )
     x = x.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], d).to(posemb.dtype)
     return torch.cat([prefix, x], dim=1)
 

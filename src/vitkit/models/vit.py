@@ -437,7 +437,8 @@ class VisionTransformer(nn.Module):
 
         The patch size stays; the sequence grows or shrinks. ``method`` (default ``cfg.pos_resample``):
         ``"bilinear"`` reproduces the official ``interpolate_posembed`` (scipy zoom, order 1); ``"bicubic"`` is
-        timm's (antialiased), ``"bicubic_plain"`` transformers' (see ``resample_grid``).
+        timm's (antialiased), ``"bicubic_plain"`` transformers', ``"bicubic_offset"`` the official DINOv2 code's (see
+        ``resample_grid``).
         """
         new_cfg = _replace(self.cfg, image_size=image_size)  # checks that the stride divides the new size
         if self.pos_embed is not None:
