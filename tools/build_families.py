@@ -5,7 +5,7 @@ Sources (nothing here was downloaded; sha256 and sizes are null, recorded by hug
   patch, image size, activation, eps, registers, projection), as transformers' conversion scripts write them
   (transformers 5.24, models/{dinov2,dinov2_with_registers,dinov3_vit,siglip,clip,deit}/convert_*.py), and the image
   processor each names (BitImageProcessor, SiglipImageProcessor, CLIPImageProcessor, DeiTImageProcessor).
-- timm: the entry points and pretrained configs of timm 1.0.31 (timm/models/vision_transformer.py, deit.py):
+- timm: the entry points and pretrained configs of timm 1.0.31 (timm/models/vision_transformer.py, deit.py, eva.py):
   model_args, input_size, crop_pct, interpolation, mean/std; timm builds SigLIP towers with nn.GELU (no
   act_layer) and ``vit_*_clip_224`` with nn.GELU too (its note: "natively QuickGELU, use quickgelu model
   variant for original results"), LayerNorm eps 1e-5 for CLIP in code: what load_options passes on.
@@ -82,14 +82,16 @@ def timm_entry(
     pre: dict[str, Any],
     load_options: dict[str, Any] | None = None,
     notes: str | None = None,
+    module: str | None = None,
+    format: str = "timm",
 ) -> dict[str, Any]:
-    module = "deit" if family == "deit" else "vision_transformer"
+    module = module or ("deit" if family == "deit" else "vision_transformer")
     return {
         "name": f"timm/{name}",
         "aliases": [name],
         "family": family,
         "repo_id": f"timm/{name}",
-        "format": "timm",
+        "format": format,
         "config": arch,
         "vitkit_config": vitkit,
         "load_options": load_options or {},
@@ -213,6 +215,58 @@ def dinov3() -> list[dict[str, Any]]:
             "value_bias": True,
         }
         out.append(hf_entry(repo, "dinov3", config, pre, [f"dinov3-{name}", repo.split("/")[1]]))
+    return out
+
+
+def dinov3_timm() -> list[dict[str, Any]]:
+    """timm's DINOv3 (timm 1.0.31 timm/models/eva.py: the Eva class, default_cfgs of ``_dinov3_cfg``): the
+    LVD-1689M models with and without the (zero) qkv bias, and the SAT-493M satellite models with their own
+    statistics. timm's hub config.json pools the patch mean (``global_pool`` "avg", Eva's default; upstream DINOv3
+    uses the class token: ``--pool cls``), 256 px, bicubic, crop_pct 1.0."""
+    sat = {"mean": [0.430, 0.411, 0.296], "std": [0.213, 0.156, 0.143]}
+    models = [  # entry size, hidden, depth, heads, SwiGLU hidden (timm's swiglu_align_to rounding) or None
+        ("small", 384, 12, 6, None),
+        ("small_plus", 384, 12, 6, 1536),
+        ("base", 768, 12, 12, None),
+        ("large", 1024, 24, 16, None),
+        ("huge_plus", 1280, 32, 20, 5120),
+        ("7b", 4096, 40, 32, 8192),
+    ]
+    out = []
+    for size, D, depth, heads, swiglu in models:
+        tags = {"lvd1689m": IMAGENET, **({"sat493m": sat} if size in ("large", "7b") else {})}
+        for tag, stats in tags.items():
+            for qkvb in (False, True) if size != "7b" else (False,):
+                if qkvb and tag == "sat493m" and size == "7b":
+                    continue
+                arch = f"vit_{size}_patch16_dinov3" + ("_qkvb" if qkvb else "")
+                name = f"{arch}.{tag}"
+                vitkit = {
+                    "image_size": [256, 256],
+                    "patch_size": 16,
+                    "num_classes": 0,
+                    "hidden_size": D,
+                    "depth": depth,
+                    "num_heads": heads,
+                    "mlp_dim": swiglu or 4 * D,
+                    "classifier": "gap",
+                    "class_token": True,
+                    "num_registers": 4,
+                    "layer_norm_eps": 1e-5,
+                    "qkv_bias": qkvb,
+                    "key_bias": not qkvb,
+                    "layer_scale": 1e-5,
+                    "mlp": "swiglu" if swiglu else "plain",
+                    "pos_embed": "none",
+                    "rope": "dinov3",
+                    "rope_theta": 100.0,
+                }
+                pre = {"processor": "timm", "resize": "crop", "crop_pct": 1.0, "crop": 256, "interpolation": "bicubic",
+                       **stats}  # fmt: skip
+                config = {"architecture": arch, "global_pool": "avg", "model_args": {}}
+                entry = timm_entry(name, "dinov3", config, vitkit, pre, module="eva", format="timm_eva")
+                entry["embedding"] = "mean of the patch tokens (timm's global_pool avg); --pool cls: class token"
+                out.append(entry)
     return out
 
 
@@ -491,7 +545,7 @@ def finish(d: dict[str, Any]) -> dict[str, Any]:
         "config": d["config"],
         "vitkit_config": {} if d["refused"] else fields,
         "load_options": d["load_options"],
-        "embedding": EMBEDDING[d["family"]],
+        "embedding": d.get("embedding") or EMBEDDING[d["family"]],
         "resolution": resolution,
         "preprocess": d["preprocess"],
         "params": params,
@@ -504,7 +558,7 @@ def finish(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    models = [finish(d) for d in [*dinov2(), *dinov3(), *siglip(), *clip(), *deit()]]
+    models = [finish(d) for d in [*dinov2(), *dinov3(), *dinov3_timm(), *siglip(), *clip(), *deit()]]
     doc = {
         "about": "Public checkpoints of the modern ViT families on the Hugging Face Hub (transformers and timm "
         "folders). params: vitkit's model as loaded (heads and projection included, DINOv2's mask_token not). "

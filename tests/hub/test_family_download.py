@@ -205,3 +205,38 @@ def test_a_timm_name_loads_with_what_timms_hub_config_leaves_out(hub: HubServer,
     assert float((ours - theirs).norm() / theirs.norm()) < 1e-5
     with pytest.raises(CheckpointError, match=r"no model_args.act_layer; pass gelu="):
         load_checkpoint(folder)
+
+
+def test_a_timm_dinov3_name_loads_through_the_eva_format(hub: HubServer, tmp_path: Path) -> None:
+    """``vit_small_patch16_dinov3.lvd1689m`` from the Hub (a timm folder as timm's hub holds it: model.safetensors
+    and a config.json with the architecture, global_pool "avg" and pretrained_cfg, no model_args) loads through the
+    timm_eva format, equal to timm's own Eva of the same weights."""
+    import json
+    import sys
+
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoints"))
+    from timm_real import import_timm
+
+    if import_timm() is None:
+        pytest.skip("timm is not installed")
+    import timm
+
+    torch.manual_seed(2)
+    model = randomize_(timm.create_model("vit_small_patch16_dinov3", pretrained=False, depth=2, img_size=64)).eval()
+    folder = tmp_path / "dinov3"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    config = {"architecture": "vit_small_patch16_dinov3", "num_classes": 0, "num_features": 384, "global_pool": "avg",
+              "pretrained_cfg": {"input_size": [3, 64, 64], "interpolation": "bicubic", "crop_pct": 1.0,
+              "crop_mode": "center", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}}  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    hub.publish("timm/vit_small_patch16_dinov3.lvd1689m", folder)
+    loaded = load_checkpoint("vit_small_patch16_dinov3.lvd1689m")
+    assert loaded.meta.format == "timm_eva" and loaded.model.cfg.classifier == "gap"
+    assert loaded.meta.provenance["num_heads"].startswith("6 (the DINOv3 entry point")
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        ours, theirs = loaded.model(x), model(x)
+    assert float((ours - theirs).norm() / theirs.norm()) < 1e-5

@@ -19,7 +19,7 @@ from vitkit.hub import entries, families, resolve
 from vitkit.hub.families import FAMILIES, FamilyEntry
 
 LOADABLE = [e for e in families.entries() if not e.refused]
-TIMM = [e for e in LOADABLE if e.format == "timm"]
+TIMM = [e for e in LOADABLE if e.format in ("timm", "timm_eva")]
 
 
 def entry(name: str) -> FamilyEntry:
@@ -34,9 +34,9 @@ def test_names_are_unique_across_both_registries_and_entries_are_honest() -> Non
     assert len(names) == len(set(names))
     defaults = {"dinov2": "class token", "siglip": "MAP output", "clip": "projected embedding"}
     for e in families.entries():
-        assert e.family in FAMILIES and e.format in ("hf", "timm")
+        assert e.family in FAMILIES and e.format in ("hf", "timm", "timm_eva")
         assert e.sha256 is None and e.size_mib is None  # unknown here: huggingface_hub checks and caches them
-        assert e.repo_id == e.name and (e.format == "timm") == e.repo_id.startswith("timm/")
+        assert e.repo_id == e.name and (e.format != "hf") == e.repo_id.startswith("timm/")
         if e.family in defaults:
             assert e.embedding == defaults[e.family]
         assert (e.params == 0) == bool(e.refused)
@@ -131,14 +131,18 @@ def test_timm_entries_are_what_the_loader_reads_from_real_timms_state_dict(e: Fa
     entry's config.json and load_options: the config the entry declares, and timm's parameter count."""
     import timm
 
-    from vitkit.checkpoints import timm_format
+    from vitkit.checkpoints import timm_eva, timm_format
 
     arch, args = e.config["architecture"], e.config["model_args"]
     model = _meta(lambda: timm.create_model(arch, pretrained=False, **args))
     state = model.state_dict()
     res = registry_config(e).image_size
-    sidecar = {"architecture": arch, "num_classes": args["num_classes"],
-               "pretrained_cfg": {"input_size": [3, *res]}}  # fmt: skip
+    sidecar = {"architecture": arch, "num_classes": args.get("num_classes", 0),
+               "pretrained_cfg": {"input_size": [3, *res]}, "global_pool": e.config.get("global_pool")}  # fmt: skip
+    if e.format == "timm_eva":  # timm's DINOv3: its hub config holds the architecture and global_pool only
+        assert timm_eva.infer_config(state, sidecar, e.name)[0] == registry_config(e)
+        assert _numel(model) == e.params
+        return
     cfg, layout = timm_format.infer_config(state, sidecar, e.name, **e.load_options)
     assert cfg == registry_config(e)
     # registers without a class slot (no_embed_class): vitkit keeps the class token's slot, as zeros

@@ -48,7 +48,8 @@ def param_count(cfg: ViTConfig) -> int:
 
 
 def config_fields(cfg: ViTConfig) -> dict[str, Any]:
-    """The fields of ``cfg`` that differ from ViTConfig's defaults, JSON-ready (for the registry's data)."""
+    """The fields of ``cfg`` that differ from ViTConfig's defaults, JSON-ready (for the registry's data); the class
+    token whenever the classifier alone would not give it (a "gap" model with a class token: DINOv3 in timm)."""
     default = ViTConfig()
     out: dict[str, Any] = {}
     for name in ViTConfig.__dataclass_fields__:
@@ -56,4 +57,6 @@ def config_fields(cfg: ViTConfig) -> dict[str, Any]:
         if name in ("extra", "name") or value == getattr(default, name):
             continue
         out[name] = list(value) if isinstance(value, tuple) else value
+    if cfg.class_token != ViTConfig(classifier=cfg.classifier).class_token:
+        out["class_token"] = cfg.class_token
     return out

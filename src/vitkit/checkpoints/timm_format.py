@@ -186,17 +186,23 @@ def _sidecar(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def looks_like(path: Path) -> bool:
-    """A timm state dict: keys ``patch_embed.proj.weight`` and ``blocks.0.attn.qkv.weight``."""
+def timm_keys(path: Path) -> set[str] | None:
+    """The state-dict keys of a timm file or folder (read from the header where the format has one), or None when
+    ``path`` is neither (a folder is timm's only with its config.json: HF and vitkit folders have their own)."""
     if path.is_dir() and _sidecar(path) is None:
-        return False  # a folder is timm's only with its config.json (HF and vitkit folders have their own)
+        return None
     weights = _weights_path(path)
     if weights is None:
-        return False
+        return None
     try:
-        keys = torch_files.state_keys(weights)
+        return set(torch_files.state_keys(weights))
     except CheckpointError:
-        return False
+        return None
+
+
+def looks_like(path: Path) -> bool:
+    """A timm state dict: keys ``patch_embed.proj.weight`` and ``blocks.0.attn.qkv.weight``."""
+    keys = timm_keys(path) or set()
     return "patch_embed.proj.weight" in keys and "blocks.0.attn.qkv.weight" in keys
 
 

@@ -48,7 +48,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
             "embed_dim": cfg.hidden_size,
             "depth": cfg.depth,
             "num_heads": cfg.num_heads,
-            "mlp_ratio": _ratio(hidden, cfg.hidden_size),
+            "mlp_ratio": mlp_ratio(hidden, cfg.hidden_size),
             "qkv_bias": cfg.qkv_bias,
             "class_token": bool(cfg.class_token),
             "global_pool": pool,
@@ -61,15 +61,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
             "pre_norm": cfg.norm_pre,
             "pool_include_prefix": cfg.classifier == "map" and cfg.num_prefix_tokens > 0,
         },
-        "pretrained_cfg": {
-            "input_size": [cfg.in_channels, *pre.image_size],
-            "interpolation": pre.interpolation,
-            "mean": list(pre.mean),
-            "std": list(pre.std),
-            "crop_pct": 1.0 if pre.resize == "squash" else pre.crop_pct,
-            "crop_mode": "squash" if pre.resize in ("squash", "squash_crop") else "center",  # "shortest": center
-            "num_classes": num_classes,
-        },
+        "pretrained_cfg": pretrained_cfg(cfg, pre, num_classes),
     }
     if meta and meta.class_names:
         doc["label_names"] = list(meta.class_names)
@@ -78,7 +70,20 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     return doc
 
 
-def _ratio(hidden: int, dim: int) -> float:
+def pretrained_cfg(cfg: ViTConfig, pre: Preprocess, num_classes: int) -> dict[str, Any]:
+    """timm's ``pretrained_cfg`` (input size, interpolation, mean/std, crop) of ``pre``."""
+    return {
+        "input_size": [cfg.in_channels, *pre.image_size],
+        "interpolation": pre.interpolation,
+        "mean": list(pre.mean),
+        "std": list(pre.std),
+        "crop_pct": 1.0 if pre.resize == "squash" else pre.crop_pct,
+        "crop_mode": "squash" if pre.resize in ("squash", "squash_crop") else "center",  # "shortest": center
+        "num_classes": num_classes,
+    }
+
+
+def mlp_ratio(hidden: int, dim: int) -> float:
     """The smallest mlp_ratio r with int(dim * r) == hidden (timm's Block rounds the width down)."""
     r = hidden / dim
     while int(dim * r) < hidden:

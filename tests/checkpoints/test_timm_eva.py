@@ -1,0 +1,129 @@
+"""timm's DINOv3 models (``timm/models/eva.py``: ``vit_*_patch16_dinov3[_qkvb]``) through vitkit's ``timm_eva``
+format, against the real ``timm`` package (imported with torchvision stubbed, see timm_real.py; skipped without
+timm): tiny random Eva models of each kind the entry points build (plain MLP without qkv bias, q/v bias without key
+bias, SwiGLU split and packed, class-token and patch-mean pooling, a classification head) are written as timm writes
+them (a hub folder: model.safetensors + config.json with the entry point and model_args), loaded with
+``load_checkpoint`` and compared with timm's forward in fp32, at the weights' size and another one (RoPE). vitkit's
+own timm export of a DINOv3 model is loaded back into the timm model its config.json names, strictly. EVA-02 and
+files without timm's config are refused in one line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from timm_real import import_timm
+
+from helpers import randomize_, rel_err
+from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
+from vitkit.errors import CheckpointError
+
+vt = import_timm()
+pytestmark = pytest.mark.skipif(vt is None, reason="timm is not installed")
+TINY = {"embed_dim": 64, "depth": 2, "num_heads": 2, "img_size": 64}
+# name: (entry point, model_args beside TINY, config.json's global_pool)
+KINDS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "small_token": ("vit_small_patch16_dinov3", {}, "token"),
+    "small_avg": ("vit_small_patch16_dinov3", {}, "avg"),
+    "qkvb_head": ("vit_small_patch16_dinov3_qkvb", {"num_classes": 5}, "token"),
+    "swiglu_split": ("vit_small_plus_patch16_dinov3_qkvb", {}, "token"),
+    "swiglu_packed": ("vit_small_plus_patch16_dinov3", {"swiglu_align_to": 0}, "token"),
+}
+
+
+def timm_model(arch: str, args: dict[str, Any], pool: str) -> torch.nn.Module:
+    timm = sys.modules["timm"]
+    model = timm.create_model(arch, pretrained=False, global_pool=pool, **TINY, **args)
+    randomize_(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gamma_1", "gamma_2")):
+                p.uniform_(0.5, 1.5)  # layer scale of 1e-5 would make every block nearly the identity
+    return model.eval()
+
+
+def timm_folder(model: torch.nn.Module, arch: str, args: dict[str, Any], pool: str, out: Path) -> Path:
+    """A timm hub folder as timm's push_to_hub writes it (the architecture, its args, pretrained_cfg)."""
+    out.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    doc = {
+        "architecture": arch,
+        "num_classes": args.get("num_classes", 0),
+        "num_features": TINY["embed_dim"],
+        "global_pool": pool,
+        "model_args": {**TINY, **args},
+        "pretrained_cfg": {"input_size": [3, 64, 64], "interpolation": "bicubic", "crop_pct": 1.0,
+                           "crop_mode": "center", "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]},
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(doc))
+    return out
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_timm_dinov3_loads_exactly(tmp_path: Path, kind: str) -> None:
+    arch, args, pool = KINDS[kind]
+    ref = timm_model(arch, args, pool)
+    folder = timm_folder(ref, arch, args, pool, tmp_path / "timm")
+    assert detect_format(folder) == "timm_eva"
+    ckpt = load_checkpoint(folder)
+    model, cfg = ckpt.model.eval(), ckpt.model.cfg
+    assert cfg.rope == "dinov3" and cfg.num_registers == 4 and cfg.pos_embed == "none"
+    assert cfg.classifier == ("token" if pool == "token" else "gap") and cfg.layer_norm_eps == 1e-5
+    assert cfg.mlp == ("swiglu" if "swiglu" in kind else "plain") and cfg.qkv_bias == ("qkvb" in arch)
+    assert ckpt.meta.preprocess.image_size == (64, 64) and ckpt.meta.preprocess.mean == (0.485, 0.456, 0.406)
+    for size in (64, 96):  # the weights' grid and another one: RoPE at any size
+        x = torch.randn(2, 3, size, size)
+        with torch.no_grad():
+            tokens, theirs_tokens = model.forward_features(x), ref.forward_features(x)
+            ours, theirs = model(x), ref(x)
+        assert tokens.shape == theirs_tokens.shape
+        assert rel_err(tokens, theirs_tokens) <= 1e-5, (kind, size)
+        assert rel_err(ours, theirs) <= 1e-5, (kind, size)
+
+
+@pytest.mark.parametrize("kind", ["qkvb_head", "swiglu_split", "small_avg"])
+def test_vitkit_writes_timm_eva_that_timm_loads_strictly(tmp_path: Path, kind: str) -> None:
+    arch, args, pool = KINDS[kind]
+    ref = timm_model(arch, args, pool)
+    model = load_checkpoint(timm_folder(ref, arch, args, pool, tmp_path / "in")).model.eval()
+    for out in (tmp_path / "out", tmp_path / "out.safetensors"):
+        written = save_checkpoint(model, out, "timm")
+        doc = json.loads((written / "config.json").read_text()) if written.is_dir() else None
+        if doc is not None:
+            timm = sys.modules["timm"]
+            back = timm.create_model(doc["architecture"], pretrained=False, **doc["model_args"]).eval()
+            back.load_state_dict(load_file(str(written / "model.safetensors")), strict=True)
+            x = torch.randn(2, 3, 64, 64)
+            with torch.no_grad():
+                assert rel_err(back(x), model(x)) <= 1e-5
+        again = load_checkpoint(written).model.eval()
+        assert again.cfg == model.cfg
+        for k, v in model.state_dict().items():
+            assert torch.equal(again.state_dict()[k], v), k
+
+
+def test_eva02_and_a_file_without_its_config_are_refused(tmp_path: Path) -> None:
+    timm = sys.modules["timm"]
+    eva02 = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=56, depth=1)
+    folder = tmp_path / "eva02"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in eva02.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "eva02_tiny_patch14_224", "model_args": {}}))
+    with pytest.raises(CheckpointError, match=r"timm Eva with a learned position embedding beside RoPE \(EVA-02"):
+        load_checkpoint(folder)
+    ref = timm_model("vit_small_patch16_dinov3", {}, "token")
+    bare = tmp_path / "bare.safetensors"
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(bare))
+    with pytest.raises(CheckpointError, match=r"bare.safetensors: a timm Eva state dict without timm's config\.json"):
+        load_checkpoint(bare)
+    mixed = timm_folder(ref, "vit_small_patch16_dinov3", {"rope_type": "mixed"}, "token", tmp_path / "mixed")
+    doc = json.loads((mixed / "config.json").read_text())
+    doc["architecture"] = "vit_base_patch16_rope_mixed_224"
+    (mixed / "config.json").write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match=r"with RoPE mixed is not supported"):
+        load_checkpoint(mixed)
