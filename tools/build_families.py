@@ -265,7 +265,7 @@ def dinov3_timm() -> list[dict[str, Any]]:
                        **stats}  # fmt: skip
                 config = {"architecture": arch, "global_pool": "avg", "model_args": {}}
                 entry = timm_entry(name, "dinov3", config, vitkit, pre, module="eva", format="timm_eva")
-                entry["embedding"] = "mean of the patch tokens (timm's global_pool avg); --pool cls: class token"
+                entry["embedding"] = "patch mean (timm's global_pool avg; --pool cls: the class token)"
                 out.append(entry)
     return out
 

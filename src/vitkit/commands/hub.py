@@ -136,14 +136,14 @@ def _print_google(rows: list[dict[str, Any]]) -> None:
 def _print_families(rows: list[dict[str, Any]]) -> None:
     width = max(len(r["name"]) for r in rows)
     print(
-        f"{'name':<{width}}  {'family':<7}{'arch':<14}{'params':>8}  {'res':>4}  {'format':<7}{'embedding':<21}cached"
+        f"{'name':<{width}}  {'family':<7}{'arch':<14}{'params':>8}  {'res':>4}  {'format':<9}{'embedding':<21}cached"
     )
     for r in rows:
         params = f"{r['params'] / 1e6:>7.1f}M" if not r["refused"] else f"{'-':>8}"
         embedding = "refused" if r["refused"] else r["embedding"].split(" (")[0].split(";")[0]
         print(
             f"{r['name']:<{width}}  {r['family']:<7}{r['architecture']:<14}{params}  {r['resolution'] or '-':>4}  "
-            f"{r['format']:<7}{embedding:<21}{'yes' if r['cached'] else 'no'}"
+            f"{r['format']:<9}{embedding:<21}{'yes' if r['cached'] else 'no'}"
         )
     refused = sum(1 for r in rows if r["refused"])
     print(
