@@ -230,8 +230,16 @@ def test_registry_counts_equal_transformers_models() -> None:
     # facebookresearch/dinov3's model table, rounded to millions there
     published = {"vits16": 21e6, "vits16plus": 29e6, "vitb16": 86e6, "vitl16": 300e6, "vith16plus": 840e6,
                  "vit7b16": 6716e6}  # fmt: skip
-    entries = [e for e in families.entries() if e.family == "dinov3"]
+    entries = [e for e in families.entries() if e.family == "dinov3" and e.format == "hf"]
     assert len(entries) == 6
+    # timm's names of the same models: the same counts, less the (zero) q/v biases timm drops without "_qkvb"
+    hf_by_width = {(registry_config(e).hidden_size, registry_config(e).mlp): e.params for e in entries}
+    timm = [e for e in families.entries() if e.family == "dinov3" and e.format == "timm_eva"]
+    assert len(timm) == 14
+    for e in timm:
+        cfg = registry_config(e)
+        biases = 0 if cfg.qkv_bias else 2 * cfg.hidden_size * cfg.depth
+        assert e.params + biases == hf_by_width[(cfg.hidden_size, cfg.mlp)], e.name
     for e in entries:
         assert not e.refused and e.embedding == "class token" and e.format == "hf"
         assert loader_config(e) == registry_config(e) and param_count(registry_config(e)) == e.params
