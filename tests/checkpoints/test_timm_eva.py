@@ -127,3 +127,20 @@ def test_eva02_and_a_file_without_its_config_are_refused(tmp_path: Path) -> None
     (mixed / "config.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match=r"with RoPE mixed is not supported"):
         load_checkpoint(mixed)
+
+
+@pytest.mark.parametrize("arch", ["vit_small_patch16_dinov3_qkvb", "vit_small_plus_patch16_dinov3"])
+def test_timm_dinov3_at_its_real_shape(tmp_path: Path, arch: str) -> None:
+    """DINOv3-S/16 and S+/16 (12 blocks, 384 wide, 6 heads, SwiGLU in S+) with random weights at 224 px, as the
+    hub's timm folders hold them (no model_args: the entry point's own settings)."""
+    timm = sys.modules["timm"]
+    ref = randomize_(timm.create_model(arch, pretrained=False, global_pool="token"), std=0.02).eval()
+    folder = tmp_path / "timm"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": arch, "num_classes": 0, "global_pool": "token"}))
+    model = load_checkpoint(folder).model.eval()
+    assert model.cfg.depth == 12 and model.cfg.num_heads == 6 and model.cfg.image_size == (224, 224)
+    x = torch.randn(2, 3, 224, 224)
+    with torch.no_grad():
+        assert rel_err(model(x), ref(x)) <= 1e-5

@@ -78,14 +78,14 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 # the formats ``convert --to`` writes: those of vitkit.checkpoints.FORMATS with a writer (a test holds them equal),
 # named here so that building the parser imports no checkpoint code
-WRITABLE_FORMATS = ("vitkit", "official", "big_vision", "hf", "timm", "siglip")
+WRITABLE_FORMATS = ("vitkit", "official", "big_vision", "hf", "timm", "timm_eva", "siglip")
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     writable = list(WRITABLE_FORMATS)
     p = sub.add_parser(
         "convert",
-        help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm, siglip)",
+        help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm, timm_eva, siglip)",
         description="Read any supported checkpoint and write it in another format, keeping class names and "
         "preprocessing where the target can hold them. The written file is read back and its outputs compared "
         "with the source model on random images; the relative error is printed.",
