@@ -10,6 +10,7 @@ files without timm's config are refused in one line."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,36 @@ def test_timm_dinov3_at_its_real_shape(tmp_path: Path, arch: str) -> None:
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         assert rel_err(model(x), ref(x)) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("qkv_bias", r"model_args\.qkv_bias=True, but the weights say False"),
+        ("reg_token", r"vit_small_patch16_dinov3 has num_reg_tokens 4, the weights 2"),
+        ("act", r"a SwiGLU MLP|mlp\.fc1 has"),
+    ],
+)
+def test_a_damaged_timm_dinov3_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, message: str
+) -> None:
+    """timm's config and the weights disagreeing (a qkv bias the weights lack), a truncated register tensor, an MLP
+    that is neither plain nor SwiGLU: `vitkit info` says it in one line naming the folder, exit 2."""
+    from helpers import run_cli
+
+    ref = timm_model("vit_small_patch16_dinov3", {}, "token")
+    folder = timm_folder(ref, "vit_small_patch16_dinov3", {}, "token", tmp_path / "timm")
+    doc = json.loads((folder / "config.json").read_text())
+    state = load_file(str(folder / "model.safetensors"))
+    if damage == "qkv_bias":
+        doc["model_args"]["qkv_bias"] = True
+    elif damage == "reg_token":
+        state["reg_token"] = state["reg_token"][:, :2]
+    else:
+        state["blocks.0.mlp.fc1.weight"] = state["blocks.0.mlp.fc1.weight"][:100]
+    (folder / "config.json").write_text(json.dumps(doc))
+    save_file(state, str(folder / "model.safetensors"))
+    code, _, err = run_cli(capsys, "info", str(folder))
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("note:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert str(folder) in lines[0] and re.search(message, lines[0]), lines[0]

@@ -224,7 +224,7 @@ def test_a_timm_dinov3_name_loads_through_the_eva_format(hub: HubServer, tmp_pat
     import timm
 
     torch.manual_seed(2)
-    model = randomize_(timm.create_model("vit_small_patch16_dinov3", pretrained=False, depth=2, img_size=64)).eval()
+    model = randomize_(timm.create_model("vit_small_patch16_dinov3", pretrained=False, img_size=64), std=0.02).eval()
     folder = tmp_path / "dinov3"
     folder.mkdir()
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))

@@ -53,6 +53,9 @@ from vitkit.models.vit import VisionTransformer, ViTConfig
 FORMAT = "timm_eva"
 ENTRY = re.compile(r"^vit_(tiny|small|small_plus|base|large|huge_plus|7b)_patch16_dinov3(_qkvb)?$")
 SIZES = {192: "tiny", 384: "small", 768: "base", 1024: "large", 1280: "huge_plus", 4096: "7b"}
+# each entry point's width and depth (timm 1.0.31 eva.py); all have 4 registers
+SHAPES = {"tiny": (192, 12), "small": (384, 12), "small_plus": (384, 12), "base": (768, 12), "large": (1024, 24),
+          "huge_plus": (1280, 32), "7b": (4096, 40)}  # fmt: skip
 HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 20, 4096: 32}
 ROPE_TEMPERATURE = 100.0  # every DINOv3 entry point's
 EPS = 1e-5  # every DINOv3 entry point's norm_layer
@@ -113,8 +116,11 @@ def _architecture(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     """The model_args that rebuild the model: the entry point's, then the config's own."""
     arch = str(doc.get("architecture", ""))
     args = dict(doc.get("model_args") or {})
-    if ENTRY.match(arch):
-        base = {"rope_type": "dinov3", "rope_temperature": ROPE_TEMPERATURE, "rope_rotate_half": True}
+    entry = ENTRY.match(arch)
+    if entry:
+        D, depth = SHAPES[entry.group(1)]
+        base = {"rope_type": "dinov3", "rope_temperature": ROPE_TEMPERATURE, "rope_rotate_half": True,
+                "embed_dim": D, "depth": depth, "num_reg_tokens": 4}  # fmt: skip
         return {**base, "qkv_bias": arch.endswith("_qkvb"), **args}
     if args.get("rope_type") == "dinov3":
         return args
@@ -145,6 +151,13 @@ def infer_config(
     D, C, P, P2 = (int(n) for n in weights["patch_embed.proj.weight"].shape)
     if P != P2:
         raise CheckpointError(f"{source}: non-square patches {P}x{P2} are not supported")
+    regs = tuple(int(n) for n in weights["reg_token"].shape) if "reg_token" in weights else (1, 0, D)
+    depth = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks."))
+    for key, found in (("embed_dim", D), ("depth", depth), ("num_reg_tokens", regs[1])):
+        if key in args and int(args[key]) != found:
+            raise CheckpointError(f"{source}: {sidecar.get('architecture')} has {key} {args[key]}, the weights {found}")
+    if len(regs) != 3 or regs[0] != 1 or regs[2] != D:
+        raise CheckpointError(f"{source}: reg_token has shape {regs}, expected (1, registers, {D})")
     heads = args.get("num_heads") or HEADS.get(D)
     if not heads:
         raise CheckpointError(f"{source}: width {D} is not a DINOv3 entry point's; model_args.num_heads is needed")
@@ -156,7 +169,6 @@ def infer_config(
     if pool not in ("token", "avg"):
         raise CheckpointError(f"{source}: global_pool {pool!r} is not supported (token or avg)")
     size = args.get("img_size") or (sidecar.get("pretrained_cfg") or {}).get("input_size", [0, 224, 224])[1:]
-    regs = tuple(weights["reg_token"].shape) if "reg_token" in weights else (1, 0, D)
     try:
         cfg = ViTConfig(
             image_size=_size(size, source),
@@ -164,7 +176,7 @@ def infer_config(
             in_channels=C,
             num_classes=int(weights["head.weight"].shape[0]) if "head.weight" in weights else 0,
             hidden_size=D,
-            depth=1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks.")),
+            depth=depth,
             num_heads=int(heads),
             mlp_dim=mlp_dim,
             classifier="token" if pool == "token" else "gap",
