@@ -60,6 +60,8 @@ CORRUPTIONS: dict[str, tuple[Callable[..., Any] | None, Callable[..., Any] | Non
     ),
     "wrong type": (lambda m: m.update(hidden_size="32"), None, "hidden_size must be an integer, got '32'"),
     "NaN eps": (lambda m: m.update(layer_norm_eps=float("nan")), None, "layer_norm_eps must be a finite number"),
+    # a key of the file's own that would break the line (found by the checkpoint fuzzer): quoted printable
+    "a key with a newline": (lambda m: m.update({"\n": None}), None, "unknown ViT config keys: \\x0a"),
     # the descendants' options (models/config.py): an unknown activation, a bad register count, RoPE beside a
     # learned position embedding, a layer scale that is not a number, registers the weights do not hold
     "unknown activation": (lambda m: m.update(gelu="swish"), None, "gelu must be one of 'exact', 'tanh', 'quick'"),

@@ -29,6 +29,7 @@ from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_fil
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
+from vitkit.textids import printable
 
 FORMAT = "vitkit"
 VERSION = 1
@@ -76,7 +77,8 @@ def load(path: Path) -> Checkpoint:
     except FileNotFoundError:
         raise CheckpointError(f"{cfg_path}: no such file") from None
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
-        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({type(e).__name__}: {e})") from None
+        # the message may quote the file's own strings (an unknown key "\n"): printable keeps it one line
+        raise CheckpointError(f"{cfg_path}: invalid vitkit config ({type(e).__name__}: {printable(str(e))})") from None
     if not w_path.is_file():
         raise CheckpointError(f"{w_path}: no such file")
     try:
