@@ -238,3 +238,15 @@ def test_cifar_pickle_naming_an_unknown_encoding_is_one_line(tmp_path: Path) -> 
     )
     with pytest.raises(DataError, match="data_batch_1"):
         safe_unpickle(path)
+
+
+def test_a_config_key_that_breaks_the_line_is_quoted_in_the_error_itself(tmp_path: Path, ckpt: Path) -> None:
+    """The library's error, not only the CLI's printing of it, is one line (what the slow checkpoint fuzzer found:
+    a config key "\\n" echoed raw)."""
+    from vitkit.checkpoints import load_checkpoint
+    from vitkit.errors import CheckpointError
+
+    bad = _edited(ckpt, tmp_path / "bad", lambda m: m.update({"\n": None}))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad)
+    assert "\n" not in str(e.value) and "unknown ViT config keys: \\x0a" in str(e.value)
