@@ -56,7 +56,7 @@ class RayOptions:
     """Where and how a job runs on Ray: ``address`` (None: a local cluster started for the job; ``auto``: the
     running cluster; or ``host:port`` / ``ray://host:port``), ``actors`` model actors, each with
     ``cpus_per_actor`` / ``gpus_per_actor`` of Ray's resources and ``threads`` PyTorch threads (0: every core of
-    its node, as the local job's model takes), ``retries`` of a decoding task that raises, ``actor_restarts``
+    its node, as the local job's model takes), ``retries`` of a decoding batch whose reading raises, ``actor_restarts``
     of a model actor whose process dies (Ray's ``max_restarts``; -1: without limit) with its batches run again
     (``max_task_retries``, the same number), and ``num_cpus``, the CPUs of a local cluster (None: Ray's
     default, every core)."""
@@ -96,18 +96,31 @@ class Decode:
     (int64 bytes) read from ``source`` and transformed as the local job's decoding workers do (``transform``:
     :func:`dataset` gives the job's with ``uint8=True``), to a row holding the batch (positions, ids, labels,
     errors, images of the items that decoded) pickled. A bad image is a
-    failed item with the local job's reason (always: whether that stops the job is the driver's ``skip_bad``)."""
+    failed item with the local job's reason (always: whether that stops the job is the driver's ``skip_bad``).
+    Reading a batch that raises (a file system error) is tried again, ``retries`` times; a task whose worker dies
+    is run again by Ray itself (Ray Data's tasks retry system failures without limit)."""
 
-    def __init__(self, source: ImageSource, transform: Callable[..., Any]) -> None:
+    def __init__(self, source: ImageSource, transform: Callable[..., Any], retries: int = 3) -> None:
         self.source, self.transform = source, transform  # a vitkit.data.stream.Transform
+        self.retries = retries
 
     def __call__(self, rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = []
         for raw in rows["positions"]:
             positions = np.frombuffer(raw, dtype=np.int64).tolist()
-            (b,) = stream_batches(self.source, self.transform, len(positions), positions=positions, skip_bad=True)
+            b = self._read(positions)
             out.append(_pack((b.positions, b.ids, b.labels, b.errors, b.images.numpy())))
         return {"step": np.asarray(rows["step"]), "batch": np.array(out, dtype=object)}
+
+    def _read(self, positions: list[int]) -> Any:
+        for attempt in range(self.retries + 1):
+            try:
+                (b,) = stream_batches(self.source, self.transform, len(positions), positions=positions, skip_bad=True)
+                return b
+            except Exception:  # a bad image is a failed item, never raised: this is the reading itself failing
+                if attempt == self.retries:
+                    raise
+        raise AssertionError("unreachable")
 
 
 class EngineActor:
@@ -180,13 +193,14 @@ def dataset(ray: Any, job: Job, task: Task, todo: list[int], options: RayOptions
     chunks = [np.asarray(todo[s : s + b], dtype=np.int64).tobytes() for s in range(0, len(todo), b)]
     steps = ray.data.from_items([{"step": k, "positions": c} for k, c in enumerate(chunks)],
                                 override_num_blocks=max(1, len(chunks)))  # fmt: skip
-    # a task that raises runs again (ray.remote's own options, passed through map_batches' ray_remote_args)
-    decoded = steps.map_batches(Decode(source, pixels), batch_size=1, num_cpus=1, max_retries=options.retries,
-                                retry_exceptions=True)  # fmt: skip
+    decoded = steps.map_batches(Decode(source, pixels, options.retries), batch_size=1, num_cpus=1)
     calibration = lambda: calibration_sample(source, transform)  # noqa: E731
     kwargs = {"spec": spec, "task": task, "batch_size": b, "threads": options.threads, "calibration": calibration}
-    # a lost actor (its process killed, its node gone) is started again and its batches rerun: Ray's own options
-    restarts = {"max_restarts": options.actor_restarts, "max_task_retries": options.actor_restarts}
+    # a lost actor (its process killed, its node gone) is started again and its batches rerun: Ray Data's default
+    # (max_restarts and max_task_retries -1); another count goes through ray.remote's options, which Ray 2.60
+    # deprecates passing to map_batches (and warns)
+    n = options.actor_restarts
+    restarts = {} if n == -1 else {"max_restarts": n, "max_task_retries": n}
     return decoded.map_batches(
         EngineActor, batch_size=1, fn_constructor_kwargs=kwargs,
         compute=ray.data.ActorPoolStrategy(size=options.actors),
