@@ -215,7 +215,9 @@ def load(path: Path) -> Checkpoint:
     cfg, args, split = infer_config(weights, sidecar, str(path))
     check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
     arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(key_map(cfg, split), arrays, expected_state(cfg), source=str(path))
+    # rope.periods: RoPE's frequencies, a buffer timm computes (and leaves out of its state dicts); ignored if saved
+    state = to_state_dict(key_map(cfg, split), arrays, expected_state(cfg), source=str(path),
+                          ignore=lambda k: k == "rope.periods")  # fmt: skip
     doc = dict(sidecar or {})
     labels = doc.get("label_names")
     provenance: dict[str, Any] = {"layout": "timm Eva (DINOv3)", "architecture": doc.get("architecture")}
