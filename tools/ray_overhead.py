@@ -11,12 +11,7 @@ BENCHMARKS.md, which is at its length limit; the numbers are in docs/ray.md.)
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
-
-import numpy as np
-from PIL import Image
 
 
 def main() -> None:
@@ -27,25 +22,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
 
+    from ray_bench_setup import jpegs_and_checkpoint
+
     import ray
-    import vitkit
-    from vitkit.checkpoints import load_checkpoint
-    from vitkit.checkpoints.preprocess import Preprocess
     from vitkit.data.stream import FileSource
     from vitkit.inference.embed import EmbedOptions, embed_job
-    from vitkit.models import create_model
     from vitkit.ray import RayOptions, steps
 
-    root = Path(tempfile.mkdtemp(prefix="vitkit-ray-bench-"))
-    rng = np.random.default_rng(0)
-    paths = []
-    for i in range(args.images):  # smooth photos-like noise, 320x256 JPEGs
-        small = rng.integers(0, 256, (16, 20, 3), dtype=np.uint8)
-        Image.fromarray(small).resize((320, 256), Image.BILINEAR).save(root / f"{i:05d}.jpg", quality=90)
-        paths.append(str(root / f"{i:05d}.jpg"))
-    ckpt = vitkit.save_pretrained(create_model("S/16", num_classes=10).eval(), root / "m",
-                                  preprocess=Preprocess(image_size=224))  # fmt: skip
-    loaded = load_checkpoint(ckpt)
+    root, paths, loaded = jpegs_and_checkpoint(args.images, "vitkit-ray-bench-")
     opts = EmbedOptions(batch_size=32, precision=args.precision, workers=1, progress=False)
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     for r in range(args.rounds):

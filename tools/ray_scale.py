@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
-from PIL import Image
 
 
 def main() -> None:
@@ -35,28 +32,16 @@ def main() -> None:
 
     import torch
     from ray.cluster_utils import Cluster
+    from ray_bench_setup import jpegs_and_checkpoint
 
     import ray
-    import vitkit
-    from vitkit.checkpoints import load_checkpoint
-    from vitkit.checkpoints.preprocess import Preprocess
     from vitkit.data.stream import FileSource
     from vitkit.inference.embed import EmbedOptions, embed_columns, embed_job, vector_shape
     from vitkit.inference.jobs import EngineSpec
-    from vitkit.models import create_model
     from vitkit.ray import Decode, EngineActor, RayOptions, steps
 
     b = 32
-    root = Path(tempfile.mkdtemp(prefix="vitkit-ray-scale-"))
-    rng = np.random.default_rng(0)
-    paths = []
-    for i in range(args.images):  # smooth photos-like noise, 320x256 JPEGs
-        small = rng.integers(0, 256, (16, 20, 3), dtype=np.uint8)
-        Image.fromarray(small).resize((320, 256), Image.BILINEAR).save(root / f"{i:05d}.jpg", quality=90)
-        paths.append(str(root / f"{i:05d}.jpg"))
-    ckpt = vitkit.save_pretrained(create_model("S/16", num_classes=10).eval(), root / "m",
-                                  preprocess=Preprocess(image_size=224))  # fmt: skip
-    loaded = load_checkpoint(ckpt)
+    root, paths, loaded = jpegs_and_checkpoint(args.images, "vitkit-ray-scale-")
     opts = EmbedOptions(batch_size=b, precision=args.precision, progress=False)
     source = FileSource(paths)
     spec = EngineSpec.of(loaded, precision=args.precision)
