@@ -9,7 +9,7 @@ import subprocess
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -98,19 +98,27 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-def wait_healthy(proc: subprocess.Popen[Any], url: str, seconds: float = 60) -> None:
-    """Wait until the ``vitkit serve`` process ``proc`` answers ``url``/health with 200 (fails if it exits or
-    ``seconds`` pass first)."""
+def wait_healthy(
+    proc: subprocess.Popen[Any],
+    url: str,
+    seconds: float = 60,
+    *,
+    path: str = "/health",
+    printed: Callable[[], str] = lambda: "",
+) -> None:
+    """Wait until the ``vitkit serve`` (or ``demo``) process ``proc`` answers ``url`` + ``path`` with 200; an
+    AssertionError with what it ``printed`` if it exits or ``seconds`` pass first."""
     import httpx
 
     deadline = time.monotonic() + seconds
     while True:
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+            if httpx.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
-        assert proc.poll() is None and time.monotonic() < deadline, "vitkit serve did not start"
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{' '.join(map(str, proc.args[2:4]))} did not start:\n{printed()}")
         time.sleep(0.1)
 
 
@@ -123,8 +131,6 @@ def vitkit_server(args: list[str], *, log: Path | None = None, ready: str = "/he
     import os
     import sys
 
-    import httpx
-
     from helpers import SRC
 
     port = free_port()
@@ -135,18 +141,12 @@ def vitkit_server(args: list[str], *, log: Path | None = None, ready: str = "/he
     if log is not None:
         out.close()  # type: ignore[union-attr]
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+
+    def printed() -> str:
+        return log.read_text() if log is not None else proc.stdout.read() if proc.stdout else ""
+
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}{ready}", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                printed = log.read_text() if log is not None else proc.stdout.read() if proc.stdout else ""
-                raise AssertionError(f"vitkit {args[0]} did not start:\n{printed}")
-            time.sleep(0.2)
+        wait_healthy(proc, url, 120, path=ready, printed=printed)
         yield url, proc
     finally:
         proc.terminate()

@@ -297,15 +297,7 @@ def server_process(ckpt: Path) -> Iterator[tuple[subprocess.Popen[str], str]]:
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-        time.sleep(0.1)
+    wait_healthy(proc, url, printed=lambda: proc.stderr.read() if proc.stderr else "")
     try:
         yield proc, url
     finally:
