@@ -86,8 +86,10 @@ def looks_like(path: Path) -> bool:
     keys = timm_format.timm_keys(path)
     if keys is None or "patch_embed.proj.weight" not in keys:
         return False
+    if is_eva(keys):
+        return True  # the config is read only when the keys do not tell
     arch = str((timm_format._sidecar(path) or {}).get("architecture", ""))
-    return is_eva(keys) or bool(ENTRY.match(arch)) or arch.startswith("eva")
+    return bool(ENTRY.match(arch)) or arch.startswith("eva")
 
 
 def key_map(cfg: ViTConfig, split_swiglu: bool = True) -> list[Rule]:
