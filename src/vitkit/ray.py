@@ -113,14 +113,16 @@ class Decode:
         return {"step": np.asarray(rows["step"]), "batch": np.array(out, dtype=object)}
 
     def _read(self, positions: list[int]) -> Any:
-        for attempt in range(self.retries + 1):
+        def read() -> Any:
+            (b,) = stream_batches(self.source, self.transform, len(positions), positions=positions, skip_bad=True)
+            return b
+
+        for _ in range(self.retries):
             try:
-                (b,) = stream_batches(self.source, self.transform, len(positions), positions=positions, skip_bad=True)
-                return b
+                return read()
             except Exception:  # a bad image is a failed item, never raised: this is the reading itself failing
-                if attempt == self.retries:
-                    raise
-        raise AssertionError("unreachable")
+                continue
+        return read()  # the last try: its error is the task's
 
 
 class EngineActor:
