@@ -178,3 +178,30 @@ def test_a_damaged_timm_dinov3_is_one_line(
     lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("note:")]
     assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert str(folder) in lines[0] and re.search(message, lines[0]), lines[0]
+
+
+@pytest.mark.parametrize("out_name", ["out", "out.safetensors", "out.pth"])
+def test_converting_what_timms_eva_cannot_hold_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out_name: str
+) -> None:
+    """`vitkit convert --to timm_eva` of the paper's ViT (a learned position table, no RoPE), and of a DINOv3 to a
+    bare .pth (which cannot carry the RoPE settings): one line naming why, exit 2, nothing written; a file already
+    there is left as it was."""
+    from helpers import run_cli
+    from vitkit import create_model, save_pretrained
+
+    plain = save_pretrained(create_model("Ti/16", image_size=32, depth=1, num_classes=2), tmp_path / "plain")
+    ref = timm_model("vit_small_patch16_dinov3", {}, "token")
+    dinov3 = timm_folder(ref, "vit_small_patch16_dinov3", {}, "token", tmp_path / "dinov3")
+    mine = tmp_path / "mine.pth"
+    mine.write_bytes(b"the user's own file")
+    for src, why in ((plain, r"timm's DINOv3 has RoPE and no position table"), (dinov3, r"bare \.pth cannot record")):
+        if why.startswith("timm") or out_name.endswith(".pth"):
+            out = tmp_path / out_name
+            code, _, err = run_cli(capsys, "convert", str(src), str(out), "--to", "timm_eva")
+            lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("note:")]
+            assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+            assert re.search(why, lines[0]), lines[0]
+            assert not out.exists()
+    code, _, err = run_cli(capsys, "convert", str(dinov3), str(mine), "--to", "timm_eva")
+    assert code == 2 and "already exists" in err and mine.read_bytes() == b"the user's own file"
