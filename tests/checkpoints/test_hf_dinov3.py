@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helpers import rel_err, run_cli
+from vitkit import hardware
 from vitkit.checkpoints import detect_format, load_checkpoint, save_checkpoint
 from vitkit.errors import CheckpointError
 
@@ -60,10 +61,10 @@ def hf_model(kw: dict[str, Any], base: dict[str, Any] = TINY) -> Any:
     return model.eval()
 
 
-def _check(name: str, ours: torch.Tensor, theirs: torch.Tensor) -> None:
+def _check(name: str, ours: torch.Tensor, theirs: torch.Tensor, tol: float = TOL) -> None:
     err = rel_err(ours, theirs)
     MEASURED[name] = max(MEASURED.get(name, 0.0), err)
-    assert err <= TOL, (name, err)
+    assert err <= tol, (name, err)
 
 
 def _compare(model: torch.nn.Module, ref: Any, x: torch.Tensor, name: str) -> None:
@@ -220,7 +221,9 @@ def test_embed_defaults_to_the_class_token(tmp_path: Path, capsys: pytest.Captur
     pixels = torch.stack([pre(Image.open(tmp_path / "img" / Path(str(n)).name).convert("RGB")) for n in names])
     with torch.no_grad():
         theirs = ref(pixel_values=pixels).pooler_output  # DINOv3ViTModel's pooled class token
-    _check(f"embed {precision}", torch.from_numpy(np.load(out)), theirs)
+    # "auto" serves bf16 where the CPU computes it natively (AVX512_BF16, AMX): bf16's rounding, not fp32's
+    bf16 = precision == "auto" and hardware.has_native_bf16()
+    _check(f"embed {precision}", torch.from_numpy(np.load(out)), theirs, 3e-2 if bf16 else TOL)
 
 
 def test_registry_counts_equal_transformers_models() -> None:

@@ -113,7 +113,12 @@ def test_written_back_loads_into_timm_strictly(tmp_path: Path, name: str) -> Non
             assert torch.equal(rebuilt.state_dict()[key], value), key
     x = torch.randn(2, 3, args["img_size"], args["img_size"])
     with torch.no_grad():
-        assert torch.equal(rebuilt(x), ref(x))
+        if FAMILIES[name][2].get("mlp") == "SwiGLU":
+            # timm's split SwiGLU (two GEMMs of the hidden width) against the packed one (one of twice it): the
+            # same products, summed in another order by oneDNN on some CPUs (Zen 5: ~1e-7)
+            assert rel_err(rebuilt(x), ref(x)) <= 1e-6
+        else:
+            assert torch.equal(rebuilt(x), ref(x))
         assert torch.equal(load_checkpoint(out).model.eval()(x), loaded(x))
 
 
