@@ -171,7 +171,9 @@ def test_every_input_kind_gives_one_row_per_image_with_its_id(
     assert [r["classes"] for r in rows] == [c for c, _ in want]
     assert [r["labels"] for r in rows] == [[CLASSES[j] for j in c] for c, _ in want]
     got_p, want_p = np.array([r["probs"] for r in rows], np.float32), np.array([p for _, p in want], np.float32)
-    np.testing.assert_array_equal(got_p, want_p)  # --precision fp32: the model itself, bit for bit
+    # --precision fp32: the model itself, to fp32's rounding (the job's thread count may split oneDNN's GEMMs
+    # otherwise than this process's; Zen 5, family 26: 2.5e-7 relative at most)
+    np.testing.assert_allclose(got_p, want_p, rtol=1e-6, atol=1e-7)
     assert f"wrote {len(ids)} rows to {out}" in err
 
 

@@ -51,7 +51,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     variants("china.jpg")["china.jpg"].rotate(90, expand=True).save(outside, quality=90)
     (photos / "link.jpg").symlink_to(outside)  # indexed, but a link out of the folder: no thumbnail
     index = root / "photos.index"
-    assert main(["index", str(photos), "-c", str(ckpt), "--out", str(index), "--exact"]) == 0
+    # fp32 vectors: the served model embeds its queries in fp32 (auto would be bf16 on CPUs with native bf16)
+    assert main(["index", str(photos), "-c", str(ckpt), "--out", str(index), "--exact", "--precision", "fp32"]) == 0
     query = root / "query.png"
     img = variants("flower.jpg")["flower.jpg"]
     img.crop((30, 20, img.width - 50, img.height - 10)).save(query)  # not indexed: a crop of an indexed photo

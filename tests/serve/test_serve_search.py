@@ -37,7 +37,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
         fmt = "PNG" if seed % 2 else "JPEG"
         (images / f"img{seed:02d}.{fmt.lower()}").write_bytes(image_bytes(seed, (40 + 3 * seed, 36), fmt))
     index = root / "index"
-    assert main(["index", str(images), "-c", str(ckpt), "--out", str(index), "--exact"]) == 0
+    # fp32 vectors: the served model embeds its queries in fp32 (auto would be bf16 on CPUs with native bf16)
+    assert main(["index", str(images), "-c", str(ckpt), "--out", str(index), "--exact", "--precision", "fp32"]) == 0
     return ckpt, images, index
 
 

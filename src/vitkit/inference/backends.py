@@ -219,8 +219,9 @@ def _openvino_model(
         "ENABLE_CPU_PINNING": False,  # torch's threads share these cores: no pinning, no reservation
     }
     compiled = core.compile_model(ov_model, "CPU", config)
-    ran = str(compiled.get_property("INFERENCE_PRECISION_HINT"))  # what the plugin took: f32 on CPUs without bf16
-    if floating == "bf16" and "bf16" not in ran.lower():
+    # what the plugin took (f32 on CPUs without bf16), an element type: "<Type: 'bfloat16'>" (OpenVINO 2026.4)
+    ran = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower()
+    if floating == "bf16" and "bf16" not in ran and "bfloat16" not in ran:
         floating = "fp32 (this CPU has no bf16: OpenVINO computes in fp32)"
     request = compiled.create_infer_request()
     lock = threading.Lock()  # one infer request: one call at a time
