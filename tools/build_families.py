@@ -1,4 +1,4 @@
-"""Writes src/vitkit/resources/vit_families.json: the public DINOv2, DINOv3, SigLIP, CLIP and DeiT checkpoints by name.
+"""Writes src/vitkit/resources/vit_families.json: the public DINOv2, DINOv3, EVA-02, SigLIP, CLIP and DeiT checkpoints.
 
 Sources (nothing here was downloaded; sha256 and sizes are null, recorded by huggingface_hub on download):
 - transformers folders: the architecture fields of each repository's config.json (hidden size, depth, heads,
@@ -44,6 +44,7 @@ SO400M = (
 EMBEDDING = {
     "dinov2": "class token",
     "dinov3": "class token",
+    "eva02": "patch mean after fc_norm",
     "siglip": "MAP output",
     "clip": "projected embedding",
     "deit": "logits (mean of both heads); features: class token",
@@ -267,6 +268,62 @@ def dinov3_timm() -> list[dict[str, Any]]:
                 entry = timm_entry(name, "dinov3", config, vitkit, pre, module="eva", format="timm_eva")
                 entry["embedding"] = "patch mean (timm's global_pool avg; --pool cls: the class token)"
                 out.append(entry)
+    return out
+
+
+def eva02_timm() -> list[dict[str, Any]]:
+    """timm's EVA-02 (timm 1.0.31 timm/models/eva.py: the Eva class, default_cfgs of ``_cfg``): the MIM towers
+    (IN-22k, Merged-38M; 224 px, no head, crop_pct 0.9) and their ImageNet fine-tunes (336 / 448 px, crop_pct 1.0,
+    squashed where timm's config says ``crop_mode='squash'``), OpenAI CLIP's statistics, bicubic. Patch 14, SwiGLU of
+    int(D * 4 * 2 / 3) with a LayerNorm inside it in B and L, RoPE with ref_feat_shape 16 x 16 beside a learned position
+    table, the patch mean after fc_norm (timm's global_pool "avg")."""
+    shapes = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12), "large": (1024, 24, 16)}
+    models = [  # (entry point, tag, classes, timm's crop_mode squash)
+        *[(f"eva02_{s}_patch14_224", "mim_in22k", 0, False) for s in shapes],
+        ("eva02_large_patch14_224", "mim_m38m", 0, False),
+        ("eva02_tiny_patch14_336", "mim_in22k_ft_in1k", 1000, False),
+        ("eva02_small_patch14_336", "mim_in22k_ft_in1k", 1000, False),
+        *[(f"eva02_{s}_patch14_448", "mim_in22k_ft_in1k", 1000, False) for s in ("base", "large")],
+        ("eva02_large_patch14_448", "mim_m38m_ft_in1k", 1000, False),
+        *[(f"eva02_{s}_patch14_448", "mim_in22k_ft_in22k_in1k", 1000, True) for s in ("base", "large")],
+        ("eva02_large_patch14_448", "mim_m38m_ft_in22k_in1k", 1000, True),
+        *[(f"eva02_{s}_patch14_448", "mim_in22k_ft_in22k", 21841, True) for s in ("base", "large")],
+        ("eva02_large_patch14_448", "mim_m38m_ft_in22k", 21841, True),
+    ]
+    out = []
+    for arch, tag, classes, squash in models:
+        size, res = arch.split("_")[1], int(arch.rsplit("_", 1)[1])
+        D, depth, heads = shapes[size]
+        vitkit = {
+            "image_size": [res, res],
+            "patch_size": 14,
+            "num_classes": classes,
+            "hidden_size": D,
+            "depth": depth,
+            "num_heads": heads,
+            "mlp_dim": int(D * 4 * 2 / 3),
+            "classifier": "gap",
+            "class_token": True,
+            "pos_resample": "bicubic",
+            "key_bias": False,
+            "mlp": "swiglu",
+            "mlp_norm": size in ("base", "large"),
+            "fc_norm": True,
+            "rope": "eva",
+            "rope_theta": 10000.0,
+            "rope_ref_grid": [16, 16],
+        }
+        crop_pct = 0.9 if res == 224 else 1.0
+        pre = {"processor": "timm", "resize": "squash" if squash else "crop", "crop_pct": crop_pct, "crop": res,
+               "interpolation": "bicubic", **OPENAI}  # fmt: skip
+        config = {
+            "architecture": arch,
+            "global_pool": "avg",
+            "model_args": {"num_classes": classes} if classes > 1000 else {},
+        }
+        entry = timm_entry(f"{arch}.{tag}", "eva02", config, vitkit, pre, module="eva", format="timm_eva")
+        entry["embedding"] = "patch mean after fc_norm (timm's global_pool avg)"
+        out.append(entry)
     return out
 
 
@@ -558,7 +615,7 @@ def finish(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    models = [finish(d) for d in [*dinov2(), *dinov3(), *dinov3_timm(), *siglip(), *clip(), *deit()]]
+    models = [finish(d) for d in [*dinov2(), *dinov3(), *dinov3_timm(), *eva02_timm(), *siglip(), *clip(), *deit()]]
     doc = {
         "about": "Public checkpoints of the modern ViT families on the Hugging Face Hub (transformers and timm "
         "folders). params: vitkit's model as loaded (heads and projection included, DINOv2's mask_token not). "

@@ -4,8 +4,8 @@ timm): tiny random Eva models of each kind the entry points build (plain MLP wit
 bias, SwiGLU split and packed, class-token and patch-mean pooling, a classification head) are written as timm writes
 them (a hub folder: model.safetensors + config.json with the entry point and model_args), loaded with
 ``load_checkpoint`` and compared with timm's forward in fp32, at the weights' size and another one (RoPE). vitkit's
-own timm export of a DINOv3 model is loaded back into the timm model its config.json names, strictly. EVA-02 and
-files without timm's config are refused in one line."""
+own timm export of a DINOv3 model is loaded back into the timm model its config.json names, strictly. Files without
+timm's config and the other RoPE kinds are refused in one line (EVA-02, read and written: test_timm_eva02.py)."""
 
 from __future__ import annotations
 
@@ -108,15 +108,8 @@ def test_vitkit_writes_timm_eva_that_timm_loads_strictly(tmp_path: Path, kind: s
             assert torch.equal(again.state_dict()[k], v), k
 
 
-def test_eva02_and_a_file_without_its_config_are_refused(tmp_path: Path) -> None:
-    timm = sys.modules["timm"]
-    eva02 = timm.create_model("eva02_tiny_patch14_224", pretrained=False, img_size=56, depth=1)
-    folder = tmp_path / "eva02"
-    folder.mkdir()
-    save_file({k: v.contiguous() for k, v in eva02.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"architecture": "eva02_tiny_patch14_224", "model_args": {}}))
-    with pytest.raises(CheckpointError, match=r"timm Eva with a learned position embedding beside RoPE \(EVA-02"):
-        load_checkpoint(folder)
+def test_a_file_without_its_config_and_the_mixed_rope_are_refused(tmp_path: Path) -> None:
+    """(EVA-02's refusals: test_timm_eva02.py.)"""
     ref = timm_model("vit_small_patch16_dinov3", {}, "token")
     bare = tmp_path / "bare.safetensors"
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(bare))

@@ -131,7 +131,7 @@ def test_timm_entries_are_what_the_loader_reads_from_real_timms_state_dict(e: Fa
     entry's config.json and load_options: the config the entry declares, and timm's parameter count."""
     import timm
 
-    from vitkit.checkpoints import timm_eva, timm_format
+    from vitkit.checkpoints import timm_eva, timm_eva02, timm_format
 
     arch, args = e.config["architecture"], e.config["model_args"]
     model = _meta(lambda: timm.create_model(arch, pretrained=False, **args))
@@ -139,8 +139,9 @@ def test_timm_entries_are_what_the_loader_reads_from_real_timms_state_dict(e: Fa
     res = registry_config(e).image_size
     sidecar = {"architecture": arch, "num_classes": args.get("num_classes", 0),
                "pretrained_cfg": {"input_size": [3, *res]}, "global_pool": e.config.get("global_pool")}  # fmt: skip
-    if e.format == "timm_eva":  # timm's DINOv3: its hub config holds the architecture and global_pool only
-        assert timm_eva.infer_config(state, sidecar, e.name)[0] == registry_config(e)
+    if e.format == "timm_eva":  # timm's DINOv3, EVA-02: its hub config holds the architecture and global_pool only
+        reader = timm_eva02.infer_config if e.family == "eva02" else timm_eva.infer_config
+        assert reader(state, sidecar, e.name)[0] == registry_config(e)
         assert _numel(model) == e.params
         return
     cfg, layout = timm_format.infer_config(state, sidecar, e.name, **e.load_options)

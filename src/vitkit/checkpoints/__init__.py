@@ -40,6 +40,7 @@ from vitkit.checkpoints import (
     openclip,
     siglip_npz,
     timm_eva,
+    timm_eva02,
     timm_format,
     timm_writer,
     torch_files,
@@ -171,17 +172,17 @@ FORMATS: dict[str, Format] = {
         "timm ViT state dict (.safetensors/.pth file, or timm hub folder; DINOv3 written as timm's Eva)",
         lambda p: timm_format.looks_like(p) and not dinov2_official.looks_like(p) and not timm_eva.looks_like(p),
         timm_format.load,
-        lambda model, path, meta=None, *, overwrite=False: (timm_eva.save if model.cfg.rope else timm_writer.save)(
+        lambda model, path, meta=None, *, overwrite=False: (timm_eva02.save if model.cfg.rope else timm_writer.save)(
             model, path, meta, overwrite=overwrite
         ),
         timm_writer.check_output,
     ),
     "timm_eva": Format(
         "timm_eva",
-        "timm Eva state dict of DINOv3 (timm's eva.py: vit_*_patch16_dinov3; with its config.json)",
+        "timm Eva state dict of DINOv3 or EVA-02 (timm's eva.py: vit_*_patch16_dinov3, eva02_*; with its config.json)",
         timm_eva.looks_like,
-        timm_eva.load,
-        timm_eva.save,
+        timm_eva02.load,
+        timm_eva02.save,
         timm_writer.check_output,
     ),
     "siglip": Format(

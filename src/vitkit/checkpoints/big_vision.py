@@ -48,7 +48,15 @@ from vitkit.checkpoints.keymap import (
     rule,
     to_state_dict,
 )
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
+from vitkit.checkpoints.loaded import (
+    Checkpoint,
+    CheckpointMeta,
+    check_fits_file,
+    expected_state,
+    export_state,
+    require,
+    require_unseen,
+)
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -213,6 +221,7 @@ def write(
     """Write ``model`` as a big_vision checkpoint (``scan=True``: blocks stacked on a leading depth axis)."""
     cfg = model.cfg
     require(cfg.resnet_layers is None, "big_vision .npz", "big_vision's ViT has no hybrid ResNet stem")
+    require_unseen(cfg, "big_vision .npz")
     state = export_state(model)
     if cfg.classifier == "token" and cfg.pos_embed == "learned":
         pe = state["pos_embed"]

@@ -297,6 +297,8 @@ def unrepresentable(cfg: ViTConfig) -> str | None:
     """Why transformers' ViT cannot compute the function of a model with this config (None when it can)."""
     if cfg.resnet_layers is not None:
         return "transformers' ViT has no hybrid ResNet stem"
+    if cfg.rope is not None:
+        return f"transformers' ViT has no RoPE (this model has {cfg.rope!r})"
     if cfg.classifier != "token":
         return "transformers' ViT pools the class token; this model uses GAP (classifier 'gap')"
     if cfg.num_classes > 0 and cfg.representation_size:

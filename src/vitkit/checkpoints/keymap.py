@@ -226,7 +226,11 @@ def to_state_dict(
 def from_state_dict(
     rules: Sequence[Rule], state: Mapping[str, torch.Tensor], *, skip_missing: bool = False
 ) -> dict[str, Array]:
-    """Our state dict -> the foreign mapping (the inverse of :func:`to_state_dict`)."""
+    """Our state dict -> the foreign mapping (the inverse of :func:`to_state_dict`). A parameter of ours that no
+    rule writes is refused (the format has no place for it: the file would compute another function)."""
+    unwritten = sorted(set(state) - {r.ours for r in rules})
+    if unwritten:
+        raise CheckpointError(f"cannot export: the format has no place for the model's {_short(unwritten)}")
     out: dict[str, Array] = {}
     for r in rules:
         if r.ours not in state:

@@ -140,3 +140,12 @@ def require(condition: bool, target: str, why: str) -> None:
     """Refuse an export the target format cannot represent exactly."""
     if not condition:
         raise CheckpointError(f"cannot write {target}: {why}")
+
+
+def require_unseen(cfg: ViTConfig, target: str, rope: str | None = None, fc_norm: bool = False) -> None:
+    """Refuse what no parameter shows, so a writer's key map cannot catch it (``keymap.from_state_dict`` refuses
+    every parameter it has no place for): a RoPE other than ``rope``, and the final norm on the pooled vector
+    (``fc_norm``) where the target has none."""
+    if cfg.rope != rope:
+        require(False, target, f"it computes {f'RoPE {rope!r}' if rope else 'no RoPE'}; this model has {cfg.rope!r}")
+    require(fc_norm or not cfg.fc_norm, target, "its final LayerNorm is on the tokens, not the pooled vector (fc_norm)")

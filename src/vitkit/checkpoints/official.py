@@ -46,6 +46,7 @@ from vitkit.checkpoints.loaded import (
     expected_state,
     export_state,
     require,
+    require_unseen,
     with_learned_posemb,
 )
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
@@ -206,6 +207,7 @@ def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path, *, o
     The layout stores no image size, so the grid must be square to be read back.
     """
     require(cfg.grid_size[0] == cfg.grid_size[1], "official .npz", f"non-square token grid {cfg.grid_size}")
+    require_unseen(cfg, "official .npz")
     cfg, state = with_learned_posemb(cfg, dict(model_state))
     return npz_files.write_npz(from_state_dict(key_map(cfg), state), path, overwrite=overwrite)
 

@@ -18,9 +18,10 @@ these entry points) the mean of the patch tokens after ``norm`` (vitkit's "gap")
 the layer scale, the biases and the MLP; the number of heads shows in no shape: it comes from ``model_args`` or the
 entry points' widths (192: 3, 384: 6, 768: 12, 1024: 16, 1280: 20, 4096: 32). The RoPE settings are in no weight
 either, so a file without timm's config (an ``architecture`` that is a DINOv3 entry point, or ``model_args`` with
-``rope_type='dinov3'``) is refused. EVA-02 and the RoPE-ViT models of the same file differ in what vitkit does not
-compute -- a learned position embedding beside RoPE, the other RoPE kinds (``'cat'``, ``'mixed'``), a LayerNorm inside
-the MLP (``scale_mlp``) or the attention (``scale_attn_inner``), qk-norm, ``fc_norm`` -- and are refused in one line
+``rope_type='dinov3'``) is refused. EVA-02 (``rope_type='cat'``) is read and written by
+:mod:`vitkit.checkpoints.timm_eva02`, whose :func:`~vitkit.checkpoints.timm_eva02.load` hands the DINOv3 models here.
+A DINOv3 config with what its models do not have -- a learned position embedding beside RoPE, a LayerNorm inside
+the MLP or the attention, qk-norm, ``fc_norm`` -- and the RoPE-ViT models' ``'mixed'`` RoPE are refused in one line
 naming it.
 """
 
@@ -44,6 +45,7 @@ from vitkit.checkpoints.loaded import (
     expected_state,
     export_state,
     require,
+    require_unseen,
 )
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
@@ -129,7 +131,7 @@ def _architecture(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     kind = args.get("rope_type") or "EVA's default 'cat'"
     raise CheckpointError(
         f"{source}: timm Eva architecture {arch or '(none)'!r} with RoPE {kind} is not supported (vitkit computes "
-        "DINOv3's RoPE only: the vit_*_patch16_dinov3 entry points, or model_args.rope_type 'dinov3')"
+        "DINOv3's RoPE, model_args.rope_type 'dinov3', and EVA-02's, 'cat' with an eva* architecture)"
     )
 
 
@@ -246,6 +248,7 @@ def _default_preprocess(cfg: ViTConfig) -> Preprocess:
 def check_representable(cfg: ViTConfig, target: str) -> None:
     """CheckpointError unless timm's Eva DINOv3 entry points compute exactly this model."""
     require(cfg.rope == "dinov3" and cfg.pos_embed == "none", target, "timm's DINOv3 has RoPE and no position table")
+    require_unseen(cfg, target, rope="dinov3")
     require(cfg.classifier in ("token", "gap"), target, "timm's Eva pools the class token or the patch mean")
     require(cfg.layer_norm_eps == EPS, target, f"timm's DINOv3 entry points build LayerNorm eps {EPS}")
     require(cfg.mlp == "swiglu" or cfg.gelu == "exact", target, "timm's Eva MLP uses exact GELU")

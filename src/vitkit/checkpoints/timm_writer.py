@@ -15,7 +15,7 @@ import torch
 
 from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.keymap import from_state_dict
-from vitkit.checkpoints.loaded import CheckpointMeta, export_state, require, with_learned_posemb
+from vitkit.checkpoints.loaded import CheckpointMeta, export_state, require, require_unseen, with_learned_posemb
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.checkpoints.timm_format import ACT_NAMES, HEADS_BY_WIDTH, META_KEY, SUFFIXES, key_map
 from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
@@ -126,7 +126,7 @@ def _recoverable_from_shapes(cfg: ViTConfig) -> bool:
 def _check_representable(cfg: ViTConfig, target: str) -> None:
     require(cfg.resnet_layers is None, target, "hybrid stems use timm's ResNetV2 with different StdConv eps")
     require(not cfg.representation_size, target, "current timm ViTs have no pre-logits layer")
-    require(cfg.rope is None, target, "timm's VisionTransformer has no RoPE")
+    require_unseen(cfg, target)  # timm's VisionTransformer: no RoPE; fc_norm is not written yet
     require(cfg.key_bias, target, "timm's VisionTransformer has no qkv bias without the key's")
     require(
         cfg.patch_bias != cfg.norm_pre, target, "timm's patch embedding has a bias exactly when there is no pre-norm"

@@ -1,4 +1,4 @@
-"""The public checkpoints of the modern ViT families (DINOv2, DINOv3, SigLIP, CLIP, DeiT), shipped as data
+"""The public checkpoints of the modern ViT families (DINOv2, DINOv3, EVA-02, SigLIP, CLIP, DeiT), shipped as data
 (resources/vit_families.json, written by tools/build_families.py).
 
 Each entry is a Hugging Face Hub repository -- a transformers folder (``facebook/dinov2-small``) or a timm one
@@ -17,7 +17,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-FAMILIES = ("dinov2", "dinov3", "siglip", "clip", "deit")
+FAMILIES = ("dinov2", "dinov3", "eva02", "siglip", "clip", "deit")
 
 
 @dataclass(frozen=True)

@@ -192,6 +192,8 @@ class FastBlock(nn.Module):
         fusable = mlp.kind == "plain" and mlp.gelu in ("exact", "tanh")
         gelu = ("gelu_tanh" if mlp.gelu == "tanh" else "gelu") if fusable else "none"
         self.act = None if fusable else mlp.act
+        sub_ln = mlp.norm if isinstance(mlp.norm, nn.LayerNorm) else None  # EVA-02's LN of the hidden, after the act
+        self.mlp_norm = None if sub_ln is None else NativeLayerNorm(copy.deepcopy(sub_ln).to(dtype), layernorm)
         qkv = _scaled_qkv(block.attn, block.attn.scale)  # 1/sqrt(d) folded into the query rows
         # layer scale (DINOv2/v3) folded into the branch's last Linear: x + g * (W o + b) = x + (g W) o + g b
         proj, fc2 = _scaled_rows(block.attn.proj, block.ls1), _scaled_rows(mlp.fc2, block.ls2)
@@ -290,8 +292,8 @@ class FastBlock(nn.Module):
             h = cast(Int8Linear, self.fc1).forward_quantized(*self.norm2_q(x))  # (rows, hidden)
         else:
             h = self.fc1(self.norm2(x))  # (rows, hidden): GELU fused, or fc1's plain output
-        if self.act is not None:  # QuickGELU, SwiGLU: the model's own activation, in the serving dtype
-            h = self.act(h)
+        h = h if self.act is None else self.act(h)  # QuickGELU, SwiGLU: the model's own, in the serving dtype
+        h = h if self.mlp_norm is None else self.mlp_norm(h)
         if self.fuse_norm and self.rows_quantize is not None and cast(Int8Linear, self.fc2).gemm is not None:
             return cast(Int8Linear, self.fc2).forward_quantized(*self.rows_quantize(h), x)
         return self.fc2(h, x)  # x + fc2(act(fc1(LN(x))))
@@ -391,8 +393,8 @@ class InferenceViT(nn.Module):
         if x.shape[0] == 0:  # an empty batch: the model's empty (0, T, D), from its own embedding (shape checks)
             return self.base.embed(x.to(self.dtype))
         z = self.forward_blocks(x)  # (B, T, D)
-        B, T, D = z.shape
-        return self.norm(z.reshape(B * T, D)).view(B, T, D)
+        B, T, D = z.shape  # fc_norm: the final norm is the head's, on the pooled vector
+        return z if self.cfg.fc_norm else self.norm(z.reshape(B * T, D)).view(B, T, D)
 
     @torch.no_grad()
     def forward_blocks(self, x: torch.Tensor, depth: int | None = None) -> torch.Tensor:

@@ -14,8 +14,11 @@ forward of its own for a family. Token order is ``[class, distillation, register
 | ``pos_embed`` | "learned" | "sincos2d" (fixed table on the patches), "none" (RoPE models) |
 | ``pos_embed_prefix`` | True | the learned position embedding has slots for the class/distillation tokens |
 | ``pos_resample`` | "bilinear" | how a learned grid is resampled for other image sizes (``posembed.resample_grid``) |
-| ``rope`` / ``rope_theta`` | None | rotary position embedding of q and k on the patch tokens ("dinov3") |
+| ``rope`` / ``rope_theta`` | None | rotary position embedding of q and k on the patch tokens ("dinov3"; "eva") |
+| ``rope_ref_grid`` | None | "eva": the grid its coordinates are scaled to (EVA-02's ``ref_feat_shape``; None: none) |
 | ``layer_scale`` | None | per-channel scales on both residual branches, initialised to this value |
+| ``mlp_norm`` | False | a LayerNorm on the MLP's hidden activation before its second Dense (EVA-02's sub-LN) |
+| ``fc_norm`` | False | the final LayerNorm on the pooled vector ("gap") instead of on the tokens (timm's fc_norm) |
 | ``mlp`` | "plain" | "swiglu": silu(x W_gate) * (x W_up) W_down (``mlp_dim`` is the gated width) |
 | ``gelu`` | "exact" | the activation: "tanh" (GELU's tanh form), "quick" (x sigmoid(1.702 x), OpenAI CLIP) |
 | ``norm_pre`` | False | a LayerNorm on the tokens before the first block (CLIP's ``ln_pre``) |
@@ -36,7 +39,7 @@ Classifier = Literal["token", "gap", "map"]
 PosEmbed = Literal["learned", "sincos2d", "none"]
 Gelu = Literal["exact", "tanh", "quick"]
 MlpKind = Literal["plain", "swiglu"]
-Rope = Literal["dinov3"]
+Rope = Literal["dinov3", "eva"]
 Resample = Literal["bilinear", "bicubic", "bicubic_plain", "bicubic_offset"]
 
 
@@ -77,8 +80,11 @@ class ViTConfig:
     pos_resample: Resample = "bilinear"
     rope: Rope | None = None
     rope_theta: float = 100.0
+    rope_ref_grid: tuple[int, int] | None = None
     layer_scale: float | None = None
     mlp: MlpKind = "plain"
+    mlp_norm: bool = False
+    fc_norm: bool = False
     norm_pre: bool = False
     patch_bias: bool = True
     key_bias: bool = True
@@ -98,6 +104,11 @@ class ViTConfig:
             if not (isinstance(layers, (tuple, list)) and all(is_int(n) for n in layers)):
                 raise ValueError(f"invalid ViT config: resnet_layers must be a list of integers, got {layers!r}")
             object.__setattr__(self, "resnet_layers", tuple(int(n) for n in layers))
+        ref = self.rope_ref_grid
+        if ref is not None:
+            if not (isinstance(ref, (tuple, list)) and len(ref) == 2 and all(is_int(n) and n > 0 for n in ref)):
+                raise ValueError(f"invalid ViT config: rope_ref_grid must be None or two positive ints, got {ref!r}")
+            object.__setattr__(self, "rope_ref_grid", (int(ref[0]), int(ref[1])))
         if self.class_token is None:
             object.__setattr__(self, "class_token", self.classifier == "token")
         self.validate()
@@ -149,8 +160,9 @@ class ViTConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["image_size"] = list(self.image_size)
-        if self.resnet_layers is not None:
-            d["resnet_layers"] = list(self.resnet_layers)
+        for key in ("resnet_layers", "rope_ref_grid"):
+            if d[key] is not None:
+                d[key] = list(d[key])
         return d
 
     @classmethod
@@ -160,7 +172,7 @@ class ViTConfig:
         if unknown:
             raise ValueError(f"unknown ViT config keys: {', '.join(unknown)}")
         d = dict(d)
-        for key in ("image_size", "resnet_layers"):
+        for key in ("image_size", "resnet_layers", "rope_ref_grid"):
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)

@@ -34,7 +34,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "pos_embed": ("learned", "sincos2d", "none"),
     "gelu": ("exact", "tanh", "quick"),
     "mlp": ("plain", "swiglu"),
-    "rope": (None, "dinov3"),
+    "rope": (None, "dinov3", "eva"),
     "pos_resample": ("bilinear", "bicubic", "bicubic_plain", "bicubic_offset"),
 }
 _MAX_REGISTERS = 1024
@@ -111,7 +111,8 @@ def check_config(cfg: Any) -> None:
 
 def _check_descendants(cfg: Any, bad: Any) -> None:
     """The options after the paper's (``vitkit.models.config``): types, and the combinations that mean nothing."""
-    for name in ("class_token", "distilled", "pos_embed_prefix", "norm_pre", "patch_bias", "key_bias"):
+    for name in ("class_token", "distilled", "pos_embed_prefix", "norm_pre", "patch_bias", "key_bias", "mlp_norm",
+                 "fc_norm"):  # fmt: skip
         if not isinstance(getattr(cfg, name), bool):
             raise bad(f"{name} must be true or false, got {getattr(cfg, name)!r}")
     if not (is_int(cfg.num_registers) and 0 <= cfg.num_registers <= _MAX_REGISTERS):
@@ -135,10 +136,14 @@ def _check_descendants(cfg: Any, bad: Any) -> None:
     if cfg.distilled and cfg.representation_size is not None:
         raise bad("distilled models average two heads on the tokens: no representation_size (pre-logits layer)")
     if cfg.rope is not None:
-        if cfg.pos_embed != "none":
+        if cfg.pos_embed != "none" and not (cfg.rope == "eva" and cfg.pos_embed == "learned"):
             raise bad(f"rope {cfg.rope!r} replaces the position embedding: pos_embed must be 'none'")
         if cfg.head_dim % 4:
             raise bad(f"rope needs a head width (hidden_size / num_heads) divisible by 4, got {cfg.head_dim}")
+    if cfg.rope_ref_grid is not None and cfg.rope != "eva":
+        raise bad("rope_ref_grid scales EVA-02's RoPE coordinates: it needs rope 'eva'")
+    if cfg.fc_norm and cfg.classifier != "gap":
+        raise bad("fc_norm normalises the mean of the patch tokens: it needs classifier 'gap'")
     if not cfg.key_bias and not cfg.qkv_bias:
         raise bad("key_bias false only masks the key part of a qkv bias: it needs qkv_bias")
     if cfg.mlp == "swiglu" and cfg.gelu != "exact":

@@ -89,9 +89,12 @@ class KernelPath:
                 h, source = lora
         if h is None:
             h = mlp.act(mlp.fc1(y))
+        h = mlp.drop1(h)
+        if isinstance(mlp.norm, nn.LayerNorm):  # EVA-02's sub-LN: fc2's input is no longer GELU of ``source``
+            h, source = mlp.norm(h), None
         if mlp.training and mlp.drop1.p:
             source = None
-        return mlp.drop2(_dense(mlp.fc2, mlp.drop1(h), k, source))  # (B, T, D)
+        return mlp.drop2(_dense(mlp.fc2, h, k, source))  # (B, T, D)
 
 
 def _blocks(model: nn.Module) -> list[Block]:

@@ -18,13 +18,23 @@ def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 class Mlp(nn.Module):
     """Dense(mlp_dim) -> activation -> dropout -> Dense(D) -> dropout; with ``kind="swiglu"``, fc1 holds the gate
-    and up projections stacked (mlp_dim rows each) and the hidden is silu(gate) * up."""
+    and up projections stacked (mlp_dim rows each) and the hidden is silu(gate) * up. ``norm_eps``: a LayerNorm of
+    the hidden activation before the second Dense (EVA-02's sub-LN, ``ViTConfig.mlp_norm``); None: none."""
 
-    def __init__(self, dim: int, hidden: int, gelu: str = "exact", dropout: float = 0.0, kind: str = "plain") -> None:
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        gelu: str = "exact",
+        dropout: float = 0.0,
+        kind: str = "plain",
+        norm_eps: float | None = None,
+    ) -> None:
         super().__init__()
         self.kind, self.gelu = kind, gelu
         self.fc1 = nn.Linear(dim, 2 * hidden if kind == "swiglu" else hidden)
         self.drop1 = nn.Dropout(dropout)
+        self.norm: nn.Module = nn.Identity() if norm_eps is None else nn.LayerNorm(hidden, eps=norm_eps)
         self.fc2 = nn.Linear(hidden, dim)
         self.drop2 = nn.Dropout(dropout)
 
@@ -42,7 +52,7 @@ class Mlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, D) -> (B, T, D)."""
-        return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
+        return self.drop2(self.fc2(self.norm(self.drop1(self.act(self.fc1(x))))))
 
 
 class LayerScale(nn.Module):

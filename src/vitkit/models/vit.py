@@ -26,7 +26,7 @@ from vitkit.models.init import lecun_normal_
 from vitkit.models.layers import DropPath, LayerScale, MapHead, Mlp
 from vitkit.models.posembed import resample_grid, sincos_2d
 from vitkit.models.resnet import HybridEmbed
-from vitkit.models.rope import apply_rope, rope_tables
+from vitkit.models.rope import apply_rope, eva_rope_tables, rope_tables
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (N, d): RoPE tables of a patch grid (models/rope.py)
 
@@ -159,7 +159,7 @@ class Block(nn.Module):
         self.attn = Attention(D, cfg.num_heads, cfg.qkv_bias, cfg.attention_dropout, cfg.key_bias)
         self.drop = nn.Dropout(cfg.dropout)
         self.norm2 = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
-        self.mlp = Mlp(D, cfg.mlp_dim, cfg.gelu, cfg.dropout, cfg.mlp)
+        self.mlp = Mlp(D, cfg.mlp_dim, cfg.gelu, cfg.dropout, cfg.mlp, cfg.layer_norm_eps if cfg.mlp_norm else None)
         scaled = cfg.layer_scale is not None
         self.ls1: nn.Module = LayerScale(D, cfg.layer_scale) if scaled else nn.Identity()  # type: ignore[arg-type]
         self.ls2: nn.Module = LayerScale(D, cfg.layer_scale) if scaled else nn.Identity()  # type: ignore[arg-type]
@@ -191,8 +191,8 @@ class Intermediates:
 
     ``hidden_states[i]`` is the input to block i (``hidden_states[0]`` is z_0, after the position
     embedding) and the last entry is the output of the final block before the final norm; ``attentions[i]``
-    is block i's attention probabilities (B, h, T, T); ``features`` the final normed tokens; ``logits`` the
-    head output.
+    is block i's attention probabilities (B, h, T, T); ``features`` the final normed tokens (with ``fc_norm``
+    the final block's: the norm is on the pooled vector); ``logits`` the head output.
     """
 
     hidden_states: list[torch.Tensor]
@@ -367,9 +367,10 @@ class VisionTransformer(nn.Module):
 
     def rope(self, grid: tuple[int, int], device: torch.device | None = None) -> Rope | None:
         """RoPE tables (cos, sin) for a patch grid, or None when the config has no RoPE."""
-        if self.cfg.rope is None:
-            return None
-        return rope_tables(grid, self.cfg.head_dim, self.cfg.rope_theta, device)
+        cfg = self.cfg
+        if cfg.rope == "eva":
+            return eva_rope_tables(grid, cfg.head_dim, cfg.rope_theta, cfg.rope_ref_grid, device)
+        return None if cfg.rope is None else rope_tables(grid, cfg.head_dim, cfg.rope_theta, device)
 
     def grid_of(self, x: torch.Tensor) -> tuple[int, int]:
         """Token grid (gh, gw) for images x (B, C, H, W); a clear error when the stride does not divide."""
@@ -384,12 +385,12 @@ class VisionTransformer(nn.Module):
     # ---- eqs. 2-4 --------------------------------------------------------------------------------
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Images (B, C, H, W) -> final normed tokens (B, T, D)."""
+        """Images (B, C, H, W) -> final normed tokens (B, T, D) (with ``cfg.fc_norm``, not normed)."""
         rope = self.rope(self.grid_of(x), x.device)
         x = self.embed(x)
         for blk in self.blocks:
             x, _ = blk(x, rope=rope)
-        return self.norm(x)
+        return x if self.cfg.fc_norm else self.norm(x)  # fc_norm: the final norm is on the pooled vector
 
     def pool(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T, D) -> (B, D): the class token (with DeiT's distillation token, their mean), the mean of the
@@ -402,11 +403,13 @@ class VisionTransformer(nn.Module):
 
     def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         """Final tokens (B, T, D) -> logits (B, K), or the representation (B, R) with ``pre_logits=True``
-        (pooled, then CLIP's projection or the pre-logits layer). DeiT's logits are the mean of its two heads'."""
+        (pooled, normed with ``fc_norm``, then CLIP's projection or the pre-logits layer). DeiT's logits are the
+        mean of its two heads'."""
         if self.head_dist is not None and not pre_logits:
             cls, dist = self.represent(tokens[:, 0]), self.represent(tokens[:, 1])
             return (self.head(cls) + self.head_dist(dist)) / 2
-        x = self.represent(self.pool(tokens))  # (B, R)
+        pooled = self.pool(tokens)  # (B, D)
+        x = self.represent(self.norm(pooled) if self.cfg.fc_norm else pooled)  # (B, R)
         return x if pre_logits else self.head(x)
 
     def represent(self, pooled: torch.Tensor) -> torch.Tensor:
@@ -426,7 +429,7 @@ class VisionTransformer(nn.Module):
             hidden.append(z)
             if probs is not None:
                 attns.append(probs)
-        feats = self.norm(z)
+        feats = z if self.cfg.fc_norm else self.norm(z)
         return Intermediates(hidden, attns, feats, self.forward_head(feats))
 
     # ---- resolution ------------------------------------------------------------------------------
