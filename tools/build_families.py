@@ -44,7 +44,7 @@ SO400M = (
 EMBEDDING = {
     "dinov2": "class token",
     "dinov3": "class token",
-    "eva02": "patch mean after fc_norm",
+    "eva02": "patch mean, fc_norm",
     "siglip": "MAP output",
     "clip": "projected embedding",
     "deit": "logits (mean of both heads); features: class token",
@@ -322,7 +322,7 @@ def eva02_timm() -> list[dict[str, Any]]:
             "model_args": {"num_classes": classes} if classes > 1000 else {},
         }
         entry = timm_entry(f"{arch}.{tag}", "eva02", config, vitkit, pre, module="eva", format="timm_eva")
-        entry["embedding"] = "patch mean after fc_norm (timm's global_pool avg)"
+        entry["embedding"] = "patch mean, fc_norm"  # timm's global_pool avg
         out.append(entry)
     return out
 

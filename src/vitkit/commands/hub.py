@@ -79,8 +79,8 @@ def _add_models(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--family",
         choices=("paper", "augreg", *FAMILIES),
-        help="only this family: Google's (paper, augreg) or a modern one (dinov2, dinov3, siglip, clip, deit: Hugging "
-        "Face Hub ids and timm names, listed with their default embedding and format)",
+        help="only this family: Google's (paper, augreg) or a modern one (dinov2, dinov3, eva02, siglip, clip, deit: "
+        "Hugging Face Hub ids and timm names, listed with their default embedding and format)",
     )
     _add_cache_dir(p)
     p.add_argument("--json", action="store_true", help="print the full entries as JSON")
