@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -309,13 +309,17 @@ def save(
     is replaced only with ``overwrite``."""
     out = Path(path)
     timm_writer.check_output(out, overwrite)
-    cfg = model.cfg
-    check_representable(cfg, "a timm Eva (DINOv3) state dict")
+    check_representable(model.cfg, "a timm Eva (DINOv3) state dict")
+    return write(out, lambda: from_state_dict(key_map(model.cfg), export_state(model)), timm_config(model.cfg, meta),
+                 overwrite)  # fmt: skip
+
+
+def write(out: Path, arrays: Callable[[], Mapping[str, np.ndarray]], doc: dict[str, Any], overwrite: bool) -> Path:
+    """timm's arrays (made once ``out`` is known to be no bare ``.pth``, which cannot carry the RoPE settings) with
+    its config ``doc``: a ``.safetensors`` file (the config in its metadata) or a hub folder."""
     require(out.suffix not in torch_files.PICKLE_SUFFIXES, out.name,
             "a bare .pth cannot record the RoPE settings; write a .safetensors file or a folder")  # fmt: skip
-    arrays = from_state_dict(key_map(cfg), export_state(model))
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    doc = timm_config(cfg, meta)
+    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays().items()}
     if out.suffix == ".safetensors":
         from safetensors.torch import save_file
 

@@ -28,7 +28,6 @@ post-norm blocks, grouped-query attention, the other RoPE kinds -- is refused in
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -41,7 +40,6 @@ from vitkit.checkpoints import timm_eva, timm_format, timm_writer, torch_files
 from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.errors import CheckpointError
-from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 ENTRY = re.compile(r"^eva02_(tiny|small|base|large)_patch14_(224|336|448)$")
@@ -327,16 +325,6 @@ def save(
     out = Path(path)
     timm_writer.check_output(out, overwrite)
     check_representable(cfg, "a timm Eva (EVA-02) state dict")
-    require(out.suffix not in torch_files.PICKLE_SUFFIXES, out.name,
-            "a bare .pth cannot record the RoPE settings; write a .safetensors file or a folder")  # fmt: skip
     doc = timm_config(cfg, meta)
     rules = key_map(cfg, fused=doc["model_args"]["qkv_fused"], split_swiglu=cfg.mlp_norm)
-    arrays = from_state_dict(rules, export_state(model))
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        metadata = {"format": "pt", timm_format.META_KEY: json.dumps(doc), WRITER_KEY: WRITER}
-        return write_file_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    files = {"config.json": json.dumps(doc, indent=2) + "\n"}
-    return torch_files.write_folder(out, tensors, files, overwrite=overwrite)
+    return timm_eva.write(out, lambda: from_state_dict(rules, export_state(model)), doc, overwrite)
