@@ -160,7 +160,8 @@ def test_sigkill_mid_epoch_then_resume_equals_uninterrupted(tmp_path: Path) -> N
     import signal
     import time
 
-    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    # bit for bit at a fixed thread count (on a busy machine the count follows the free cores: docs/training.md)
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(torch.get_num_threads())}
     argv = [sys.executable, "-m", "vitkit", "train", "--epochs", "5", "--quiet", "--set", "checkpoint_every_steps=3"]
 
     def launch(out: Path, *extra: str) -> subprocess.Popen[bytes]:

@@ -201,6 +201,7 @@ class CpuShare:
     interval_s: float = 2.0
     clock: Callable[[], float] = time.monotonic
     threads: int = 0  # what the job started with (0 until started)
+    fewest: int = 0  # the fewest threads it ran with (below ``threads``: the count changed mid-job)
     active: bool = False
     said: bool = False
     ticks: int = 0  # looks taken
@@ -209,7 +210,7 @@ class CpuShare:
 
     def __post_init__(self) -> None:
         self._cpus = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
-        self.threads = torch.get_num_threads()
+        self.threads = self.fewest = torch.get_num_threads()
         chosen = "OMP_NUM_THREADS" in os.environ or self.threads != min(len(self._cpus), _physical_cores())
         self.active = self.threads > 1 and not chosen and _cpu_jiffies(self._cpus) is not None
         self._last = self._sample() if self.active else None
@@ -237,6 +238,7 @@ class CpuShare:
         if want == torch.get_num_threads():
             return
         torch.set_num_threads(want)
+        self.fewest = min(self.fewest, want)
         if want < self.threads and not self.said and self.say is not None:
             self.said = True
             self.say(

@@ -64,6 +64,26 @@ def _losses(steps: list[dict[str, float]]) -> list[tuple[int, float, float]]:
     return [(int(r["step"]), r["loss"], r["lr"]) for r in steps]
 
 
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one thread: the count cannot drop")
+def test_a_run_whose_thread_count_dropped_says_it_is_not_bit_reproducible(tmp_path: Path) -> None:
+    """What the trainer's CpuShare does on a busy machine (one thread fewer for a few steps, then back) is told in
+    the run's summary, since sums split by the thread count round differently; the count is back at the end, and a
+    run at one count says nothing of it."""
+    start = torch.get_num_threads()
+
+    def busy(trainer: Trainer, rec: dict[str, float]) -> None:
+        assert trainer.cpu_share is not None
+        trainer.cpu_share.set(start - 1 if trainer.step in (3, 4) else start, others=1.0)
+
+    cfg = tiny_config(epochs=1)
+    busy_run = Trainer(cfg, tmp_path / "busy", progress=False).fit(on_step=busy)
+    assert torch.get_num_threads() == start
+    assert any(f"used {start - 1} of its {start} threads" in n for n in busy_run.notes), busy_run.notes
+    assert "not bit for bit" in busy_run.summary()
+    quiet = train(cfg, tmp_path / "quiet", progress=False)
+    assert not any("threads" in n for n in quiet.notes)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_resume_after_crash_mid_epoch_equals_uninterrupted_run(tmp_path: Path, device: str) -> None:
     """Every random path on (dropout, stochastic depth, RandAugment, Mixup/CutMix, EMA): kill at step 15

@@ -344,6 +344,12 @@ class Trainer(ValidatedRun):
             last_eval = self.evaluate()
             kept = {"selected_step": self.best_step, "selected_top1": self.best_top1}
             kept["selected_on"] = self._select_name()
+        if self.cpu_share is not None and self.cpu_share.fewest < self.cpu_share.threads:
+            notes.append(
+                f"the machine was busy: part of this run used {self.cpu_share.fewest} of its "
+                f"{self.cpu_share.threads} threads, and sums split by the thread count round differently, so a "
+                "rerun or resume equals it to float rounding, not bit for bit (OMP_NUM_THREADS fixes the count)"
+            )
         self.save_model("model", val_top1=last_eval.get("val_top1"), **kept)
         if self.dist.is_main:
             logs.plot_curves(self.run_dir / "metrics.csv", self.run_dir / "curves.png")
