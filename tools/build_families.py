@@ -276,7 +276,9 @@ def eva02_timm() -> list[dict[str, Any]]:
     (IN-22k, Merged-38M; 224 px, no head, crop_pct 0.9) and their ImageNet fine-tunes (336 / 448 px, crop_pct 1.0,
     squashed where timm's config says ``crop_mode='squash'``), OpenAI CLIP's statistics, bicubic. Patch 14, SwiGLU of
     int(D * 4 * 2 / 3) with a LayerNorm inside it in B and L, RoPE with ref_feat_shape 16 x 16 beside a learned position
-    table, the patch mean after fc_norm (timm's global_pool "avg")."""
+    table, the patch mean after fc_norm (timm's global_pool "avg"). EVA-CLIP's image towers (Merged-2B, ``_cfg``'s
+    crop_pct 0.9 at 224, 1.0 at 336) add a LayerNorm inside the attention, pool the class token after norm and hold
+    the CLIP projection as timm's head (512 / 768 "classes", the image embedding)."""
     shapes = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12), "large": (1024, 24, 16)}
     models = [  # (entry point, tag, classes, timm's crop_mode squash)
         *[(f"eva02_{s}_patch14_224", "mim_in22k", 0, False) for s in shapes],
@@ -289,26 +291,29 @@ def eva02_timm() -> list[dict[str, Any]]:
         ("eva02_large_patch14_448", "mim_m38m_ft_in22k_in1k", 1000, True),
         *[(f"eva02_{s}_patch14_448", "mim_in22k_ft_in22k", 21841, True) for s in ("base", "large")],
         ("eva02_large_patch14_448", "mim_m38m_ft_in22k", 21841, True),
+        ("eva02_base_patch16_clip_224", "merged2b", 512, False),
+        *[(f"eva02_large_patch14_clip_{r}", "merged2b", 768, False) for r in (224, 336)],
     ]
     out = []
     for arch, tag, classes, squash in models:
-        size, res = arch.split("_")[1], int(arch.rsplit("_", 1)[1])
+        size, res, clip = arch.split("_")[1], int(arch.rsplit("_", 1)[1]), "_clip_" in arch
         D, depth, heads = shapes[size]
         vitkit = {
             "image_size": [res, res],
-            "patch_size": 14,
+            "patch_size": 16 if "patch16" in arch else 14,
             "num_classes": classes,
             "hidden_size": D,
             "depth": depth,
             "num_heads": heads,
             "mlp_dim": int(D * 4 * 2 / 3),
-            "classifier": "gap",
+            "classifier": "token" if clip else "gap",
             "class_token": True,
             "pos_resample": "bicubic",
             "key_bias": False,
             "mlp": "swiglu",
             "mlp_norm": size in ("base", "large"),
-            "fc_norm": True,
+            "attn_norm": clip,
+            "fc_norm": not clip,
             "rope": "eva",
             "rope_theta": 10000.0,
             "rope_ref_grid": [16, 16],
@@ -318,11 +323,13 @@ def eva02_timm() -> list[dict[str, Any]]:
                "interpolation": "bicubic", **OPENAI}  # fmt: skip
         config = {
             "architecture": arch,
-            "global_pool": "avg",
+            "global_pool": "token" if clip else "avg",
             "model_args": {"num_classes": classes} if classes > 1000 else {},
         }
         entry = timm_entry(f"{arch}.{tag}", "eva02", config, vitkit, pre, module="eva", format="timm_eva")
-        entry["embedding"] = "patch mean, fc_norm"  # timm's global_pool avg
+        entry["embedding"] = "class token, norm" if clip else "patch mean, fc_norm"  # timm's global_pool
+        if clip:
+            entry["notes"] = f"EVA-CLIP: the CLIP image embedding is timm's head ({classes} wide; predict --logits)"
         out.append(entry)
     return out
 

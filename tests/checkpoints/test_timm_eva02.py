@@ -1,7 +1,8 @@
-"""timm's EVA-02 (``timm/models/eva.py``: ``eva02_{tiny,small,base,large}_patch14_*``) through vitkit's ``timm_eva``
-format, against the real ``timm`` package (imported with torchvision stubbed, see timm_real.py; skipped without
-timm): tiny random EVA-02 models of each kind the entry points build -- fused q/k/v with GluMlp (tiny, small),
-separate q/k/v with SwiGLU and its sub-LN (base, large), patch-mean pooling with fc_norm and class-token pooling, a
+"""timm's EVA-02 (``timm/models/eva.py``: ``eva02_{tiny,small,base,large}_patch14_*`` and EVA-CLIP's towers
+``eva02_*_clip_*``) through vitkit's ``timm_eva`` format, against the real ``timm`` package (imported with torchvision
+stubbed, see timm_real.py; skipped without timm): tiny random EVA-02 models of each kind the entry points build --
+fused q/k/v with GluMlp (tiny, small), separate q/k/v with SwiGLU and its sub-LN (base, large), EVA-CLIP's LayerNorm
+inside the attention (``scale_attn_inner``), patch-mean pooling with fc_norm and class-token pooling, a
 classification head, RoPE's interleaved layout and timm's rotate-half one -- are written as timm's hub folders hold
 them, loaded with ``load_checkpoint`` and compared with timm's forward in fp32, at the weights' size and another one
 (``dynamic_img_size``: the position table resampled, RoPE recomputed). vitkit's export is loaded back into the timm
@@ -36,6 +37,8 @@ KINDS: dict[str, tuple[str, dict[str, Any], str]] = {
     "large_token": ("eva02_large_patch14_224", {}, "token"),
     "rotate_half": ("eva02_tiny_patch14_224", {"rope_rotate_half": True}, "avg"),
     "no_qkv_bias": ("eva02_base_patch14_224", {"qkv_bias": False, "ref_feat_shape": (8, 12)}, "avg"),
+    "clip_base_token": ("eva02_base_patch16_clip_224", {"patch_size": 14}, "token"),  # 14: TINY's 56 px
+    "clip_large_avg_head": ("eva02_large_patch14_clip_336", {"num_classes": 4}, "avg"),
 }
 
 
@@ -73,6 +76,7 @@ def test_timm_eva02_loads_exactly(tmp_path: Path, kind: str) -> None:
     assert cfg.rope == "eva" and cfg.pos_embed == "learned" and cfg.rope_theta == 10000.0
     assert cfg.rope_ref_grid == args.get("ref_feat_shape", (16, 16))
     assert cfg.classifier == ("token" if pool == "token" else "gap") and cfg.fc_norm == (pool == "avg")
+    assert cfg.attn_norm == ("clip" in arch)
     assert cfg.mlp == "swiglu" and cfg.mlp_norm == big and cfg.mlp_dim == int(64 * 4 * 2 / 3)
     assert cfg.layer_norm_eps == 1e-6 and cfg.qkv_bias == args.get("qkv_bias", True)
     assert ckpt.meta.preprocess.image_size == (56, 56) and ckpt.meta.preprocess.mean == (0.481, 0.458, 0.408)
@@ -90,25 +94,28 @@ def test_timm_eva02_loads_exactly(tmp_path: Path, kind: str) -> None:
         assert rel_err(fast(x), ref(x)) <= 1e-5
 
 
-@pytest.mark.parametrize("arch", ["eva02_small_patch14_224", "eva02_base_patch14_224"])
+@pytest.mark.parametrize("arch", ["eva02_small_patch14_224", "eva02_base_patch14_224", "eva02_base_patch16_clip_224"])
 def test_timm_eva02_at_its_real_shape(tmp_path: Path, arch: str) -> None:
     """EVA-02-S/14 and B/14 (12 blocks, 384 or 768 wide, MIM towers without a head) with random weights at 224 px, as
-    the hub's timm folders hold them (no model_args: the entry point's own settings)."""
+    the hub's timm folders hold them (no model_args: the entry point's own settings); EVA-CLIP's B/16 image tower."""
     timm = sys.modules["timm"]
     ref = randomize_(timm.create_model(arch, pretrained=False, num_classes=0), std=0.02).eval()
     folder = tmp_path / "timm"
     folder.mkdir()
     save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"architecture": arch, "num_classes": 0, "global_pool": "avg"}))
+    pool = "token" if "clip" in arch else "avg"
+    (folder / "config.json").write_text(json.dumps({"architecture": arch, "num_classes": 0, "global_pool": pool}))
     model = load_checkpoint(folder).model.eval()
-    assert model.cfg.depth == 12 and model.cfg.patch_size == 14 and model.cfg.image_size == (224, 224)
+    assert model.cfg.depth == 12 and model.cfg.image_size == (224, 224) and model.cfg.attn_norm == ("clip" in arch)
+    assert model.cfg.patch_size == (16 if "patch16" in arch else 14)
+    assert model.cfg.classifier == ("token" if pool == "token" else "gap")
     assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
     x = torch.randn(2, 3, 224, 224)
     with torch.no_grad():
         assert rel_err(model(x), ref(x)) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", ["tiny_avg", "base_avg_head", "small_token_head"])
+@pytest.mark.parametrize("kind", ["tiny_avg", "base_avg_head", "small_token_head", "clip_large_avg_head"])
 def test_vitkit_writes_eva02_that_timm_loads_strictly(tmp_path: Path, kind: str) -> None:
     arch, args, pool = KINDS[kind]
     ref = timm_model(arch, args, pool)
@@ -131,14 +138,14 @@ def test_vitkit_writes_eva02_that_timm_loads_strictly(tmp_path: Path, kind: str)
 
 
 def test_what_vitkit_does_not_compute_is_refused(tmp_path: Path) -> None:
-    """A LayerNorm inside the attention (EVA-CLIP's scale_attn_inner) and post-norm blocks: refused naming the folder
+    """qk-norm and post-norm blocks: refused naming the folder
     and what it is. Written to formats that hold no RoPE (the official and big_vision .npz, whose writers see no
     parameter of it; transformers' ViT): refused too, nothing written."""
     from vitkit.checkpoints import big_vision, official
     from vitkit.checkpoints.loaded import export_state
 
     for name, args, message in (
-        ("inner", {"scale_attn_inner": True}, r"a LayerNorm inside the attention \(scale_attn_inner"),
+        ("qk", {"qk_norm": True}, r"timm Eva with qk-norm \(blocks\.0\.attn\.q_norm\.weight\)"),
         ("post", {"use_post_norm": True}, r"model_args\.use_post_norm=True is not supported"),
     ):
         ref = timm_model("eva02_tiny_patch14_224", args, "avg")
@@ -165,12 +172,14 @@ def test_what_vitkit_does_not_compute_is_refused(tmp_path: Path) -> None:
         ("pos_embed", r"pos_embed"),
         ("args", r"has embed_dim 96, the weights 64"),
         ("norm", r"with norm and fc_norm as they are here is not supported"),
+        ("inner", r"model_args\.scale_attn_inner=True, but the weights lack blocks\.0\.attn\.norm\.weight"),
     ],
 )
 def test_a_damaged_timm_eva02_is_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str, message: str
 ) -> None:
-    """A truncated position table, timm's config and the weights disagreeing on the width, both final norms: `vitkit
+    """A truncated position table, timm's config and the weights disagreeing on the width or on EVA-CLIP's LayerNorm
+    inside the attention, both final norms: `vitkit
     info` says it in one line naming the folder, exit 2."""
     ref = timm_model("eva02_tiny_patch14_224", {}, "avg")
     folder = timm_folder(ref, "eva02_tiny_patch14_224", {}, "avg", tmp_path / "timm")
@@ -180,6 +189,8 @@ def test_a_damaged_timm_eva02_is_one_line(
         state["pos_embed"] = state["pos_embed"][:, :7]
     elif damage == "args":
         doc["model_args"]["embed_dim"] = 96
+    elif damage == "inner":
+        doc["model_args"]["scale_attn_inner"] = True
     else:
         state["norm.weight"] = state["fc_norm.weight"].clone()
     (folder / "config.json").write_text(json.dumps(doc))

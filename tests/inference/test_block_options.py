@@ -39,6 +39,7 @@ OPTIONS: dict[str, list[Any]] = {
     "layer_scale": [None, 0.5],
     "mlp": ["plain", "swiglu"],
     "mlp_norm": [False, True],
+    "attn_norm": [False, True],
     "fc_norm": [False, True],
     "gelu": ["exact", "tanh", "quick"],
     "norm_pre": [False, True],

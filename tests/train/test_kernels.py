@@ -160,9 +160,12 @@ def test_softmax_attention_with_the_softmax_kernel_matches_pytorch_softmax() -> 
 
 
 @needs_kernels
-def test_model_with_kernels_trains_like_without_under_autocast_and_is_unchanged_in_fp32() -> None:
+@pytest.mark.parametrize("options", [{}, {"attn_norm": True, "mlp_norm": True}, {"attn_norm": True, "mlp": "swiglu"}])
+def test_model_with_kernels_trains_like_without_under_autocast_and_is_unchanged_in_fp32(options: dict) -> None:
+    """The training route reads the block description too: EVA-CLIP's LayerNorm inside the attention and EVA-02's
+    sub-LN of the MLP are computed on it as in the model's own forward."""
     assert LOADED is not None
-    model = randomize_(create_model("Ti/16", num_classes=5, image_size=32, depth=2))
+    model = randomize_(create_model("Ti/16", num_classes=5, image_size=32, depth=2, **options))
     set_fused_attention(model, False)
     x = torch.randn(4, 3, 32, 32)
     results = []
@@ -180,6 +183,11 @@ def test_model_with_kernels_trains_like_without_under_autocast_and_is_unchanged_
     assert rel_err(k16, g16) < 3e-2
     torch.testing.assert_close(ko32, o32, rtol=0, atol=0)  # fp32: the kernels are not used at all
     torch.testing.assert_close(kg32, g32, rtol=0, atol=0)
+    plain = copy.deepcopy(model)  # the model's own forward, no route: what the route must compute
+    for blk in plain.blocks:
+        blk.path = None
+    with torch.no_grad():
+        torch.testing.assert_close(o32, plain(x), rtol=1e-5, atol=1e-6)
 
 
 @needs_kernels

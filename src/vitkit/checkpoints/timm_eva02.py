@@ -1,7 +1,7 @@
 """timm's EVA-02 (``timm/models/eva.py``: ``eva02_{tiny,small,base,large}_patch14_{224,336,448}``, the MIM
-pre-trained and ImageNet fine-tuned towers): timm's ``Eva`` with a learned position embedding beside RoPE. Read and
-written, in the ``timm_eva`` format (:func:`load` and :func:`save` hand timm's DINOv3 models to
-:mod:`vitkit.checkpoints.timm_eva`).
+pre-trained and ImageNet fine-tuned towers, and ``eva02_base_patch16_clip_224``, ``eva02_large_patch14_clip_{224,336}``,
+EVA-CLIP's image towers): timm's ``Eva`` with a learned position embedding beside RoPE. Read and written, in the
+``timm_eva`` format (:func:`load` and :func:`save` hand timm's DINOv3 models to :mod:`vitkit.checkpoints.timm_eva`).
 
 Names (timm's Eva -> vitkit)::
 
@@ -9,8 +9,9 @@ Names (timm's Eva -> vitkit)::
     blocks.{i}.norm1, attn.qkv (3D, D) + attn.q_bias, attn.v_bias             (qkv_fused: tiny, small)
                       attn.q_proj.{weight,bias}, k_proj.weight, v_proj.{...}  (qkv_fused=False: base, large)
                       -> attn.qkv, q_bias, v_bias (no key bias: vitkit's key_bias=False)
-    attn.proj, norm2, mlp.fc1 (GluMlp, [gate; up]) or mlp.fc1_g / fc1_x (SwiGLU), mlp.norm (scale_mlp: sub-LN,
-    vitkit's mlp_norm), mlp.fc2, gamma_1 / gamma_2 (layer scale, when init_values)
+    attn.norm (scale_attn_inner, EVA-CLIP: vitkit's attn_norm), attn.proj, norm2,
+    mlp.fc1 (GluMlp, [gate; up]) or mlp.fc1_g / fc1_x (SwiGLU), mlp.norm (scale_mlp: sub-LN, vitkit's mlp_norm),
+    mlp.fc2, gamma_1 / gamma_2 (layer scale, when init_values)
     norm (global_pool "token")  or  fc_norm (global_pool "avg": vitkit's classifier "gap" with fc_norm)   head
 
 Semantics, from timm's ``Eva``, ``EvaAttention`` and ``RotaryEmbeddingCat`` (``rope_type='cat'``): pre-norm blocks,
@@ -21,9 +22,10 @@ index coordinates scaled to ``ref_feat_shape`` (16 x 16 in every entry point) an
 rotates interleaved channel pairs where vitkit rotates halves: the query and key rows of every head are reordered
 evens first, then odds, as they are read (and back as they are written), so the model computes timm's function
 with vitkit's kernels. The MLP is SwiGLU (``mlp_ratio`` 4 * 2 / 3, hidden ``int(D * mlp_ratio)``) with a LayerNorm
-of the hidden before ``fc2`` in base and large. What vitkit does not compute -- a LayerNorm inside the attention
-(``scale_attn_inner``: the EVA-CLIP towers), qk-norm, a pre-transformer norm, registers beside a position table,
-post-norm blocks, grouped-query attention, the other RoPE kinds -- is refused in one line naming it.
+of the hidden before ``fc2`` in base and large; EVA-CLIP's towers add a LayerNorm of the merged heads before
+``attn.proj`` (``scale_attn_inner``). What vitkit does not compute -- qk-norm, a pre-transformer norm, registers
+beside a position table, post-norm blocks, grouped-query attention, the other RoPE kinds -- is refused in one line
+naming it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 ENTRY = re.compile(r"^eva02_(tiny|small|base|large)_patch14_(224|336|448)$")
+# EVA-CLIP's image towers (name -> size, patch, image size): base and large with a LayerNorm inside the attention
+CLIP = {"eva02_base_patch16_clip_224": ("base", 16, 224), "eva02_large_patch14_clip_224": ("large", 14, 224),
+        "eva02_large_patch14_clip_336": ("large", 14, 336)}  # fmt: skip
 # each entry point's (width, depth, heads) and whether it has scale_mlp with separate q/k/v (timm 1.0.31 eva.py)
 SHAPES = {"tiny": (192, 12, 3), "small": (384, 12, 6), "base": (768, 12, 12), "large": (1024, 24, 16)}
 SIZES = {shape[0]: name for name, shape in SHAPES.items()}
@@ -51,14 +56,13 @@ REF_GRID = (16, 16)  # every EVA-02 entry point's ref_feat_shape (224 / 14)
 EPS = 1e-6  # timm's LayerNorm default, Eva's norm_layer
 # what timm's Eva holds that vitkit's ViT does not compute (key -> what it is)
 REFUSED = {
-    "blocks.0.attn.norm.weight": "a LayerNorm inside the attention (scale_attn_inner: the EVA-CLIP towers)",
     "blocks.0.attn.q_norm.weight": "qk-norm",
     "norm_pre.weight": "a LayerNorm before the blocks (use_pre_transformer_norm)",
     "reg_token": "register tokens beside a position table",
 }
 # model_args vitkit computes only at one value (name -> that value)
 FIXED = {"rope_type": "cat", "rope_grid_offset": 0, "rope_grid_indexing": "ij", "use_rot_pos_emb": True,
-         "use_post_norm": False, "use_pre_transformer_norm": False, "qk_norm": False, "scale_attn_inner": False,
+         "use_post_norm": False, "use_pre_transformer_norm": False, "qk_norm": False,
          "attn_type": "eva", "num_kv_heads": None, "dynamic_img_pad": False, "num_reg_tokens": 0}  # fmt: skip
 
 
@@ -69,7 +73,7 @@ def claims(doc: Mapping[str, Any] | None) -> bool:
         return False
     arch = str(doc.get("architecture", ""))
     args = doc.get("model_args") or {}
-    if ENTRY.match(arch):
+    if ENTRY.match(arch) or arch in CLIP:
         return True
     return arch.startswith("eva") and isinstance(args, dict) and args.get("rope_type", "cat") == "cat"
 
@@ -80,13 +84,15 @@ def _arguments(doc: Mapping[str, Any], source: str) -> dict[str, Any]:
     # timm.create_model drops the keyword arguments that are None: the entry point's own value applies
     args = {k: v for k, v in dict(doc.get("model_args") or {}).items() if v is not None}
     entry = ENTRY.match(arch)
+    size, patch, image = CLIP.get(arch) or ((entry.group(1), 14, int(entry.group(2))) if entry else ("", 0, 0))
     base: dict[str, Any] = {"use_rot_pos_emb": True, "ref_feat_shape": None}
-    if entry:
-        D, depth, heads = SHAPES[entry.group(1)]
-        big = entry.group(1) in ("base", "large")
-        base = {"embed_dim": D, "depth": depth, "num_heads": heads, "img_size": int(entry.group(2)), "patch_size": 14,
+    if size:
+        D, depth, heads = SHAPES[str(size)]
+        big = size in ("base", "large")
+        base = {"embed_dim": D, "depth": depth, "num_heads": heads, "img_size": image, "patch_size": patch,
                 "use_rot_pos_emb": True, "ref_feat_shape": list(REF_GRID), "swiglu_mlp": True, "scale_mlp": big,
-                "qkv_fused": not big}  # fmt: skip
+                "qkv_fused": not big, "scale_attn_inner": arch in CLIP}  # fmt: skip
+        base.update({"global_pool": "token"} if arch in CLIP else {})
     args = {**base, **args}
     for key, want in FIXED.items():
         if key in args and args[key] != want and not (key == "rope_grid_offset" and args[key] == 0.0):
@@ -118,6 +124,10 @@ def infer_config(
         raise CheckpointError(f"{source}: model_args.swiglu_mlp/act_layer do not describe the MLP in the weights "
                               f"({mlp}; vitkit reads SwiGLU and exact GELU)")  # fmt: skip
     fused = "blocks.0.attn.qkv.weight" in weights
+    inner = "blocks.0.attn.norm.weight" in weights  # EVA-CLIP's LayerNorm of the merged heads
+    if bool(args.get("scale_attn_inner", inner)) != inner:
+        raise CheckpointError(f"{source}: model_args.scale_attn_inner={args.get('scale_attn_inner')!r}, but "
+                              f"the weights {'have' if inner else 'lack'} blocks.0.attn.norm.weight")  # fmt: skip
     qkv_bias = "blocks.0.attn.q_bias" in weights or "blocks.0.attn.q_proj.bias" in weights
     pool = str(doc.get("global_pool") or args.get("global_pool") or "avg")
     if pool not in ("token", "avg"):
@@ -149,6 +159,7 @@ def infer_config(
             layer_scale=float(args.get("init_values") or 1e-5) if "blocks.0.gamma_1" in weights else None,
             mlp=mlp,  # type: ignore[arg-type]
             mlp_norm="blocks.0.mlp.norm.weight" in weights,
+            attn_norm=inner,
             fc_norm=fc_norm,
             rope="eva",
             rope_theta=float(args.get("rope_temperature", TEMPERATURE)),
@@ -202,8 +213,8 @@ def key_map(cfg: ViTConfig, fused: bool = True, split_swiglu: bool = False, inte
         v_bias = "blocks.{i}.attn.v_bias" if fused else "blocks.{i}.attn.v_proj.bias"
         rules.append(rule("blocks.{i}.attn.v_bias", v_bias))
     rules += timm_format._mlp_rules(cfg, split_swiglu)
-    if cfg.mlp_norm:
-        rules += pair("blocks.{i}.mlp.norm", "blocks.{i}.mlp.norm")
+    for name, present in (("mlp.norm", cfg.mlp_norm), ("attn.norm", cfg.attn_norm)):
+        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}") if present else []
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
     rules += pair("norm", "fc_norm" if cfg.fc_norm else "norm")
@@ -288,6 +299,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
         "mlp_ratio": timm_writer.mlp_ratio(cfg.mlp_dim, cfg.hidden_size),
         "swiglu_mlp": cfg.mlp == "swiglu",
         "scale_mlp": cfg.mlp_norm,
+        "scale_attn_inner": cfg.attn_norm,
         "init_values": cfg.layer_scale,
         "class_token": bool(cfg.class_token),
         "no_embed_class": not cfg.pos_embed_prefix,

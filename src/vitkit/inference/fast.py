@@ -183,17 +183,17 @@ class FastBlock(nn.Module):
         self.fused = fused  # the C attention kernel (bf16, AVX512_BF16 CPUs; int8 variant for int8), else None
         self.num_heads = block.attn.num_heads
         self.head_dim = block.attn.head_dim
-        norm1, norm2 = copy.deepcopy(block.norm1).to(dtype), copy.deepcopy(block.norm2).to(dtype)
-        # bf16: the C LayerNorm (``vitkit.inference.layernorm``) where it loads, else PyTorch's
-        self.norm1 = NativeLayerNorm(norm1, layernorm)
-        self.norm2 = NativeLayerNorm(norm2, layernorm)
+        # bf16: the C LayerNorm (``vitkit.inference.layernorm``) where it loads, else PyTorch's; also for EVA-02's LN
+        # of the MLP's hidden (after the act) and EVA-CLIP's of the merged heads (before proj), where they are
+        native = lambda norm: NativeLayerNorm(copy.deepcopy(norm).to(dtype), layernorm)  # noqa: E731
+        self.norm1, self.norm2 = native(block.norm1), native(block.norm2)
         # the MLP's activation: GELU (exact or tanh) fused into fc1's GEMM; QuickGELU and SwiGLU after a plain one
         mlp = block.mlp
         fusable = mlp.kind == "plain" and mlp.gelu in ("exact", "tanh")
         gelu = ("gelu_tanh" if mlp.gelu == "tanh" else "gelu") if fusable else "none"
         self.act = None if fusable else mlp.act
-        sub_ln = mlp.norm if isinstance(mlp.norm, nn.LayerNorm) else None  # EVA-02's LN of the hidden, after the act
-        self.mlp_norm = None if sub_ln is None else NativeLayerNorm(copy.deepcopy(sub_ln).to(dtype), layernorm)
+        sub_ln = mlp.norm if isinstance(mlp.norm, nn.LayerNorm) else None
+        self.mlp_norm, self.attn_norm = (None if n is None else native(n) for n in (sub_ln, block.attn.norm))
         qkv = _scaled_qkv(block.attn, block.attn.scale)  # 1/sqrt(d) folded into the query rows
         # layer scale (DINOv2/v3) folded into the branch's last Linear: x + g * (W o + b) = x + (g W) o + g b
         proj, fc2 = _scaled_rows(block.attn.proj, block.ls1), _scaled_rows(mlp.fc2, block.ls2)
@@ -227,8 +227,8 @@ class FastBlock(nn.Module):
             # GEMM, which takes one scale per tensor; see mlp())
             vnni = self.proj.gemm is not None
             self.rows_quantize = kernel.per_row if kernel is not None and vnni else None
-            self.norm1_q = LayerNormQuantize(norm1, quantize, kernel)
-            self.norm2_q = LayerNormQuantize(norm2, quantize, kernel)
+            self.norm1_q = LayerNormQuantize(self.norm1.norm, quantize, kernel)
+            self.norm2_q = LayerNormQuantize(self.norm2.norm, quantize, kernel)
         else:
             self.qkv = PackedLinear(qkv, dtype, "none", rows, pack)
             self.proj = PackedLinear(proj, dtype, "add", rows, pack)
@@ -256,6 +256,7 @@ class FastBlock(nn.Module):
                 q, k, v = heads.unbind(0)  # 3 x (B, h, T, d), strided views
                 o = F.scaled_dot_product_attention(q, k, v, scale=1.0)  # (B, h, T, d)
             o = o.transpose(1, 2).reshape(BT, D)  # (B*T, D)
+        o = o if self.attn_norm is None else self.attn_norm(o)
         if self.rows_quantize is not None:  # int8: the attention output quantised per row
             x = cast(Int8Linear, self.proj).forward_quantized(*self.rows_quantize(o), x)  # x + proj(o)
         else:

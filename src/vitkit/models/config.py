@@ -17,6 +17,7 @@ forward of its own for a family. Token order is ``[class, distillation, register
 | ``rope`` / ``rope_theta`` | None | rotary position embedding of q and k on the patch tokens ("dinov3"; "eva") |
 | ``rope_ref_grid`` | None | "eva": the grid its coordinates are scaled to (EVA-02's ``ref_feat_shape``; None: none) |
 | ``layer_scale`` | None | per-channel scales on both residual branches, initialised to this value |
+| ``attn_norm`` | False | a LayerNorm on the attention's merged heads before its output projection (EVA-CLIP's) |
 | ``mlp_norm`` | False | a LayerNorm on the MLP's hidden activation before its second Dense (EVA-02's sub-LN) |
 | ``fc_norm`` | False | the final LayerNorm on the pooled vector ("gap") instead of on the tokens (timm's fc_norm) |
 | ``mlp`` | "plain" | "swiglu": silu(x W_gate) * (x W_up) W_down (``mlp_dim`` is the gated width) |
@@ -83,6 +84,7 @@ class ViTConfig:
     rope_ref_grid: tuple[int, int] | None = None
     layer_scale: float | None = None
     mlp: MlpKind = "plain"
+    attn_norm: bool = False
     mlp_norm: bool = False
     fc_norm: bool = False
     norm_pre: bool = False

@@ -112,7 +112,7 @@ def check_config(cfg: Any) -> None:
 def _check_descendants(cfg: Any, bad: Any) -> None:
     """The options after the paper's (``vitkit.models.config``): types, and the combinations that mean nothing."""
     for name in ("class_token", "distilled", "pos_embed_prefix", "norm_pre", "patch_bias", "key_bias", "mlp_norm",
-                 "fc_norm"):  # fmt: skip
+                 "attn_norm", "fc_norm"):  # fmt: skip
         if not isinstance(getattr(cfg, name), bool):
             raise bad(f"{name} must be true or false, got {getattr(cfg, name)!r}")
     if not (is_int(cfg.num_registers) and 0 <= cfg.num_registers <= _MAX_REGISTERS):

@@ -72,9 +72,10 @@ class KernelPath:
             qkv = qkv + attn.qkv_bias().to(qkv.dtype)  # type: ignore[union-attr]
         p_drop = attn.attention_dropout if attn.training else 0.0
         if not (attn.fused or return_attention or p_drop or rope is not None):  # q, k, v, scale, gradients at once
-            return _dense(attn.proj, softmax_attention(qkv, attn.num_heads, attn.scale, k), k), None
-        out, probs = attn.attend(qkv, return_attention, rope)  # (B, T, D)
-        return _dense(attn.proj, out, k), probs
+            out, probs = softmax_attention(qkv, attn.num_heads, attn.scale, k), None
+        else:
+            out, probs = attn.attend(qkv, return_attention, rope)  # (B, T, D)
+        return _dense(attn.proj, out if attn.norm is None else attn.norm(out), k), probs
 
     def mlp(self, block: Block, x: torch.Tensor) -> torch.Tensor:
         """MLP(LN(x)) of ``block``: with kernels, Dense -> exact GELU is one fused op (``linear_gelu``, or

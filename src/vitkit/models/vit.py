@@ -65,13 +65,20 @@ class Attention(nn.Module):
 
     ``key_bias=False`` (DINOv3): the qkv Linear has no bias and the query and value biases are the parameters
     ``q_bias`` and ``v_bias`` (the key's is zero). ``rope``: RoPE tables rotate q and k of the patch tokens
-    (the last N of the T) before the scores.
+    (the last N of the T) before the scores. ``norm_eps``: a LayerNorm (``norm``) on the merged heads before
+    ``proj`` (EVA-CLIP's ``scale_attn_inner``, vitkit's ``attn_norm``); None: none.
     """
 
     fused: bool = True
 
     def __init__(
-        self, dim: int, num_heads: int, qkv_bias: bool = True, attention_dropout: float = 0.0, key_bias: bool = True
+        self,
+        dim: int,
+        num_heads: int,
+        qkv_bias: bool = True,
+        attention_dropout: float = 0.0,
+        key_bias: bool = True,
+        norm_eps: float | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
@@ -81,6 +88,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias and key_bias)
         self.q_bias = nn.Parameter(torch.zeros(dim)) if qkv_bias and not key_bias else None
         self.v_bias = nn.Parameter(torch.zeros(dim)) if qkv_bias and not key_bias else None
+        self.norm = None if norm_eps is None else nn.LayerNorm(dim, eps=norm_eps)
         self.proj = nn.Linear(dim, dim)
 
     def qkv_bias(self) -> torch.Tensor | None:
@@ -99,7 +107,7 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x: (B, T, D) -> (B, T, D) and, with ``return_attention``, the probabilities (B, h, T, T)."""
         out, probs = self.attend(self.project(x), return_attention, rope)  # qkv: (B, T, 3D)
-        return self.proj(out), probs
+        return self.proj(out if self.norm is None else self.norm(out)), probs
 
     def attend(
         self, qkv: torch.Tensor, return_attention: bool = False, rope: Rope | None = None
@@ -154,12 +162,13 @@ class Block(nn.Module):
 
     def __init__(self, cfg: ViTConfig, drop_path: float = 0.0) -> None:
         super().__init__()
-        D = cfg.hidden_size
-        self.norm1 = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
-        self.attn = Attention(D, cfg.num_heads, cfg.qkv_bias, cfg.attention_dropout, cfg.key_bias)
+        D, eps = cfg.hidden_size, cfg.layer_norm_eps
+        self.norm1 = nn.LayerNorm(D, eps=eps)
+        inner = eps if cfg.attn_norm else None  # EVA-CLIP's LayerNorm before the output projection
+        self.attn = Attention(D, cfg.num_heads, cfg.qkv_bias, cfg.attention_dropout, cfg.key_bias, inner)
         self.drop = nn.Dropout(cfg.dropout)
-        self.norm2 = nn.LayerNorm(D, eps=cfg.layer_norm_eps)
-        self.mlp = Mlp(D, cfg.mlp_dim, cfg.gelu, cfg.dropout, cfg.mlp, cfg.layer_norm_eps if cfg.mlp_norm else None)
+        self.norm2 = nn.LayerNorm(D, eps=eps)
+        self.mlp = Mlp(D, cfg.mlp_dim, cfg.gelu, cfg.dropout, cfg.mlp, eps if cfg.mlp_norm else None)
         scaled = cfg.layer_scale is not None
         self.ls1: nn.Module = LayerScale(D, cfg.layer_scale) if scaled else nn.Identity()  # type: ignore[arg-type]
         self.ls2: nn.Module = LayerScale(D, cfg.layer_scale) if scaled else nn.Identity()  # type: ignore[arg-type]
@@ -482,9 +491,7 @@ class VisionTransformer(nn.Module):
 
 
 def _replace(cfg: ViTConfig, **changes: Any) -> ViTConfig:
-    d = cfg.to_dict()
-    d.update(changes)
-    return ViTConfig.from_dict(d)
+    return ViTConfig.from_dict({**cfg.to_dict(), **changes})
 
 
 def count_parameters(model: nn.Module) -> int:
