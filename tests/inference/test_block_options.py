@@ -1,7 +1,8 @@
 """The fast path is built from the same block description as the model (``vitkit.models.config``): for every
 architectural option, alone and in combination, ``optimize_for_inference`` computes the plain model's function
-(features: fp32 within 1e-5, bf16 within 3e-2, int8 within 0.1, relative; logits: the head on the fast path's own
-final tokens, within the head's own rounding in that precision), at the native image size and at another one.
+(features: fp32 within 1e-5, bf16 within 3e-2 or 1.5x the plain model's own bf16 error where that is larger,
+int8 within 0.1, relative; logits: the head on the fast path's own final tokens, within the head's own rounding in
+that precision), at the native image size and at another one.
 
 The default suite runs a pairwise covering set of the option space (every value of every option meets every
 value of every other option in at least one tested config, where the config allows the pair); the slow suite
@@ -128,8 +129,12 @@ def _check(choice: dict[str, Any], dtype: torch.dtype, bound: float, int8: bool 
             # the head, given the fast path's own final tokens: in fp32, and in the fast path's dtype
             head_ref = model.forward_head(tokens.float())
             head_low = low.forward_head(tokens.to(dtype))
+            low_feats = low.forward_head(low.forward_features(x.to(dtype)), pre_logits=True)
         assert ref.abs().max() > 0.05
-        assert _rel(feats, ref) < bound, (choice, size, "features", _rel(feats, ref))
+        # a low precision is held to the bound, or to 1.5x the plain model's own error in it where that is larger
+        # (a width-16 toy in bf16 rounds by ~3% itself; a dropped or misplaced option costs far more)
+        feat_bound = bound if dtype == torch.float32 else max(bound, 1.5 * _rel(low_feats, ref))
+        assert _rel(feats, ref) < feat_bound, (choice, size, "features", _rel(feats, ref), feat_bound)
         # logits: the body's error is the features' (above); a small, nearly cancelling head amplifies the low
         # precision's rounding past any fixed bound, so the head is held to its own rounding in that precision
         head_bound = max(1e-5 if dtype == torch.float32 else 1e-2, 3 * _rel(head_low, head_ref))
