@@ -12,6 +12,12 @@ fp32. Run (about five minutes on 2 cores, most of it training):
 
 ``--checkpoint PATH``: the trained weights are saved there, and read from there (no training) when the file
 exists, so that several versions of the fast paths can be compared on the same model.
+
+``--family``: the block of a descendant family at the same Ti/4 size (``dinov2``: 4 registers and layer scale;
+``siglip``: no class token, a MAP head and tanh-GELU). Besides the logits, each path's embedding (the family's
+default: ``forward_head(..., pre_logits=True)``, the class token or the MAP output) is compared with fp32's: the
+mean cosine over the held-out digits, and the top-1 agreement of a 1-nearest-neighbour classifier (cosine) whose
+gallery is the training digits embedded by the same path, with fp32's.
 """
 
 from __future__ import annotations
@@ -59,15 +65,34 @@ def train(model: torch.nn.Module, x_train: torch.Tensor, y_train: torch.Tensor, 
             sched.step()
 
 
+FAMILIES = {
+    "vit": {},
+    "dinov2": {"num_registers": 4, "layer_scale": 1e-1},
+    "siglip": {"class_token": False, "classifier": "map", "gelu": "tanh"},
+}
+
+
+def embed(path: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The family's default embedding of ``x`` by ``path`` (the model or a fast path), L2-normalised, fp32."""
+    feats = path.forward_head(path.forward_features(x), pre_logits=True)  # type: ignore[operator]
+    return F.normalize(feats.float(), dim=-1)
+
+
+def knn_top1(gallery: torch.Tensor, labels: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """The label of each query's nearest gallery vector (cosine; the vectors are normalised)."""
+    return labels[(queries @ gallery.T).argmax(-1)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", type=Path, help="save the trained weights here; read them if it exists")
     ap.add_argument("--epochs", type=int, default=15, help="training epochs (fewer: a weaker model, quicker)")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="vit", help="the block's family (default vit)")
     ap.add_argument("--json", type=Path, help="write the results here")
     args = ap.parse_args()
     torch.manual_seed(0)
     x_train, y_train, x_test, y_test = digits_tensors()
-    model = create_model("Ti/4", image_size=32, num_classes=10)
+    model = create_model("Ti/4", image_size=32, num_classes=10, **FAMILIES[args.family])
     start = time.time()
     if args.checkpoint is not None and args.checkpoint.is_file():
         model.load_state_dict(torch.load(args.checkpoint, weights_only=True))
@@ -78,22 +103,33 @@ def main() -> None:
     model.eval()
     report: dict[str, object] = {
         "train_seconds": round(time.time() - start, 1),
+        "family": args.family,
         "epochs": args.epochs,
         "test_images": len(y_test),
     }
+    paths = {
+        "fp32": model,
+        "fast-bf16": optimize_for_inference(model),
+        "fast-int8": optimize_for_inference(model, int8=True),
+    }
+    assert all(type(p).__name__ == "InferenceViT" for n, p in paths.items() if n != "fp32"), "the fast path did not run"
     with torch.inference_mode():
         ref = model(x_test).float()
-        outputs = {
-            "fp32": ref,
-            "fast-bf16": optimize_for_inference(model)(x_test).float(),
-            "fast-int8": optimize_for_inference(model, int8=True)(x_test).float(),
-        }
-    for name, out in outputs.items():
-        report[name] = {
-            "accuracy": float((out.argmax(-1) == y_test).float().mean()),
-            "top1_agreement_with_fp32": float((out.argmax(-1) == ref.argmax(-1)).float().mean()),
-            "rel_err": float((out - ref).norm() / ref.norm()),
-        }
+        ref_emb, ref_gallery = embed(model, x_test), embed(model, x_train)
+        ref_knn = knn_top1(ref_gallery, y_train, ref_emb)
+        for name, path in paths.items():
+            out = path(x_test).float()
+            emb = embed(path, x_test)
+            knn = knn_top1(embed(path, x_train), y_train, emb)
+            report[name] = {
+                "accuracy": float((out.argmax(-1) == y_test).float().mean()),
+                "top1_agreement_with_fp32": float((out.argmax(-1) == ref.argmax(-1)).float().mean()),
+                "rel_err": float((out - ref).norm() / ref.norm()),
+                "embedding_cosine_with_fp32": float((emb * ref_emb).sum(-1).mean()),
+                "embedding_cosine_min": float((emb * ref_emb).sum(-1).min()),
+                "knn_accuracy": float((knn == y_test).float().mean()),
+                "knn_top1_agreement_with_fp32": float((knn == ref_knn).float().mean()),
+            }
     print(json.dumps(report, indent=2))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

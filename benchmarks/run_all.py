@@ -167,9 +167,9 @@ TABLES = [
     ),
     Table(
         "int8_agreement",
-        "Does int8 change predictions? Top-1 agreement with fp32 on a trained model",
-        [[PY, "benchmarks/digits_agreement.py"]],
-        [[PY, "benchmarks/digits_agreement.py", "--epochs", "2"]],
+        "Does int8 change predictions? Top-1, embedding and kNN agreement with fp32 on trained models",
+        [[PY, "benchmarks/digits_agreement.py", "--family", f] for f in ("vit", "dinov2", "siglip")],
+        [[PY, "benchmarks/digits_agreement.py", "--family", f, "--epochs", "2"] for f in ("vit", "dinov2", "siglip")],
     ),
     Table(
         "training_step",
