@@ -47,14 +47,22 @@ def image_size(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
-def nonnegative_int(text: str) -> int:
+def _int_from(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if least else '0 or more'}, got {value}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    return _int_from(text, 0)
+
+
+def positive_int(text: str) -> int:
+    return _int_from(text, 1)
 
 
 def worker_count(text: str) -> int:
@@ -92,16 +100,6 @@ def note_emulated_bf16(device: str | None, advice: str) -> None:
             f"(tens of times slower than fp32); {advice}",
             file=sys.stderr,
         )
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def positive_float(text: str, allow_zero: bool = False) -> float:
@@ -324,9 +322,7 @@ def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     for item in inputs:
         given += list(item) if isinstance(item, (list, tuple)) else [item]
     for src in given:
-        if src is None or not os.path.exists(src):
-            continue
-        if overlaps(Path(out), Path(src)):
+        if src is not None and os.path.exists(src) and overlaps(Path(out), Path(src)):
             raise ConfigError(
                 f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would be "
                 "read as input by the next run on it); write it outside the input"

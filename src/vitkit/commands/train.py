@@ -77,10 +77,7 @@ GRADIENT_OPTIONS = ("epochs", "steps", "data.batch_size", "optim.lr", "precision
 
 
 def _l2(text: str) -> float | str:
-    if text == "auto":
-        return text
-    value = positive_float(text)
-    return value
+    return text if text == "auto" else positive_float(text)
 
 
 def _fraction(text: str) -> float:
