@@ -65,22 +65,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except VitkitError as e:
-        print(f"vitkit {args.command}: error: {printable(str(e))}", file=sys.stderr)
-        return 2
+        error = str(e)
     except BrokenPipeError:  # the reader went away (vitkit info B/16 --json | head -1): stop quietly
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush cannot fail again
         return 141  # 128 + SIGPIPE, what a shell reports for a writer killed by a closed pipe
     except OSError as e:  # the disk or file system said no (full, read-only, a file where a folder goes...)
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"vitkit {args.command}: error: {printable(f'{where}{e.strerror or e}')}", file=sys.stderr)
-        return 2
+        error = (f"{e.filename}: " if e.filename else "") + str(e.strerror or e)
     except MemoryError as e:  # an allocation no check foresaw (inputs are checked before they are allocated)
-        print(f"vitkit {args.command}: error: out of memory ({printable(str(e) or 'MemoryError')})", file=sys.stderr)
-        return 2
+        error = f"out of memory ({str(e) or 'MemoryError'})"
     except KeyboardInterrupt:
         print(f"vitkit {args.command}: interrupted", file=sys.stderr)
         return 130
+    print(f"vitkit {args.command}: error: {printable(error)}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

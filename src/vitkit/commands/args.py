@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterable
 from typing import Any, NoReturn
 
 
@@ -46,14 +47,22 @@ def image_size(text: str) -> tuple[int, int]:
     return parts[0], parts[1]
 
 
-def nonnegative_int(text: str) -> int:
+def _int_from(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {'positive' if least else '0 or more'}, got {value}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    return _int_from(text, 0)
+
+
+def positive_int(text: str) -> int:
+    return _int_from(text, 1)
 
 
 def worker_count(text: str) -> int:
@@ -91,16 +100,6 @@ def note_emulated_bf16(device: str | None, advice: str) -> None:
             f"(tens of times slower than fp32); {advice}",
             file=sys.stderr,
         )
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
 
 
 def positive_float(text: str, allow_zero: bool = False) -> float:
@@ -221,6 +220,16 @@ def resolve_workers(workers: int | None, device: Any = "auto", backend: str = "t
     return default_workers(gpu=engine_device(backend, device).type == "cuda") if workers is None else workers
 
 
+def add_job_args(p: argparse.ArgumentParser, *, backend: bool = True) -> None:
+    """What a batch job over images (predict, embed) runs on: ``--batch-size``, the engine's options (``--backend``
+    where it has one), ``--workers``, ``--decode`` and the Ray options."""
+    p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass (default 32)")
+    add_engine_args(p, backend=backend)
+    add_workers_arg(p)
+    add_decode_arg(p)
+    add_ray_args(p)
+
+
 def add_engine_args(p: argparse.ArgumentParser, *, backend: bool = True, device: bool = True) -> None:
     """``--precision`` (and ``--backend``, ``--device``) of the inference engine a job runs on."""
     p.add_argument(
@@ -250,6 +259,16 @@ def report_engine(engine: Any) -> None:
     print(f"note: engine: {engine.describe()}", file=sys.stderr, flush=True)
 
 
+def print_notes(notes: Iterable[str | None], *, names_files: bool = False) -> None:
+    """Each note given (None skipped) as a "note:" line on stderr; ``names_files``: notes that name a file, made
+    :func:`~vitkit.textids.printable` (a name can neither drive the terminal nor break the line)."""
+    from vitkit.textids import printable
+
+    for note in notes:
+        if note is not None:
+            print(f"note: {printable(note) if names_files else note}", file=sys.stderr)
+
+
 def load_checkpoint_args(args: argparse.Namespace, image_size: tuple[int, int] | None = None) -> Any:
     from vitkit.evaluate.weights import load_for_eval
 
@@ -277,6 +296,15 @@ def leave_processes(info: Any) -> None:
     barrier(info)
 
 
+def finish_job(info: Any, summary: Any) -> bool:
+    """The end of a batch job (predict, embed): every process waits for the others (:func:`leave_processes`), then
+    process 0 prints the summary's decoding and failure notes. Whether this is process 0, which reports the rest."""
+    leave_processes(info)
+    if info.is_main:
+        print_notes((summary.decode_note, summary.failure_note()), names_files=True)
+    return bool(info.is_main)
+
+
 def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     """Refuse an ``--out`` that is, holds or lies inside a local input (an image folder or file, a ``--data``
     folder or file): written there, it would be read back as data by the next run on that input (predictions.csv
@@ -294,9 +322,7 @@ def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     for item in inputs:
         given += list(item) if isinstance(item, (list, tuple)) else [item]
     for src in given:
-        if src is None or not os.path.exists(src):
-            continue
-        if overlaps(Path(out), Path(src)):
+        if src is not None and os.path.exists(src) and overlaps(Path(out), Path(src)):
             raise ConfigError(
                 f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would be "
                 "read as input by the next run on it); write it outside the input"

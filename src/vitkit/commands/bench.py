@@ -12,10 +12,6 @@ from vitkit.commands.args import positive_int
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    _add_bench(sub)
-
-
-def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="throughput, latency, memory and fraction of peak FLOP/s, optionally against transformers and engines",

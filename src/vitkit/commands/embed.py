@@ -9,14 +9,10 @@ import sys
 
 from vitkit.commands.args import (
     IntermixedParser,
-    add_decode_arg,
-    add_engine_args,
-    add_ray_args,
-    add_workers_arg,
+    add_job_args,
     check_out_of_inputs,
+    finish_job,
     join_processes,
-    leave_processes,
-    positive_int,
     ray_steps,
     report_engine,
     resolve_workers,
@@ -73,11 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--dtype", choices=["fp32", "fp16"], default="fp32", help="storage type (default fp32)")
     p.add_argument("--l2", action="store_true", help="L2-normalise every vector (per token with --pool tokens)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass (default 32)")
-    add_engine_args(p, backend=False)
-    add_workers_arg(p)
-    add_decode_arg(p)
-    add_ray_args(p)
+    add_job_args(p, backend=False)
     p.add_argument(
         "--skip-bad", action="store_true", help="a bad image: a row of NaN marked failed, counted at the end"
     )
@@ -95,7 +87,6 @@ def cmd_embed(args: argparse.Namespace) -> int:
     from vitkit.inference.embed import EmbedOptions, embed_job
     from vitkit.inference.jobs import check_batch_fits
     from vitkit.outputs.arrays import check_embeddings_output
-    from vitkit.textids import printable
 
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if info.is_main:  # before anything else (process 0 alone: the others would see its first chunks)
@@ -116,11 +107,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
         loaded, source, opts, args.out, resume=args.resume, overwrite=args.overwrite, on_engine=report_engine,
         dist=info, steps=ray_steps(args),
     )  # fmt: skip
-    leave_processes(info)
-    if info.is_main:
-        for note in (summary.decode_note, summary.failure_note()):
-            if note:
-                print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
+    if finish_job(info, summary):
         again = f" ({summary.resumed} were there already)" if summary.resumed else ""
         print(f"wrote {summary.resumed + summary.written} embeddings to {args.out}{again}", file=sys.stderr)
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from vitkit.commands.args import (
@@ -25,6 +24,7 @@ from vitkit.commands.args import (
     load_checkpoint_args,
     positive_float,
     positive_int,
+    print_notes,
     report_engine,
     resolve_workers,
 )
@@ -81,11 +81,6 @@ def _open_split(args: argparse.Namespace, split: str, **kw: Any) -> Any:
     return open_noted(args.data, split, skip_bad=args.skip_bad, predecode=False, **kw)
 
 
-def _notes(notes: list[str]) -> None:
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-
-
 def _add_eval(sub: argparse._SubParsersAction) -> None:
     from vitkit.evaluate.metrics import LABEL_FILE_HELP
 
@@ -127,7 +122,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if not info.is_main:
         return 0  # process 0 writes the report of the whole dataset
     paths = write_eval_report(report, out)
-    _notes(report.notes)
+    print_notes(report.notes)
     if args.json:
         print(json.dumps(report.to_dict(), indent=2))
         return 0
@@ -194,7 +189,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
     result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
                              opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
-    _notes(result.notes)
+    print_notes(result.notes)
     source = {"checkpoint": args.checkpoint, "data": args.data}
     return _print_fewshot(args, source, f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})",
                           result)  # fmt: skip
@@ -277,7 +272,7 @@ def cmd_knn(args: argparse.Namespace) -> int:
     if check_embedding_inputs(args):
         notes: list[str] = []
         report = knn_embeddings(args.train_embeddings, args.test_embeddings, **chunks, notes=notes)
-        _notes(notes)
+        print_notes(notes)
         what = f"{args.train_embeddings} -> {args.test_embeddings}"
     else:
         loaded = load_checkpoint_args(args)
@@ -285,7 +280,7 @@ def cmd_knn(args: argparse.Namespace) -> int:
         report = knn_dataset(loaded.model, train, test, loaded.meta.preprocess, **chunks,
                              opts=_run_options(args, info.device, info))  # fmt: skip
         if info.is_main:
-            _notes(report.notes)
+            print_notes(report.notes)
         what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"
     leave_processes(info)
     if not info.is_main:
@@ -349,7 +344,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     pictures = AnalysisImages(files, None, dataset, positions)
     summary = analyze(loaded.model, loaded.meta.preprocess, pictures, None, args.out, opts=opts,
                       run=_run_options(args, device, engine=False), source=args.checkpoint)  # fmt: skip
-    _notes(summary.get("attention_distance", {}).get("notes", []))
+    print_notes(summary.get("attention_distance", {}).get("notes", []))
     print(f"{args.checkpoint}: analysed {len(pictures)} image(s); wrote to {args.out}/")
     for key, value in summary.items():
         if isinstance(value, dict):

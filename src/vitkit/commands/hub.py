@@ -92,6 +92,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     from vitkit.hub import families as fam
     from vitkit.hub import is_cached, search
+    from vitkit.hub.resolve import is_hub_cached
 
     modern = args.family in FAMILIES
     found = [] if modern else [e for e in search(args.filter) if args.family in (None, e.family)]
@@ -100,7 +101,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"no registry entry matches {args.filter!r}", file=sys.stderr)
         return 1
     rows: list[dict[str, Any]] = [{**asdict(e), "cached": is_cached(e.url, args.cache_dir)} for e in found]
-    family_rows = [{**asdict(e), "cached": _hub_cached(e.repo_id)} for e in listed]
+    family_rows = [{**asdict(e), "cached": is_hub_cached(e.repo_id)} for e in listed]
     if args.json:
         print(json.dumps(rows + family_rows, indent=1))
         return 0
@@ -111,12 +112,6 @@ def cmd_models(args: argparse.Namespace) -> int:
             print()
         _print_families(family_rows)
     return 0
-
-
-def _hub_cached(repo_id: str) -> bool:
-    from vitkit.hub.resolve import is_hub_cached
-
-    return is_hub_cached(repo_id)
 
 
 def _print_google(rows: list[dict[str, Any]]) -> None:

@@ -101,7 +101,6 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-
     from vitkit.checkpoints import check_save_target, load_checkpoint, save_checkpoint
     from vitkit.checkpoints.verify import compare_models
 

@@ -9,13 +9,10 @@ import sys
 
 from vitkit.commands.args import (
     IntermixedParser,
-    add_decode_arg,
-    add_engine_args,
-    add_ray_args,
-    add_workers_arg,
+    add_job_args,
     check_out_of_inputs,
+    finish_job,
     join_processes,
-    leave_processes,
     positive_int,
     ray_steps,
     report_engine,
@@ -24,10 +21,6 @@ from vitkit.commands.args import (
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    _add_predict(sub)
-
-
-def _add_predict(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "predict",
         help="top-k labels for images (files, folders, globs or a dataset), printed or written to a file",
@@ -54,11 +47,7 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--split", default="test", help="split of --data (default: test)")
     p.add_argument("--top-k", type=positive_int, default=5, help="how many labels per image (default 5)")
-    p.add_argument("--batch-size", type=positive_int, default=32, help="images per forward pass (default 32)")
-    add_engine_args(p)
-    add_workers_arg(p)
-    add_decode_arg(p)
-    add_ray_args(p)
+    add_job_args(p)
     p.add_argument("--skip-bad", action="store_true", help="a bad image: a row marked failed, counted at the end")
     p.add_argument("--out", metavar="FILE", help="write rows to FILE: .jsonl, .csv or .parquet (pip install pyarrow)")
     p.add_argument("--resume", action="store_true", help="continue the interrupted run that --out holds")
@@ -69,13 +58,14 @@ def _add_predict(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from vitkit.checkpoints import load_checkpoint
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
     from vitkit.inference.jobs import check_batch_fits
     from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
     from vitkit.outputs.rows import check_rows_output
-    from vitkit.textids import printable
 
     if bool(args.images) == bool(args.data):
         raise ConfigError("give image files/folders/patterns or --data DATASET (one of the two)")
@@ -83,8 +73,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
         raise ConfigError("--resume, --overwrite and --logits go with --out FILE")
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if args.out is not None and info.is_main:  # refused before the model is loaded
-        from pathlib import Path
-
         check_rows_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
         check_out_of_inputs(args.out, args.images, args.data)
     source = open_source(args.images, args.data, args.split, skip_bad=args.skip_bad)
@@ -112,14 +100,6 @@ def cmd_predict(args: argparse.Namespace) -> int:
         loaded, source, opts, out=args.out, resume=args.resume, overwrite=args.overwrite, as_json=args.json,
         echo=echo, on_engine=report_engine, dist=info, steps=ray_steps(args),
     )  # fmt: skip
-    leave_processes(info)
-    if not info.is_main:
-        return 0
-    for note in (summary.decode_note, summary.failure_note()):
-        if note:
-            print(f"note: {printable(note)}", file=sys.stderr)  # it names a file
-    if args.out is not None:
-        from pathlib import Path
-
+    if finish_job(info, summary) and args.out is not None:
         print(default_output_note(Path(args.out), summary), file=sys.stderr)
     return 0

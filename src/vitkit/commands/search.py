@@ -12,6 +12,7 @@ from vitkit.commands.args import (
     add_ray_args,
     add_workers_arg,
     positive_int,
+    print_notes,
     ray_steps,
     report_engine,
     resolve_workers,
@@ -125,8 +126,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         index, added = operations.add_to_index(source, index_path, checkpoint=args.checkpoint, data=args.data,
                                          split=args.split, settings=settings, notes=notes,
                                          on_engine=report_engine)  # fmt: skip
-        for n in notes:
-            print(f"note: {printable(n)}", file=sys.stderr)
+        print_notes(notes, names_files=True)
         print(f"added {added} vector(s) to {printable(index_path)}; {len(index)} in all", file=sys.stderr)
         return 0
     if not args.out:
@@ -137,8 +137,7 @@ def cmd_index(args: argparse.Namespace) -> int:
     index = operations.build_index(args.inputs, args.out, checkpoint=args.checkpoint, data=args.data, split=args.split,
                              backend=backend, overwrite=args.overwrite, settings=settings, notes=notes,
                              on_engine=report_engine)  # fmt: skip
-    for n in notes:
-        print(f"note: {printable(n)}", file=sys.stderr)
+    print_notes(notes, names_files=True)
     print(f"indexed {len(index)} vectors ({backend}) in {printable(args.out)}", file=sys.stderr)
     return 0
 

@@ -7,7 +7,6 @@ values go to :func:`vitkit.configs.apply_overrides` under their field names.
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import TYPE_CHECKING, Any
 
 from vitkit.commands.args import (
@@ -16,6 +15,7 @@ from vitkit.commands.args import (
     note_emulated_bf16,
     positive_float,
     positive_int,
+    print_notes,
     worker_count,
 )
 from vitkit.errors import VitkitError
@@ -77,10 +77,7 @@ GRADIENT_OPTIONS = ("epochs", "steps", "data.batch_size", "optim.lr", "precision
 
 
 def _l2(text: str) -> float | str:
-    if text == "auto":
-        return text
-    value = positive_float(text)
-    return value
+    return text if text == "auto" else positive_float(text)
 
 
 def _fraction(text: str) -> float:
@@ -287,8 +284,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     cfg.validate()  # a bad value is the one line, before any note
     if args.sweep:
         check_sweep(cfg)
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
+    print_notes(notes)
     _note_emulated_bf16(cfg)
     if args.sweep:
         print(sweep_lr(cfg, args.out, progress=not args.quiet).summary())
