@@ -25,6 +25,8 @@ from vitkit.data.image_dataset import (
     MissingSplitError,
     Skipped,
     check_class_map,
+    decodable_items,
+    skip_or_raise,
     split_candidates,
 )
 from vitkit.errors import DataError
@@ -108,16 +110,12 @@ def open_image_folder(
     labels: list[int] = []
     skipped: list[Skipped] = []
     for link, why in _broken_links(base, lambda e: not e.name.startswith(".")):  # class folders
-        if not skip_bad:
-            raise DataError(f"{link}: {why}")
-        skipped.append(Skipped(link, why))
+        skip_or_raise(skip_bad, skipped, link, why)
     for cls in found:
         folder = base / cls
         files, broken = _image_files(folder)
         for link, why in broken:
-            if not skip_bad:
-                raise DataError(f"{link}: {why}")
-            skipped.append(Skipped(link, why))
+            skip_or_raise(skip_bad, skipped, link, why)
         if not files:
             if not skip_bad:
                 raise DataError(
@@ -128,14 +126,13 @@ def open_image_folder(
             continue
         for f in files:
             if os.path.getsize(f) == 0:
-                if not skip_bad:
-                    raise DataError(f"{f}: empty file (0 bytes)")
-                skipped.append(Skipped(f, "empty file (0 bytes)"))
+                skip_or_raise(skip_bad, skipped, f, "empty file (0 bytes)")
                 continue
             paths.append(f)
             labels.append(index[cls])
     if skip_bad and predecode:
-        paths, labels = _drop_undecodable(paths, labels, skipped)
+        keep = decodable_items(paths, lambda i: load_image(paths[i]), skipped)
+        paths, labels = [paths[i] for i in keep], [labels[i] for i in keep]
     if not paths:
         raise DataError(f"{base}: no readable images")
     return ImageFolder(root, split, paths, np.asarray(labels, dtype=np.int64), names, skipped)
@@ -218,15 +215,3 @@ def _broken_links(folder: Path, wanted: Callable[[os.DirEntry[str]], bool]) -> l
                 out.append((e.path, f"dangling symbolic link (-> {target}: {err.strerror})"))
     return out
 
-
-def _drop_undecodable(paths: list[str], labels: list[int], skipped: list[Skipped]) -> tuple[list[str], list[int]]:
-    keep_p, keep_l = [], []
-    for p, lab in zip(paths, labels, strict=True):
-        try:
-            load_image(p)
-        except DataError as e:
-            skipped.append(Skipped(p, str(e).removeprefix(f"{p}: ")))
-            continue
-        keep_p.append(p)
-        keep_l.append(lab)
-    return keep_p, keep_l
