@@ -58,7 +58,7 @@ class ImageFolder(ImageDataset):
 
 
 def _subdirs(path: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(path) if not e.name.startswith(".") and _is_dir(e))
+    return sorted(e.name for e in os.scandir(path) if not e.name.startswith(".") and _is(e.is_dir))
 
 
 def _split_dir(root: Path, split: str) -> Path | None:
@@ -182,20 +182,14 @@ def _is_candidate(e: os.DirEntry[str]) -> bool:
 
 def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
     """The image files of a class folder (sorted), and its image-named symbolic links that lead nowhere."""
-    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is_file(e))
+    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is(e.is_file))
     return files, _broken_links(folder, _is_candidate)
 
 
-def _is_dir(e: os.DirEntry[str]) -> bool:
+def _is(test: Callable[[], bool]) -> bool:
+    """``test()`` (an entry's ``is_dir`` or ``is_file``), False where it raises."""
     try:
-        return e.is_dir()
-    except OSError:  # a symbolic link loop: reported by _broken_links
-        return False
-
-
-def _is_file(e: os.DirEntry[str]) -> bool:
-    try:
-        return e.is_file()
+        return test()
     except OSError:  # a symbolic link loop: reported by _broken_links
         return False
 
@@ -214,4 +208,3 @@ def _broken_links(folder: Path, wanted: Callable[[os.DirEntry[str]], bool]) -> l
             else:
                 out.append((e.path, f"dangling symbolic link (-> {target}: {err.strerror})"))
     return out
-
