@@ -25,6 +25,8 @@ from vitkit.data.image_dataset import (
     MissingSplitError,
     Skipped,
     check_class_map,
+    decodable_items,
+    skip_or_raise,
     split_candidates,
 )
 from vitkit.errors import DataError
@@ -56,7 +58,7 @@ class ImageFolder(ImageDataset):
 
 
 def _subdirs(path: Path) -> list[str]:
-    return sorted(e.name for e in os.scandir(path) if not e.name.startswith(".") and _is_dir(e))
+    return sorted(e.name for e in os.scandir(path) if not e.name.startswith(".") and _is(e.is_dir))
 
 
 def _split_dir(root: Path, split: str) -> Path | None:
@@ -108,16 +110,12 @@ def open_image_folder(
     labels: list[int] = []
     skipped: list[Skipped] = []
     for link, why in _broken_links(base, lambda e: not e.name.startswith(".")):  # class folders
-        if not skip_bad:
-            raise DataError(f"{link}: {why}")
-        skipped.append(Skipped(link, why))
+        skip_or_raise(skip_bad, skipped, link, why)
     for cls in found:
         folder = base / cls
         files, broken = _image_files(folder)
         for link, why in broken:
-            if not skip_bad:
-                raise DataError(f"{link}: {why}")
-            skipped.append(Skipped(link, why))
+            skip_or_raise(skip_bad, skipped, link, why)
         if not files:
             if not skip_bad:
                 raise DataError(
@@ -128,14 +126,13 @@ def open_image_folder(
             continue
         for f in files:
             if os.path.getsize(f) == 0:
-                if not skip_bad:
-                    raise DataError(f"{f}: empty file (0 bytes)")
-                skipped.append(Skipped(f, "empty file (0 bytes)"))
+                skip_or_raise(skip_bad, skipped, f, "empty file (0 bytes)")
                 continue
             paths.append(f)
             labels.append(index[cls])
     if skip_bad and predecode:
-        paths, labels = _drop_undecodable(paths, labels, skipped)
+        keep = decodable_items(paths, lambda i: load_image(paths[i]), skipped)
+        paths, labels = [paths[i] for i in keep], [labels[i] for i in keep]
     if not paths:
         raise DataError(f"{base}: no readable images")
     return ImageFolder(root, split, paths, np.asarray(labels, dtype=np.int64), names, skipped)
@@ -185,20 +182,14 @@ def _is_candidate(e: os.DirEntry[str]) -> bool:
 
 def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
     """The image files of a class folder (sorted), and its image-named symbolic links that lead nowhere."""
-    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is_file(e))
+    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is(e.is_file))
     return files, _broken_links(folder, _is_candidate)
 
 
-def _is_dir(e: os.DirEntry[str]) -> bool:
+def _is(test: Callable[[], bool]) -> bool:
+    """``test()`` (an entry's ``is_dir`` or ``is_file``), False where it raises."""
     try:
-        return e.is_dir()
-    except OSError:  # a symbolic link loop: reported by _broken_links
-        return False
-
-
-def _is_file(e: os.DirEntry[str]) -> bool:
-    try:
-        return e.is_file()
+        return test()
     except OSError:  # a symbolic link loop: reported by _broken_links
         return False
 
@@ -217,16 +208,3 @@ def _broken_links(folder: Path, wanted: Callable[[os.DirEntry[str]], bool]) -> l
             else:
                 out.append((e.path, f"dangling symbolic link (-> {target}: {err.strerror})"))
     return out
-
-
-def _drop_undecodable(paths: list[str], labels: list[int], skipped: list[Skipped]) -> tuple[list[str], list[int]]:
-    keep_p, keep_l = [], []
-    for p, lab in zip(paths, labels, strict=True):
-        try:
-            load_image(p)
-        except DataError as e:
-            skipped.append(Skipped(p, str(e).removeprefix(f"{p}: ")))
-            continue
-        keep_p.append(p)
-        keep_l.append(lab)
-    return keep_p, keep_l

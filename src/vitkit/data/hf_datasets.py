@@ -39,6 +39,7 @@ from vitkit.data.image_dataset import (
     check_class_map,
     default_classes,
     relabel,
+    skip_or_raise,
     split_candidates,
 )
 from vitkit.errors import DataError
@@ -448,9 +449,7 @@ def open_hf_dataset(
         raise DataError(f"{what} row {bad}: label {int(labels[bad])} outside the {len(found)} classes of {lab_col!r}")
     for row in np.flatnonzero(keep)[_cell_sizes(table, img_col)[keep] > MAX_IMAGE_BYTES].tolist():
         problem = f"an image of more than {MAX_IMAGE_BYTES >> 20} MiB, the most vitkit reads for one image"
-        if not skip_bad:
-            raise DataError(f"{what} row {row}: {problem}")
-        skipped.append(Skipped(f"{what} row {row}", problem))
+        skip_or_raise(skip_bad, skipped, f"{what} row {row}", problem)
         keep[row] = False
     names = check_class_map(path_text, found, classes)
     roots = cell_roots(path_text, datasets)

@@ -8,7 +8,7 @@ and iterates as (image, label) pairs. ``ds.labels`` gives every label without de
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,6 +45,27 @@ class Skipped:
 
     item: str
     reason: str
+
+
+def skip_or_raise(skip_bad: bool, skipped: list[Skipped], item: str, reason: str) -> None:
+    """A bad item: with ``skip_bad`` noted in ``skipped``, else a DataError ``"<item>: <reason>"``."""
+    if not skip_bad:
+        raise DataError(f"{item}: {reason}")
+    skipped.append(Skipped(item, reason))
+
+
+def decodable_items(names: Sequence[str], load: Callable[[int], object], skipped: list[Skipped]) -> list[int]:
+    """The indices ``i`` of ``names`` (each item's name in errors) that ``load(i)`` decodes; the others are
+    noted in ``skipped`` with the reason their DataError gives."""
+    keep: list[int] = []
+    for i, where in enumerate(names):
+        try:
+            load(i)
+        except DataError as e:
+            skipped.append(Skipped(where, str(e).removeprefix(f"{where}: ")))
+            continue
+        keep.append(i)
+    return keep
 
 
 class ImageDataset:

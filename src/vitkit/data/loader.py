@@ -139,10 +139,6 @@ def _batches(dl: Any) -> Iterator[Batch]:
         yield b
 
 
-def _loader(samples: _Samples, keys: list[list[tuple[int, int]]], workers: int, pin: bool) -> Iterator[Batch]:
-    return _batches(_dataloader(samples, keys, workers, pin))
-
-
 class TrainLoader:
     """Per-rank micro-batches of a training set, step by step, resumable at any step."""
 
@@ -242,7 +238,7 @@ def eval_batches(
     real = [len(k) for k in keys]
     for k, key in enumerate(keys):  # up to rank 0's batch of the step (batch k * world): the largest
         key += [(0, 0)] * (min(size, n - k * world * size) - len(key))
-    batches = _loader(_Samples(dataset, transform, 0, train=False), keys, workers, pin_memory)
+    batches = _batches(_dataloader(_Samples(dataset, transform, 0, train=False), keys, workers, pin_memory))
     for count, b in zip(real, batches, strict=True):
         if count < len(b.labels):
             b.valid = torch.arange(len(b.labels)) < count

@@ -29,7 +29,9 @@ from vitkit.data.image_dataset import (
     MissingSplitError,
     Skipped,
     check_class_map,
+    decodable_items,
     default_classes,
+    relabel,
     split_candidates,
 )
 from vitkit.errors import DataError
@@ -283,24 +285,14 @@ def open_webdataset(
     else:
         found = default_classes(labels) if classes is None else list(classes)
     names = check_class_map(name, found, classes)
-    if names != found:
-        lut = np.asarray([names.index(c) for c in found], dtype=np.int64)
-        labels = lut[labels]
+    labels = relabel(labels, found, names)
     ds = WebDataset(os.fspath(name), split, shards, shard_of, offsets, sizes, labels, names, skipped)
     return _drop_undecodable(ds) if skip_bad and predecode else ds
 
 
 def _drop_undecodable(ds: WebDataset) -> WebDataset:
     """``skip_bad``: decode every image once now (as for ImageFolder trees) and drop, counting, the bad ones."""
-    keep: list[int] = []
-    for i in range(len(ds)):
-        try:
-            ds.load_image(i)
-        except DataError as e:
-            where = ds.describe(i)
-            ds.skipped.append(Skipped(where, str(e).removeprefix(f"{where}: ")))
-            continue
-        keep.append(i)
+    keep = decodable_items([ds.describe(i) for i in range(len(ds))], ds.load_image, ds.skipped)
     ds.close()
     if len(keep) == len(ds):
         return ds

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,15 +163,13 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot folder of a hub repository's config and weights (huggingface_hub's cache)."""
-    from huggingface_hub import hf_hub_download
-
     label = f"{repo_id}@{revision}" if revision else repo_id
-    config = _hub_file(hf_hub_download, repo_id, "config.json", revision, label, required=True)
+    config = _hub_file(repo_id, "config.json", revision, label, required=True)
     assert config is not None
     folder = Path(config).parent
     weights = None
     for fname in WEIGHT_FILES:
-        weights = _hub_file(hf_hub_download, repo_id, fname, revision, label, required=False)
+        weights = _hub_file(repo_id, fname, revision, label, required=False)
         if weights is not None:
             break
     if weights is None:
@@ -183,8 +181,8 @@ def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
 
         shards = sorted(set(json.loads(Path(weights).read_text()).get("weight_map", {}).values()))
         for shard in shards:
-            _hub_file(hf_hub_download, repo_id, shard, revision, label, required=True)
-    _hub_file(hf_hub_download, repo_id, "preprocessor_config.json", revision, label, required=False)
+            _hub_file(repo_id, shard, revision, label, required=True)
+    _hub_file(repo_id, "preprocessor_config.json", revision, label, required=False)
     return folder
 
 
@@ -210,14 +208,13 @@ def _quiet_hub_logs() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def _hub_file(
-    fetch: Callable[..., str], repo_id: str, filename: str, revision: str | None, label: str, required: bool
-) -> str | None:
+def _hub_file(repo_id: str, filename: str, revision: str | None, label: str, required: bool) -> str | None:
     from huggingface_hub import errors as hf_errors
+    from huggingface_hub import hf_hub_download
 
     try:
         with _quiet_hub_logs():
-            return str(fetch(repo_id=repo_id, filename=filename, revision=revision))
+            return str(hf_hub_download(repo_id=repo_id, filename=filename, revision=revision))
     except hf_errors.LocalEntryNotFoundError:
         if not required:
             return None

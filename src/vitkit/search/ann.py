@@ -213,11 +213,6 @@ class Lists:
                 f.write(np.ascontiguousarray(a, dtype=dt).tobytes())
 
     @staticmethod
-    def file_bytes(count: int, dimension: int, lists: int) -> int:
-        """The exact size of a saved IVF file."""
-        return lists * dimension * 4 + (lists + 1) * 8 + count * 8 + count * dimension * 4
-
-    @staticmethod
     def lists_in(size: int, count: int, dimension: int) -> int:
         """How many lists a file of ``size`` bytes holds (0 when the size fits no whole number of lists)."""
         rest = size - 8 - count * (8 + 4 * dimension)

@@ -23,7 +23,6 @@ finds the old one set aside between the two renames), never a mixture.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import stat
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from vitkit.errors import DataError
+from vitkit.hub.download import sha256_file
 
 FORMAT = "vitkit-index"
 VERSION = 1
@@ -45,20 +45,10 @@ MAX_ID_BYTES = 16 << 10  # per id in ids.json (+ 1 MiB), as for vitkit embed's i
 MAX_DIMENSION = 1 << 16
 # the HNSW graph: at most this many bytes per vector beyond the vector itself (links of every level, label, lock)
 GRAPH_BYTES_PER_ROW = 4096
-_BLOCK = 1 << 20
 
 
 class IndexFileError(DataError, ValueError):
     """A folder that is not a vitkit index, or one whose files fail their checks (sizes, checksums): one line."""
-
-
-def sha256_file(path: Path) -> str:
-    """SHA-256 of a file, streamed in 1 MiB blocks (bounded memory whatever its size)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_BLOCK):
-            h.update(block)
-    return h.hexdigest()
 
 
 def file_entry(path: Path) -> dict[str, Any]:

@@ -265,7 +265,7 @@ class Index:
             return exact_search(self.vectors, q, kk)
         rows = self._graph.search(q, kk)
         scores = np.einsum("md,mkd->mk", q, self.vectors[rows])  # exact scores of the candidates
-        order = _order(scores, rows)
+        order = np.lexsort((rows, -scores), axis=-1)  # by score descending, ties by row ascending
         return np.take_along_axis(scores, order, 1), np.take_along_axis(rows, order, 1)
 
     def search(self, queries: np.ndarray, k: int = 10) -> list[list[Hit]]:
@@ -278,11 +278,6 @@ class Index:
         """Neighbours of vectors already in the index (each id itself left out)."""
         hits = self.search(np.stack([self.vector(i) for i in ids]) if ids else np.zeros((0, self.dimension)), k + 1)
         return [[h for h in row if h.id != i][:k] for i, row in zip(ids, hits, strict=True)]
-
-
-def _order(scores: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """Per row the column order by score descending, ties by row ascending."""
-    return np.lexsort((rows, -scores), axis=-1)
 
 
 def _usable(e: Embeddings, notes: list[str] | None) -> tuple[list[str], np.ndarray]:

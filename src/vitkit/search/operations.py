@@ -28,7 +28,6 @@ from vitkit.outputs.store import CHECKPOINT, PRECISION, PREPROCESS
 from vitkit.search.index import Hit, Index
 
 CHECKPOINT_SOURCE = "vitkit.index.checkpoint"  # the -c an index was built with, used by search when -c is not given
-QUERY_FORMATS = (".jsonl", ".csv")
 
 
 @dataclass
