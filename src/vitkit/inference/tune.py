@@ -50,6 +50,7 @@ from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_amx as load_amx_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
 from vitkit.inference.fast import FastBlock, Kernels, block_parts
+from vitkit.inference.fp8 import CastModel
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.layernorm import load as load_layernorm
 from vitkit.models.vit import Block, VisionTransformer
@@ -319,32 +320,14 @@ def _plain_wins(
     return wins
 
 
-class PlainModel(nn.Module):
+class PlainModel(CastModel):
     """The model itself cast to ``dtype`` (a copy), for inference: what runs where it beats the fast path.
     Same interface as the fast path's ``InferenceViT``: ``forward``, ``forward_features``, ``forward_head``,
     ``head``."""
 
     def __init__(self, model: VisionTransformer, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(copy.deepcopy(model).eval().to(dtype), dtype)
         self.cfg = model.cfg
-        self.dtype = dtype
-        self.model = copy.deepcopy(model).eval().to(dtype)
-
-    @torch.no_grad()
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_features(x.to(self.dtype))
-
-    @torch.no_grad()
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.model.forward_head(tokens, pre_logits)
-
-    @property
-    def head(self) -> nn.Module:
-        return self.model.head
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x.to(self.dtype))
 
 
 def build_fast(
