@@ -271,12 +271,8 @@ def validation_plan(
 def _sdpa_enum(name: str) -> Any:
     from torch.nn.attention import SDPBackend
 
-    return {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[name]
+    kinds = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    return dict(zip(SDPA, kinds, strict=True))[name]
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -221,9 +222,7 @@ def _store(key: str, tuning: Tuning, path: Path | None) -> None:
     entries[key] = tuning.to_dict()
     while len(entries) > CACHE_MAX_ENTRIES:  # oldest first out (dicts keep insertion order)
         entries.pop(next(iter(entries)))
-    with contextlib.suppress(
-        OSError, CheckpointError
-    ):  # an unwritable cache costs the next start a measurement, nothing else
+    with contextlib.suppress(OSError, CheckpointError):  # unwritable: the next start measures again, nothing else
         write_file_atomic(path, lambda tmp: tmp.write_text(json.dumps(entries, indent=1)))
 
 
@@ -262,7 +261,8 @@ def _measure(model: VisionTransformer, dtype: torch.dtype, batch: int, int8: boo
     races: list[Race] = []
     with torch.inference_mode():
         for piece, options in candidates(dtype, int8).items():
-            fns = {opt: _block_call(block, dtype, rows, batch, int8, Kernels(**{piece: opt}), x) for opt in options}
+            blocks = {opt: _block_with(block, dtype, rows, int8, Kernels(**{piece: opt})) for opt in options}
+            fns = {opt: functools.partial(fast, x, batch) for opt, fast in blocks.items()}
             times = timer(fns)
             if any(math.isnan(t) for t in times.values()):
                 return Tuning(source="built-in rules (the machine was busy while racing: nothing kept)")
@@ -282,16 +282,9 @@ def _measure(model: VisionTransformer, dtype: torch.dtype, batch: int, int8: boo
     return Tuning(kernels, bool(plain), tuple(races), "measured")
 
 
-def _block_call(
-    block: Block, dtype: torch.dtype, rows: int, batch: int, int8: bool, kernels: Kernels, x: torch.Tensor
-) -> Callable[[], Any]:
-    """One FastBlock built with ``kernels`` (the built-in rules for the other pieces), called on ``x``."""
-    fast = _block_with(block, dtype, rows, int8, kernels)
-    return lambda: fast(x, batch)
-
-
 def _block_with(block: Block, dtype: torch.dtype, rows: int, int8: bool, kernels: Kernels) -> nn.Module:
-    # InferenceViT's construction, for one block (a one-block model would copy the whole embedding)
+    """One FastBlock built with ``kernels`` (the built-in rules for the other pieces): InferenceViT's
+    construction, for one block (a one-block model would copy the whole embedding)."""
     parts = block_parts(kernels, dtype, int8, cpu=True, pack=True)
     return FastBlock(copy.deepcopy(block), dtype, rows, pack=True, **parts).eval()
 
