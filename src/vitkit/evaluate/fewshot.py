@@ -358,8 +358,6 @@ def fewshot_embeddings(
     if not (np.array_equal(tr.index, np.arange(len(tr))) and np.array_equal(te.index, np.arange(len(te)))):
         raise DataError(f"{train} or {test}: not a whole split in order (the episodes address examples by position)")
     K = int(max(tr.labels.max(), te.labels.max())) + 1
-    held = heldout_per_class if l2 == "auto" else 0
-    episodes = sample_episodes(tr.labels, K, shots, seeds, held)
     x_tr = np.asarray(tr.vectors, dtype=np.float32).reshape(len(tr), -1)
     x_te = np.asarray(te.vectors, dtype=np.float32).reshape(len(te), -1)
-    return run_episodes(episodes, x_tr, tr.labels, x_te, te.labels, K, l2, l2_grid)
+    return fewshot_evaluate(x_tr, tr.labels, x_te, te.labels, K, shots, seeds, l2, heldout_per_class, l2_grid)

@@ -26,12 +26,8 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def _strip(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix) :], True
+    while name.startswith(_WRAPPER_PREFIXES):  # each prefix ends at its one dot
+        name = name.split(".", 1)[1]
     return name
 
 

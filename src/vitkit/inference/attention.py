@@ -55,18 +55,8 @@ class FusedAttention:
         self.fallback = FusedAttention(lib) if self.amx else None
         fn = getattr(lib, symbol)
         fn.restype = ctypes.c_int
-        fn.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_float,
-            ctypes.c_int,
-        ]
+        p, i, n = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+        fn.argtypes = [p, p, i, i, i, i, n, n, ctypes.c_float, i]
         self.fn = fn
 
     def supports(self, qkv: torch.Tensor, head_dim: int, batch: int = 1) -> bool:

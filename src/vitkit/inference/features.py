@@ -13,7 +13,7 @@ builds its engine once, through the job runner (:func:`~vitkit.inference.jobs.ru
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,7 +109,7 @@ class FeatureProvider:
         summary = run_job(job, task, sink)
         if summary.built is not None:
             self.engine = summary.built
-        cols = broadcast_from_main(_join(sink.parts) if sink is not None else None, job.info)  # every process: all
+        cols = broadcast_from_main(sink.columns() if sink is not None else None, job.info)  # every process: all
         return cols, summary
 
     def extract(
@@ -151,13 +151,6 @@ class FeatureProvider:
         total = len(failed) + len(cols["labels"])
         notes = [f"{desc}: {len(failed)} of {total} image(s) did not decode and are left out{first}"] if failed else []
         return Extracted(**cols, engine=self.engine, decode_note=summary.decode_note, failed=failed, notes=notes)
-
-
-def _join(parts: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """The batches' columns concatenated, each over the batches that have it (a batch whose images all failed
-    has no features or logits)."""
-    names = dict.fromkeys(name for p in parts for name in p)
-    return {name: np.concatenate([p[name] for p in parts if name in p]) for name in names}
 
 
 def extract(

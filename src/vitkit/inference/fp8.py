@@ -99,38 +99,42 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, e4m3, scales per {self.granularity}"
 
 
-class Fp8Model(nn.Module):
-    """A ViT whose block Linears are :class:`Fp8Linear` and the rest bf16, taking float images: the engine's
-    runner for ``--precision fp8`` (``forward``, ``forward_features``, ``forward_head`` and ``head`` as the
-    model's)."""
+class CastModel(nn.Module):
+    """``model`` run on images cast to ``dtype``, without gradients: ``forward``, ``forward_features``,
+    ``forward_head`` and ``head`` as the model's (the interface of the fast path's ``InferenceViT``)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         super().__init__()
         self.model = model
+        self.dtype = dtype
 
+    @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x.to(torch.bfloat16))  # (B, K)
+        return self.model(x.to(self.dtype))  # (B, K)
 
+    @torch.no_grad()
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_features(x.to(torch.bfloat16))  # type: ignore[operator]
+        return self.model.forward_features(x.to(self.dtype))  # type: ignore[operator]
 
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.model.forward_head(x, pre_logits=pre_logits)  # type: ignore[operator]
+    @torch.no_grad()
+    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        return self.model.forward_head(tokens, pre_logits=pre_logits)  # type: ignore[operator]
 
     @property
     def head(self) -> nn.Module:
         return self.model.head  # type: ignore[return-value]
 
 
-def to_fp8(model: nn.Module, granularity: str = "row") -> Fp8Model:
+def to_fp8(model: nn.Module, granularity: str = "row") -> CastModel:
     """A copy of ``model`` (left untouched) in bf16 with every Linear inside its transformer blocks
     (``model.blocks``) as an :class:`Fp8Linear` where its shape allows (multiples of 16; others stay bf16).
     Runs wherever ``torch._scaled_mm`` does; the engine allows it only where :func:`fp8_unsupported` is None.
-    ``granularity``: "row" (default; see :class:`Fp8Linear`) or "tensor" (one scale per weight and per input)."""
+    ``granularity``: "row" (default; see :class:`Fp8Linear`) or "tensor" (one scale per weight and per input).
+    The copy runs as a :class:`CastModel` taking float images (cast to bf16)."""
     fp8 = copy.deepcopy(model).eval().to(torch.bfloat16)
     for block in fp8.blocks:  # type: ignore[union-attr]
         for parent in block.modules():
             for name, child in list(parent.named_children()):
                 if type(child) is nn.Linear and fp8_shape_ok(child):
                     setattr(parent, name, Fp8Linear(child, granularity))
-    return Fp8Model(fp8)
+    return CastModel(fp8, torch.bfloat16)

@@ -113,27 +113,13 @@ class Int8Gemm:
         # a named op in profiles, with its shape (benchmarks/profile_inference.py sorts GEMMs by it)
         with torch.profiler.record_function(f"vitkit::gemm_u8s8 M={M} K={K} N={N} {epilogue}"):
             rc = self.fn(
-                q.data_ptr(),
-                q.stride(0),
-                M,
-                K,
-                N,
-                packed.data_ptr(),
-                colsum.data_ptr(),
-                w_scale.data_ptr(),
-                None if bias is None else bias.data_ptr(),
-                1.0 if per_row else float(scale),
-                0 if per_row else int(zero),
-                EPILOGUES[epilogue],
-                None if other is None else other.data_ptr(),
-                0 if other is None else other.stride(0),
-                out.data_ptr(),
-                N,
-                ROWS_PER_CHUNK,
-                torch.get_num_threads(),
-                scale.data_ptr() if per_row else None,
-                zero.data_ptr() if per_row else None,
-            )
+                q.data_ptr(), q.stride(0), M, K, N, packed.data_ptr(), colsum.data_ptr(), w_scale.data_ptr(),
+                None if bias is None else bias.data_ptr(), 1.0 if per_row else float(scale),
+                0 if per_row else int(zero), EPILOGUES[epilogue],
+                None if other is None else other.data_ptr(), 0 if other is None else other.stride(0),
+                out.data_ptr(), N, ROWS_PER_CHUNK, torch.get_num_threads(),
+                scale.data_ptr() if per_row else None, zero.data_ptr() if per_row else None,
+            )  # fmt: skip
         if rc != 0:
             raise ValueError(f"the int8 GEMM kernel refused its arguments (M={M}, K={K}, N={N}, {epilogue})")
         return out

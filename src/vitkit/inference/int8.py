@@ -102,8 +102,7 @@ class NativeQuantizer:
         fn = lib.vk_quantize_u8
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        fn.argtypes += [ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [p, i64, p, p, p, ctypes.c_int, ctypes.c_int]
         self.fn, self.qmax, self.fallback = fn, qmax, fallback
         ln = lib.vk_layernorm_u8  # LayerNorm fused with the quantiser (LayerNormQuantize)
         ln.restype = ctypes.c_int

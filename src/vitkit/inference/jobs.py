@@ -188,18 +188,6 @@ class EngineSpec:
         """The spec of an engine already built: its own plan (as built)."""
         return cls(engine.model, engine.preprocess, engine.plan, engine.labels, built=engine)
 
-    @property
-    def precision(self) -> str:
-        return self.plan.precision
-
-    @property
-    def backend(self) -> str:
-        return self.plan.backend
-
-    @property
-    def device(self) -> torch.device:
-        return self.plan.device
-
     def transform(self) -> EvalTransform:
         """What a job's decoding workers run for this engine: JPEGs decoded in full for the reference, at reduced
         scale otherwise; uint8 pixels for an engine on a GPU (normalised there), normalised floats otherwise."""
@@ -466,14 +454,12 @@ def _in_order(
 
 
 def join(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The columns of several batches as one: arrays concatenated, lists chained ({} for none)."""
-    if not parts:
-        return {}
+    """The columns of several batches as one, each over the batches that have it (a batch whose images all
+    failed has no features or logits): arrays concatenated, lists chained ({} for none)."""
+    names = dict.fromkeys(name for p in parts for name in p)
+    cols = {name: [p[name] for p in parts if name in p] for name in names}
     return {
-        name: np.concatenate([p[name] for p in parts])
-        if isinstance(parts[0][name], np.ndarray)
-        else [v for p in parts for v in p[name]]
-        for name in parts[0]
+        n: np.concatenate(c) if isinstance(c[0], np.ndarray) else [v for b in c for v in b] for n, c in cols.items()
     }
 
 

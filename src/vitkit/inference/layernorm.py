@@ -79,18 +79,8 @@ class NativeLayerNorm(LayerNormRows):
             return self.norm(x)
         y = torch.empty(x.shape, dtype=x.dtype)
         with torch.profiler.record_function("vitkit::layernorm_bf16"):
-            rc = self.fn(
-                x.data_ptr(),
-                x.shape[0],
-                D,
-                x.stride(0),
-                self.gamma.data_ptr(),
-                self.beta.data_ptr(),
-                float(self.norm.eps),
-                y.data_ptr(),
-                D,
-                torch.get_num_threads(),
-            )
+            rc = self.fn(x.data_ptr(), x.shape[0], D, x.stride(0), self.gamma.data_ptr(), self.beta.data_ptr(),
+                         float(self.norm.eps), y.data_ptr(), D, torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"the LayerNorm kernel refused its arguments (rc={rc}, {tuple(x.shape)})")
         return y

@@ -36,7 +36,6 @@ from vitkit.timing import time_alternating
 BACKENDS = ("torch", "onnxruntime", "openvino", "auto")  # vitkit's fast path, the ONNX engines, the fastest of them
 PRECISIONS = ("auto", "fp32", "bf16", "int8", "fp8")  # the engine's (predict, eval, serve, ...)
 FEATURE_PRECISIONS = ("fp32", "bf16", "int8")  # the feature cache's: fp32 the model itself; bf16, int8 the fast path
-PATHS = ("reference", "plain", "fast")
 SMALL_BATCH = 8  # up to this batch, CUDA graphs ("reduce-overhead") when compiling on a GPU
 SDPA = ("flash", "cudnn", "efficient", "math")  # PyTorch's fused attention kernels, by vitkit's names
 BF16_MIN_SPEEDUP = 1.2  # bf16 must beat fp32 by this much to be chosen by --precision auto (it also rounds more)
@@ -145,7 +144,7 @@ class EnginePlan:
     with what building measured filled in (``backend`` as chosen by ``auto``, ``kernels``, ``plain_model``,
     ``attention``), which :meth:`describe` prints."""
 
-    path: str  # one of PATHS
+    path: str  # "reference", "plain" or "fast"
     precision: str  # resolved: fp32, bf16, int8 or fp8
     requested: str  # as asked ("auto" included)
     backend: str
@@ -271,12 +270,8 @@ def validation_plan(
 def _sdpa_enum(name: str) -> Any:
     from torch.nn.attention import SDPBackend
 
-    return {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }[name]
+    kinds = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    return dict(zip(SDPA, kinds, strict=True))[name]
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -50,6 +51,7 @@ from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_amx as load_amx_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
 from vitkit.inference.fast import FastBlock, Kernels, block_parts
+from vitkit.inference.fp8 import CastModel
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.layernorm import load as load_layernorm
 from vitkit.models.vit import Block, VisionTransformer
@@ -220,9 +222,7 @@ def _store(key: str, tuning: Tuning, path: Path | None) -> None:
     entries[key] = tuning.to_dict()
     while len(entries) > CACHE_MAX_ENTRIES:  # oldest first out (dicts keep insertion order)
         entries.pop(next(iter(entries)))
-    with contextlib.suppress(
-        OSError, CheckpointError
-    ):  # an unwritable cache costs the next start a measurement, nothing else
+    with contextlib.suppress(OSError, CheckpointError):  # unwritable: the next start measures again, nothing else
         write_file_atomic(path, lambda tmp: tmp.write_text(json.dumps(entries, indent=1)))
 
 
@@ -261,7 +261,8 @@ def _measure(model: VisionTransformer, dtype: torch.dtype, batch: int, int8: boo
     races: list[Race] = []
     with torch.inference_mode():
         for piece, options in candidates(dtype, int8).items():
-            fns = {opt: _block_call(block, dtype, rows, batch, int8, Kernels(**{piece: opt}), x) for opt in options}
+            blocks = {opt: _block_with(block, dtype, rows, int8, Kernels(**{piece: opt})) for opt in options}
+            fns = {opt: functools.partial(fast, x, batch) for opt, fast in blocks.items()}
             times = timer(fns)
             if any(math.isnan(t) for t in times.values()):
                 return Tuning(source="built-in rules (the machine was busy while racing: nothing kept)")
@@ -281,16 +282,9 @@ def _measure(model: VisionTransformer, dtype: torch.dtype, batch: int, int8: boo
     return Tuning(kernels, bool(plain), tuple(races), "measured")
 
 
-def _block_call(
-    block: Block, dtype: torch.dtype, rows: int, batch: int, int8: bool, kernels: Kernels, x: torch.Tensor
-) -> Callable[[], Any]:
-    """One FastBlock built with ``kernels`` (the built-in rules for the other pieces), called on ``x``."""
-    fast = _block_with(block, dtype, rows, int8, kernels)
-    return lambda: fast(x, batch)
-
-
 def _block_with(block: Block, dtype: torch.dtype, rows: int, int8: bool, kernels: Kernels) -> nn.Module:
-    # InferenceViT's construction, for one block (a one-block model would copy the whole embedding)
+    """One FastBlock built with ``kernels`` (the built-in rules for the other pieces): InferenceViT's
+    construction, for one block (a one-block model would copy the whole embedding)."""
     parts = block_parts(kernels, dtype, int8, cpu=True, pack=True)
     return FastBlock(copy.deepcopy(block), dtype, rows, pack=True, **parts).eval()
 
@@ -319,32 +313,14 @@ def _plain_wins(
     return wins
 
 
-class PlainModel(nn.Module):
+class PlainModel(CastModel):
     """The model itself cast to ``dtype`` (a copy), for inference: what runs where it beats the fast path.
     Same interface as the fast path's ``InferenceViT``: ``forward``, ``forward_features``, ``forward_head``,
     ``head``."""
 
     def __init__(self, model: VisionTransformer, dtype: torch.dtype) -> None:
-        super().__init__()
+        super().__init__(copy.deepcopy(model).eval().to(dtype), dtype)
         self.cfg = model.cfg
-        self.dtype = dtype
-        self.model = copy.deepcopy(model).eval().to(dtype)
-
-    @torch.no_grad()
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_features(x.to(self.dtype))
-
-    @torch.no_grad()
-    def forward_head(self, tokens: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        return self.model.forward_head(tokens, pre_logits)
-
-    @property
-    def head(self) -> nn.Module:
-        return self.model.head
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x.to(self.dtype))
 
 
 def build_fast(
