@@ -229,13 +229,7 @@ def matmul_peak(
         call, what = _matmul_call(precision, device, n)
         call()
         synchronize(device)
-        times = []
-        for _ in range(4 if device.type == "cpu" else 20):
-            start = time.perf_counter()
-            call()
-            synchronize(device)
-            times.append(time.perf_counter() - start)
-        best = min(times)
+        best = min(_timed(call, device) for _ in range(4 if device.type == "cpu" else 20))
         if size is not None or n >= cap or best >= budget_s:
             break
         n *= 2
@@ -266,15 +260,16 @@ def gemm_peak(precision: str, shapes: Sequence[tuple[int, int, int]], repeats: i
     for m, k, n in shapes:
         call, what = _gemm_call(precision, m, k, n)
         call()  # oneDNN builds its primitive
-        t = min(_timed(call) for _ in range(repeats))
+        t = min(_timed(call, torch.device("cpu")) for _ in range(repeats))
         if 2 * m * k * n / t > best:
             best, where = 2 * m * k * n / t, f"{m}x{k}x{n} {what}"
     return Peak(precision, best, "amx-matmul", torch.get_num_threads(), f"best of the model's GEMMs: {where}")
 
 
-def _timed(call: Callable[[], Any]) -> float:
+def _timed(call: Callable[[], Any], device: torch.device) -> float:
     start = time.perf_counter()
     call()
+    synchronize(device)
     return time.perf_counter() - start
 
 

@@ -60,16 +60,11 @@ def parse_value(tp: Any, text: str, key: str) -> Any:
         if low in ("false", "0", "no", "off"):
             return False
         raise bad("true or false")
-    if tp is int:
+    if tp is int or tp is float:
         try:
-            return int(text)
+            return tp(text)
         except ValueError:
-            raise bad("an integer") from None
-    if tp is float:
-        try:
-            return float(text)
-        except ValueError:
-            raise bad("a number") from None
+            raise bad("an integer" if tp is int else "a number") from None
     if tp is str:
         return _json_string(text)
     if origin is Literal:

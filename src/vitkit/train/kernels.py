@@ -86,7 +86,7 @@ class CpuTrainingKernels:
         return self  # stateless: a copied model shares the loaded library
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_reload, (self.use_gelu, self.use_softmax, self.attention_lib is not None, self.use_linear))
+        return (load, (self.use_gelu, self.use_softmax, self.attention_lib is not None, self.use_linear))
 
     def gelu_supported(self, h: torch.Tensor) -> bool:
         return self.use_gelu and _bf16_cpu(h)
@@ -208,7 +208,3 @@ def load(
         native.load(native.kernel_source(ATTENTION_SOURCE), "vk_train_attention", FLAGS, NEEDS) if attention else None
     )
     return CpuTrainingKernels(lib, gelu, softmax, attention_lib, linear)
-
-
-def _reload(gelu: bool, softmax: bool, attention: bool = True, linear: bool = True) -> CpuTrainingKernels | None:
-    return load(gelu, softmax, attention, linear)

@@ -56,8 +56,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             for g in groups:  # decoupled for SGD too: decay after the momentum update, scaled by lr
                 g["vitkit_decoupled_wd"] = g["weight_decay"]
                 g["weight_decay"] = 0.0
-        opt = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-        return opt
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
     raise ConfigError(f"unknown optimiser {cfg.name!r} (adamw, adam, sgd)")
 
 

@@ -23,15 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from vitkit.distributed import (
-    DistInfo,
-    all_reduce_sum,
-    barrier,
-    broadcast_int,
-    launched_by_torchrun,
-    setup,
-    teardown,
-)
+from vitkit.distributed import DistInfo, all_reduce_sum, barrier, broadcast_int, launched_by_torchrun, setup, teardown
 from vitkit.errors import ConfigError, VitkitError
 
 __all__ = [  # the process-group helpers live in vitkit.distributed (the batch jobs use them too)

@@ -17,7 +17,6 @@ dataset index, so no augmented copy of a held-out example is fitted, and held-ou
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -191,7 +190,3 @@ def write_head(model: VisionTransformer, fit: ProbeFit) -> None:
         raise ValueError(f"the model's head is not a Linear({R}, {K})")
     head.weight.copy_(torch.from_numpy(fit.weight).to(head.weight.dtype))
     head.bias.copy_(torch.from_numpy(fit.bias).to(head.bias.dtype))
-
-
-def top1(logits: np.ndarray, labels: np.ndarray) -> float:
-    return float((np.asarray(logits).argmax(1) == np.asarray(labels)).mean()) if len(labels) else math.nan

@@ -290,12 +290,7 @@ class Run:
             return  # resumable, or finished: kept
         train_state.clean_states(self.run_dir / "checkpoints")  # vitkit's own temporaries of a cut-short save
         clean_stale(self.run_dir, ("model", "best"))
-        for name in RUN_ENTRIES:
-            path = self.run_dir / name
-            if path.is_dir() and not path.is_symlink():
-                remove_tree(path)
-            elif path.is_file() or path.is_symlink():
-                path.unlink(missing_ok=True)
+        remove_run_entries(self.run_dir)
         for folder in self._new_dirs:  # the run folder first, then the parents it created
             try:
                 folder.rmdir()
@@ -317,6 +312,16 @@ RUN_ENTRIES = (
     "probe.json",  # finetune --method linear / lp-ft
     "selection.csv",  # finetune --method full / lp-ft / lora: the held-out evaluations the weights are chosen by
 )
+
+
+def remove_run_entries(run_dir: Path) -> None:
+    """Remove what a run wrote in ``run_dir``: the names of RUN_ENTRIES (a link itself, never what it points at)."""
+    for name in RUN_ENTRIES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            remove_tree(path)
+        elif path.is_file() or path.is_symlink():
+            path.unlink(missing_ok=True)
 
 
 def _missing_dirs(path: Path) -> list[Path]:

@@ -167,18 +167,10 @@ def save_training(
     distr.barrier(dist)
 
 
-def load_training(
-    path: str | Path,
-    run: Trained,
-    classes: list[str],
-) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_training(path: str | Path, run: Trained, classes: list[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Restore the model, optimiser and EMA of ``run`` from a state written by :func:`save_training`; returns
     its meta (the counters) and the selected weights it holds."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     net, opt, ema, dist = run
     tensors, meta = read_state(path)

@@ -27,7 +27,7 @@ from vitkit.configs import TrainConfig
 from vitkit.distributed import launched_by_torchrun
 from vitkit.errors import ConfigError
 from vitkit.train import logs
-from vitkit.train.run import RUN_ENTRIES, TrainResult, check_run_dir
+from vitkit.train.run import TrainResult, check_run_dir, remove_run_entries
 from vitkit.train.trainer import NonFiniteLossError, train
 
 LR_FACTORS = (0.1, 1 / 3, 1.0, 3.0)  # the grid around the run's lr: the paper's 30x span in half-decades
@@ -157,12 +157,7 @@ def _remove_run(run: Path) -> None:
     note. A run that diverged before its first checkpoint removed its own already."""
     if not run.is_dir():
         return
-    for name in RUN_ENTRIES:
-        path = run / name
-        if path.is_dir() and not path.is_symlink():
-            fileio.remove_tree(path)
-        else:
-            path.unlink(missing_ok=True)
+    remove_run_entries(run)
     try:
         run.rmdir()
     except OSError:

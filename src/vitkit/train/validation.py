@@ -90,14 +90,9 @@ class ValidatedRun(Run):
         if kept is not None:
             return kept
         return eval_batches(
-            ds,
-            self.preprocess.to_tensor,
-            self.cfg.data.eval_batch_size,
-            rank=self.dist.rank,
-            world=self.dist.world,
-            workers=self.workers,
-            pin_memory=self.device.type == "cuda",
-        )
+            ds, self.preprocess.to_tensor, self.cfg.data.eval_batch_size,
+            rank=self.dist.rank, world=self.dist.world, workers=self.workers, pin_memory=self.device.type == "cuda",
+        )  # fmt: skip
 
     def _validation_forward(self, dataset: ImageDataset) -> tuple[Callable[[torch.Tensor], torch.Tensor], Any]:
         """(forward, autocast context) of a validation pass over ``dataset``: the inference engine's fast path,
