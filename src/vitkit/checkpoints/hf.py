@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
@@ -71,15 +71,6 @@ class Family:
     claims: Callable[[ViTConfig], bool]
 
 
-def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
-    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
-
-
-def _fused(ours: str, theirs: list[str]) -> Rule:
-    """Three separate q/k/v tensors <-> vitkit's fused qkv (concatenated on the output axis)."""
-    return rule(ours, theirs, lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, 3, axis=0))
-
-
 def key_map(cfg: ViTConfig, prefix: str = "vit.", style: str = "hub") -> list[Rule]:
     """HF names for a model with this config; ``style`` "hub" (classic) or "v5" (transformers 5 in-memory)."""
     e = f"{prefix}embeddings."
@@ -94,21 +85,21 @@ def key_map(cfg: ViTConfig, prefix: str = "vit.", style: str = "hub") -> list[Ru
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
         rule("pos_embed", f"{e}position_embeddings"),
-        *_linear("patch_embed.proj", f"{e}patch_embeddings.projection"),
-        *_linear("blocks.{i}.norm1", f"{layer}layernorm_before"),
-        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
-        *_linear("blocks.{i}.attn.proj", o),
-        *_linear("blocks.{i}.norm2", f"{layer}layernorm_after"),
-        *_linear("blocks.{i}.mlp.fc1", fc1),
-        *_linear("blocks.{i}.mlp.fc2", fc2),
-        *_linear("norm", f"{prefix}layernorm"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embeddings.projection"),
+        *weight_bias("blocks.{i}.norm1", f"{layer}layernorm_before"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *weight_bias("blocks.{i}.attn.proj", o),
+        *weight_bias("blocks.{i}.norm2", f"{layer}layernorm_after"),
+        *weight_bias("blocks.{i}.mlp.fc1", fc1),
+        *weight_bias("blocks.{i}.mlp.fc2", fc2),
+        *weight_bias("norm", f"{prefix}layernorm"),
     ]
     if cfg.qkv_bias:
-        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+        rules.append(stacked("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
     if cfg.representation_size:
-        rules += _linear("pre_logits.0", f"{prefix}pooler.dense")
+        rules += weight_bias("pre_logits.0", f"{prefix}pooler.dense")
     if cfg.num_classes > 0:
-        rules += _linear("head", "classifier")
+        rules += weight_bias("head", "classifier")
     return expand(rules, cfg.depth)
 
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _linear, _read_json
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _read_json
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
@@ -74,21 +74,21 @@ def key_map(cfg: ViTConfig, family: str, prefix: str) -> list[Rule]:
     attn = f"{layer}self_attn."
     rules: list[Rule] = [
         rule("pos_embed", f"{e}position_embedding.weight", lambda a: a[None], lambda a: (a[0],)),
-        *_linear("patch_embed.proj", f"{e}patch_embedding", bias=cfg.patch_bias),
-        *_linear("blocks.{i}.norm1", f"{layer}layer_norm1"),
-        rule("blocks.{i}.attn.qkv.weight", [f"{attn}{n}_proj.weight" for n in "qkv"], _cat, _thirds),
-        rule("blocks.{i}.attn.qkv.bias", [f"{attn}{n}_proj.bias" for n in "qkv"], _cat, _thirds),
-        *_linear("blocks.{i}.attn.proj", f"{attn}out_proj"),
-        *_linear("blocks.{i}.norm2", f"{layer}layer_norm2"),
-        *_linear("blocks.{i}.mlp.fc1", f"{layer}mlp.fc1"),
-        *_linear("blocks.{i}.mlp.fc2", f"{layer}mlp.fc2"),
-        *_linear("norm", f"{prefix}post_layernorm"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embedding", bias=cfg.patch_bias),
+        *weight_bias("blocks.{i}.norm1", f"{layer}layer_norm1"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{attn}{n}_proj.weight" for n in "qkv"]),
+        stacked("blocks.{i}.attn.qkv.bias", [f"{attn}{n}_proj.bias" for n in "qkv"]),
+        *weight_bias("blocks.{i}.attn.proj", f"{attn}out_proj"),
+        *weight_bias("blocks.{i}.norm2", f"{layer}layer_norm2"),
+        *weight_bias("blocks.{i}.mlp.fc1", f"{layer}mlp.fc1"),
+        *weight_bias("blocks.{i}.mlp.fc2", f"{layer}mlp.fc2"),
+        *weight_bias("norm", f"{prefix}post_layernorm"),
     ]
     if family == "clip":
         rules.append(rule("cls_token", f"{e}class_embedding", lambda a: a[None, None], lambda a: (a[0, 0],)))
-        rules += _linear("norm_pre", f"{prefix}pre_layrnorm")
+        rules += weight_bias("norm_pre", f"{prefix}pre_layrnorm")
         if cfg.projection_size:
-            rules += _linear("projection", "visual_projection", bias=False)
+            rules += weight_bias("projection", "visual_projection", bias=False)
     else:
         h = f"{prefix}head."
         rules += [
@@ -98,10 +98,10 @@ def key_map(cfg: ViTConfig, family: str, prefix: str) -> list[Rule]:
                 for part in ("q", "kv")
                 for kind in ("weight", "bias")
             ),
-            *_linear("attn_pool.proj", f"{h}attention.out_proj"),
-            *_linear("attn_pool.norm", f"{h}layernorm"),
-            *_linear("attn_pool.mlp.fc1", f"{h}mlp.fc1"),
-            *_linear("attn_pool.mlp.fc2", f"{h}mlp.fc2"),
+            *weight_bias("attn_pool.proj", f"{h}attention.out_proj"),
+            *weight_bias("attn_pool.norm", f"{h}layernorm"),
+            *weight_bias("attn_pool.mlp.fc1", f"{h}mlp.fc1"),
+            *weight_bias("attn_pool.mlp.fc2", f"{h}mlp.fc2"),
         ]
     return expand(rules, cfg.depth)
 
@@ -122,14 +122,6 @@ def join_in_proj(arrays: dict[str, np.ndarray], prefix: str) -> None:
         key = f"{prefix}{IN_PROJ.format(kind)}"
         if f"{key}[q]" in arrays:
             arrays[key] = np.concatenate([arrays.pop(f"{key}[q]"), arrays.pop(f"{key}[kv]")], axis=0)
-
-
-def _cat(*a: np.ndarray) -> np.ndarray:
-    return np.concatenate(a, axis=0)
-
-
-def _thirds(a: np.ndarray) -> list[np.ndarray]:
-    return np.split(a, 3, axis=0)
 
 
 # ---- config.json ----------------------------------------------------------------------------------

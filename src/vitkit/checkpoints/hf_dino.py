@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _fused, _linear, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
@@ -85,19 +85,19 @@ def dino_key_map(cfg: ViTConfig) -> list[Rule]:
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
         rule("pos_embed", f"{e}position_embeddings"),
-        *_linear("patch_embed.proj", f"{e}patch_embeddings.projection"),
-        *_linear("blocks.{i}.norm1", f"{layer}norm1"),
-        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
-        *_linear("blocks.{i}.attn.proj", f"{layer}attention.output.dense"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embeddings.projection"),
+        *weight_bias("blocks.{i}.norm1", f"{layer}norm1"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *weight_bias("blocks.{i}.attn.proj", f"{layer}attention.output.dense"),
         rule("blocks.{i}.ls1.gamma", f"{layer}layer_scale1.lambda1"),
-        *_linear("blocks.{i}.norm2", f"{layer}norm2"),
-        *_linear("blocks.{i}.mlp.fc1", fc1),
-        *_linear("blocks.{i}.mlp.fc2", fc2),
+        *weight_bias("blocks.{i}.norm2", f"{layer}norm2"),
+        *weight_bias("blocks.{i}.mlp.fc1", fc1),
+        *weight_bias("blocks.{i}.mlp.fc2", fc2),
         rule("blocks.{i}.ls2.gamma", f"{layer}layer_scale2.lambda1"),
-        *_linear("norm", "layernorm"),
+        *weight_bias("norm", "layernorm"),
     ]
     if cfg.qkv_bias:
-        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+        rules.append(stacked("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
     if cfg.num_registers:
         rules.append(rule("reg_token", f"{e}register_tokens"))
     return expand(rules, cfg.depth)
@@ -109,7 +109,7 @@ def deit_key_map(cfg: ViTConfig, prefix: str) -> list[Rule]:
     body = hf.key_map(dataclasses.replace(cfg, num_classes=0, representation_size=None), prefix, "hub")
     rules = [*body, rule("dist_token", f"{prefix}embeddings.distillation_token")]
     if cfg.num_classes > 0:
-        rules += _linear("head", "cls_classifier") + _linear("head_dist", "distillation_classifier")
+        rules += weight_bias("head", "cls_classifier") + weight_bias("head_dist", "distillation_classifier")
     return rules
 
 

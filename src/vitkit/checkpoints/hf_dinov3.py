@@ -42,8 +42,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, hf_dino, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _fused, _linear, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _pair
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
@@ -94,25 +94,23 @@ def key_map(cfg: ViTConfig, layer: str = "layer.") -> list[Rule]:
     q, k, v = (f"{blk}attention.{n}_proj" for n in ("q", "k", "v"))
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
-        *_linear("patch_embed.proj", f"{e}patch_embeddings", cfg.patch_bias),
-        *_linear("blocks.{i}.norm1", f"{blk}norm1"),
-        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
-        *_linear("blocks.{i}.attn.proj", f"{blk}attention.o_proj"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embeddings", cfg.patch_bias),
+        *weight_bias("blocks.{i}.norm1", f"{blk}norm1"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *weight_bias("blocks.{i}.attn.proj", f"{blk}attention.o_proj"),
         rule("blocks.{i}.ls1.gamma", f"{blk}layer_scale1.lambda1"),
-        *_linear("blocks.{i}.norm2", f"{blk}norm2"),
-        *_linear("blocks.{i}.mlp.fc2", f"{blk}mlp.down_proj"),
+        *weight_bias("blocks.{i}.norm2", f"{blk}norm2"),
+        *weight_bias("blocks.{i}.mlp.fc2", f"{blk}mlp.down_proj"),
         rule("blocks.{i}.ls2.gamma", f"{blk}layer_scale2.lambda1"),
-        *_linear("norm", "norm"),
+        *weight_bias("norm", "norm"),
     ]
     if cfg.mlp == "swiglu":  # vitkit's fc1 = [gate rows; up rows]
         gate, up = f"{blk}mlp.gate_proj", f"{blk}mlp.up_proj"
-        two = (lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, 2, axis=0))
-        rules += [rule("blocks.{i}.mlp.fc1.weight", [f"{gate}.weight", f"{up}.weight"], *two)]
-        rules += [rule("blocks.{i}.mlp.fc1.bias", [f"{gate}.bias", f"{up}.bias"], *two)]
+        rules += [stacked(f"blocks.{{i}}.mlp.fc1.{p}", [f"{gate}.{p}", f"{up}.{p}"]) for p in ("weight", "bias")]
     else:
-        rules += _linear("blocks.{i}.mlp.fc1", f"{blk}mlp.up_proj")
+        rules += weight_bias("blocks.{i}.mlp.fc1", f"{blk}mlp.up_proj")
     if cfg.qkv_bias and cfg.key_bias:
-        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+        rules.append(stacked("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
     elif cfg.qkv_bias:
         rules += [rule("blocks.{i}.attn.q_bias", f"{q}.bias"), rule("blocks.{i}.attn.v_bias", f"{v}.bias")]
     if cfg.num_registers:

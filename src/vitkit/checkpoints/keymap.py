@@ -57,6 +57,17 @@ def _identity(a: Array) -> Array:
 # ---- array transforms shared by the formats ---------------------------------------------------------
 
 
+def weight_bias(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
+    """A torch module's ``weight`` (and ``bias``) copied under another prefix: Linear, LayerNorm, conv."""
+    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
+
+
+def stacked(ours: str, theirs: Sequence[str]) -> Rule:
+    """Separate tensors (q/k/v, gate/up) <-> one of ours, concatenated on the output axis."""
+    n = len(theirs)
+    return rule(ours, theirs, lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, n, axis=0))
+
+
 def dense(prefix_ours: str, prefix_theirs: str, kernel: str = "kernel", bias: str = "bias") -> list[Rule]:
     """A Flax Dense (kernel (in, out)) <-> torch Linear (weight (out, in))."""
     return [
@@ -106,17 +117,19 @@ def heads_in_bias(*biases: Array) -> Array:
     return np.concatenate([b.reshape(-1) for b in biases], axis=0)
 
 
-def split_heads_in(num_heads: int) -> SaveFn:
+def split_heads_in(num_heads: int, parts: int = 3) -> SaveFn:
+    """Fused torch weight (parts * D, D) -> ``parts`` Flax kernels (D, h, d) (the inverse of :func:`heads_in`)."""
+
     def save(w: Array) -> list[Array]:
         D = w.shape[1]
-        return [part.T.reshape(D, num_heads, D // num_heads) for part in np.split(w, 3, axis=0)]
+        return [part.T.reshape(D, num_heads, D // num_heads) for part in np.split(w, parts, axis=0)]
 
     return save
 
 
-def split_heads_in_bias(num_heads: int) -> SaveFn:
+def split_heads_in_bias(num_heads: int, parts: int = 3) -> SaveFn:
     def save(b: Array) -> list[Array]:
-        return [part.reshape(num_heads, -1) for part in np.split(b, 3, axis=0)]
+        return [part.reshape(num_heads, -1) for part in np.split(b, parts, axis=0)]
 
     return save
 

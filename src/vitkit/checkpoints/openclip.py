@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
@@ -62,25 +62,21 @@ VISION_DEFAULTS: dict[str, Any] = {
 VISION_IGNORED = ("patch_dropout", "output_dim", "attn_pooler_queries", "attn_pooler_heads", "timm_pool", "timm_proj")
 
 
-def _pair(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
-    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
-
-
 def key_map(cfg: ViTConfig) -> list[Rule]:
     """OpenAI/OpenCLIP names for a CLIP image tower with this config (blocks expanded)."""
     rules = [
         rule("patch_embed.proj.weight", V + "conv1.weight"),
         rule("cls_token", V + "class_embedding", lambda a: a.reshape(1, 1, -1), lambda a: (a.reshape(-1),)),
         rule("pos_embed", V + "positional_embedding", lambda a: a[None], lambda a: (a[0],)),
-        *_pair("norm_pre", V + "ln_pre"),
-        *_pair("blocks.{i}.norm1", BLOCK + "ln_1"),
+        *weight_bias("norm_pre", V + "ln_pre"),
+        *weight_bias("blocks.{i}.norm1", BLOCK + "ln_1"),
         rule("blocks.{i}.attn.qkv.weight", BLOCK + "attn.in_proj_weight"),
         rule("blocks.{i}.attn.qkv.bias", BLOCK + "attn.in_proj_bias"),
-        *_pair("blocks.{i}.attn.proj", BLOCK + "attn.out_proj"),
-        *_pair("blocks.{i}.norm2", BLOCK + "ln_2"),
-        *_pair("blocks.{i}.mlp.fc1", BLOCK + "mlp.c_fc"),
-        *_pair("blocks.{i}.mlp.fc2", BLOCK + "mlp.c_proj"),
-        *_pair("norm", V + "ln_post"),
+        *weight_bias("blocks.{i}.attn.proj", BLOCK + "attn.out_proj"),
+        *weight_bias("blocks.{i}.norm2", BLOCK + "ln_2"),
+        *weight_bias("blocks.{i}.mlp.fc1", BLOCK + "mlp.c_fc"),
+        *weight_bias("blocks.{i}.mlp.fc2", BLOCK + "mlp.c_proj"),
+        *weight_bias("norm", V + "ln_post"),
     ]
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", BLOCK + f"ls_{n}.gamma") for n in (1, 2)]

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import timm_format, timm_writer, torch_files
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
@@ -97,22 +97,21 @@ def looks_like(path: Path) -> bool:
 def key_map(cfg: ViTConfig, split_swiglu: bool = True) -> list[Rule]:
     """timm Eva names for a DINOv3 model with this config (blocks expanded); ``split_swiglu``: SwiGLU as
     ``fc1_g``/``fc1_x`` (timm's SwiGLU, with ``swiglu_align_to``), else one packed ``fc1`` (GluMlp)."""
-    pair = timm_format._pair_rules
-    rules = pair("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
+    rules = weight_bias("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in ("norm1", "attn.proj", "norm2", "mlp.fc2"):
-        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
     rules.append(rule("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight"))
     if cfg.qkv_bias and cfg.key_bias:
         rules.append(rule("blocks.{i}.attn.qkv.bias", "blocks.{i}.attn.qkv.bias"))
     elif cfg.qkv_bias:
         rules += [rule(f"blocks.{{i}}.attn.{b}_bias", f"blocks.{{i}}.attn.{b}_bias") for b in "qv"]
-    rules += timm_format._mlp_rules(cfg, split_swiglu) + pair("norm", "norm")
+    rules += timm_format._mlp_rules(cfg, split_swiglu) + weight_bias("norm", "norm")
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
     rules += [rule(t, t) for t in ("cls_token", "reg_token") if (t == "cls_token" and cfg.class_token) or
               (t == "reg_token" and cfg.num_registers)]  # fmt: skip
     if cfg.num_classes > 0:
-        rules += pair("head", "head")
+        rules += weight_bias("head", "head")
     return expand(rules, cfg.depth)
 
 

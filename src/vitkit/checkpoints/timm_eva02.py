@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import timm_eva, timm_format, timm_writer, torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -185,14 +185,13 @@ def _halves_order(num_heads: int, head_dim: int, interleaved: bool) -> np.ndarra
 def key_map(cfg: ViTConfig, fused: bool = True, split_swiglu: bool = False, interleaved: bool = True) -> list[Rule]:
     """timm Eva names for an EVA-02 with this config (blocks expanded): ``fused`` one qkv (else q/k/v_proj),
     ``split_swiglu`` SwiGLU's fc1_g/fc1_x, ``interleaved`` timm's default RoPE layout (see :func:`_halves_order`)."""
-    pair = timm_format._pair_rules
     D = cfg.hidden_size
     order = _halves_order(cfg.num_heads, cfg.head_dim, interleaved)
     back = np.argsort(order)
     rows = np.concatenate([order, D + order, 2 * D + np.arange(D)])  # q and k reordered, v as it is
-    rules = pair("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
+    rules = weight_bias("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in ("norm1", "attn.proj", "norm2", "mlp.fc2"):
-        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
     if fused:
         rules.append(rule("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight",
                           lambda w: w[rows], lambda w: (w[np.argsort(rows)],)))  # fmt: skip
@@ -214,14 +213,14 @@ def key_map(cfg: ViTConfig, fused: bool = True, split_swiglu: bool = False, inte
         rules.append(rule("blocks.{i}.attn.v_bias", v_bias))
     rules += timm_format._mlp_rules(cfg, split_swiglu)
     for name, present in (("mlp.norm", cfg.mlp_norm), ("attn.norm", cfg.attn_norm)):
-        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}") if present else []
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}") if present else []
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
-    rules += pair("norm", "fc_norm" if cfg.fc_norm else "norm")
+    rules += weight_bias("norm", "fc_norm" if cfg.fc_norm else "norm")
     rules += [rule(t, t) for t in ("cls_token", "pos_embed") if (cfg.class_token if t == "cls_token" else
               cfg.pos_embed == "learned")]  # fmt: skip
     if cfg.num_classes > 0:
-        rules += pair("head", "head")
+        rules += weight_bias("head", "head")
     return expand(rules, cfg.depth)
 
 

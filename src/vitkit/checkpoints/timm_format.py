@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, stacked, to_state_dict, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
@@ -83,33 +83,25 @@ _LINEARS = ["norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc2"]
 _POOL_PARTS = ["q", "kv", "proj", "norm", "mlp.fc1", "mlp.fc2"]
 
 
-def _pair_rules(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
-    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
-
-
 def _mlp_rules(cfg: ViTConfig, split_swiglu: bool) -> list[Rule]:
     """fc1: plain, timm's SwiGLUPacked (one fc1, gate rows first: vitkit's own layout) or SwiGLU (fc1_g, fc1_x)."""
     if cfg.mlp == "swiglu" and split_swiglu:
-        cat = lambda g, x: np.concatenate([g, x], axis=0)  # noqa: E731
-        halves = lambda a: np.split(a, 2, axis=0)  # noqa: E731
-        return [
-            rule(f"blocks.{{i}}.mlp.fc1.{p}", [f"blocks.{{i}}.mlp.fc1_{n}.{p}" for n in "gx"], cat, halves)
-            for p in ("weight", "bias")
-        ]
-    return _pair_rules("blocks.{i}.mlp.fc1", "blocks.{i}.mlp.fc1")
+        fc1 = "blocks.{i}.mlp.fc1"
+        return [stacked(f"{fc1}.{p}", [f"{fc1}_{n}.{p}" for n in "gx"]) for p in ("weight", "bias")]
+    return weight_bias("blocks.{i}.mlp.fc1", "blocks.{i}.mlp.fc1")
 
 
 def key_map(cfg: ViTConfig, *, no_embed_class: bool = False, split_swiglu: bool = False) -> list[Rule]:
     """timm names for a model with this config (blocks expanded). ``no_embed_class``: timm's pos_embed covers the
     patches only (vitkit's class/distillation slots are zero); ``split_swiglu``: SwiGLU's fc1_g/fc1_x."""
-    rules = _pair_rules("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
+    rules = weight_bias("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in _LINEARS:
-        rules += _pair_rules(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}", name != "attn.qkv" or cfg.qkv_bias)
-    rules += _mlp_rules(cfg, split_swiglu) + _pair_rules("norm", "norm")
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}", name != "attn.qkv" or cfg.qkv_bias)
+    rules += _mlp_rules(cfg, split_swiglu) + weight_bias("norm", "norm")
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.ls{n}.gamma") for n in (1, 2)]
     if cfg.norm_pre:
-        rules += _pair_rules("norm_pre", "norm_pre")
+        rules += weight_bias("norm_pre", "norm_pre")
     rules += [rule(t, t) for t in ("cls_token", "dist_token", "reg_token") if _has_token(cfg, t)]
     if cfg.pos_embed == "learned":
         slots = cfg.num_pos_prefix
@@ -120,14 +112,14 @@ def key_map(cfg: ViTConfig, *, no_embed_class: bool = False, split_swiglu: bool 
     if cfg.classifier == "map":
         rules.append(rule("attn_pool.probe", "attn_pool.latent"))
         for part in _POOL_PARTS:
-            rules += _pair_rules(f"attn_pool.{part}", f"attn_pool.{part}")
+            rules += weight_bias(f"attn_pool.{part}", f"attn_pool.{part}")
     if cfg.representation_size:
         rules += [rule(f"pre_logits.0.{p}", f"pre_logits.fc.{p}") for p in ("weight", "bias")]
     if cfg.projection_size and cfg.num_classes == 0:  # timm's CLIP towers: the projection is a bias-free head
         rules.append(rule("projection.weight", ["head.weight", "head.bias"], _bias_free, _zero_bias))
     for head in ("head", "head_dist") if cfg.num_classes > 0 else ():
         if head == "head" or cfg.distilled:
-            rules += _pair_rules(head, head)
+            rules += weight_bias(head, head)
     return expand(rules, cfg.depth)
 
 
