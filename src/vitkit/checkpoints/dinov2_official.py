@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from vitkit.checkpoints import timm_format, torch_files
-from vitkit.checkpoints.keymap import Rule, to_state_dict
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
+from vitkit.checkpoints.keymap import Rule
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -161,11 +161,7 @@ def load(path: Path, *, num_heads: int | None = None) -> Checkpoint:
         raise CheckpointError(f"{path}: expected a {'/'.join(SUFFIXES)} file holding a DINOv2 state dict")
     weights = unchunk(torch_files.read_state_file(path), str(path))
     cfg = infer_config(weights, str(path), num_heads=num_heads)
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(
-        key_map(cfg), arrays, expected_state(cfg), source=str(path), ignore=lambda k: k == "mask_token"
-    )
+    state = convert(cfg, weights, str(path), key_map, ignore=lambda k: k == "mask_token")
     provenance: dict[str, Any] = {"layout": "official DINOv2 (facebookresearch/dinov2)"}
     if num_heads is None:
         provenance["num_heads"] = f"{cfg.num_heads} (the released DINOv2 model of width {cfg.hidden_size})"

@@ -38,8 +38,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict, weight_bias
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, weight_bias
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -217,9 +217,7 @@ def load(path: Path, *, gelu: str | None = None) -> Checkpoint:
     weights = {k: v for k, v in torch_files.read_state_file(path).items() if k.startswith(V)}
     act, why = activation(path, doc, gelu)
     cfg = infer_config(weights, _vision_cfg(doc, str(path)), act, str(path))
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    state = convert(cfg, weights, str(path), key_map)
     pc = dict((doc or {}).get("preprocess_cfg") or {})
     try:
         pre = Preprocess(

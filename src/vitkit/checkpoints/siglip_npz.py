@@ -41,9 +41,8 @@ from vitkit.checkpoints.keymap import (
     split_heads_in,
     split_heads_in_bias,
     split_heads_out,
-    to_state_dict,
 )
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -152,8 +151,7 @@ def load(path: Path) -> Checkpoint:
     scan = any(k.startswith(big_vision.SCAN) for k in arrays)
     arrays = big_vision.unstack_scan(arrays, str(path))
     cfg = infer_config(arrays, str(path))
-    check_fits_file(cfg, sum(int(a.size) for a in arrays.values()), str(path))
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "big_vision SigLIP", "prefix": prefix, "scan": scan}
     if outside:
         provenance["ignored_keys"] = len(outside)  # the text tower, t and b

@@ -52,13 +52,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, stacked, to_state_dict, weight_bias
-from vitkit.checkpoints.loaded import (
-    Checkpoint,
-    CheckpointMeta,
-    check_fits_file,
-    expected_state,
-)
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, stacked, weight_bias
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -463,10 +458,8 @@ def load(
         layer_norm_eps=layer_norm_eps,
         image_size=image_size,
     )
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    rules = key_map(cfg, no_embed_class=layout.no_embed_class, split_swiglu=layout.split_swiglu)
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=str(path))
+    rules = lambda c: key_map(c, no_embed_class=layout.no_embed_class, split_swiglu=layout.split_swiglu)  # noqa: E731
+    state = convert(cfg, weights, str(path), rules)
     labels = (sidecar or {}).get("label_names")
     provenance: dict[str, Any] = {"layout": "timm VisionTransformer", "no_embed_class": layout.no_embed_class}
     if sidecar:
