@@ -21,23 +21,19 @@ does: the ``"shortest"`` resize mode) and ``SiglipImageProcessor`` (straight res
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _read_json
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
+from vitkit.checkpoints import hf, torch_files
+from vitkit.checkpoints.hf import GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _read_json
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
     with_learned_posemb,
@@ -106,7 +102,7 @@ def key_map(cfg: ViTConfig, family: str, prefix: str) -> list[Rule]:
     return expand(rules, cfg.depth)
 
 
-def split_in_proj(arrays: dict[str, np.ndarray], prefix: str) -> None:
+def split_in_proj(arrays: dict[str, Any], prefix: str) -> None:
     """The MAP head's in_proj_{weight,bias} (3D rows) -> its ``[q]`` (first D rows) and ``[kv]`` halves, in place."""
     for kind in ("weight", "bias"):
         key = f"{prefix}{IN_PROJ.format(kind)}"
@@ -274,17 +270,12 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     family, full, v = vision_doc(doc, source)
     weights = torch_files.read_folder_weights(path)
     prefix = _prefix(weights, full)
-    try:
-        cfg = config_from_hf(family, v, source)
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong-typed fields (null, lists ...)
-        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
+    cfg = hf.parse_config(path, lambda: config_from_hf(family, v, source))
     text = sorted(k for k in weights if full and k.startswith(TEXT_KEYS))
-    check_fits_file(cfg, sum(v.numel() for k, v in weights.items() if k not in text), source)
-    arrays = {k: torch_files.to_numpy(t) for k, t in weights.items() if k not in text}
-    split_in_proj(arrays, prefix)
-    rules = key_map(cfg, family, prefix)
+    tower = {k: t for k, t in weights.items() if k not in text}
+    split_in_proj(tower, prefix)
     buffer = f"{prefix}embeddings.position_ids"  # arange(T), saved by older transformers
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=source, ignore=lambda k: k == buffer)
+    state = convert(cfg, tower, source, lambda c: key_map(c, family, prefix), ignore=lambda k: k == buffer)
     name = {"clip": "CLIP", "siglip": "Siglip"}[family]
     provenance: dict[str, Any] = {
         "layout": f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel",
@@ -292,15 +283,7 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     }
     if text:
         provenance["ignored"] = f"the text tower ({len(text)} tensors)"
-    try:
-        meta = CheckpointMeta(
-            format="hf", source=source, preprocess=preprocess_from(path, family, cfg.image_size), provenance=provenance
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        raise CheckpointError(f"{path}: invalid preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
+    return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, family, cfg.image_size))
 
 
 def family_of(cfg: ViTConfig) -> str | None:
@@ -382,12 +365,8 @@ def save(
     prefix = "vision_model." if cfg.projection_size else ""
     arrays = from_state_dict(key_map(cfg, family, prefix), state)
     join_in_proj(arrays, prefix)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    files: dict[str, bytes | str] = {CONFIG: json.dumps(hf_config(cfg, family), indent=2) + "\n"}
     pre = preprocessor_config(family, meta.preprocess if meta else Preprocess(image_size=cfg.image_size))
-    if pre is not None:
-        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)
+    return hf.write_folder(path, torch_files.from_arrays(arrays), hf_config(cfg, family), pre, overwrite)
 
 
 def _save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:

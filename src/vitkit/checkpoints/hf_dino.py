@@ -25,8 +25,7 @@ against the weights' shapes. ``preprocessor_config.json`` (BitImageProcessor, De
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,11 @@ import torch
 
 from vitkit.checkpoints import hf, torch_files
 from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
     with_learned_posemb,
@@ -284,39 +281,11 @@ def preprocessor_config(pre: Preprocess, processor: str) -> dict[str, Any] | Non
 # ---- reading -----------------------------------------------------------------------------------------
 
 
-def _read(path: Path, doc: Mapping[str, Any], build: Callable[[], ViTConfig]) -> ViTConfig:
-    try:
-        return build()
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:  # wrong-typed fields
-        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
-
-
 def _finish(
     path: Path, doc: Mapping[str, Any], cfg: ViTConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any]
 ) -> Checkpoint:
-    try:
-        meta = CheckpointMeta(
-            format=hf.FORMAT,
-            source=str(path),
-            preprocess=preprocess_from(path, cfg.image_size),
-            class_names=hf.class_names_from(doc, cfg.num_classes),
-            provenance={**provenance, "architectures": doc.get("architectures")},
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
-        raise CheckpointError(f"{path}: invalid labels or preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
-
-
-def _convert(
-    path: Path, cfg: ViTConfig, weights: Mapping[str, torch.Tensor], rules: list[Rule], ignored: set[str]
-) -> dict[str, torch.Tensor]:
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    return to_state_dict(rules, arrays, expected_state(cfg), source=str(path), ignore=lambda k: k in ignored)
+    provenance = {**provenance, "architectures": doc.get("architectures")}
+    return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
 def load_dino(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
@@ -328,9 +297,9 @@ def load_dino(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
             f"{path}: Dinov2ForImageClassification (a head on the class and mean patch tokens) is not supported; "
             "save its .dinov2 backbone"
         )
-    cfg = _read(path, doc, lambda: dino_config(doc, model_type, str(path / CONFIG)))
+    cfg = hf.parse_config(path, lambda: dino_config(doc, model_type, str(path / CONFIG)))
     ignored = {"embeddings.mask_token"}
-    state = _convert(path, cfg, weights, dino_key_map(cfg), ignored)
+    state = convert(cfg, weights, str(path), dino_key_map, ignore=lambda k: k in ignored)
     provenance: dict[str, Any] = {"layout": f"transformers {ARCH[model_type]}"}
     if ignored & set(weights):
         provenance["ignored"] = sorted(ignored & set(weights))
@@ -347,9 +316,10 @@ def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
         )
     prefix = "deit." if any(k.startswith("deit.") for k in weights) else ""
     head = weights.get("cls_classifier.weight")
-    cfg = _read(path, doc, lambda: deit_config(doc, int(head.shape[0]) if head is not None else 0, str(path / CONFIG)))
+    num_classes = int(head.shape[0]) if head is not None else 0
+    cfg = hf.parse_config(path, lambda: deit_config(doc, num_classes, str(path / CONFIG)))
     ignored = {f"{prefix}embeddings.mask_token", f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}
-    state = _convert(path, cfg, weights, deit_key_map(cfg, prefix), ignored)
+    state = convert(cfg, weights, str(path), lambda c: deit_key_map(c, prefix), ignore=lambda k: k in ignored)
     arch = "DeiTForImageClassificationWithTeacher" if cfg.num_classes else "DeiTModel"
     provenance: dict[str, Any] = {"layout": f"transformers {arch}"}
     if ignored & set(weights):
@@ -476,12 +446,8 @@ def _write(
     processor: str,
     overwrite: bool,
 ) -> Path:
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    files: dict[str, bytes | str] = {CONFIG: json.dumps(doc, indent=2) + "\n"}
     pre = preprocessor_config(meta.preprocess, processor) if meta else None
-    if pre is not None:
-        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)
+    return hf.write_folder(path, torch_files.from_arrays(arrays), doc, pre, overwrite)
 
 
 FAMILIES = {

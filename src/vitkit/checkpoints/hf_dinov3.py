@@ -33,23 +33,19 @@ ImageNet mean/std by default) as a :class:`Preprocess`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from vitkit.checkpoints import hf, hf_dino, torch_files
 from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, to_state_dict, weight_bias
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
 )
@@ -250,31 +246,16 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
                    for k, t in weights.items()}  # fmt: skip
     if any(k.startswith(("dinov3.", "classifier.")) for k in weights):
         raise CheckpointError(f"{path}: a DINOv3 classification head is not supported; save the DINOv3ViTModel")
-    try:
-        cfg = dinov3_config(doc, source)
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:  # wrong-typed fields
-        raise CheckpointError(f"{source}: invalid config ({type(e).__name__}: {e})") from None
+    cfg = hf.parse_config(path, lambda: dinov3_config(doc, source))
     ignored = {"embeddings.mask_token", "rope_embeddings.inv_freq"}
     reg = weights.get("embeddings.register_tokens")
     if cfg.num_registers == 0 and reg is not None and reg.numel() == 0:
         ignored.add("embeddings.register_tokens")  # transformers' (1, 0, D) parameter
-    check_fits_file(cfg, sum(t.numel() for t in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(t) for k, t in weights.items()}
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path), ignore=lambda k: k in ignored)
+    state = convert(cfg, weights, str(path), key_map, ignore=lambda k: k in ignored)
     provenance: dict[str, Any] = {"layout": f"transformers {ARCH}", "architectures": doc.get("architectures")}
     if ignored & set(weights):
         provenance["ignored"] = sorted(ignored & set(weights))
-    try:
-        meta = CheckpointMeta(
-            format=hf.FORMAT, source=str(path), preprocess=preprocess_from(path, cfg.image_size), provenance=provenance
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
-        raise CheckpointError(f"{path}: invalid preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
+    return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size))
 
 
 # ---- writing -----------------------------------------------------------------------------------------
@@ -311,12 +292,8 @@ def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, over
     arrays["embeddings.mask_token"] = np.zeros((1, 1, cfg.hidden_size), np.float32)
     if not cfg.num_registers:
         arrays["embeddings.register_tokens"] = np.zeros((1, 0, cfg.hidden_size), np.float32)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    files: dict[str, bytes | str] = {CONFIG: json.dumps(config_json(cfg), indent=2) + "\n"}
     pre = preprocessor_config(meta.preprocess) if meta else None
-    if pre is not None:
-        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)
+    return hf.write_folder(path, torch_files.from_arrays(arrays), config_json(cfg), pre, overwrite)
 
 
 FAMILIES = {MODEL_TYPE: hf.Family(load, save, claims)}

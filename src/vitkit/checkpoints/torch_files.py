@@ -101,6 +101,11 @@ def _shard_path(folder: Path, index: Path, name: object) -> Path:
     return path
 
 
+def from_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """A writer's arrays as contiguous tensors (sharing their memory where they are contiguous already)."""
+    return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """float32 numpy copy of a tensor of any floating dtype (bfloat16 included)."""
     return t.detach().to(torch.float32).cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
