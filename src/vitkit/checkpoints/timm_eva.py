@@ -27,7 +27,6 @@ naming it.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,19 +36,17 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import timm_format, timm_writer, torch_files
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict, weight_bias
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    expected_state,
+    convert,
     export_state,
     require,
     require_unseen,
 )
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
-from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 FORMAT = "timm_eva"
@@ -216,11 +213,8 @@ def load(path: Path) -> Checkpoint:
     weights = torch_files.read_state_file(weights_path)
     sidecar = timm_format._sidecar(path)
     cfg, args, split = infer_config(weights, sidecar, str(path))
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
     # rope.periods: RoPE's frequencies, a buffer timm computes (and leaves out of its state dicts); ignored if saved
-    state = to_state_dict(key_map(cfg, split), arrays, expected_state(cfg), source=str(path),
-                          ignore=lambda k: k == "rope.periods")  # fmt: skip
+    state = convert(cfg, weights, str(path), lambda c: key_map(c, split), ignore=lambda k: k == "rope.periods")
     doc = dict(sidecar or {})
     labels = doc.get("label_names")
     provenance: dict[str, Any] = {"layout": "timm Eva (DINOv3)", "architecture": doc.get("architecture")}
@@ -266,14 +260,8 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     size = SIZES.get(cfg.hidden_size, "base")  # any entry point: model_args override what differs
     arch = f"vit_{size}_patch16_dinov3" + ("_qkvb" if cfg.qkv_bias or size == "tiny" else "")
     pool = "token" if cfg.classifier == "token" else "avg"
-    hidden = cfg.mlp_dim
     args: dict[str, Any] = {
-        "img_size": list(cfg.image_size),
-        "patch_size": cfg.patch_size,
-        "in_chans": cfg.in_channels,
-        "embed_dim": cfg.hidden_size,
-        "depth": cfg.depth,
-        "num_heads": cfg.num_heads,
+        **timm_writer.shape_args(cfg),
         "qkv_bias": cfg.qkv_bias,
         "init_values": cfg.layer_scale,
         "rope_type": "dinov3",
@@ -282,22 +270,11 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
         "swiglu_mlp": cfg.mlp == "swiglu",
         "global_pool": pool,
         "num_classes": cfg.num_classes,
+        "mlp_ratio": timm_writer.mlp_ratio(cfg.mlp_dim, cfg.hidden_size),
     }
     if cfg.mlp == "swiglu":  # timm's SwiGLU width: int(D * mlp_ratio) rounded up to swiglu_align_to
-        args.update({"mlp_ratio": timm_writer.mlp_ratio(hidden, cfg.hidden_size), "swiglu_align_to": 1})
-    else:
-        args["mlp_ratio"] = timm_writer.mlp_ratio(hidden, cfg.hidden_size)
-    doc: dict[str, Any] = {
-        "architecture": arch,
-        "num_classes": cfg.num_classes,
-        "num_features": cfg.hidden_size,
-        "global_pool": pool,
-        "model_args": args,
-        "pretrained_cfg": timm_writer.pretrained_cfg(cfg, pre, cfg.num_classes),
-    }
-    if meta and meta.class_names:
-        doc["label_names"] = list(meta.class_names)
-    return doc
+        args["swiglu_align_to"] = 1
+    return timm_writer.hub_config(cfg, arch, cfg.num_classes, pool, args, pre, meta)
 
 
 def save(
@@ -318,11 +295,4 @@ def write(out: Path, arrays: Callable[[], Mapping[str, np.ndarray]], doc: dict[s
     its config ``doc``: a ``.safetensors`` file (the config in its metadata) or a hub folder."""
     require(out.suffix not in torch_files.PICKLE_SUFFIXES, out.name,
             "a bare .pth cannot record the RoPE settings; write a .safetensors file or a folder")  # fmt: skip
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays().items()}
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        metadata = {"format": "pt", timm_format.META_KEY: json.dumps(doc), WRITER_KEY: WRITER}
-        return write_file_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    files = {"config.json": json.dumps(doc, indent=2) + "\n"}
-    return torch_files.write_folder(out, tensors, files, overwrite=overwrite)
+    return timm_writer.write_with_config(out, torch_files.from_arrays(arrays()), doc, overwrite)

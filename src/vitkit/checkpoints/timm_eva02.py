@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import timm_eva, timm_format, timm_writer, torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict, weight_bias
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
+from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, weight_bias
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -238,12 +238,9 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path}: expected a .safetensors/.pth file or a timm folder with model weights")
     weights = torch_files.read_state_file(weights_path)
     cfg, args, split = infer_config(weights, doc, str(path))
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    rules = key_map(cfg, args["qkv_fused"], split, interleaved=not args.get("rope_rotate_half", False))
+    rules = lambda c: key_map(c, args["qkv_fused"], split, interleaved=not args.get("rope_rotate_half", False))  # noqa: E731
     # rope.* and attn.k_bias: buffers timm computes (and leaves out of its state dicts); ignored if saved
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=str(path),
-                          ignore=lambda k: k.startswith("rope.") or k.endswith("attn.k_bias"))  # fmt: skip
+    state = convert(cfg, weights, str(path), rules, ignore=lambda k: k.startswith("rope.") or k.endswith("attn.k_bias"))
     labels = doc.get("label_names")
     provenance: dict[str, Any] = {"layout": "timm Eva (EVA-02)", "architecture": doc.get("architecture"),
                                   "qkv_fused": args["qkv_fused"]}  # fmt: skip
@@ -287,12 +284,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     pre = meta.preprocess if meta else timm_eva._default_preprocess(cfg)
     pool = "token" if cfg.classifier == "token" else "avg"
     args: dict[str, Any] = {
-        "img_size": list(cfg.image_size),
-        "patch_size": cfg.patch_size,
-        "in_chans": cfg.in_channels,
-        "embed_dim": cfg.hidden_size,
-        "depth": cfg.depth,
-        "num_heads": cfg.num_heads,
+        **timm_writer.shape_args(cfg),
         "qkv_bias": cfg.qkv_bias,
         "qkv_fused": not cfg.mlp_norm,
         "mlp_ratio": timm_writer.mlp_ratio(cfg.mlp_dim, cfg.hidden_size),
@@ -311,17 +303,8 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
         "global_pool": pool,
         "num_classes": cfg.num_classes,
     }
-    doc: dict[str, Any] = {
-        "architecture": f"eva02_{SIZES.get(cfg.hidden_size, 'base')}_patch14_224",
-        "num_classes": cfg.num_classes,
-        "num_features": cfg.hidden_size,
-        "global_pool": pool,
-        "model_args": args,
-        "pretrained_cfg": timm_writer.pretrained_cfg(cfg, pre, cfg.num_classes),
-    }
-    if meta and meta.class_names:
-        doc["label_names"] = list(meta.class_names)
-    return doc
+    arch = f"eva02_{SIZES.get(cfg.hidden_size, 'base')}_patch14_224"
+    return timm_writer.hub_config(cfg, arch, cfg.num_classes, pool, args, pre, meta)
 
 
 def save(
