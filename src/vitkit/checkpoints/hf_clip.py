@@ -38,12 +38,10 @@ from vitkit.checkpoints.loaded import (
     require,
     with_learned_posemb,
 )
-from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import CLIP_MEAN, CLIP_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' OPENAI_CLIP_MEAN / STD
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 ACT = {**GELU, "quick_gelu": "quick"}
 ACT_NAME = {"exact": "gelu", "tanh": "gelu_pytorch_tanh", "quick": "quick_gelu"}
 # transformers' CLIPVisionConfig / SiglipVisionConfig defaults, for fields a config.json leaves out

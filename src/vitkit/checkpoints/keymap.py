@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,6 +168,17 @@ def flax_attention(prefix_ours: str, prefix_theirs: str, num_heads: int) -> list
         rule(f"{prefix_ours}.proj.weight", f"{prefix_theirs}/out/kernel", heads_out, split_heads_out(num_heads)),
         rule(f"{prefix_ours}.proj.bias", f"{prefix_theirs}/out/bias"),
     ]
+
+
+def shape_reader(tensors: Mapping[str, Any], what: str, source: str) -> Callable[[str], tuple[int, ...]]:
+    """``shape(key)``: a foreign tensor's shape as ints, or CheckpointError "not a complete {what}, missing {key}"."""
+
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in tensors:
+            raise CheckpointError(f"{source}: not a complete {what}, missing {key}")
+        return tuple(int(n) for n in tensors[key].shape)
+
+    return shape
 
 
 # ---- applying a map ---------------------------------------------------------------------------------

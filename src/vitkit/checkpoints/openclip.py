@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, weight_bias
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, shape_reader, weight_bias
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
-from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import CLIP_MEAN, CLIP_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import ViTConfig
@@ -48,8 +48,6 @@ from vitkit.models.vit import ViTConfig
 FORMAT = "openclip"
 SUFFIXES = (".safetensors", *torch_files.PICKLE_SUFFIXES)
 CONFIG = "open_clip_config.json"
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI's
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 V = "visual."
 BLOCK = V + "transformer.resblocks.{i}."
 # open_clip vision_cfg fields vitkit represents (read and checked), and those it can only take at their default
@@ -89,19 +87,11 @@ def _transpose(a: Array) -> Array:
     return np.ascontiguousarray(a.T)
 
 
-def _keys(path: Path) -> set[str]:
-    """The file's tensor names, or none when it is unreadable (then it is not this format)."""
-    try:
-        return torch_files.state_keys(path)
-    except CheckpointError:
-        return set()
-
-
 def looks_like(path: Path) -> bool:
     """A CLIP state dict with an OpenAI-layout image tower: ``visual.conv1.weight`` and ``visual.class_embedding``."""
     if not (path.is_file() and path.suffix in SUFFIXES):
         return False
-    keys = _keys(path)
+    keys = torch_files.readable_keys(path)
     return V + "conv1.weight" in keys and V + "class_embedding" in keys
 
 
@@ -154,12 +144,7 @@ def infer_config(weights: Mapping[str, torch.Tensor], vision: Mapping[str, Any],
     for k in weights:
         if k.startswith(V + "trunk."):
             raise CheckpointError(f"{source}: {k}: an OpenCLIP tower with a timm trunk is not this layout")
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in weights:
-            raise CheckpointError(f"{source}: not a complete CLIP image tower, missing {key}")
-        return tuple(int(n) for n in weights[key].shape)
-
+    shape = shape_reader(weights, "CLIP image tower", source)
     D, C, P, P2 = shape(V + "conv1.weight")
     if P != P2:
         raise CheckpointError(f"{source}: visual.conv1.weight: non-square patches {P}x{P2}")

@@ -38,6 +38,7 @@ from vitkit.checkpoints.keymap import (
     heads_out,
     layernorm,
     rule,
+    shape_reader,
     split_heads_in,
     split_heads_in_bias,
     split_heads_out,
@@ -96,12 +97,7 @@ def looks_like(path: Path) -> bool:
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     """The architecture, from the shapes (module docstring)."""
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in arrays:
-            raise CheckpointError(f"{source}: not a complete SigLIP image tower, missing {key}")
-        return tuple(int(n) for n in arrays[key].shape)
-
+    shape = shape_reader(arrays, "SigLIP image tower", source)
     kh, kw, C, D = shape("embedding/kernel")
     if kh != kw:
         raise CheckpointError(f"{source}: embedding/kernel: non-square patches {kh}x{kw}")

@@ -161,6 +161,14 @@ def native_looks_like(folder: Path) -> bool:
         return False
 
 
+def readable_keys(path: Path) -> set[str]:
+    """:func:`state_keys`, or none when the file is unreadable (then it is not the format a detector asks about)."""
+    try:
+        return state_keys(path)
+    except CheckpointError:
+        return set()
+
+
 def state_keys(path: Path) -> set[str]:
     """The tensor names of a state-dict file (safetensors: from its header; else :func:`read_state_file`), without
     building a model: what the format detectors look at. CheckpointError naming the file when it is unreadable."""
