@@ -207,28 +207,21 @@ def _size(size: Any, source: str) -> tuple[int, int]:
 
 def load(path: Path) -> Checkpoint:
     """Read a timm Eva (DINOv3) state dict (file or hub folder) into vitkit's layout, shape-checked."""
-    weights_path = timm_format._weights_path(path)
-    if weights_path is None:
-        raise CheckpointError(f"{path}: expected a .safetensors/.pth file or a timm folder with model weights")
-    weights = torch_files.read_state_file(weights_path)
+    weights = timm_format.read_weights(path, ".safetensors/.pth")
     sidecar = timm_format._sidecar(path)
     cfg, args, split = infer_config(weights, sidecar, str(path))
     # rope.periods: RoPE's frequencies, a buffer timm computes (and leaves out of its state dicts); ignored if saved
     state = convert(cfg, weights, str(path), lambda c: key_map(c, split), ignore=lambda k: k == "rope.periods")
     doc = dict(sidecar or {})
-    labels = doc.get("label_names")
     provenance: dict[str, Any] = {"layout": "timm Eva (DINOv3)", "architecture": doc.get("architecture")}
     if not args.get("num_heads"):
         provenance["num_heads"] = f"{cfg.num_heads} (the DINOv3 entry point of width {cfg.hidden_size})"
-    pre = doc.get("pretrained_cfg") or {}
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=timm_format.preprocess_from(doc, cfg.image_size) if pre else _default_preprocess(cfg),
-        class_names=list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None,
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return timm_format.checkpoint(path, cfg, state, doc, provenance, preprocess(doc, cfg), FORMAT)
+
+
+def preprocess(doc: Mapping[str, Any], cfg: ViTConfig) -> Preprocess:
+    """timm's ``pretrained_cfg``, else the Eva entry points' (ImageNet statistics, bicubic) at the model's size."""
+    return timm_format.preprocess_from(doc, cfg.image_size) if doc.get("pretrained_cfg") else _default_preprocess(cfg)
 
 
 def _default_preprocess(cfg: ViTConfig) -> Preprocess:

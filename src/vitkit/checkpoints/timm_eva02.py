@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.checkpoints import timm_eva, timm_format, timm_writer, torch_files
+from vitkit.checkpoints import timm_eva, timm_format, timm_writer
 from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, weight_bias
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
 from vitkit.errors import CheckpointError
@@ -233,27 +233,14 @@ def load(path: Path) -> Checkpoint:
     if not claims(doc):
         return timm_eva.load(path)
     assert doc is not None
-    weights_path = timm_format._weights_path(path)
-    if weights_path is None:
-        raise CheckpointError(f"{path}: expected a .safetensors/.pth file or a timm folder with model weights")
-    weights = torch_files.read_state_file(weights_path)
+    weights = timm_format.read_weights(path, ".safetensors/.pth")
     cfg, args, split = infer_config(weights, doc, str(path))
     rules = lambda c: key_map(c, args["qkv_fused"], split, interleaved=not args.get("rope_rotate_half", False))  # noqa: E731
     # rope.* and attn.k_bias: buffers timm computes (and leaves out of its state dicts); ignored if saved
     state = convert(cfg, weights, str(path), rules, ignore=lambda k: k.startswith("rope.") or k.endswith("attn.k_bias"))
-    labels = doc.get("label_names")
     provenance: dict[str, Any] = {"layout": "timm Eva (EVA-02)", "architecture": doc.get("architecture"),
                                   "qkv_fused": args["qkv_fused"]}  # fmt: skip
-    meta = CheckpointMeta(
-        format=timm_eva.FORMAT,
-        source=str(path),
-        preprocess=timm_format.preprocess_from(doc, cfg.image_size)
-        if doc.get("pretrained_cfg")
-        else timm_eva._default_preprocess(cfg),
-        class_names=list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None,
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return timm_format.checkpoint(path, cfg, state, doc, provenance, timm_eva.preprocess(doc, cfg), timm_eva.FORMAT)
 
 
 # ---- writing ------------------------------------------------------------------------------------------

@@ -179,12 +179,7 @@ def timm_keys(path: Path) -> set[str] | None:
     if path.is_dir() and _sidecar(path) is None:
         return None
     weights = _weights_path(path)
-    if weights is None:
-        return None
-    try:
-        return set(torch_files.state_keys(weights))
-    except CheckpointError:
-        return None
+    return (torch_files.readable_keys(weights) or None) if weights is not None else None
 
 
 def looks_like(path: Path) -> bool:
@@ -444,10 +439,7 @@ def load(
     ``num_heads``, ``gelu`` ("exact"/"tanh"/"quick"), ``layer_norm_eps`` and ``image_size`` (the resolution the
     weights were trained at) override what the file cannot tell.
     """
-    weights_path = _weights_path(path)
-    if weights_path is None:
-        raise CheckpointError(f"{path}: expected a {'/'.join(SUFFIXES)} file or a timm folder with model weights")
-    weights = torch_files.read_state_file(weights_path)
+    weights = read_weights(path, "/".join(SUFFIXES))
     sidecar = _sidecar(path)
     cfg, layout = infer_config(
         weights,
@@ -460,17 +452,32 @@ def load(
     )
     rules = lambda c: key_map(c, no_embed_class=layout.no_embed_class, split_swiglu=layout.split_swiglu)  # noqa: E731
     state = convert(cfg, weights, str(path), rules)
-    labels = (sidecar or {}).get("label_names")
     provenance: dict[str, Any] = {"layout": "timm VisionTransformer", "no_embed_class": layout.no_embed_class}
     if sidecar:
         provenance["architecture"] = sidecar.get("architecture")
     if not (num_heads or ((sidecar or {}).get("model_args") or {}).get("num_heads")):
         provenance["num_heads"] = f"{cfg.num_heads} (inferred from the width; pass num_heads= if different)"
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=preprocess_from(sidecar, cfg.image_size),
-        class_names=list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None,
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return checkpoint(path, cfg, state, sidecar, provenance, preprocess_from(sidecar, cfg.image_size))
+
+
+def read_weights(path: Path, files: str) -> dict[str, torch.Tensor]:
+    """The state dict of a timm file or hub folder; CheckpointError naming the ``files`` expected if there is none."""
+    weights_path = _weights_path(path)
+    if weights_path is None:
+        raise CheckpointError(f"{path}: expected a {files} file or a timm folder with model weights")
+    return torch_files.read_state_file(weights_path)
+
+
+def checkpoint(
+    path: Path,
+    cfg: ViTConfig,
+    state: dict[str, torch.Tensor],
+    doc: Mapping[str, Any] | None,
+    provenance: dict[str, Any],
+    preprocess: Preprocess,
+    format: str = FORMAT,
+) -> Checkpoint:
+    """A timm reader's checkpoint, with the label names of timm's config ``doc`` when there is one per class."""
+    labels = (doc or {}).get("label_names")
+    names = list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None
+    return Checkpoint(cfg, state, CheckpointMeta(format, str(path), preprocess, names, provenance))
