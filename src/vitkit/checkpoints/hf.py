@@ -119,11 +119,17 @@ def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
     raise CheckpointError(f"{source}: invalid {what} {value!r}")
 
 
-def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:
-    """vitkit's config from an HF config.json (plus the weights, for head and pooler presence)."""
+def gelu_of(doc: Mapping[str, Any], source: str) -> str:
+    """vitkit's GELU for config.json's ``hidden_act`` (default "gelu"); an activation vitkit lacks is refused."""
     act = doc.get("hidden_act", "gelu")
     if act not in GELU:
         raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
+    return GELU[act]
+
+
+def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:
+    """vitkit's config from an HF config.json (plus the weights, for head and pooler presence)."""
+    gelu = gelu_of(doc, source)
     ph, pw = _pair(doc.get("patch_size", 16), "patch_size", source)
     if ph != pw:
         raise CheckpointError(f"{source}: non-square patches {ph}x{pw} are not supported")
@@ -146,7 +152,7 @@ def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: s
             mlp_dim=int(doc.get("intermediate_size", 3072)),
             classifier="token",
             representation_size=rep,
-            gelu=GELU[act],  # type: ignore[arg-type]
+            gelu=gelu,  # type: ignore[arg-type]
             layer_norm_eps=float(doc.get("layer_norm_eps", 1e-12)),
             qkv_bias=bool(doc.get("qkv_bias", True)),
         )

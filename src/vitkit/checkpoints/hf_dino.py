@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
+from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -71,14 +71,7 @@ def dino_key_map(cfg: ViTConfig) -> list[Rule]:
     """Dinov2Model / Dinov2WithRegistersModel names for a model with this config."""
     e, layer = "embeddings.", "encoder.layer.{i}."
     q, k, v = (f"{layer}attention.attention.{n}" for n in ("query", "key", "value"))
-    fc1, fc2 = (
-        (f"{layer}mlp.weights_in", f"{layer}mlp.weights_out")
-        if cfg.mlp == "swiglu"
-        else (
-            f"{layer}mlp.fc1",
-            f"{layer}mlp.fc2",
-        )
-    )
+    fc1, fc2 = (f"{layer}mlp.{n}" for n in (("weights_in", "weights_out") if cfg.mlp == "swiglu" else ("fc1", "fc2")))
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
         rule("pos_embed", f"{e}position_embeddings"),
@@ -120,13 +113,6 @@ def _square(doc: Mapping[str, Any], key: str, default: int, source: str) -> tupl
     return h, w
 
 
-def _act(doc: Mapping[str, Any], source: str) -> str:
-    act = doc.get("hidden_act", "gelu")
-    if act not in GELU:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
-    return GELU[act]
-
-
 def _check_head_dim(doc: Mapping[str, Any], source: str) -> None:
     head_dim = doc.get("head_dim")
     if head_dim is not None and head_dim * doc.get("num_attention_heads", 12) != doc.get("hidden_size", 768):
@@ -142,7 +128,7 @@ def dino_config(doc: Mapping[str, Any], model_type: str, source: str) -> ViTConf
     """vitkit's config from a Dinov2Config / Dinov2WithRegistersConfig config.json."""
     _check_head_dim(doc, source)
     swiglu = bool(doc.get("use_swiglu_ffn", False))
-    gelu = "exact" if swiglu else _act(doc, source)  # the SwiGLU MLP is always silu-gated
+    gelu = "exact" if swiglu else hf.gelu_of(doc, source)  # the SwiGLU MLP is always silu-gated
     D = int(doc.get("hidden_size", 768))
     hidden = int(D * doc.get("mlp_ratio", DINO_DEFAULTS["mlp_ratio"]))
     layer_scale = doc.get("layerscale_value", 1.0)
@@ -183,7 +169,7 @@ def deit_config(doc: Mapping[str, Any], num_classes: int, source: str) -> ViTCon
         mlp_dim=int(doc.get("intermediate_size", DEIT_DEFAULTS["intermediate_size"])),
         dropout=float(doc.get("hidden_dropout_prob", 0.0)),
         attention_dropout=float(doc.get("attention_probs_dropout_prob", 0.0)),
-        gelu=_act(doc, source),  # type: ignore[arg-type]
+        gelu=hf.gelu_of(doc, source),  # type: ignore[arg-type]
         layer_norm_eps=float(doc.get("layer_norm_eps", DEIT_DEFAULTS["layer_norm_eps"])),
         qkv_bias=bool(doc.get("qkv_bias", True)),
         distilled=True,
@@ -339,7 +325,9 @@ def claims_deit(cfg: ViTConfig) -> bool:
     return cfg.distilled
 
 
-def _common_unrepresentable(cfg: ViTConfig, family: str) -> str | None:
+def _unrepresentable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> str | None:
+    """Why transformers' ``family`` cannot compute this model: the checks DINOv2 and DeiT share (named for the family),
+    then the ``extra`` (bad, why) of one; None when it can."""
     checks = [
         (cfg.resnet_layers is not None, "no hybrid ResNet stem"),
         (cfg.classifier != "token", f"it pools the class token; this model uses classifier {cfg.classifier!r}"),
@@ -350,7 +338,8 @@ def _common_unrepresentable(cfg: ViTConfig, family: str) -> str | None:
         (not (cfg.patch_bias and cfg.key_bias), "biases on the patch projection and the key"),
         (cfg.gelu == "quick", "no quick GELU"),
     ]
-    return next((f"transformers' {family}: {why}" for bad, why in checks if bad), None)
+    common = next((f"transformers' {family}: {why}" for bad, why in checks if bad), None)
+    return common or next((why for bad, why in extra if bad), None)
 
 
 def _mlp_ratio(cfg: ViTConfig) -> int | None:
@@ -394,17 +383,12 @@ def dino_config_json(cfg: ViTConfig) -> dict[str, Any]:
 def save_dino(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
     """``model`` as a Dinov2Model folder (Dinov2WithRegistersModel with registers)."""
     cfg = model.cfg
-    why = _common_unrepresentable(cfg, "DINOv2") or next(
-        (
-            why
-            for bad, why in [
-                (cfg.num_classes > 0, "Dinov2Model has no classifier (export with num_classes=0)"),
-                (cfg.layer_scale is None, "transformers' DINOv2 always has layer scale"),
-                (_mlp_ratio(cfg) is None, f"no mlp_ratio gives transformers' DINOv2 an MLP width of {cfg.mlp_dim}"),
-            ]
-            if bad
-        ),
-        None,
+    why = _unrepresentable(
+        cfg,
+        "DINOv2",
+        (cfg.num_classes > 0, "Dinov2Model has no classifier (export with num_classes=0)"),
+        (cfg.layer_scale is None, "transformers' DINOv2 always has layer scale"),
+        (_mlp_ratio(cfg) is None, f"no mlp_ratio gives transformers' DINOv2 an MLP width of {cfg.mlp_dim}"),
     )
     require(why is None, "a transformers DINOv2 folder", why or "")
     cfg, state = with_learned_posemb(cfg, export_state(model))
@@ -417,17 +401,12 @@ def save_dino(model: VisionTransformer, path: Path, meta: CheckpointMeta | None,
 def save_deit(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
     """``model`` as a DeiTForImageClassificationWithTeacher folder (DeiTModel without a head, no pooler)."""
     cfg = model.cfg
-    why = _common_unrepresentable(cfg, "DeiT") or next(
-        (
-            why
-            for bad, why in [
-                (cfg.pos_embed != "learned", "a learned position embedding only"),
-                (cfg.layer_scale is not None or cfg.num_registers > 0, "no layer scale or registers"),
-                (cfg.mlp != "plain", "a plain GELU MLP only"),
-            ]
-            if bad
-        ),
-        None,
+    why = _unrepresentable(
+        cfg,
+        "DeiT",
+        (cfg.pos_embed != "learned", "a learned position embedding only"),
+        (cfg.layer_scale is not None or cfg.num_registers > 0, "no layer scale or registers"),
+        (cfg.mlp != "plain", "a plain GELU MLP only"),
     )
     require(why is None, "a transformers DeiT folder", why or "")
     prefix = "deit." if cfg.num_classes > 0 else ""
