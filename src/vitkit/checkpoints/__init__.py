@@ -410,16 +410,22 @@ def load_pretrained(
     ).model
 
 
+def _writable(format: str) -> tuple[Format, SaveFn]:
+    """The format named ``format`` and its writer; ConfigError for an unknown or read-only one."""
+    fmt = FORMATS.get(format)
+    if fmt is None or fmt.save is None:
+        writable = [f.name for f in FORMATS.values() if f.save is not None]
+        raise ConfigError(f"cannot write format {format!r}; writable: {', '.join(writable)}")
+    return fmt, fmt.save
+
+
 def check_save_target(
     path: str | os.PathLike[str], format: str, *, overwrite: bool = False, inputs: tuple[str | None, ...] = ()
 ) -> Path:
     """Refuse, before any work, what :func:`save_checkpoint` would refuse for ``path`` in ``format``: an unknown or
     read-only format, an output that is, holds or lies inside one of ``inputs``, a folder vitkit did not write,
     an existing output without ``overwrite``, a place that cannot be written."""
-    fmt = FORMATS.get(format)
-    if fmt is None or fmt.save is None:
-        writable = [f.name for f in FORMATS.values() if f.save is not None]
-        raise ConfigError(f"cannot write format {format!r}; writable: {', '.join(writable)}")
+    fmt, _ = _writable(format)
     out = Path(path)
     check_not_input(out, inputs)
     if fmt.check_output is not None:
@@ -444,10 +450,7 @@ def save_checkpoint(
     existing file, or a folder vitkit wrote, only with ``overwrite=True``; any other non-empty folder, and a
     path that is, holds or lies inside the checkpoint ``meta`` was read from, are refused.
     """
-    fmt = FORMATS.get(format)
-    if fmt is None or fmt.save is None:
-        writable = [f.name for f in FORMATS.values() if f.save is not None]
-        raise ConfigError(f"cannot write format {format!r}; writable: {', '.join(writable)}")
+    _, save = _writable(format)
     if meta is None:
         meta = CheckpointMeta(
             format="vitkit",
@@ -463,7 +466,7 @@ def save_checkpoint(
         )
     out = Path(path)
     check_not_input(out, [meta.source])
-    return fmt.save(model, out, meta, overwrite=overwrite)
+    return save(model, out, meta, overwrite=overwrite)
 
 
 __all__ = [

@@ -46,13 +46,11 @@ from vitkit.checkpoints.keymap import (
     from_state_dict,
     layernorm,
     rule,
-    to_state_dict,
 )
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    expected_state,
+    convert,
     export_state,
     require,
     require_unseen,
@@ -199,8 +197,7 @@ def load(path: Path) -> Checkpoint:
         cfg = infer_config(arrays, str(path))
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    check_fits_file(cfg, sum(int(a.size) for a in arrays.values()), str(path))
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "big_vision", "prefix": prefix, "scan": scan}
     if outside:
         provenance["ignored_keys"] = len(outside)

@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from vitkit.checkpoints import timm_format, torch_files
-from vitkit.checkpoints.keymap import Rule, to_state_dict
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
+from vitkit.checkpoints.keymap import Rule, shape_reader
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -65,14 +65,6 @@ def key_map(cfg: ViTConfig) -> list[Rule]:
     return out
 
 
-def _keys(path: Path) -> set[str]:
-    """The file's tensor names, or none when it is unreadable (then it is not this format)."""
-    try:
-        return torch_files.state_keys(path)
-    except CheckpointError:
-        return set()
-
-
 def _is_official(keys: set[str]) -> bool:
     blocks = "blocks.0.attn.qkv.weight" in keys or any(_CHUNKED.match(k) for k in keys)
     return "patch_embed.proj.weight" in keys and ("mask_token" in keys or "register_tokens" in keys) and blocks
@@ -81,7 +73,7 @@ def _is_official(keys: set[str]) -> bool:
 def looks_like(path: Path) -> bool:
     """An official DINOv2 state dict: ``patch_embed.proj.weight``, ``mask_token`` or ``register_tokens`` (which
     timm's and vitkit's layouts never hold) and blocks, plain or chunked."""
-    return path.is_file() and path.suffix in SUFFIXES and _is_official(_keys(path))
+    return path.is_file() and path.suffix in SUFFIXES and _is_official(torch_files.readable_keys(path))
 
 
 def unchunk(weights: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
@@ -98,12 +90,7 @@ def unchunk(weights: Mapping[str, torch.Tensor], source: str) -> dict[str, torch
 
 def infer_config(weights: Mapping[str, torch.Tensor], source: str, *, num_heads: int | None = None) -> ViTConfig:
     """The architecture, from the shapes (module docstring)."""
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in weights:
-            raise CheckpointError(f"{source}: not a complete DINOv2 state dict, missing {key}")
-        return tuple(int(n) for n in weights[key].shape)
-
+    shape = shape_reader(weights, "DINOv2 state dict", source)
     D, C, P, P2 = shape("patch_embed.proj.weight")
     if P != P2:
         raise CheckpointError(f"{source}: patch_embed.proj.weight: non-square patches {P}x{P2}")
@@ -161,11 +148,7 @@ def load(path: Path, *, num_heads: int | None = None) -> Checkpoint:
         raise CheckpointError(f"{path}: expected a {'/'.join(SUFFIXES)} file holding a DINOv2 state dict")
     weights = unchunk(torch_files.read_state_file(path), str(path))
     cfg = infer_config(weights, str(path), num_heads=num_heads)
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(
-        key_map(cfg), arrays, expected_state(cfg), source=str(path), ignore=lambda k: k == "mask_token"
-    )
+    state = convert(cfg, weights, str(path), key_map, ignore=lambda k: k == "mask_token")
     provenance: dict[str, Any] = {"layout": "official DINOv2 (facebookresearch/dinov2)"}
     if num_heads is None:
         provenance["num_heads"] = f"{cfg.num_heads} (the released DINOv2 model of width {cfg.hidden_size})"

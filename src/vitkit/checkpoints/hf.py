@@ -33,17 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
     check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
     with_learned_posemb,
@@ -71,15 +69,6 @@ class Family:
     claims: Callable[[ViTConfig], bool]
 
 
-def _linear(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
-    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
-
-
-def _fused(ours: str, theirs: list[str]) -> Rule:
-    """Three separate q/k/v tensors <-> vitkit's fused qkv (concatenated on the output axis)."""
-    return rule(ours, theirs, lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, 3, axis=0))
-
-
 def key_map(cfg: ViTConfig, prefix: str = "vit.", style: str = "hub") -> list[Rule]:
     """HF names for a model with this config; ``style`` "hub" (classic) or "v5" (transformers 5 in-memory)."""
     e = f"{prefix}embeddings."
@@ -94,21 +83,21 @@ def key_map(cfg: ViTConfig, prefix: str = "vit.", style: str = "hub") -> list[Ru
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
         rule("pos_embed", f"{e}position_embeddings"),
-        *_linear("patch_embed.proj", f"{e}patch_embeddings.projection"),
-        *_linear("blocks.{i}.norm1", f"{layer}layernorm_before"),
-        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
-        *_linear("blocks.{i}.attn.proj", o),
-        *_linear("blocks.{i}.norm2", f"{layer}layernorm_after"),
-        *_linear("blocks.{i}.mlp.fc1", fc1),
-        *_linear("blocks.{i}.mlp.fc2", fc2),
-        *_linear("norm", f"{prefix}layernorm"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embeddings.projection"),
+        *weight_bias("blocks.{i}.norm1", f"{layer}layernorm_before"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *weight_bias("blocks.{i}.attn.proj", o),
+        *weight_bias("blocks.{i}.norm2", f"{layer}layernorm_after"),
+        *weight_bias("blocks.{i}.mlp.fc1", fc1),
+        *weight_bias("blocks.{i}.mlp.fc2", fc2),
+        *weight_bias("norm", f"{prefix}layernorm"),
     ]
     if cfg.qkv_bias:
-        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+        rules.append(stacked("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
     if cfg.representation_size:
-        rules += _linear("pre_logits.0", f"{prefix}pooler.dense")
+        rules += weight_bias("pre_logits.0", f"{prefix}pooler.dense")
     if cfg.num_classes > 0:
-        rules += _linear("head", "classifier")
+        rules += weight_bias("head", "classifier")
     return expand(rules, cfg.depth)
 
 
@@ -130,11 +119,17 @@ def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
     raise CheckpointError(f"{source}: invalid {what} {value!r}")
 
 
-def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:
-    """vitkit's config from an HF config.json (plus the weights, for head and pooler presence)."""
+def gelu_of(doc: Mapping[str, Any], source: str) -> str:
+    """vitkit's GELU for config.json's ``hidden_act`` (default "gelu"); an activation vitkit lacks is refused."""
     act = doc.get("hidden_act", "gelu")
     if act not in GELU:
         raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
+    return GELU[act]
+
+
+def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:
+    """vitkit's config from an HF config.json (plus the weights, for head and pooler presence)."""
+    gelu = gelu_of(doc, source)
     ph, pw = _pair(doc.get("patch_size", 16), "patch_size", source)
     if ph != pw:
         raise CheckpointError(f"{source}: non-square patches {ph}x{pw} are not supported")
@@ -157,7 +152,7 @@ def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: s
             mlp_dim=int(doc.get("intermediate_size", 3072)),
             classifier="token",
             representation_size=rep,
-            gelu=GELU[act],  # type: ignore[arg-type]
+            gelu=gelu,  # type: ignore[arg-type]
             layer_norm_eps=float(doc.get("layer_norm_eps", 1e-12)),
             qkv_bias=bool(doc.get("qkv_bias", True)),
         )
@@ -208,24 +203,47 @@ def _style(weights: Mapping[str, Any], prefix: str, source: str) -> str:
     raise CheckpointError(f"{source}: no encoder layers ({prefix}encoder.layer.* or {prefix}layers.*) in the weights")
 
 
+def parse_config(path: Path, build: Callable[[], ViTConfig]) -> ViTConfig:
+    """``build()``, a wrong-typed field of the folder's config.json (null, lists ...) one line naming the file."""
+    try:
+        return build()
+    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
+        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
+
+
+def checkpoint(
+    path: Path,
+    cfg: ViTConfig,
+    state: dict[str, torch.Tensor],
+    provenance: dict[str, Any],
+    preprocess: Callable[[], Preprocess],
+    doc: Mapping[str, Any] | None = None,
+) -> Checkpoint:
+    """A transformers folder's checkpoint: its preprocessing (``preprocess()``) and, given config.json's ``doc``, its
+    class names (a wrong-typed field: one line); the preprocessing checked against the model (``check_preprocess``)."""
+    try:
+        pre = preprocess()
+        names = class_names_from(doc, cfg.num_classes) if doc is not None else None
+    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
+        what = "labels or preprocessing" if doc is not None else "preprocessing"
+        raise CheckpointError(f"{path}: invalid {what} config ({type(e).__name__}: {e})") from None
+    pre_file = path / PREPROCESSOR
+    check_preprocess(cfg, pre, str(pre_file if pre_file.is_file() else path / CONFIG))
+    return Checkpoint(cfg, state, CheckpointMeta(FORMAT, str(path), pre, names, provenance))
+
+
 def load(path: Path) -> Checkpoint:
     """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
     doc = _read_json(path / CONFIG)
     weights = torch_files.read_folder_weights(path)
     prefix = "vit." if any(k.startswith("vit.") for k in weights) else ""
-    try:
-        cfg = config_from_hf(doc, weights, prefix, str(path))
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong-typed fields (null, lists ...)
-        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    style = _style(weights, prefix, str(path))
+    cfg = parse_config(path, lambda: config_from_hf(doc, weights, prefix, str(path)))
     ignored = {f"{prefix}embeddings.mask_token"}  # used only for masked image modelling inputs
     if cfg.num_classes > 0:
         ignored |= {f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}  # unused by the classifier
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(
-        key_map(cfg, prefix, style), arrays, expected_state(cfg), source=str(path), ignore=lambda k: k in ignored
-    )
+    rules = lambda c: key_map(c, prefix, _style(weights, prefix, str(path)))  # noqa: E731
+    state = convert(cfg, weights, str(path), rules, ignore=lambda k: k in ignored)
+    style = _style(weights, prefix, str(path))
     provenance: dict[str, Any] = {
         "layout": f"transformers {'ViTForImageClassification' if prefix else 'ViTModel'} ({style} names)",
         "architectures": doc.get("architectures"),
@@ -233,19 +251,7 @@ def load(path: Path) -> Checkpoint:
     skipped = sorted(k for k in ignored if k in weights)
     if skipped:
         provenance["ignored"] = skipped
-    try:
-        meta = CheckpointMeta(
-            format=FORMAT,
-            source=str(path),
-            preprocess=preprocess_from(path, cfg.image_size),
-            class_names=class_names_from(doc, cfg.num_classes),
-            provenance=provenance,
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        raise CheckpointError(f"{path}: invalid labels or preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
+    return checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
 def hf_config(cfg: ViTConfig, class_names: list[str] | None) -> dict[str, Any]:
@@ -313,8 +319,7 @@ def transformers_state(
     describe (a sin-cos table stored as a learned one: the same function). The caller checks
     :func:`unrepresentable` first."""
     cfg, state = with_learned_posemb(model.cfg, export_state(model))
-    arrays = from_state_dict(key_map(cfg, prefix, style), state)
-    return cfg, {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+    return cfg, torch_files.from_arrays(from_state_dict(key_map(cfg, prefix, style), state))
 
 
 def save(
@@ -332,10 +337,21 @@ def save(
     why = unrepresentable(model.cfg)
     require(why is None, "a transformers ViT folder", why or "")
     cfg, tensors = transformers_state(model, "vit." if model.cfg.num_classes > 0 else "", "hub")
-    files: dict[str, bytes | str] = {
-        CONFIG: json.dumps(hf_config(cfg, meta.class_names if meta else None), indent=2) + "\n",
-    }
     pre = meta.preprocess if meta else Preprocess(image_size=cfg.image_size)
-    if pre.resize == "squash":
-        files[PREPROCESSOR] = json.dumps(preprocessor_config(pre), indent=2) + "\n"
+    processor = preprocessor_config(pre) if pre.resize == "squash" else None
+    return write_folder(path, tensors, hf_config(cfg, meta.class_names if meta else None), processor, overwrite)
+
+
+def write_folder(
+    path: str | Path,
+    tensors: Mapping[str, torch.Tensor],
+    doc: Mapping[str, Any],
+    pre: Mapping[str, Any] | None,
+    overwrite: bool,
+) -> Path:
+    """A transformers folder, atomically: the weights, config.json ``doc`` and preprocessor_config.json ``pre`` (none
+    where the family's image processor cannot compute the preprocessing)."""
+    files = {CONFIG: json.dumps(doc, indent=2) + "\n"}
+    if pre is not None:
+        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
     return torch_files.write_folder(path, tensors, files, overwrite=overwrite)

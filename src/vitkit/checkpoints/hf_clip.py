@@ -21,33 +21,27 @@ does: the ``"shortest"`` resize mode) and ``SiglipImageProcessor`` (straight res
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _linear, _read_json
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints import hf, torch_files
+from vitkit.checkpoints.hf import GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _read_json
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
     with_learned_posemb,
 )
-from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.preprocess import CLIP_MEAN, CLIP_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # transformers' OPENAI_CLIP_MEAN / STD
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 ACT = {**GELU, "quick_gelu": "quick"}
 ACT_NAME = {"exact": "gelu", "tanh": "gelu_pytorch_tanh", "quick": "quick_gelu"}
 # transformers' CLIPVisionConfig / SiglipVisionConfig defaults, for fields a config.json leaves out
@@ -74,21 +68,21 @@ def key_map(cfg: ViTConfig, family: str, prefix: str) -> list[Rule]:
     attn = f"{layer}self_attn."
     rules: list[Rule] = [
         rule("pos_embed", f"{e}position_embedding.weight", lambda a: a[None], lambda a: (a[0],)),
-        *_linear("patch_embed.proj", f"{e}patch_embedding", bias=cfg.patch_bias),
-        *_linear("blocks.{i}.norm1", f"{layer}layer_norm1"),
-        rule("blocks.{i}.attn.qkv.weight", [f"{attn}{n}_proj.weight" for n in "qkv"], _cat, _thirds),
-        rule("blocks.{i}.attn.qkv.bias", [f"{attn}{n}_proj.bias" for n in "qkv"], _cat, _thirds),
-        *_linear("blocks.{i}.attn.proj", f"{attn}out_proj"),
-        *_linear("blocks.{i}.norm2", f"{layer}layer_norm2"),
-        *_linear("blocks.{i}.mlp.fc1", f"{layer}mlp.fc1"),
-        *_linear("blocks.{i}.mlp.fc2", f"{layer}mlp.fc2"),
-        *_linear("norm", f"{prefix}post_layernorm"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embedding", bias=cfg.patch_bias),
+        *weight_bias("blocks.{i}.norm1", f"{layer}layer_norm1"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{attn}{n}_proj.weight" for n in "qkv"]),
+        stacked("blocks.{i}.attn.qkv.bias", [f"{attn}{n}_proj.bias" for n in "qkv"]),
+        *weight_bias("blocks.{i}.attn.proj", f"{attn}out_proj"),
+        *weight_bias("blocks.{i}.norm2", f"{layer}layer_norm2"),
+        *weight_bias("blocks.{i}.mlp.fc1", f"{layer}mlp.fc1"),
+        *weight_bias("blocks.{i}.mlp.fc2", f"{layer}mlp.fc2"),
+        *weight_bias("norm", f"{prefix}post_layernorm"),
     ]
     if family == "clip":
         rules.append(rule("cls_token", f"{e}class_embedding", lambda a: a[None, None], lambda a: (a[0, 0],)))
-        rules += _linear("norm_pre", f"{prefix}pre_layrnorm")
+        rules += weight_bias("norm_pre", f"{prefix}pre_layrnorm")
         if cfg.projection_size:
-            rules += _linear("projection", "visual_projection", bias=False)
+            rules += weight_bias("projection", "visual_projection", bias=False)
     else:
         h = f"{prefix}head."
         rules += [
@@ -98,15 +92,15 @@ def key_map(cfg: ViTConfig, family: str, prefix: str) -> list[Rule]:
                 for part in ("q", "kv")
                 for kind in ("weight", "bias")
             ),
-            *_linear("attn_pool.proj", f"{h}attention.out_proj"),
-            *_linear("attn_pool.norm", f"{h}layernorm"),
-            *_linear("attn_pool.mlp.fc1", f"{h}mlp.fc1"),
-            *_linear("attn_pool.mlp.fc2", f"{h}mlp.fc2"),
+            *weight_bias("attn_pool.proj", f"{h}attention.out_proj"),
+            *weight_bias("attn_pool.norm", f"{h}layernorm"),
+            *weight_bias("attn_pool.mlp.fc1", f"{h}mlp.fc1"),
+            *weight_bias("attn_pool.mlp.fc2", f"{h}mlp.fc2"),
         ]
     return expand(rules, cfg.depth)
 
 
-def split_in_proj(arrays: dict[str, np.ndarray], prefix: str) -> None:
+def split_in_proj(arrays: dict[str, Any], prefix: str) -> None:
     """The MAP head's in_proj_{weight,bias} (3D rows) -> its ``[q]`` (first D rows) and ``[kv]`` halves, in place."""
     for kind in ("weight", "bias"):
         key = f"{prefix}{IN_PROJ.format(kind)}"
@@ -122,14 +116,6 @@ def join_in_proj(arrays: dict[str, np.ndarray], prefix: str) -> None:
         key = f"{prefix}{IN_PROJ.format(kind)}"
         if f"{key}[q]" in arrays:
             arrays[key] = np.concatenate([arrays.pop(f"{key}[q]"), arrays.pop(f"{key}[kv]")], axis=0)
-
-
-def _cat(*a: np.ndarray) -> np.ndarray:
-    return np.concatenate(a, axis=0)
-
-
-def _thirds(a: np.ndarray) -> list[np.ndarray]:
-    return np.split(a, 3, axis=0)
 
 
 # ---- config.json ----------------------------------------------------------------------------------
@@ -282,17 +268,12 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     family, full, v = vision_doc(doc, source)
     weights = torch_files.read_folder_weights(path)
     prefix = _prefix(weights, full)
-    try:
-        cfg = config_from_hf(family, v, source)
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:  # wrong-typed fields (null, lists ...)
-        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
+    cfg = hf.parse_config(path, lambda: config_from_hf(family, v, source))
     text = sorted(k for k in weights if full and k.startswith(TEXT_KEYS))
-    check_fits_file(cfg, sum(v.numel() for k, v in weights.items() if k not in text), source)
-    arrays = {k: torch_files.to_numpy(t) for k, t in weights.items() if k not in text}
-    split_in_proj(arrays, prefix)
-    rules = key_map(cfg, family, prefix)
+    tower = {k: t for k, t in weights.items() if k not in text}
+    split_in_proj(tower, prefix)
     buffer = f"{prefix}embeddings.position_ids"  # arange(T), saved by older transformers
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=source, ignore=lambda k: k == buffer)
+    state = convert(cfg, tower, source, lambda c: key_map(c, family, prefix), ignore=lambda k: k == buffer)
     name = {"clip": "CLIP", "siglip": "Siglip"}[family]
     provenance: dict[str, Any] = {
         "layout": f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel",
@@ -300,15 +281,7 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     }
     if text:
         provenance["ignored"] = f"the text tower ({len(text)} tensors)"
-    try:
-        meta = CheckpointMeta(
-            format="hf", source=source, preprocess=preprocess_from(path, family, cfg.image_size), provenance=provenance
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError) as e:
-        raise CheckpointError(f"{path}: invalid preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
+    return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, family, cfg.image_size))
 
 
 def family_of(cfg: ViTConfig) -> str | None:
@@ -390,12 +363,8 @@ def save(
     prefix = "vision_model." if cfg.projection_size else ""
     arrays = from_state_dict(key_map(cfg, family, prefix), state)
     join_in_proj(arrays, prefix)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    files: dict[str, bytes | str] = {CONFIG: json.dumps(hf_config(cfg, family), indent=2) + "\n"}
     pre = preprocessor_config(family, meta.preprocess if meta else Preprocess(image_size=cfg.image_size))
-    if pre is not None:
-        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)
+    return hf.write_folder(path, torch_files.from_arrays(arrays), hf_config(cfg, family), pre, overwrite)
 
 
 def _save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:

@@ -25,8 +25,7 @@ against the weights' shapes. ``preprocessor_config.json`` (BitImageProcessor, De
 from __future__ import annotations
 
 import dataclasses
-import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +33,12 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _fused, _linear, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
     with_learned_posemb,
@@ -74,30 +71,23 @@ def dino_key_map(cfg: ViTConfig) -> list[Rule]:
     """Dinov2Model / Dinov2WithRegistersModel names for a model with this config."""
     e, layer = "embeddings.", "encoder.layer.{i}."
     q, k, v = (f"{layer}attention.attention.{n}" for n in ("query", "key", "value"))
-    fc1, fc2 = (
-        (f"{layer}mlp.weights_in", f"{layer}mlp.weights_out")
-        if cfg.mlp == "swiglu"
-        else (
-            f"{layer}mlp.fc1",
-            f"{layer}mlp.fc2",
-        )
-    )
+    fc1, fc2 = (f"{layer}mlp.{n}" for n in (("weights_in", "weights_out") if cfg.mlp == "swiglu" else ("fc1", "fc2")))
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
         rule("pos_embed", f"{e}position_embeddings"),
-        *_linear("patch_embed.proj", f"{e}patch_embeddings.projection"),
-        *_linear("blocks.{i}.norm1", f"{layer}norm1"),
-        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
-        *_linear("blocks.{i}.attn.proj", f"{layer}attention.output.dense"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embeddings.projection"),
+        *weight_bias("blocks.{i}.norm1", f"{layer}norm1"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *weight_bias("blocks.{i}.attn.proj", f"{layer}attention.output.dense"),
         rule("blocks.{i}.ls1.gamma", f"{layer}layer_scale1.lambda1"),
-        *_linear("blocks.{i}.norm2", f"{layer}norm2"),
-        *_linear("blocks.{i}.mlp.fc1", fc1),
-        *_linear("blocks.{i}.mlp.fc2", fc2),
+        *weight_bias("blocks.{i}.norm2", f"{layer}norm2"),
+        *weight_bias("blocks.{i}.mlp.fc1", fc1),
+        *weight_bias("blocks.{i}.mlp.fc2", fc2),
         rule("blocks.{i}.ls2.gamma", f"{layer}layer_scale2.lambda1"),
-        *_linear("norm", "layernorm"),
+        *weight_bias("norm", "layernorm"),
     ]
     if cfg.qkv_bias:
-        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+        rules.append(stacked("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
     if cfg.num_registers:
         rules.append(rule("reg_token", f"{e}register_tokens"))
     return expand(rules, cfg.depth)
@@ -109,7 +99,7 @@ def deit_key_map(cfg: ViTConfig, prefix: str) -> list[Rule]:
     body = hf.key_map(dataclasses.replace(cfg, num_classes=0, representation_size=None), prefix, "hub")
     rules = [*body, rule("dist_token", f"{prefix}embeddings.distillation_token")]
     if cfg.num_classes > 0:
-        rules += _linear("head", "cls_classifier") + _linear("head_dist", "distillation_classifier")
+        rules += weight_bias("head", "cls_classifier") + weight_bias("head_dist", "distillation_classifier")
     return rules
 
 
@@ -121,13 +111,6 @@ def _square(doc: Mapping[str, Any], key: str, default: int, source: str) -> tupl
     if h != w:
         raise CheckpointError(f"{source}: {key} {h}x{w} is not supported (square only: transformers' position grid)")
     return h, w
-
-
-def _act(doc: Mapping[str, Any], source: str) -> str:
-    act = doc.get("hidden_act", "gelu")
-    if act not in GELU:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
-    return GELU[act]
 
 
 def _check_head_dim(doc: Mapping[str, Any], source: str) -> None:
@@ -145,7 +128,7 @@ def dino_config(doc: Mapping[str, Any], model_type: str, source: str) -> ViTConf
     """vitkit's config from a Dinov2Config / Dinov2WithRegistersConfig config.json."""
     _check_head_dim(doc, source)
     swiglu = bool(doc.get("use_swiglu_ffn", False))
-    gelu = "exact" if swiglu else _act(doc, source)  # the SwiGLU MLP is always silu-gated
+    gelu = "exact" if swiglu else hf.gelu_of(doc, source)  # the SwiGLU MLP is always silu-gated
     D = int(doc.get("hidden_size", 768))
     hidden = int(D * doc.get("mlp_ratio", DINO_DEFAULTS["mlp_ratio"]))
     layer_scale = doc.get("layerscale_value", 1.0)
@@ -186,7 +169,7 @@ def deit_config(doc: Mapping[str, Any], num_classes: int, source: str) -> ViTCon
         mlp_dim=int(doc.get("intermediate_size", DEIT_DEFAULTS["intermediate_size"])),
         dropout=float(doc.get("hidden_dropout_prob", 0.0)),
         attention_dropout=float(doc.get("attention_probs_dropout_prob", 0.0)),
-        gelu=_act(doc, source),  # type: ignore[arg-type]
+        gelu=hf.gelu_of(doc, source),  # type: ignore[arg-type]
         layer_norm_eps=float(doc.get("layer_norm_eps", DEIT_DEFAULTS["layer_norm_eps"])),
         qkv_bias=bool(doc.get("qkv_bias", True)),
         distilled=True,
@@ -284,39 +267,11 @@ def preprocessor_config(pre: Preprocess, processor: str) -> dict[str, Any] | Non
 # ---- reading -----------------------------------------------------------------------------------------
 
 
-def _read(path: Path, doc: Mapping[str, Any], build: Callable[[], ViTConfig]) -> ViTConfig:
-    try:
-        return build()
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:  # wrong-typed fields
-        raise CheckpointError(f"{path / CONFIG}: invalid config ({type(e).__name__}: {e})") from None
-
-
 def _finish(
     path: Path, doc: Mapping[str, Any], cfg: ViTConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any]
 ) -> Checkpoint:
-    try:
-        meta = CheckpointMeta(
-            format=hf.FORMAT,
-            source=str(path),
-            preprocess=preprocess_from(path, cfg.image_size),
-            class_names=hf.class_names_from(doc, cfg.num_classes),
-            provenance={**provenance, "architectures": doc.get("architectures")},
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
-        raise CheckpointError(f"{path}: invalid labels or preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
-
-
-def _convert(
-    path: Path, cfg: ViTConfig, weights: Mapping[str, torch.Tensor], rules: list[Rule], ignored: set[str]
-) -> dict[str, torch.Tensor]:
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    return to_state_dict(rules, arrays, expected_state(cfg), source=str(path), ignore=lambda k: k in ignored)
+    provenance = {**provenance, "architectures": doc.get("architectures")}
+    return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
 def load_dino(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
@@ -328,9 +283,9 @@ def load_dino(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
             f"{path}: Dinov2ForImageClassification (a head on the class and mean patch tokens) is not supported; "
             "save its .dinov2 backbone"
         )
-    cfg = _read(path, doc, lambda: dino_config(doc, model_type, str(path / CONFIG)))
+    cfg = hf.parse_config(path, lambda: dino_config(doc, model_type, str(path / CONFIG)))
     ignored = {"embeddings.mask_token"}
-    state = _convert(path, cfg, weights, dino_key_map(cfg), ignored)
+    state = convert(cfg, weights, str(path), dino_key_map, ignore=lambda k: k in ignored)
     provenance: dict[str, Any] = {"layout": f"transformers {ARCH[model_type]}"}
     if ignored & set(weights):
         provenance["ignored"] = sorted(ignored & set(weights))
@@ -347,9 +302,10 @@ def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
         )
     prefix = "deit." if any(k.startswith("deit.") for k in weights) else ""
     head = weights.get("cls_classifier.weight")
-    cfg = _read(path, doc, lambda: deit_config(doc, int(head.shape[0]) if head is not None else 0, str(path / CONFIG)))
+    num_classes = int(head.shape[0]) if head is not None else 0
+    cfg = hf.parse_config(path, lambda: deit_config(doc, num_classes, str(path / CONFIG)))
     ignored = {f"{prefix}embeddings.mask_token", f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}
-    state = _convert(path, cfg, weights, deit_key_map(cfg, prefix), ignored)
+    state = convert(cfg, weights, str(path), lambda c: deit_key_map(c, prefix), ignore=lambda k: k in ignored)
     arch = "DeiTForImageClassificationWithTeacher" if cfg.num_classes else "DeiTModel"
     provenance: dict[str, Any] = {"layout": f"transformers {arch}"}
     if ignored & set(weights):
@@ -369,7 +325,9 @@ def claims_deit(cfg: ViTConfig) -> bool:
     return cfg.distilled
 
 
-def _common_unrepresentable(cfg: ViTConfig, family: str) -> str | None:
+def _unrepresentable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> str | None:
+    """Why transformers' ``family`` cannot compute this model: the checks DINOv2 and DeiT share (named for the family),
+    then the ``extra`` (bad, why) of one; None when it can."""
     checks = [
         (cfg.resnet_layers is not None, "no hybrid ResNet stem"),
         (cfg.classifier != "token", f"it pools the class token; this model uses classifier {cfg.classifier!r}"),
@@ -380,7 +338,8 @@ def _common_unrepresentable(cfg: ViTConfig, family: str) -> str | None:
         (not (cfg.patch_bias and cfg.key_bias), "biases on the patch projection and the key"),
         (cfg.gelu == "quick", "no quick GELU"),
     ]
-    return next((f"transformers' {family}: {why}" for bad, why in checks if bad), None)
+    common = next((f"transformers' {family}: {why}" for bad, why in checks if bad), None)
+    return common or next((why for bad, why in extra if bad), None)
 
 
 def _mlp_ratio(cfg: ViTConfig) -> int | None:
@@ -424,17 +383,12 @@ def dino_config_json(cfg: ViTConfig) -> dict[str, Any]:
 def save_dino(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
     """``model`` as a Dinov2Model folder (Dinov2WithRegistersModel with registers)."""
     cfg = model.cfg
-    why = _common_unrepresentable(cfg, "DINOv2") or next(
-        (
-            why
-            for bad, why in [
-                (cfg.num_classes > 0, "Dinov2Model has no classifier (export with num_classes=0)"),
-                (cfg.layer_scale is None, "transformers' DINOv2 always has layer scale"),
-                (_mlp_ratio(cfg) is None, f"no mlp_ratio gives transformers' DINOv2 an MLP width of {cfg.mlp_dim}"),
-            ]
-            if bad
-        ),
-        None,
+    why = _unrepresentable(
+        cfg,
+        "DINOv2",
+        (cfg.num_classes > 0, "Dinov2Model has no classifier (export with num_classes=0)"),
+        (cfg.layer_scale is None, "transformers' DINOv2 always has layer scale"),
+        (_mlp_ratio(cfg) is None, f"no mlp_ratio gives transformers' DINOv2 an MLP width of {cfg.mlp_dim}"),
     )
     require(why is None, "a transformers DINOv2 folder", why or "")
     cfg, state = with_learned_posemb(cfg, export_state(model))
@@ -447,17 +401,12 @@ def save_dino(model: VisionTransformer, path: Path, meta: CheckpointMeta | None,
 def save_deit(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
     """``model`` as a DeiTForImageClassificationWithTeacher folder (DeiTModel without a head, no pooler)."""
     cfg = model.cfg
-    why = _common_unrepresentable(cfg, "DeiT") or next(
-        (
-            why
-            for bad, why in [
-                (cfg.pos_embed != "learned", "a learned position embedding only"),
-                (cfg.layer_scale is not None or cfg.num_registers > 0, "no layer scale or registers"),
-                (cfg.mlp != "plain", "a plain GELU MLP only"),
-            ]
-            if bad
-        ),
-        None,
+    why = _unrepresentable(
+        cfg,
+        "DeiT",
+        (cfg.pos_embed != "learned", "a learned position embedding only"),
+        (cfg.layer_scale is not None or cfg.num_registers > 0, "no layer scale or registers"),
+        (cfg.mlp != "plain", "a plain GELU MLP only"),
     )
     require(why is None, "a transformers DeiT folder", why or "")
     prefix = "deit." if cfg.num_classes > 0 else ""
@@ -476,12 +425,8 @@ def _write(
     processor: str,
     overwrite: bool,
 ) -> Path:
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    files: dict[str, bytes | str] = {CONFIG: json.dumps(doc, indent=2) + "\n"}
     pre = preprocessor_config(meta.preprocess, processor) if meta else None
-    if pre is not None:
-        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)
+    return hf.write_folder(path, torch_files.from_arrays(arrays), doc, pre, overwrite)
 
 
 FAMILIES = {

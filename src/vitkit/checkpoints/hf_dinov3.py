@@ -33,23 +33,19 @@ ImageNet mean/std by default) as a :class:`Preprocess`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from vitkit.checkpoints import hf, hf_dino, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _fused, _linear, _pair
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _pair
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    check_preprocess,
-    expected_state,
+    convert,
     export_state,
     require,
 )
@@ -94,25 +90,23 @@ def key_map(cfg: ViTConfig, layer: str = "layer.") -> list[Rule]:
     q, k, v = (f"{blk}attention.{n}_proj" for n in ("q", "k", "v"))
     rules: list[Rule] = [
         rule("cls_token", f"{e}cls_token"),
-        *_linear("patch_embed.proj", f"{e}patch_embeddings", cfg.patch_bias),
-        *_linear("blocks.{i}.norm1", f"{blk}norm1"),
-        _fused("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
-        *_linear("blocks.{i}.attn.proj", f"{blk}attention.o_proj"),
+        *weight_bias("patch_embed.proj", f"{e}patch_embeddings", cfg.patch_bias),
+        *weight_bias("blocks.{i}.norm1", f"{blk}norm1"),
+        stacked("blocks.{i}.attn.qkv.weight", [f"{n}.weight" for n in (q, k, v)]),
+        *weight_bias("blocks.{i}.attn.proj", f"{blk}attention.o_proj"),
         rule("blocks.{i}.ls1.gamma", f"{blk}layer_scale1.lambda1"),
-        *_linear("blocks.{i}.norm2", f"{blk}norm2"),
-        *_linear("blocks.{i}.mlp.fc2", f"{blk}mlp.down_proj"),
+        *weight_bias("blocks.{i}.norm2", f"{blk}norm2"),
+        *weight_bias("blocks.{i}.mlp.fc2", f"{blk}mlp.down_proj"),
         rule("blocks.{i}.ls2.gamma", f"{blk}layer_scale2.lambda1"),
-        *_linear("norm", "norm"),
+        *weight_bias("norm", "norm"),
     ]
     if cfg.mlp == "swiglu":  # vitkit's fc1 = [gate rows; up rows]
         gate, up = f"{blk}mlp.gate_proj", f"{blk}mlp.up_proj"
-        two = (lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, 2, axis=0))
-        rules += [rule("blocks.{i}.mlp.fc1.weight", [f"{gate}.weight", f"{up}.weight"], *two)]
-        rules += [rule("blocks.{i}.mlp.fc1.bias", [f"{gate}.bias", f"{up}.bias"], *two)]
+        rules += [stacked(f"blocks.{{i}}.mlp.fc1.{p}", [f"{gate}.{p}", f"{up}.{p}"]) for p in ("weight", "bias")]
     else:
-        rules += _linear("blocks.{i}.mlp.fc1", f"{blk}mlp.up_proj")
+        rules += weight_bias("blocks.{i}.mlp.fc1", f"{blk}mlp.up_proj")
     if cfg.qkv_bias and cfg.key_bias:
-        rules.append(_fused("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
+        rules.append(stacked("blocks.{i}.attn.qkv.bias", [f"{n}.bias" for n in (q, k, v)]))
     elif cfg.qkv_bias:
         rules += [rule("blocks.{i}.attn.q_bias", f"{q}.bias"), rule("blocks.{i}.attn.v_bias", f"{v}.bias")]
     if cfg.num_registers:
@@ -252,31 +246,16 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
                    for k, t in weights.items()}  # fmt: skip
     if any(k.startswith(("dinov3.", "classifier.")) for k in weights):
         raise CheckpointError(f"{path}: a DINOv3 classification head is not supported; save the DINOv3ViTModel")
-    try:
-        cfg = dinov3_config(doc, source)
-    except CheckpointError:
-        raise
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:  # wrong-typed fields
-        raise CheckpointError(f"{source}: invalid config ({type(e).__name__}: {e})") from None
+    cfg = hf.parse_config(path, lambda: dinov3_config(doc, source))
     ignored = {"embeddings.mask_token", "rope_embeddings.inv_freq"}
     reg = weights.get("embeddings.register_tokens")
     if cfg.num_registers == 0 and reg is not None and reg.numel() == 0:
         ignored.add("embeddings.register_tokens")  # transformers' (1, 0, D) parameter
-    check_fits_file(cfg, sum(t.numel() for t in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(t) for k, t in weights.items()}
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path), ignore=lambda k: k in ignored)
+    state = convert(cfg, weights, str(path), key_map, ignore=lambda k: k in ignored)
     provenance: dict[str, Any] = {"layout": f"transformers {ARCH}", "architectures": doc.get("architectures")}
     if ignored & set(weights):
         provenance["ignored"] = sorted(ignored & set(weights))
-    try:
-        meta = CheckpointMeta(
-            format=hf.FORMAT, source=str(path), preprocess=preprocess_from(path, cfg.image_size), provenance=provenance
-        )
-    except (TypeError, ValueError, OverflowError, AttributeError, KeyError) as e:
-        raise CheckpointError(f"{path}: invalid preprocessing config ({type(e).__name__}: {e})") from None
-    pre_file = path / PREPROCESSOR
-    check_preprocess(cfg, meta.preprocess, str(pre_file if pre_file.is_file() else path / CONFIG))
-    return Checkpoint(cfg, state, meta)
+    return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size))
 
 
 # ---- writing -----------------------------------------------------------------------------------------
@@ -313,12 +292,8 @@ def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, over
     arrays["embeddings.mask_token"] = np.zeros((1, 1, cfg.hidden_size), np.float32)
     if not cfg.num_registers:
         arrays["embeddings.register_tokens"] = np.zeros((1, 0, cfg.hidden_size), np.float32)
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    files: dict[str, bytes | str] = {CONFIG: json.dumps(config_json(cfg), indent=2) + "\n"}
     pre = preprocessor_config(meta.preprocess) if meta else None
-    if pre is not None:
-        files[PREPROCESSOR] = json.dumps(pre, indent=2) + "\n"
-    return torch_files.write_folder(path, tensors, files, overwrite=overwrite)
+    return hf.write_folder(path, torch_files.from_arrays(arrays), config_json(cfg), pre, overwrite)
 
 
 FAMILIES = {MODEL_TYPE: hf.Family(load, save, claims)}

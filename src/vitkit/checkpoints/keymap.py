@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,6 +56,17 @@ def _identity(a: Array) -> Array:
 
 
 # ---- array transforms shared by the formats ---------------------------------------------------------
+
+
+def weight_bias(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
+    """A torch module's ``weight`` (and ``bias``) copied under another prefix: Linear, LayerNorm, conv."""
+    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
+
+
+def stacked(ours: str, theirs: Sequence[str]) -> Rule:
+    """Separate tensors (q/k/v, gate/up) <-> one of ours, concatenated on the output axis."""
+    n = len(theirs)
+    return rule(ours, theirs, lambda *a: np.concatenate(a, axis=0), lambda w: np.split(w, n, axis=0))
 
 
 def dense(prefix_ours: str, prefix_theirs: str, kernel: str = "kernel", bias: str = "bias") -> list[Rule]:
@@ -106,17 +118,19 @@ def heads_in_bias(*biases: Array) -> Array:
     return np.concatenate([b.reshape(-1) for b in biases], axis=0)
 
 
-def split_heads_in(num_heads: int) -> SaveFn:
+def split_heads_in(num_heads: int, parts: int = 3) -> SaveFn:
+    """Fused torch weight (parts * D, D) -> ``parts`` Flax kernels (D, h, d) (the inverse of :func:`heads_in`)."""
+
     def save(w: Array) -> list[Array]:
         D = w.shape[1]
-        return [part.T.reshape(D, num_heads, D // num_heads) for part in np.split(w, 3, axis=0)]
+        return [part.T.reshape(D, num_heads, D // num_heads) for part in np.split(w, parts, axis=0)]
 
     return save
 
 
-def split_heads_in_bias(num_heads: int) -> SaveFn:
+def split_heads_in_bias(num_heads: int, parts: int = 3) -> SaveFn:
     def save(b: Array) -> list[Array]:
-        return [part.reshape(num_heads, -1) for part in np.split(b, 3, axis=0)]
+        return [part.reshape(num_heads, -1) for part in np.split(b, parts, axis=0)]
 
     return save
 
@@ -154,6 +168,17 @@ def flax_attention(prefix_ours: str, prefix_theirs: str, num_heads: int) -> list
         rule(f"{prefix_ours}.proj.weight", f"{prefix_theirs}/out/kernel", heads_out, split_heads_out(num_heads)),
         rule(f"{prefix_ours}.proj.bias", f"{prefix_theirs}/out/bias"),
     ]
+
+
+def shape_reader(tensors: Mapping[str, Any], what: str, source: str) -> Callable[[str], tuple[int, ...]]:
+    """``shape(key)``: a foreign tensor's shape as ints, or CheckpointError "not a complete {what}, missing {key}"."""
+
+    def shape(key: str) -> tuple[int, ...]:
+        if key not in tensors:
+            raise CheckpointError(f"{source}: not a complete {what}, missing {key}")
+        return tuple(int(n) for n in tensors[key].shape)
+
+    return shape
 
 
 # ---- applying a map ---------------------------------------------------------------------------------

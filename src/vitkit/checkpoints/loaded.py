@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
+from vitkit.checkpoints.keymap import Rule, to_state_dict
 from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.torch_files import to_numpy
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import sincos_2d
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -97,6 +101,22 @@ def check_preprocess(cfg: ViTConfig, pre: Preprocess, source: str) -> None:
             f"{source}: preprocessing image size {h}x{w} is more than {MAX_PREPROCESS_SCALE} times the model's "
             f"{mh}x{mw} per side"
         )
+
+
+def convert(
+    cfg: ViTConfig,
+    weights: Mapping[str, torch.Tensor | np.ndarray],
+    source: str,
+    rules: Callable[[ViTConfig], Sequence[Rule]],
+    ignore: Callable[[str], bool] = lambda k: False,
+) -> dict[str, torch.Tensor]:
+    """A reader's weights (tensors or arrays) in vitkit's layout: ``cfg`` checked against the file's size first
+    (:func:`check_fits_file`; ``rules(cfg)`` may be as long as the config's depth), then every rule applied and
+    checked (:func:`vitkit.checkpoints.keymap.to_state_dict`, ``ignore`` naming the keys no rule needs)."""
+    numel = sum(v.numel() if isinstance(v, torch.Tensor) else int(v.size) for v in weights.values())
+    check_fits_file(cfg, numel, source)
+    arrays = {k: to_numpy(v) if isinstance(v, torch.Tensor) else v for k, v in weights.items()}
+    return to_state_dict(rules(cfg), arrays, expected_state(cfg), source=source, ignore=ignore)
 
 
 def expected_state(cfg: ViTConfig) -> dict[str, torch.Tensor]:

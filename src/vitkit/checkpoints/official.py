@@ -37,13 +37,11 @@ from vitkit.checkpoints.keymap import (
     group_norm,
     layernorm,
     rule,
-    to_state_dict,
 )
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    expected_state,
+    convert,
     export_state,
     require,
     require_unseen,
@@ -186,8 +184,7 @@ def load(path: Path) -> Checkpoint:
         cfg = infer_config(arrays, str(path))
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    check_fits_file(cfg, sum(int(a.size) for a in arrays.values()), str(path))
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
     if prefix:
         provenance.update(prefix=prefix, ignored_keys=len(outside))

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state
-from vitkit.checkpoints.preprocess import Preprocess
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, shape_reader, weight_bias
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
+from vitkit.checkpoints.preprocess import CLIP_MEAN, CLIP_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import ViTConfig
@@ -48,8 +48,6 @@ from vitkit.models.vit import ViTConfig
 FORMAT = "openclip"
 SUFFIXES = (".safetensors", *torch_files.PICKLE_SUFFIXES)
 CONFIG = "open_clip_config.json"
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI's
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 V = "visual."
 BLOCK = V + "transformer.resblocks.{i}."
 # open_clip vision_cfg fields vitkit represents (read and checked), and those it can only take at their default
@@ -62,25 +60,21 @@ VISION_DEFAULTS: dict[str, Any] = {
 VISION_IGNORED = ("patch_dropout", "output_dim", "attn_pooler_queries", "attn_pooler_heads", "timm_pool", "timm_proj")
 
 
-def _pair(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
-    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
-
-
 def key_map(cfg: ViTConfig) -> list[Rule]:
     """OpenAI/OpenCLIP names for a CLIP image tower with this config (blocks expanded)."""
     rules = [
         rule("patch_embed.proj.weight", V + "conv1.weight"),
         rule("cls_token", V + "class_embedding", lambda a: a.reshape(1, 1, -1), lambda a: (a.reshape(-1),)),
         rule("pos_embed", V + "positional_embedding", lambda a: a[None], lambda a: (a[0],)),
-        *_pair("norm_pre", V + "ln_pre"),
-        *_pair("blocks.{i}.norm1", BLOCK + "ln_1"),
+        *weight_bias("norm_pre", V + "ln_pre"),
+        *weight_bias("blocks.{i}.norm1", BLOCK + "ln_1"),
         rule("blocks.{i}.attn.qkv.weight", BLOCK + "attn.in_proj_weight"),
         rule("blocks.{i}.attn.qkv.bias", BLOCK + "attn.in_proj_bias"),
-        *_pair("blocks.{i}.attn.proj", BLOCK + "attn.out_proj"),
-        *_pair("blocks.{i}.norm2", BLOCK + "ln_2"),
-        *_pair("blocks.{i}.mlp.fc1", BLOCK + "mlp.c_fc"),
-        *_pair("blocks.{i}.mlp.fc2", BLOCK + "mlp.c_proj"),
-        *_pair("norm", V + "ln_post"),
+        *weight_bias("blocks.{i}.attn.proj", BLOCK + "attn.out_proj"),
+        *weight_bias("blocks.{i}.norm2", BLOCK + "ln_2"),
+        *weight_bias("blocks.{i}.mlp.fc1", BLOCK + "mlp.c_fc"),
+        *weight_bias("blocks.{i}.mlp.fc2", BLOCK + "mlp.c_proj"),
+        *weight_bias("norm", V + "ln_post"),
     ]
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", BLOCK + f"ls_{n}.gamma") for n in (1, 2)]
@@ -93,19 +87,11 @@ def _transpose(a: Array) -> Array:
     return np.ascontiguousarray(a.T)
 
 
-def _keys(path: Path) -> set[str]:
-    """The file's tensor names, or none when it is unreadable (then it is not this format)."""
-    try:
-        return torch_files.state_keys(path)
-    except CheckpointError:
-        return set()
-
-
 def looks_like(path: Path) -> bool:
     """A CLIP state dict with an OpenAI-layout image tower: ``visual.conv1.weight`` and ``visual.class_embedding``."""
     if not (path.is_file() and path.suffix in SUFFIXES):
         return False
-    keys = _keys(path)
+    keys = torch_files.readable_keys(path)
     return V + "conv1.weight" in keys and V + "class_embedding" in keys
 
 
@@ -158,12 +144,7 @@ def infer_config(weights: Mapping[str, torch.Tensor], vision: Mapping[str, Any],
     for k in weights:
         if k.startswith(V + "trunk."):
             raise CheckpointError(f"{source}: {k}: an OpenCLIP tower with a timm trunk is not this layout")
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in weights:
-            raise CheckpointError(f"{source}: not a complete CLIP image tower, missing {key}")
-        return tuple(int(n) for n in weights[key].shape)
-
+    shape = shape_reader(weights, "CLIP image tower", source)
     D, C, P, P2 = shape(V + "conv1.weight")
     if P != P2:
         raise CheckpointError(f"{source}: visual.conv1.weight: non-square patches {P}x{P2}")
@@ -221,9 +202,7 @@ def load(path: Path, *, gelu: str | None = None) -> Checkpoint:
     weights = {k: v for k, v in torch_files.read_state_file(path).items() if k.startswith(V)}
     act, why = activation(path, doc, gelu)
     cfg = infer_config(weights, _vision_cfg(doc, str(path)), act, str(path))
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    state = convert(cfg, weights, str(path), key_map)
     pc = dict((doc or {}).get("preprocess_cfg") or {})
     try:
         pre = Preprocess(

@@ -34,6 +34,8 @@ INCEPTION_MEAN = (0.5, 0.5, 0.5)  # official ViT: inputs scaled to [-1, 1]
 INCEPTION_STD = (0.5, 0.5, 0.5)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI's (transformers' OPENAI_CLIP_MEAN / STD)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 # A centre crop refuses images more elongated than this (a 30000x1 PNG of 200 bytes is not a photograph)
 MAX_ASPECT_RATIO = 1000

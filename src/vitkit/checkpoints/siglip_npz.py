@@ -31,7 +31,6 @@ from vitkit.checkpoints import big_vision, npz_files
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
-    SaveFn,
     dense,
     from_state_dict,
     heads_in,
@@ -39,10 +38,12 @@ from vitkit.checkpoints.keymap import (
     heads_out,
     layernorm,
     rule,
+    shape_reader,
+    split_heads_in,
+    split_heads_in_bias,
     split_heads_out,
-    to_state_dict,
 )
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -54,20 +55,6 @@ MHA = f"{MAP}/MultiHeadDotProductAttention_0"
 PREFIX = "params/img/"
 
 
-def _split_in(num_heads: int, parts: int) -> SaveFn:
-    """Fused torch weight (parts * D, D) -> ``parts`` Flax kernels (D, h, d) (the inverse of heads_in)."""
-
-    def save(w: Array) -> list[Array]:
-        D = w.shape[1]
-        return [part.T.reshape(D, num_heads, D // num_heads) for part in np.split(w, parts, axis=0)]
-
-    return save
-
-
-def _split_in_bias(num_heads: int, parts: int) -> SaveFn:
-    return lambda b: [part.reshape(num_heads, -1) for part in np.split(b, parts, axis=0)]
-
-
 def map_rules(num_heads: int) -> list[Rule]:
     """big_vision's MAPHead_0 <-> vitkit's attn_pool."""
     h = num_heads
@@ -75,10 +62,10 @@ def map_rules(num_heads: int) -> list[Rule]:
     kv_bias = [f"{MHA}/{n}/bias" for n in ("key", "value")]
     return [
         rule("attn_pool.probe", f"{MAP}/probe"),
-        rule("attn_pool.q.weight", f"{MHA}/query/kernel", heads_in, _split_in(h, 1)),
-        rule("attn_pool.q.bias", f"{MHA}/query/bias", heads_in_bias, _split_in_bias(h, 1)),
-        rule("attn_pool.kv.weight", kv, heads_in, _split_in(h, 2)),
-        rule("attn_pool.kv.bias", kv_bias, heads_in_bias, _split_in_bias(h, 2)),
+        rule("attn_pool.q.weight", f"{MHA}/query/kernel", heads_in, split_heads_in(h, 1)),
+        rule("attn_pool.q.bias", f"{MHA}/query/bias", heads_in_bias, split_heads_in_bias(h, 1)),
+        rule("attn_pool.kv.weight", kv, heads_in, split_heads_in(h, 2)),
+        rule("attn_pool.kv.bias", kv_bias, heads_in_bias, split_heads_in_bias(h, 2)),
         rule("attn_pool.proj.weight", f"{MHA}/out/kernel", heads_out, split_heads_out(h)),
         rule("attn_pool.proj.bias", f"{MHA}/out/bias"),
         *layernorm("attn_pool.norm", f"{MAP}/LayerNorm_0"),
@@ -110,12 +97,7 @@ def looks_like(path: Path) -> bool:
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     """The architecture, from the shapes (module docstring)."""
-
-    def shape(key: str) -> tuple[int, ...]:
-        if key not in arrays:
-            raise CheckpointError(f"{source}: not a complete SigLIP image tower, missing {key}")
-        return tuple(int(n) for n in arrays[key].shape)
-
+    shape = shape_reader(arrays, "SigLIP image tower", source)
     kh, kw, C, D = shape("embedding/kernel")
     if kh != kw:
         raise CheckpointError(f"{source}: embedding/kernel: non-square patches {kh}x{kw}")
@@ -165,8 +147,7 @@ def load(path: Path) -> Checkpoint:
     scan = any(k.startswith(big_vision.SCAN) for k in arrays)
     arrays = big_vision.unstack_scan(arrays, str(path))
     cfg = infer_config(arrays, str(path))
-    check_fits_file(cfg, sum(int(a.size) for a in arrays.values()), str(path))
-    state = to_state_dict(key_map(cfg), arrays, expected_state(cfg), source=str(path))
+    state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "big_vision SigLIP", "prefix": prefix, "scan": scan}
     if outside:
         provenance["ignored_keys"] = len(outside)  # the text tower, t and b

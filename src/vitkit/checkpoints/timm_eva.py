@@ -27,7 +27,6 @@ naming it.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -37,19 +36,17 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import timm_format, timm_writer, torch_files
-from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, to_state_dict
+from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
-    check_fits_file,
-    expected_state,
+    convert,
     export_state,
     require,
     require_unseen,
 )
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
-from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
 FORMAT = "timm_eva"
@@ -97,22 +94,21 @@ def looks_like(path: Path) -> bool:
 def key_map(cfg: ViTConfig, split_swiglu: bool = True) -> list[Rule]:
     """timm Eva names for a DINOv3 model with this config (blocks expanded); ``split_swiglu``: SwiGLU as
     ``fc1_g``/``fc1_x`` (timm's SwiGLU, with ``swiglu_align_to``), else one packed ``fc1`` (GluMlp)."""
-    pair = timm_format._pair_rules
-    rules = pair("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
+    rules = weight_bias("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in ("norm1", "attn.proj", "norm2", "mlp.fc2"):
-        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
     rules.append(rule("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight"))
     if cfg.qkv_bias and cfg.key_bias:
         rules.append(rule("blocks.{i}.attn.qkv.bias", "blocks.{i}.attn.qkv.bias"))
     elif cfg.qkv_bias:
         rules += [rule(f"blocks.{{i}}.attn.{b}_bias", f"blocks.{{i}}.attn.{b}_bias") for b in "qv"]
-    rules += timm_format._mlp_rules(cfg, split_swiglu) + pair("norm", "norm")
+    rules += timm_format._mlp_rules(cfg, split_swiglu) + weight_bias("norm", "norm")
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
     rules += [rule(t, t) for t in ("cls_token", "reg_token") if (t == "cls_token" and cfg.class_token) or
               (t == "reg_token" and cfg.num_registers)]  # fmt: skip
     if cfg.num_classes > 0:
-        rules += pair("head", "head")
+        rules += weight_bias("head", "head")
     return expand(rules, cfg.depth)
 
 
@@ -211,31 +207,21 @@ def _size(size: Any, source: str) -> tuple[int, int]:
 
 def load(path: Path) -> Checkpoint:
     """Read a timm Eva (DINOv3) state dict (file or hub folder) into vitkit's layout, shape-checked."""
-    weights_path = timm_format._weights_path(path)
-    if weights_path is None:
-        raise CheckpointError(f"{path}: expected a .safetensors/.pth file or a timm folder with model weights")
-    weights = torch_files.read_state_file(weights_path)
+    weights = timm_format.read_weights(path, ".safetensors/.pth")
     sidecar = timm_format._sidecar(path)
     cfg, args, split = infer_config(weights, sidecar, str(path))
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
     # rope.periods: RoPE's frequencies, a buffer timm computes (and leaves out of its state dicts); ignored if saved
-    state = to_state_dict(key_map(cfg, split), arrays, expected_state(cfg), source=str(path),
-                          ignore=lambda k: k == "rope.periods")  # fmt: skip
+    state = convert(cfg, weights, str(path), lambda c: key_map(c, split), ignore=lambda k: k == "rope.periods")
     doc = dict(sidecar or {})
-    labels = doc.get("label_names")
     provenance: dict[str, Any] = {"layout": "timm Eva (DINOv3)", "architecture": doc.get("architecture")}
     if not args.get("num_heads"):
         provenance["num_heads"] = f"{cfg.num_heads} (the DINOv3 entry point of width {cfg.hidden_size})"
-    pre = doc.get("pretrained_cfg") or {}
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=timm_format.preprocess_from(doc, cfg.image_size) if pre else _default_preprocess(cfg),
-        class_names=list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None,
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return timm_format.checkpoint(path, cfg, state, doc, provenance, preprocess(doc, cfg), FORMAT)
+
+
+def preprocess(doc: Mapping[str, Any], cfg: ViTConfig) -> Preprocess:
+    """timm's ``pretrained_cfg``, else the Eva entry points' (ImageNet statistics, bicubic) at the model's size."""
+    return timm_format.preprocess_from(doc, cfg.image_size) if doc.get("pretrained_cfg") else _default_preprocess(cfg)
 
 
 def _default_preprocess(cfg: ViTConfig) -> Preprocess:
@@ -267,14 +253,8 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     size = SIZES.get(cfg.hidden_size, "base")  # any entry point: model_args override what differs
     arch = f"vit_{size}_patch16_dinov3" + ("_qkvb" if cfg.qkv_bias or size == "tiny" else "")
     pool = "token" if cfg.classifier == "token" else "avg"
-    hidden = cfg.mlp_dim
     args: dict[str, Any] = {
-        "img_size": list(cfg.image_size),
-        "patch_size": cfg.patch_size,
-        "in_chans": cfg.in_channels,
-        "embed_dim": cfg.hidden_size,
-        "depth": cfg.depth,
-        "num_heads": cfg.num_heads,
+        **timm_writer.shape_args(cfg),
         "qkv_bias": cfg.qkv_bias,
         "init_values": cfg.layer_scale,
         "rope_type": "dinov3",
@@ -283,22 +263,11 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
         "swiglu_mlp": cfg.mlp == "swiglu",
         "global_pool": pool,
         "num_classes": cfg.num_classes,
+        "mlp_ratio": timm_writer.mlp_ratio(cfg.mlp_dim, cfg.hidden_size),
     }
     if cfg.mlp == "swiglu":  # timm's SwiGLU width: int(D * mlp_ratio) rounded up to swiglu_align_to
-        args.update({"mlp_ratio": timm_writer.mlp_ratio(hidden, cfg.hidden_size), "swiglu_align_to": 1})
-    else:
-        args["mlp_ratio"] = timm_writer.mlp_ratio(hidden, cfg.hidden_size)
-    doc: dict[str, Any] = {
-        "architecture": arch,
-        "num_classes": cfg.num_classes,
-        "num_features": cfg.hidden_size,
-        "global_pool": pool,
-        "model_args": args,
-        "pretrained_cfg": timm_writer.pretrained_cfg(cfg, pre, cfg.num_classes),
-    }
-    if meta and meta.class_names:
-        doc["label_names"] = list(meta.class_names)
-    return doc
+        args["swiglu_align_to"] = 1
+    return timm_writer.hub_config(cfg, arch, cfg.num_classes, pool, args, pre, meta)
 
 
 def save(
@@ -319,11 +288,4 @@ def write(out: Path, arrays: Callable[[], Mapping[str, np.ndarray]], doc: dict[s
     its config ``doc``: a ``.safetensors`` file (the config in its metadata) or a hub folder."""
     require(out.suffix not in torch_files.PICKLE_SUFFIXES, out.name,
             "a bare .pth cannot record the RoPE settings; write a .safetensors file or a folder")  # fmt: skip
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays().items()}
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        metadata = {"format": "pt", timm_format.META_KEY: json.dumps(doc), WRITER_KEY: WRITER}
-        return write_file_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
-    files = {"config.json": json.dumps(doc, indent=2) + "\n"}
-    return torch_files.write_folder(out, tensors, files, overwrite=overwrite)
+    return timm_writer.write_with_config(out, torch_files.from_arrays(arrays()), doc, overwrite)

@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.checkpoints import timm_eva, timm_format, timm_writer, torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, to_state_dict
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, expected_state, export_state, require
+from vitkit.checkpoints import timm_eva, timm_format, timm_writer
+from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, weight_bias
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -185,14 +185,13 @@ def _halves_order(num_heads: int, head_dim: int, interleaved: bool) -> np.ndarra
 def key_map(cfg: ViTConfig, fused: bool = True, split_swiglu: bool = False, interleaved: bool = True) -> list[Rule]:
     """timm Eva names for an EVA-02 with this config (blocks expanded): ``fused`` one qkv (else q/k/v_proj),
     ``split_swiglu`` SwiGLU's fc1_g/fc1_x, ``interleaved`` timm's default RoPE layout (see :func:`_halves_order`)."""
-    pair = timm_format._pair_rules
     D = cfg.hidden_size
     order = _halves_order(cfg.num_heads, cfg.head_dim, interleaved)
     back = np.argsort(order)
     rows = np.concatenate([order, D + order, 2 * D + np.arange(D)])  # q and k reordered, v as it is
-    rules = pair("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
+    rules = weight_bias("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in ("norm1", "attn.proj", "norm2", "mlp.fc2"):
-        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}")
     if fused:
         rules.append(rule("blocks.{i}.attn.qkv.weight", "blocks.{i}.attn.qkv.weight",
                           lambda w: w[rows], lambda w: (w[np.argsort(rows)],)))  # fmt: skip
@@ -214,14 +213,14 @@ def key_map(cfg: ViTConfig, fused: bool = True, split_swiglu: bool = False, inte
         rules.append(rule("blocks.{i}.attn.v_bias", v_bias))
     rules += timm_format._mlp_rules(cfg, split_swiglu)
     for name, present in (("mlp.norm", cfg.mlp_norm), ("attn.norm", cfg.attn_norm)):
-        rules += pair(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}") if present else []
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}") if present else []
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
-    rules += pair("norm", "fc_norm" if cfg.fc_norm else "norm")
+    rules += weight_bias("norm", "fc_norm" if cfg.fc_norm else "norm")
     rules += [rule(t, t) for t in ("cls_token", "pos_embed") if (cfg.class_token if t == "cls_token" else
               cfg.pos_embed == "learned")]  # fmt: skip
     if cfg.num_classes > 0:
-        rules += pair("head", "head")
+        rules += weight_bias("head", "head")
     return expand(rules, cfg.depth)
 
 
@@ -234,30 +233,14 @@ def load(path: Path) -> Checkpoint:
     if not claims(doc):
         return timm_eva.load(path)
     assert doc is not None
-    weights_path = timm_format._weights_path(path)
-    if weights_path is None:
-        raise CheckpointError(f"{path}: expected a .safetensors/.pth file or a timm folder with model weights")
-    weights = torch_files.read_state_file(weights_path)
+    weights = timm_format.read_weights(path, ".safetensors/.pth")
     cfg, args, split = infer_config(weights, doc, str(path))
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    rules = key_map(cfg, args["qkv_fused"], split, interleaved=not args.get("rope_rotate_half", False))
+    rules = lambda c: key_map(c, args["qkv_fused"], split, interleaved=not args.get("rope_rotate_half", False))  # noqa: E731
     # rope.* and attn.k_bias: buffers timm computes (and leaves out of its state dicts); ignored if saved
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=str(path),
-                          ignore=lambda k: k.startswith("rope.") or k.endswith("attn.k_bias"))  # fmt: skip
-    labels = doc.get("label_names")
+    state = convert(cfg, weights, str(path), rules, ignore=lambda k: k.startswith("rope.") or k.endswith("attn.k_bias"))
     provenance: dict[str, Any] = {"layout": "timm Eva (EVA-02)", "architecture": doc.get("architecture"),
                                   "qkv_fused": args["qkv_fused"]}  # fmt: skip
-    meta = CheckpointMeta(
-        format=timm_eva.FORMAT,
-        source=str(path),
-        preprocess=timm_format.preprocess_from(doc, cfg.image_size)
-        if doc.get("pretrained_cfg")
-        else timm_eva._default_preprocess(cfg),
-        class_names=list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None,
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return timm_format.checkpoint(path, cfg, state, doc, provenance, timm_eva.preprocess(doc, cfg), timm_eva.FORMAT)
 
 
 # ---- writing ------------------------------------------------------------------------------------------
@@ -288,12 +271,7 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
     pre = meta.preprocess if meta else timm_eva._default_preprocess(cfg)
     pool = "token" if cfg.classifier == "token" else "avg"
     args: dict[str, Any] = {
-        "img_size": list(cfg.image_size),
-        "patch_size": cfg.patch_size,
-        "in_chans": cfg.in_channels,
-        "embed_dim": cfg.hidden_size,
-        "depth": cfg.depth,
-        "num_heads": cfg.num_heads,
+        **timm_writer.shape_args(cfg),
         "qkv_bias": cfg.qkv_bias,
         "qkv_fused": not cfg.mlp_norm,
         "mlp_ratio": timm_writer.mlp_ratio(cfg.mlp_dim, cfg.hidden_size),
@@ -312,17 +290,8 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
         "global_pool": pool,
         "num_classes": cfg.num_classes,
     }
-    doc: dict[str, Any] = {
-        "architecture": f"eva02_{SIZES.get(cfg.hidden_size, 'base')}_patch14_224",
-        "num_classes": cfg.num_classes,
-        "num_features": cfg.hidden_size,
-        "global_pool": pool,
-        "model_args": args,
-        "pretrained_cfg": timm_writer.pretrained_cfg(cfg, pre, cfg.num_classes),
-    }
-    if meta and meta.class_names:
-        doc["label_names"] = list(meta.class_names)
-    return doc
+    arch = f"eva02_{SIZES.get(cfg.hidden_size, 'base')}_patch14_224"
+    return timm_writer.hub_config(cfg, arch, cfg.num_classes, pool, args, pre, meta)
 
 
 def save(

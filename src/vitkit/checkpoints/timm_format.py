@@ -52,13 +52,8 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, to_state_dict
-from vitkit.checkpoints.loaded import (
-    Checkpoint,
-    CheckpointMeta,
-    check_fits_file,
-    expected_state,
-)
+from vitkit.checkpoints.keymap import Array, Rule, expand, rule, stacked, weight_bias
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -83,33 +78,25 @@ _LINEARS = ["norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc2"]
 _POOL_PARTS = ["q", "kv", "proj", "norm", "mlp.fc1", "mlp.fc2"]
 
 
-def _pair_rules(ours: str, theirs: str, bias: bool = True) -> list[Rule]:
-    return [rule(f"{ours}.weight", f"{theirs}.weight")] + ([rule(f"{ours}.bias", f"{theirs}.bias")] if bias else [])
-
-
 def _mlp_rules(cfg: ViTConfig, split_swiglu: bool) -> list[Rule]:
     """fc1: plain, timm's SwiGLUPacked (one fc1, gate rows first: vitkit's own layout) or SwiGLU (fc1_g, fc1_x)."""
     if cfg.mlp == "swiglu" and split_swiglu:
-        cat = lambda g, x: np.concatenate([g, x], axis=0)  # noqa: E731
-        halves = lambda a: np.split(a, 2, axis=0)  # noqa: E731
-        return [
-            rule(f"blocks.{{i}}.mlp.fc1.{p}", [f"blocks.{{i}}.mlp.fc1_{n}.{p}" for n in "gx"], cat, halves)
-            for p in ("weight", "bias")
-        ]
-    return _pair_rules("blocks.{i}.mlp.fc1", "blocks.{i}.mlp.fc1")
+        fc1 = "blocks.{i}.mlp.fc1"
+        return [stacked(f"{fc1}.{p}", [f"{fc1}_{n}.{p}" for n in "gx"]) for p in ("weight", "bias")]
+    return weight_bias("blocks.{i}.mlp.fc1", "blocks.{i}.mlp.fc1")
 
 
 def key_map(cfg: ViTConfig, *, no_embed_class: bool = False, split_swiglu: bool = False) -> list[Rule]:
     """timm names for a model with this config (blocks expanded). ``no_embed_class``: timm's pos_embed covers the
     patches only (vitkit's class/distillation slots are zero); ``split_swiglu``: SwiGLU's fc1_g/fc1_x."""
-    rules = _pair_rules("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
+    rules = weight_bias("patch_embed.proj", "patch_embed.proj", cfg.patch_bias)
     for name in _LINEARS:
-        rules += _pair_rules(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}", name != "attn.qkv" or cfg.qkv_bias)
-    rules += _mlp_rules(cfg, split_swiglu) + _pair_rules("norm", "norm")
+        rules += weight_bias(f"blocks.{{i}}.{name}", f"blocks.{{i}}.{name}", name != "attn.qkv" or cfg.qkv_bias)
+    rules += _mlp_rules(cfg, split_swiglu) + weight_bias("norm", "norm")
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.ls{n}.gamma") for n in (1, 2)]
     if cfg.norm_pre:
-        rules += _pair_rules("norm_pre", "norm_pre")
+        rules += weight_bias("norm_pre", "norm_pre")
     rules += [rule(t, t) for t in ("cls_token", "dist_token", "reg_token") if _has_token(cfg, t)]
     if cfg.pos_embed == "learned":
         slots = cfg.num_pos_prefix
@@ -120,14 +107,14 @@ def key_map(cfg: ViTConfig, *, no_embed_class: bool = False, split_swiglu: bool 
     if cfg.classifier == "map":
         rules.append(rule("attn_pool.probe", "attn_pool.latent"))
         for part in _POOL_PARTS:
-            rules += _pair_rules(f"attn_pool.{part}", f"attn_pool.{part}")
+            rules += weight_bias(f"attn_pool.{part}", f"attn_pool.{part}")
     if cfg.representation_size:
         rules += [rule(f"pre_logits.0.{p}", f"pre_logits.fc.{p}") for p in ("weight", "bias")]
     if cfg.projection_size and cfg.num_classes == 0:  # timm's CLIP towers: the projection is a bias-free head
         rules.append(rule("projection.weight", ["head.weight", "head.bias"], _bias_free, _zero_bias))
     for head in ("head", "head_dist") if cfg.num_classes > 0 else ():
         if head == "head" or cfg.distilled:
-            rules += _pair_rules(head, head)
+            rules += weight_bias(head, head)
     return expand(rules, cfg.depth)
 
 
@@ -192,12 +179,7 @@ def timm_keys(path: Path) -> set[str] | None:
     if path.is_dir() and _sidecar(path) is None:
         return None
     weights = _weights_path(path)
-    if weights is None:
-        return None
-    try:
-        return set(torch_files.state_keys(weights))
-    except CheckpointError:
-        return None
+    return (torch_files.readable_keys(weights) or None) if weights is not None else None
 
 
 def looks_like(path: Path) -> bool:
@@ -457,10 +439,7 @@ def load(
     ``num_heads``, ``gelu`` ("exact"/"tanh"/"quick"), ``layer_norm_eps`` and ``image_size`` (the resolution the
     weights were trained at) override what the file cannot tell.
     """
-    weights_path = _weights_path(path)
-    if weights_path is None:
-        raise CheckpointError(f"{path}: expected a {'/'.join(SUFFIXES)} file or a timm folder with model weights")
-    weights = torch_files.read_state_file(weights_path)
+    weights = read_weights(path, "/".join(SUFFIXES))
     sidecar = _sidecar(path)
     cfg, layout = infer_config(
         weights,
@@ -471,21 +450,34 @@ def load(
         layer_norm_eps=layer_norm_eps,
         image_size=image_size,
     )
-    check_fits_file(cfg, sum(v.numel() for v in weights.values()), str(path))
-    arrays = {k: torch_files.to_numpy(v) for k, v in weights.items()}
-    rules = key_map(cfg, no_embed_class=layout.no_embed_class, split_swiglu=layout.split_swiglu)
-    state = to_state_dict(rules, arrays, expected_state(cfg), source=str(path))
-    labels = (sidecar or {}).get("label_names")
+    rules = lambda c: key_map(c, no_embed_class=layout.no_embed_class, split_swiglu=layout.split_swiglu)  # noqa: E731
+    state = convert(cfg, weights, str(path), rules)
     provenance: dict[str, Any] = {"layout": "timm VisionTransformer", "no_embed_class": layout.no_embed_class}
     if sidecar:
         provenance["architecture"] = sidecar.get("architecture")
     if not (num_heads or ((sidecar or {}).get("model_args") or {}).get("num_heads")):
         provenance["num_heads"] = f"{cfg.num_heads} (inferred from the width; pass num_heads= if different)"
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=preprocess_from(sidecar, cfg.image_size),
-        class_names=list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None,
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return checkpoint(path, cfg, state, sidecar, provenance, preprocess_from(sidecar, cfg.image_size))
+
+
+def read_weights(path: Path, files: str) -> dict[str, torch.Tensor]:
+    """The state dict of a timm file or hub folder; CheckpointError naming the ``files`` expected if there is none."""
+    weights_path = _weights_path(path)
+    if weights_path is None:
+        raise CheckpointError(f"{path}: expected a {files} file or a timm folder with model weights")
+    return torch_files.read_state_file(weights_path)
+
+
+def checkpoint(
+    path: Path,
+    cfg: ViTConfig,
+    state: dict[str, torch.Tensor],
+    doc: Mapping[str, Any] | None,
+    provenance: dict[str, Any],
+    preprocess: Preprocess,
+    format: str = FORMAT,
+) -> Checkpoint:
+    """A timm reader's checkpoint, with the label names of timm's config ``doc`` when there is one per class."""
+    labels = (doc or {}).get("label_names")
+    names = list(labels) if isinstance(labels, list) and len(labels) == cfg.num_classes else None
+    return Checkpoint(cfg, state, CheckpointMeta(format, str(path), preprocess, names, provenance))

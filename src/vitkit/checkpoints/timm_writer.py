@@ -10,7 +10,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
@@ -36,37 +35,53 @@ def timm_config(cfg: ViTConfig, meta: CheckpointMeta | None) -> dict[str, Any]:
         arch = "vit_giant_patch14_dinov2"  # mlp_layer=SwiGLUPacked
     num_classes = cfg.num_classes or cfg.projection_size or 0  # timm's CLIP towers: the projection is the head
     hidden = 2 * cfg.mlp_dim if cfg.mlp == "swiglu" else cfg.mlp_dim
+    args = {
+        **shape_args(cfg),
+        "mlp_ratio": mlp_ratio(hidden, cfg.hidden_size),
+        "qkv_bias": cfg.qkv_bias,
+        "class_token": bool(cfg.class_token),
+        "global_pool": pool,
+        "fc_norm": False,
+        "num_classes": num_classes,
+        "act_layer": "silu" if cfg.mlp == "swiglu" else ACT_NAMES[cfg.gelu],
+        "init_values": cfg.layer_scale or 0.0,  # not None: timm.create_model drops None, keeping the entry's
+        "reg_tokens": cfg.num_registers,
+        "no_embed_class": _no_embed_class(cfg),
+        "pre_norm": cfg.norm_pre,
+        "pool_include_prefix": cfg.classifier == "map" and cfg.num_prefix_tokens > 0,
+    }
+    doc = hub_config(cfg, arch, num_classes, pool, args, pre, meta)
+    if cfg.layer_norm_eps != 1e-6 or cfg.norm_pre:  # timm builds 1e-6 (CLIP's entry points 1e-5): kept for vitkit
+        doc["layer_norm_eps"] = cfg.layer_norm_eps
+    return doc
+
+
+def shape_args(cfg: ViTConfig) -> dict[str, Any]:
+    """The model_args every timm ViT entry point takes for the input and the transformer's shape."""
+    return {"img_size": list(cfg.image_size), "patch_size": cfg.patch_size, "in_chans": cfg.in_channels,
+            "embed_dim": cfg.hidden_size, "depth": cfg.depth, "num_heads": cfg.num_heads}  # fmt: skip
+
+
+def hub_config(
+    cfg: ViTConfig,
+    arch: str,
+    num_classes: int,
+    pool: str,
+    args: dict[str, Any],
+    pre: Preprocess,
+    meta: CheckpointMeta | None,
+) -> dict[str, Any]:
+    """timm's hub ``config.json``: ``timm.create_model(arch, **args)`` rebuilds the model; preprocessing and labels."""
     doc: dict[str, Any] = {
         "architecture": arch,
         "num_classes": num_classes,
         "num_features": cfg.hidden_size,
         "global_pool": pool,
-        "model_args": {
-            "img_size": list(cfg.image_size),
-            "patch_size": cfg.patch_size,
-            "in_chans": cfg.in_channels,
-            "embed_dim": cfg.hidden_size,
-            "depth": cfg.depth,
-            "num_heads": cfg.num_heads,
-            "mlp_ratio": mlp_ratio(hidden, cfg.hidden_size),
-            "qkv_bias": cfg.qkv_bias,
-            "class_token": bool(cfg.class_token),
-            "global_pool": pool,
-            "fc_norm": False,
-            "num_classes": num_classes,
-            "act_layer": "silu" if cfg.mlp == "swiglu" else ACT_NAMES[cfg.gelu],
-            "init_values": cfg.layer_scale or 0.0,  # not None: timm.create_model drops None, keeping the entry's
-            "reg_tokens": cfg.num_registers,
-            "no_embed_class": _no_embed_class(cfg),
-            "pre_norm": cfg.norm_pre,
-            "pool_include_prefix": cfg.classifier == "map" and cfg.num_prefix_tokens > 0,
-        },
+        "model_args": args,
         "pretrained_cfg": pretrained_cfg(cfg, pre, num_classes),
     }
     if meta and meta.class_names:
         doc["label_names"] = list(meta.class_names)
-    if cfg.layer_norm_eps != 1e-6 or cfg.norm_pre:  # timm builds 1e-6 (CLIP's entry points 1e-5): kept for vitkit
-        doc["layer_norm_eps"] = cfg.layer_norm_eps
     return doc
 
 
@@ -162,12 +177,7 @@ def save(
     _check_representable(cfg, target)
     cfg, state = with_learned_posemb(cfg, export_state(model))
     arrays = from_state_dict(key_map(cfg, no_embed_class=_no_embed_class(cfg)), _fold_slots(cfg, state))
-    tensors = {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        metadata = {"format": "pt", META_KEY: json.dumps(timm_config(cfg, meta)), WRITER_KEY: WRITER}
-        return write_file_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    tensors = torch_files.from_arrays(arrays)
     if out.suffix in torch_files.PICKLE_SUFFIXES:
         require(
             _recoverable_from_shapes(cfg),
@@ -177,5 +187,15 @@ def save(
             "timm's config)",
         )
         return write_file_atomic(out, lambda tmp: torch.save(tensors, tmp))
-    files = {"config.json": json.dumps(timm_config(cfg, meta), indent=2) + "\n"}
+    return write_with_config(out, tensors, timm_config(cfg, meta), overwrite)
+
+
+def write_with_config(out: Path, tensors: dict[str, torch.Tensor], doc: dict[str, Any], overwrite: bool) -> Path:
+    """timm's tensors with its config ``doc``: a ``.safetensors`` file (the config in its metadata) or a hub folder."""
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        metadata = {"format": "pt", META_KEY: json.dumps(doc), WRITER_KEY: WRITER}
+        return write_file_atomic(out, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+    files = {"config.json": json.dumps(doc, indent=2) + "\n"}
     return torch_files.write_folder(out, tensors, files, overwrite=overwrite)

@@ -101,6 +101,11 @@ def _shard_path(folder: Path, index: Path, name: object) -> Path:
     return path
 
 
+def from_arrays(arrays: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    """A writer's arrays as contiguous tensors (sharing their memory where they are contiguous already)."""
+    return {k: torch.from_numpy(np.ascontiguousarray(a)) for k, a in arrays.items()}
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """float32 numpy copy of a tensor of any floating dtype (bfloat16 included)."""
     return t.detach().to(torch.float32).cpu().numpy() if t.is_floating_point() else t.cpu().numpy()
@@ -154,6 +159,14 @@ def native_looks_like(folder: Path) -> bool:
         return json.loads((folder / "config.json").read_text()).get("format") == "vitkit"
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def readable_keys(path: Path) -> set[str]:
+    """:func:`state_keys`, or none when the file is unreadable (then it is not the format a detector asks about)."""
+    try:
+        return state_keys(path)
+    except CheckpointError:
+        return set()
 
 
 def state_keys(path: Path) -> set[str]:
