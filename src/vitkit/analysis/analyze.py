@@ -271,10 +271,7 @@ def analyze(
         "image_size": list(preprocess.image_size),
         "grid": list(cfg.grid_size),
         "patch_stride_pixels": cfg.stride,
-        "classifier": cfg.classifier,
-        "pos_embed": cfg.pos_embed,
-        "depth": cfg.depth,
-        "num_heads": cfg.num_heads,
+        **{key: getattr(cfg, key) for key in ("classifier", "pos_embed", "depth", "num_heads")},
     }
     try:
         pca = patch_embedding_pca(model, opts.num_components)
@@ -330,12 +327,8 @@ def _attend(
     fp32 = dataclasses.replace(run, precision="fp32", backend="torch", decode="cpu", dist=None)
     cols, summary = FeatureProvider(model, preprocess, fp32).run(pictures, attend, desc="analyze")
     failed = len(cols.get("failed", ()))
-    notes = (
-        [f"analyze: {failed} image(s) did not decode and are left out (first: {summary.first_failure})"]
-        if failed
-        else []
-    )
-    return sums.result(), shown, shown_names, notes
+    notes = [f"analyze: {failed} image(s) did not decode and are left out (first: {summary.first_failure})"]
+    return sums.result(), shown, shown_names, notes if failed else []
 
 
 def _attention_figures(

@@ -14,7 +14,6 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.colors import Colormap
 from matplotlib.figure import Figure
 
 from vitkit.fileio import write_file_atomic
@@ -114,7 +113,7 @@ def plot_attention_distance(
     L, h = distance.shape
     fig = Figure(figsize=(4.5, 3.5))
     ax = fig.add_subplot(1, 1, 1)
-    cmap = _colormap("tab20" if h > 10 else "tab10")
+    cmap = colormaps["tab20" if h > 10 else "tab10"]
     for j in range(h):
         ax.scatter(np.arange(1, L + 1), distance[:, j], s=14, color=cmap(j % cmap.N), label=f"head {j + 1}")
     top = float(np.nanmax(distance))
@@ -133,14 +132,10 @@ def plot_attention_distance(
     return _save(fig, path)
 
 
-def _colormap(name: str) -> Colormap:
-    return colormaps[name]
-
-
 def _overlay(img: np.ndarray, heat: np.ndarray) -> np.ndarray:
     """Blend an image in [0, 1] (grey or RGB) with a [0, 1] heat map in the 'jet' colormap."""
     rgb = np.repeat(img[..., None], 3, axis=-1) if img.ndim == 2 else img
-    jet = _colormap("jet")(heat)[..., :3]
+    jet = colormaps["jet"](heat)[..., :3]
     return np.clip(0.5 * rgb + 0.5 * jet, 0, 1)
 
 

@@ -164,10 +164,8 @@ def write_eval_report(report: EvalReport, out_dir: str | os.PathLike[str]) -> di
     out.mkdir(parents=True, exist_ok=True)
     m, names = report.metrics, report.class_names
     paths = {
-        "metrics": out / "metrics.json",
-        "per_class": out / "per_class.csv",
-        "confusion_csv": out / "confusion.csv",
-        "confusion_png": out / "confusion.png",
+        key: out / name
+        for key, name in zip(("metrics", "per_class", "confusion_csv", "confusion_png"), REPORT_FILES, strict=True)
     }
     per_class: list[list[Any]] = [["class", "accuracy", "support"]]
     per_class += [

@@ -178,12 +178,7 @@ class FewShotResult:
             "l2_mode": self.l2_mode,
             "seeds": self.seeds,
             "shots": {
-                str(k): {
-                    "mean": self.mean(k),
-                    "std": self.std(k),
-                    "per_seed": self.accuracy[k],
-                    "l2": self.l2[k],
-                }
+                str(k): {"mean": self.mean(k), "std": self.std(k), "per_seed": self.accuracy[k], "l2": self.l2[k]}
                 for k in self.shots
             },
         }
@@ -191,8 +186,7 @@ class FewShotResult:
     def table(self) -> str:
         lines = [f"{'shots':>6}  {'accuracy':>9}  {'std':>6}  seeds  l2"]
         for k in self.shots:
-            l2s = sorted(set(self.l2[k]))
-            l2_txt = ", ".join(_fmt_l2(v) for v in l2s)
+            l2_txt = ", ".join(_fmt_l2(v) for v in sorted(set(self.l2[k])))
             lines.append(f"{k:>6}  {self.mean(k):>9.2%}  {self.std(k):>6.2%}  {len(self.seeds):>5}  {l2_txt}")
         return "\n".join(lines)
 

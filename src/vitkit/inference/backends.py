@@ -109,10 +109,6 @@ def export_for_engines(model: VisionTransformer, folder: str | Path) -> Path:
     return export_onnx(model, Path(folder) / "model.onnx", dynamic_batch=True, overwrite=True)
 
 
-def _threads(threads: int | None) -> int:
-    return threads or torch.get_num_threads()
-
-
 def without_initializer_shapes(onnx_path: Path, out: Path) -> Path:
     """A copy of the ONNX file at ``out`` without the ``value_info`` entries that repeat an initializer's shape
     (torch's exporter writes one for every weight); the initializers themselves still carry their shapes.
@@ -161,7 +157,7 @@ def onnxruntime_model(onnx_path: Path, *, int8: bool = False, threads: int | Non
                 op_types_to_quantize=["MatMul"],
             )
     options = ort.SessionOptions()
-    options.intra_op_num_threads = _threads(threads)
+    options.intra_op_num_threads = threads or torch.get_num_threads()
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -213,7 +209,7 @@ def _openvino_model(
     floating = "bf16" if dtype == torch.bfloat16 else "fp32"
     config = {
         "INFERENCE_PRECISION_HINT": "bf16" if floating == "bf16" else "f32",
-        "INFERENCE_NUM_THREADS": _threads(threads),
+        "INFERENCE_NUM_THREADS": threads or torch.get_num_threads(),
         "NUM_STREAMS": 1,
         "PERFORMANCE_HINT": "LATENCY",
         "ENABLE_CPU_PINNING": False,  # torch's threads share these cores: no pinning, no reservation
@@ -305,10 +301,6 @@ def engine_model(
     return openvino_model(onnx_path, precision=precision, threads=threads, calibration=calibration, dtype=dtype)
 
 
-def _precision(dtype: torch.dtype, int8: bool) -> str:
-    return "int8" if int8 else ("bf16" if dtype == torch.bfloat16 else "fp32")
-
-
 def optimize_with_backend(
     model: VisionTransformer,
     dtype: torch.dtype,
@@ -326,7 +318,7 @@ def optimize_with_backend(
         raise ValueError(f"backend must be one of {', '.join(b for b in BACKENDS if b != 'torch')}, got {backend!r}")
     if next(model.parameters()).device.type != "cpu":
         raise ValueError(f"backend {backend!r} runs on the CPU; the model is on {next(model.parameters()).device}")
-    precision = _precision(dtype, int8)
+    precision = "int8" if int8 else ("bf16" if dtype == torch.bfloat16 else "fp32")
     if backend == "auto":  # every installed engine computing in the precision; NNCF needs calibration images
         usable = [e for e in ENGINES if precision in engine_precisions(e) and engine_available(e, int8)]
         engines = [e for e in usable if not (e == "openvino" and int8 and calibration is None)]

@@ -188,9 +188,5 @@ def embed(
     if not cols:
         raise VitkitError("no images to embed")
     return Embeddings(
-        ids=cols["id"],
-        index=cols["index"],
-        labels=cols["label"],
-        vectors=cols["vector"],
-        meta=opts.meta(),
+        ids=cols["id"], index=cols["index"], labels=cols["label"], vectors=cols["vector"], meta=opts.meta()
     )

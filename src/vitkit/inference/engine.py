@@ -54,12 +54,7 @@ from vitkit.inference.policy import EnginePlan, fastest_sdpa_backend, plan_engin
 from vitkit.inference.tune import Tuning, build_fast
 from vitkit.models.vit import Intermediates, VisionTransformer
 
-POOLS = (
-    "cls",
-    "gap",
-    "cls+gap",
-    "tokens",
-)  # what :meth:`InferenceEngine.features` pools tokens by, besides the model's own
+POOLS = ("cls", "gap", "cls+gap", "tokens")  # what :meth:`InferenceEngine.features` pools by, besides the model's own
 
 CALIBRATION_MAX_IMAGES = 300  # NNCF's own default subset size: more images cost start-up time
 

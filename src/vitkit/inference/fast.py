@@ -115,11 +115,6 @@ class Kernels:
             if value is not None and value not in options:
                 raise ValueError(f"Kernels.{piece}: {value!r} is not one of {', '.join(options)}")
 
-    def describe(self) -> str:
-        """e.g. ``attention=sdpa layernorm=torch gemm=packed`` (the pieces chosen; built-in rule for the rest)."""
-        chosen = [f"{p}={getattr(self, p)}" for p in self.CHOICES if getattr(self, p) is not None]
-        return " ".join(chosen) or "built-in rules"
-
 
 class PackedLinear(nn.Module):
     """A Linear in ``dtype`` with an optional fused epilogue: ``"none"``, ``"gelu"``/``"gelu_tanh"``, or

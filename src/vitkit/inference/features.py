@@ -134,14 +134,9 @@ class FeatureProvider:
             cols = {"labels": b.labels[ok], "indices": b.positions[ok], "failed": b.positions[~ok]}
             if not ok.any():  # every image of the batch failed (skip_bad): nothing to run
                 return cols
+            # what was asked for, of the images that decoded: features (G, R), logits (G, K)
             out = e.forward(b.images, logits=logits, features=features)
-            if features:
-                assert out.features is not None
-                cols["features"] = out.features.numpy()  # (G, R): the images that decoded
-            if logits:
-                assert out.logits is not None
-                cols["logits"] = out.logits.numpy()  # (G, K)
-            return cols
+            return cols | {name: v.numpy() for name, v in vars(out).items() if v is not None}
 
         cols, summary = self.run(source_of(dataset), outputs, positions=indices, desc=desc)
         if not cols or not len(cols["labels"]):

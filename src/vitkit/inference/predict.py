@@ -205,10 +205,7 @@ class ConsoleRows:
     def __init__(self, as_json: bool, echo: Callable[[str], None]) -> None:
         self.as_json, self.echo = as_json, echo
         self.ids: list[str] = []
-
-    @property
-    def done(self) -> int:
-        return 0
+        self.done = 0  # nothing to resume: every run prints its rows
 
     def write(self, columns: Mapping[str, Any]) -> None:
         import json
@@ -258,13 +255,11 @@ def predict_job(
     job = Job(source, spec, opts.batch_size, workers=opts.workers, prefetch=opts.prefetch, skip_bad=opts.skip_bad,
               decode=opts.decode, progress=opts.progress, desc="predict", where=f"--out {out}", on_engine=on_engine,
               dist=info)  # fmt: skip
-    sink: Any = None
-    if not info.is_main:
-        pass  # its rows go to process 0
-    elif out is not None:
+    sink: Any = None  # on process 0 only: the others' rows go to process 0
+    if info.is_main and out is not None:
         meta = {"vitkit.job": "predict", **job_meta(loaded, source, precision=opts.precision, backend=opts.backend)}
         sink = _open_output(out, loaded.model.cfg.num_classes, opts, resume, overwrite, meta)
-    else:
+    elif info.is_main:
         sink = ConsoleRows(as_json, echo)
 
     def rows(engine: InferenceEngine, batch: StreamBatch) -> dict[str, list[Any]]:
