@@ -31,7 +31,7 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -118,9 +118,19 @@ def _texts(field: Field, values: list[Any]) -> list[Any]:
 
 
 def _csv_cell(v: Any) -> Any:
-    """A text cell as spreadsheets cannot run it: one starting like a formula (``= + - @``, tab, CR) or with a
-    quote gets a leading ``'`` (undone by :func:`_csv_uncell`)."""
+    """A cell's value as written: ``""`` for a missing one; a text cell as spreadsheets cannot run it: one
+    starting like a formula (``= + - @``, tab, CR) or with a quote gets a leading ``'`` (undone by
+    :func:`_csv_uncell`)."""
+    if v is None:
+        return ""
     return "'" + v if isinstance(v, str) and v[:1] in _FORMULA else v
+
+
+def csv_text(rows: Iterable[Sequence[Any]]) -> str:
+    """``rows`` as CSV text, as Python's csv module writes them (lines ending in ``\\n``)."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue()
 
 
 def _csv_uncell(v: str) -> str:
@@ -177,7 +187,7 @@ class _TextWriter(RowWriter):
             write_sidecar(path, {"columns": self.columns, "meta": self.meta})
             raw = create_new(path)
             if self.is_csv:
-                raw.write(self._csv_text([self.header]).encode("utf-8"))
+                raw.write(csv_text([self.header]).encode("utf-8"))
                 raw.flush()
         self.file = raw
 
@@ -201,11 +211,6 @@ class _TextWriter(RowWriter):
         self.file.write(text.encode("utf-8"))
         self.file.flush()
 
-    def _csv_text(self, rows: list[list[Any]]) -> str:
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows(rows)
-        return buf.getvalue()
-
     def _write(self, n: int, values: list[list[Any]]) -> None:
         if self.is_csv:
             rows = []
@@ -214,11 +219,11 @@ class _TextWriter(RowWriter):
                 for f, col in zip(self.fields, values, strict=True):
                     v = col[r]
                     if f.width:
-                        row += [""] * f.width if v is None else [_csv_cell(_csv_value(x)) for x in v]
+                        row += [""] * f.width if v is None else [_csv_cell(x) for x in v]
                     else:
-                        row.append(_csv_cell(_csv_value(v)))
+                        row.append(_csv_cell(v))
                 rows.append(row)
-            self._emit(self._csv_text(rows))
+            self._emit(csv_text(rows))
         else:
             names = [f.name for f in self.fields]
             lines = (json.dumps(dict(zip(names, (col[r] for col in values), strict=True))) for r in range(n))
@@ -240,7 +245,7 @@ class _TextWriter(RowWriter):
         if self.is_csv and keep == 0:  # not even the header: a kill right after the file was created
             f.seek(0)
             f.truncate(0)
-            f.write(self._csv_text([self.header]).encode("utf-8"))
+            f.write(csv_text([self.header]).encode("utf-8"))
             keep = f.tell()
         f.truncate(keep)
         f.seek(keep)
@@ -319,10 +324,6 @@ def _csv_records(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
         )
     if record:
         yield record, False
-
-
-def _csv_value(v: Any) -> Any:
-    return "" if v is None else v
 
 
 class _ParquetWriter(RowWriter):
