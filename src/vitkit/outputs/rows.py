@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, refuse_link
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -51,7 +51,6 @@ from vitkit.outputs.store import (
     precheck,
     pyarrow,
     read_sidecar,
-    refuse_link,
     sidecar_path,
     write_parquet,
     write_sidecar,
@@ -141,8 +140,8 @@ class RowWriter(Locked):
     """An output being written (see the module docstring). ``done``: rows complete in it, ``ids``: their
     ``id_field`` values, in order (both as found when it was opened, then counting what was written)."""
 
-    def __init__(self, path: Path, fields: Sequence[Field], id_field: str) -> None:
-        self.path, self.fields, self.id_field = path, list(fields), id_field
+    def __init__(self, path: Path, fields: Sequence[Field], id_field: str, meta: Mapping[str, str]) -> None:
+        self.path, self.fields, self.id_field, self.meta = path, list(fields), id_field, dict(meta)
         if id_field not in {f.name for f in fields}:
             raise ValueError(f"id field {id_field!r} is not among the fields")
         self.ids: list[str] = []
@@ -170,11 +169,10 @@ class _TextWriter(RowWriter):
     def __init__(
         self, path: Path, fields: Sequence[Field], id_field: str, resume: bool, meta: Mapping[str, str]
     ) -> None:
-        super().__init__(path, fields, id_field)
+        super().__init__(path, fields, id_field, meta)
         self.is_csv = path.suffix.lower() == ".csv"
         self.header = [n for f in self.fields for n in f.csv_names]
         self.columns = self.header if self.is_csv else [f.name for f in self.fields]
-        self.meta = dict(meta)
         if resume and os.path.lexists(path):
             self._check_mark()
             raw = open_regular(path)
@@ -332,14 +330,13 @@ class _ParquetWriter(RowWriter):
     def __init__(
         self, path: Path, fields: Sequence[Field], id_field: str, resume: bool, meta: Mapping[str, str]
     ) -> None:
-        super().__init__(path, fields, id_field)
+        super().__init__(path, fields, id_field, meta)
         pa = pyarrow()
         self.pa = pa
         self.schema = pa.schema(
             [pa.field(f.name, _arrow_type(pa, f.kind)) for f in self.fields],
             metadata={WRITER_KEY: WRITER, **meta},
         )
-        self.meta = dict(meta)
         self.parts = Parts.beside(path, ".parquet")
         self.next_part = 0
         if resume:
@@ -410,7 +407,7 @@ def check_rows_output(path: Path, *, resume: bool, overwrite: bool) -> None:
     vitkit did not write, never."""
     output_format(path)
     side = sidecar_path(path)
-    refuse_link(side)
+    refuse_link(side, "--out")
     if os.path.lexists(side) and read_sidecar(path) is None:
         raise ConfigError(f"--out {path}: {side.name} beside it is not vitkit's mark; vitkit never overwrites it")
     precheck(path, Parts.beside(path, ".parquet"), formats=".jsonl, .csv or .parquet", resume=resume,
