@@ -167,11 +167,8 @@ def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
     config = _hub_file(repo_id, "config.json", revision, label, required=True)
     assert config is not None
     folder = Path(config).parent
-    weights = None
-    for fname in WEIGHT_FILES:
-        weights = _hub_file(repo_id, fname, revision, label, required=False)
-        if weights is not None:
-            break
+    found = (_hub_file(repo_id, fname, revision, label, required=False) for fname in WEIGHT_FILES)
+    weights = next((w for w in found if w is not None), None)  # the first the repository has
     if weights is None:
         raise VitkitError(
             f"{label}: none of {', '.join(WEIGHT_FILES)} in the repository (or, offline, in the local cache)"
