@@ -304,8 +304,7 @@ class HFDataset(ImageDataset):
         return f"{self.source} ({self.split}) row {int(self.rows[index])}"
 
     def load_image(self, index: int) -> Image.Image:
-        row = int(self.rows[index])
-        return decode_cell(self.table[row][self.image_column], f"{self.source} ({self.split}) row {row}", self.roots)
+        return decode_cell(self.table[int(self.rows[index])][self.image_column], self.describe(index), self.roots)
 
 
 def decode_cell(value: Any, what: str, roots: tuple[Path, ...] = ()) -> Image.Image:
@@ -441,8 +440,7 @@ def open_hf_dataset(
     if missing:
         if not skip_bad:
             raise DataError(f"{what} row {missing[0]}: no label in column {lab_col!r}")
-        for i in missing:
-            skipped.append(Skipped(f"{what} row {i}", "no label"))
+        skipped += [Skipped(f"{what} row {i}", "no label") for i in missing]
         keep[missing] = False
     if labels.size and labels.max() >= len(found):
         bad = int(np.argmax(labels >= len(found)))  # first row whose label is out of range
