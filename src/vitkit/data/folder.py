@@ -176,14 +176,10 @@ def is_image_name(name: str) -> bool:
     return not name.startswith(".") and os.path.splitext(name)[1].lower() in IMAGE_EXTENSIONS
 
 
-def _is_candidate(e: os.DirEntry[str]) -> bool:
-    return is_image_name(e.name)
-
-
 def _image_files(folder: Path) -> tuple[list[str], list[tuple[str, str]]]:
     """The image files of a class folder (sorted), and its image-named symbolic links that lead nowhere."""
-    files = sorted(e.path for e in os.scandir(folder) if _is_candidate(e) and _is(e.is_file))
-    return files, _broken_links(folder, _is_candidate)
+    files = sorted(e.path for e in os.scandir(folder) if is_image_name(e.name) and _is(e.is_file))
+    return files, _broken_links(folder, lambda e: is_image_name(e.name))
 
 
 def _is(test: Callable[[], bool]) -> bool:

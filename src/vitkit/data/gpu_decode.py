@@ -157,18 +157,14 @@ class GpuDecoder:
             out[torch.from_numpy(np.flatnonzero(~mine)).to(self.device)] = cpu.to(self.device, non_blocking=True)
             self.counts.workers += len(cpu)
         decoded = self._decode(enc)
-        groups: dict[tuple[int, int], list[torch.Tensor]] = {}
-        where: dict[tuple[int, int], list[int]] = {}
+        groups: dict[tuple[int, int], list[tuple[int, torch.Tensor]]] = {}
         for i, img in enumerate(decoded):
             if img is not None:
-                size = (int(img.shape[0]), int(img.shape[1]))
-                groups.setdefault(size, []).append(img)
-                where.setdefault(size, []).append(i)
-        for size, imgs in groups.items():  # images of one size resized at once
-            idx = where[size]
-            x = torch.stack(imgs).permute(0, 3, 1, 2)
-            rows = torch.from_numpy(enc.rows[idx]).to(self.device)
-            out[rows] = resize_crop(x, self.preprocess)
+                groups.setdefault((int(img.shape[0]), int(img.shape[1])), []).append((i, img))
+        for group in groups.values():  # images of one size resized at once
+            idx = [i for i, _ in group]
+            x = torch.stack([img for _, img in group]).permute(0, 3, 1, 2)
+            out[torch.from_numpy(enc.rows[idx]).to(self.device)] = resize_crop(x, self.preprocess)
             self.counts.gpu += len(idx)
         for i, img in enumerate(decoded):
             if img is None:

@@ -21,7 +21,6 @@ A row whose image cannot be decoded, or whose label is missing, raises DataError
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import re
 import urllib.parse
@@ -244,24 +243,20 @@ def _load_hub_dataset(datasets: Any, repo_id: str) -> Any:
     """A Hub dataset by id, from this machine only: through ``datasets`` (its cache, offline), else from the
     snapshot of the repository in huggingface_hub's cache (where ``datasets`` keeps the downloaded data files).
     Nothing is requested from the Hub (download a dataset with ``datasets.load_dataset`` first)."""
-    loggers = [logging.getLogger(n) for n in ("datasets", "huggingface_hub")]
-    levels = [lg.level for lg in loggers]
-    try:
-        for lg in loggers:  # every retry of an unreachable Hub is logged; the error that follows says it
-            lg.setLevel(logging.ERROR)
-        with _offline(datasets):
-            return datasets.load_dataset(repo_id, **no_scripts(datasets))
-    except Exception as first:
-        from huggingface_hub import snapshot_download
+    from vitkit.hub.resolve import quiet_logs
 
+    with quiet_logs("datasets", "huggingface_hub"):
         try:
-            folder = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
-        except Exception:
-            raise first from None
-        return datasets.load_dataset(str(folder), **no_scripts(datasets))
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
+            with _offline(datasets):
+                return datasets.load_dataset(repo_id, **no_scripts(datasets))
+        except Exception as first:
+            from huggingface_hub import snapshot_download
+
+            try:
+                folder = snapshot_download(repo_id, repo_type="dataset", local_files_only=True)
+            except Exception:
+                raise first from None
+            return datasets.load_dataset(str(folder), **no_scripts(datasets))
 
 
 def _pick(
@@ -304,8 +299,7 @@ class HFDataset(ImageDataset):
         return f"{self.source} ({self.split}) row {int(self.rows[index])}"
 
     def load_image(self, index: int) -> Image.Image:
-        row = int(self.rows[index])
-        return decode_cell(self.table[row][self.image_column], f"{self.source} ({self.split}) row {row}", self.roots)
+        return decode_cell(self.table[int(self.rows[index])][self.image_column], self.describe(index), self.roots)
 
 
 def decode_cell(value: Any, what: str, roots: tuple[Path, ...] = ()) -> Image.Image:
@@ -441,8 +435,7 @@ def open_hf_dataset(
     if missing:
         if not skip_bad:
             raise DataError(f"{what} row {missing[0]}: no label in column {lab_col!r}")
-        for i in missing:
-            skipped.append(Skipped(f"{what} row {i}", "no label"))
+        skipped += [Skipped(f"{what} row {i}", "no label") for i in missing]
         keep[missing] = False
     if labels.size and labels.max() >= len(found):
         bad = int(np.argmax(labels >= len(found)))  # first row whose label is out of range

@@ -249,20 +249,18 @@ def _check_cached(path: Path, url: str, sha256: str | None, cache: str | os.Path
     if rec is not None and rec.url != url:
         raise DownloadError(f"{path}: cached for another URL ({rec.url}), not {url}; delete it and download again")
     st = path.stat()
-    if rec is not None and rec.size == st.st_size and rec.mtime_ns == st.st_mtime_ns:
-        digest = rec.sha256
-    else:
-        digest = sha256_file(path)
-        if rec is not None and rec.sha256 != digest:
-            raise DownloadError(
-                f"{path}: cached file changed since it was downloaded (sha256 {digest[:16]}..., recorded "
-                f"{rec.sha256[:16]}...); delete it and download again"
-            )
+    fresh = rec is not None and (rec.size, rec.mtime_ns) == (st.st_size, st.st_mtime_ns)  # hashed as recorded
+    digest = rec.sha256 if rec is not None and fresh else sha256_file(path)
+    if rec is not None and rec.sha256 != digest:
+        raise DownloadError(
+            f"{path}: cached file changed since it was downloaded (sha256 {digest[:16]}..., recorded "
+            f"{rec.sha256[:16]}...); delete it and download again"
+        )
     if sha256 and digest != sha256.lower():
         raise DownloadError(
             f"{path}: sha256 {digest} does not match the published {sha256.lower()}; delete it and download again"
         )
-    if rec is None or rec.size != st.st_size or rec.mtime_ns != st.st_mtime_ns:
+    if not fresh:
         _write_record(path, url, digest, bool(sha256), cache)
 
 

@@ -76,11 +76,9 @@ def lookup(name: str) -> FamilyEntry | None:
 def search(text: str | None = None, family: str | None = None) -> list[FamilyEntry]:
     """Entries of ``family`` (all without) whose names, architecture or family contain ``text``."""
     t = (text or "").lower()
-    out = []
-    for e in entries():
-        if family and e.family != family.lower():
-            continue
-        hay = " ".join([*e.names, e.family, e.architecture, e.embedding, e.format]).lower()
-        if t in hay:
-            out.append(e)
-    return out
+    return [
+        e
+        for e in entries()
+        if (not family or e.family == family.lower())
+        and t in " ".join([*e.names, e.family, e.architecture, e.embedding, e.format]).lower()
+    ]

@@ -79,14 +79,13 @@ def search(text: str | None = None) -> list[Entry]:
     if not text:
         return list(entries())
     t = text.lower()
-    out = []
-    for e in entries():
-        hay = " ".join(
+
+    def hay(e: Entry) -> str:
+        return " ".join(
             [e.name, *e.aliases, e.architecture, e.family, e.pretrain, e.finetune or "", e.label_set, e.url]
-        ).lower()
-        if t in hay:
-            out.append(e)
-    return out
+        )
+
+    return [e for e in entries() if t in hay(e).lower()]
 
 
 def close_names(name: str, n: int = 3) -> list[str]:

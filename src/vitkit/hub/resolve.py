@@ -167,11 +167,8 @@ def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
     config = _hub_file(repo_id, "config.json", revision, label, required=True)
     assert config is not None
     folder = Path(config).parent
-    weights = None
-    for fname in WEIGHT_FILES:
-        weights = _hub_file(repo_id, fname, revision, label, required=False)
-        if weights is not None:
-            break
+    found = (_hub_file(repo_id, fname, revision, label, required=False) for fname in WEIGHT_FILES)
+    weights = next((w for w in found if w is not None), None)  # the first the repository has
     if weights is None:
         raise VitkitError(
             f"{label}: none of {', '.join(WEIGHT_FILES)} in the repository (or, offline, in the local cache)"
@@ -197,15 +194,18 @@ def is_hub_cached(repo_id: str, revision: str | None = None) -> bool:
 
 
 @contextmanager
-def _quiet_hub_logs() -> Iterator[None]:
-    """huggingface_hub logs every retry of an unreachable host as a warning; the error that follows says it."""
-    logger = logging.getLogger("huggingface_hub")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def quiet_logs(*names: str) -> Iterator[None]:
+    """The loggers ``names`` at level ERROR meanwhile: huggingface_hub (and ``datasets``) log every retry of an
+    unreachable host as a warning; the error that follows says it."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
 
 
 def _hub_file(repo_id: str, filename: str, revision: str | None, label: str, required: bool) -> str | None:
@@ -213,7 +213,7 @@ def _hub_file(repo_id: str, filename: str, revision: str | None, label: str, req
     from huggingface_hub import hf_hub_download
 
     try:
-        with _quiet_hub_logs():
+        with quiet_logs("huggingface_hub"):
             return str(hf_hub_download(repo_id=repo_id, filename=filename, revision=revision))
     except hf_errors.LocalEntryNotFoundError:
         if not required:

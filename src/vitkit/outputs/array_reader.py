@@ -24,7 +24,7 @@ SAFETENSORS_MAX_HEADER = 100_000_000  # the format's own limit
 # An ids file (NAME.ids.json beside a .npy output) is read only when it holds at most this many bytes per vector
 # (+ 1 MiB): an id, label, index and error message take a few hundred at most, even JSON-escaped
 MAX_ID_BYTES = 16 << 10
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
+ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I64": np.int64}
 
 
 @dataclass
@@ -77,10 +77,10 @@ def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 def _st_tensor(path: Path, header: Mapping[str, Any], start: int, name: str) -> np.ndarray:
     size = path.stat().st_size
     t = header.get(name)
-    if not isinstance(t, dict) or t.get("dtype") not in _ST_DTYPES:
+    if not isinstance(t, dict) or t.get("dtype") not in ST_DTYPES:
         raise DataError(f"{path}: has no {name!r} tensor of a supported type (not written by vitkit embed?)")
     shape, (lo, hi) = [int(s) for s in t["shape"]], [int(o) for o in t["data_offsets"]]
-    dtype = np.dtype(_ST_DTYPES[t["dtype"]]).newbyteorder("<")
+    dtype = np.dtype(ST_DTYPES[t["dtype"]]).newbyteorder("<")
     if min(shape, default=0) < 0 or not 0 <= lo <= hi <= size - start or hi - lo != math.prod(shape) * dtype.itemsize:
         raise DataError(f"{path}: tensor {name!r} does not fit the file (shape {shape}, bytes {lo}..{hi})")
     if hi == lo:

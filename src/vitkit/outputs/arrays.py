@@ -39,6 +39,7 @@ from vitkit.errors import DataError
 from vitkit.fileio import WRITER, WRITER_KEY, write_file_atomic
 from vitkit.outputs.array_reader import (
     SAFETENSORS_MAX_HEADER,
+    ST_DTYPES,
     embeddings_format,
     ids_path,
     read_embeddings,
@@ -253,7 +254,7 @@ def _finished_ids(path: Path) -> tuple[list[str], dict[str, str]]:
 def _chunks(chunks: list[Path]) -> Iterator[dict[str, np.ndarray]]:
     for c in chunks:
         with np.load(c, allow_pickle=False) as z:
-            yield {k: z[k] for k in ("index", "id", "label", "vector", "error")}
+            yield {k: z[k] for k in _CHUNK_ARRAYS}
 
 
 def _layout(chunks: list[Path], meta: Mapping[str, str]) -> tuple[int, tuple[int, ...], np.dtype]:
@@ -277,9 +278,7 @@ def _side_doc(chunks: list[Path]) -> tuple[list[str], list[int], list[int], dict
     errors: dict[str, str] = {}
     for c in _chunks(chunks):
         base = len(ids)
-        for j, e in enumerate(c["error"]):
-            if str(e):
-                errors[str(base + j)] = str(e)
+        errors.update({str(base + j): str(e) for j, e in enumerate(c["error"]) if str(e)})
         ids += [str(v) for v in c["id"]]
         labels += c["label"].tolist()
         index += c["index"].tolist()
@@ -304,16 +303,13 @@ def _assemble_npy(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> No
     write_file_atomic(path, write)
 
 
-def _st_dtype(dtype: np.dtype) -> str:
-    return {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.int64): "I64"}[np.dtype(dtype)]
-
-
 def _assemble_safetensors(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
     n, shape, dtype = _layout(chunks, meta)
     ids, labels, index, errors = _side_doc(chunks)
     vec_bytes = n * math.prod(shape) * np.dtype(dtype).itemsize
+    st_name = {np.dtype(t): k for k, t in ST_DTYPES.items()}[np.dtype(dtype)]
     header: dict[str, Any] = {
-        "embeddings": {"dtype": _st_dtype(dtype), "shape": [n, *shape], "data_offsets": [0, vec_bytes]},
+        "embeddings": {"dtype": st_name, "shape": [n, *shape], "data_offsets": [0, vec_bytes]},
         "index": {"dtype": "I64", "shape": [n], "data_offsets": [vec_bytes, vec_bytes + 8 * n]},
         "labels": {"dtype": "I64", "shape": [n], "data_offsets": [vec_bytes + 8 * n, vec_bytes + 16 * n]},
         "__metadata__": {
@@ -339,9 +335,12 @@ def _assemble_safetensors(path: Path, chunks: list[Path], meta: Mapping[str, str
     write_file_atomic(path, write)
 
 
-def _parquet_schema(pa: Any, width: int, dtype: np.dtype, meta: Mapping[str, str], shape: tuple[int, ...]) -> Any:
+def _assemble_parquet(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
+    pa = pyarrow()
+    _, shape, dtype = _layout(chunks, meta)
+    width = max(1, math.prod(shape))
     value = pa.float16() if np.dtype(dtype) == np.float16 else pa.float32()
-    return pa.schema(
+    schema = pa.schema(
         [
             pa.field("index", pa.int64()),
             pa.field("id", pa.string()),
@@ -352,16 +351,9 @@ def _parquet_schema(pa: Any, width: int, dtype: np.dtype, meta: Mapping[str, str
         metadata={WRITER_KEY: WRITER, **meta, "vitkit.shape": json.dumps(list(shape))},
     )
 
-
-def _assemble_parquet(path: Path, chunks: list[Path], meta: Mapping[str, str]) -> None:
-    pa = pyarrow()
-    _, shape, dtype = _layout(chunks, meta)
-    width = max(1, math.prod(shape))
-    schema = _parquet_schema(pa, width, dtype, meta, shape)
-
     def table(c: dict[str, np.ndarray]) -> Any:
         flat = np.ascontiguousarray(c["vector"]).reshape(-1)
-        emb = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=schema.field("embedding").type.value_type), width)
+        emb = pa.FixedSizeListArray.from_arrays(pa.array(flat, type=value), width)
         errs = pa.array([str(e) or None for e in c["error"]], type=pa.string())
         columns = [pa.array(c["index"]), pa.array([str(v) for v in c["id"]]), pa.array(c["label"]), emb, errs]
         return pa.Table.from_arrays(columns, schema=schema)

@@ -31,7 +31,7 @@ import io
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from vitkit.errors import ConfigError, DataError
-from vitkit.fileio import WRITER, WRITER_KEY, clean_stale
+from vitkit.fileio import WRITER, WRITER_KEY, clean_stale, refuse_link
 from vitkit.outputs.store import (
     Locked,
     Parts,
@@ -51,7 +51,6 @@ from vitkit.outputs.store import (
     precheck,
     pyarrow,
     read_sidecar,
-    refuse_link,
     sidecar_path,
     write_parquet,
     write_sidecar,
@@ -118,9 +117,19 @@ def _texts(field: Field, values: list[Any]) -> list[Any]:
 
 
 def _csv_cell(v: Any) -> Any:
-    """A text cell as spreadsheets cannot run it: one starting like a formula (``= + - @``, tab, CR) or with a
-    quote gets a leading ``'`` (undone by :func:`_csv_uncell`)."""
+    """A cell's value as written: ``""`` for a missing one; a text cell as spreadsheets cannot run it: one
+    starting like a formula (``= + - @``, tab, CR) or with a quote gets a leading ``'`` (undone by
+    :func:`_csv_uncell`)."""
+    if v is None:
+        return ""
     return "'" + v if isinstance(v, str) and v[:1] in _FORMULA else v
+
+
+def csv_text(rows: Iterable[Sequence[Any]]) -> str:
+    """``rows`` as CSV text, as Python's csv module writes them (lines ending in ``\\n``)."""
+    buf = io.StringIO()
+    csv.writer(buf, lineterminator="\n").writerows(rows)
+    return buf.getvalue()
 
 
 def _csv_uncell(v: str) -> str:
@@ -131,8 +140,8 @@ class RowWriter(Locked):
     """An output being written (see the module docstring). ``done``: rows complete in it, ``ids``: their
     ``id_field`` values, in order (both as found when it was opened, then counting what was written)."""
 
-    def __init__(self, path: Path, fields: Sequence[Field], id_field: str) -> None:
-        self.path, self.fields, self.id_field = path, list(fields), id_field
+    def __init__(self, path: Path, fields: Sequence[Field], id_field: str, meta: Mapping[str, str]) -> None:
+        self.path, self.fields, self.id_field, self.meta = path, list(fields), id_field, dict(meta)
         if id_field not in {f.name for f in fields}:
             raise ValueError(f"id field {id_field!r} is not among the fields")
         self.ids: list[str] = []
@@ -160,11 +169,10 @@ class _TextWriter(RowWriter):
     def __init__(
         self, path: Path, fields: Sequence[Field], id_field: str, resume: bool, meta: Mapping[str, str]
     ) -> None:
-        super().__init__(path, fields, id_field)
+        super().__init__(path, fields, id_field, meta)
         self.is_csv = path.suffix.lower() == ".csv"
         self.header = [n for f in self.fields for n in f.csv_names]
         self.columns = self.header if self.is_csv else [f.name for f in self.fields]
-        self.meta = dict(meta)
         if resume and os.path.lexists(path):
             self._check_mark()
             raw = open_regular(path)
@@ -177,7 +185,7 @@ class _TextWriter(RowWriter):
             write_sidecar(path, {"columns": self.columns, "meta": self.meta})
             raw = create_new(path)
             if self.is_csv:
-                raw.write(self._csv_text([self.header]).encode("utf-8"))
+                raw.write(csv_text([self.header]).encode("utf-8"))
                 raw.flush()
         self.file = raw
 
@@ -201,11 +209,6 @@ class _TextWriter(RowWriter):
         self.file.write(text.encode("utf-8"))
         self.file.flush()
 
-    def _csv_text(self, rows: list[list[Any]]) -> str:
-        buf = io.StringIO()
-        csv.writer(buf, lineterminator="\n").writerows(rows)
-        return buf.getvalue()
-
     def _write(self, n: int, values: list[list[Any]]) -> None:
         if self.is_csv:
             rows = []
@@ -214,11 +217,11 @@ class _TextWriter(RowWriter):
                 for f, col in zip(self.fields, values, strict=True):
                     v = col[r]
                     if f.width:
-                        row += [""] * f.width if v is None else [_csv_cell(_csv_value(x)) for x in v]
+                        row += [""] * f.width if v is None else [_csv_cell(x) for x in v]
                     else:
-                        row.append(_csv_cell(_csv_value(v)))
+                        row.append(_csv_cell(v))
                 rows.append(row)
-            self._emit(self._csv_text(rows))
+            self._emit(csv_text(rows))
         else:
             names = [f.name for f in self.fields]
             lines = (json.dumps(dict(zip(names, (col[r] for col in values), strict=True))) for r in range(n))
@@ -240,7 +243,7 @@ class _TextWriter(RowWriter):
         if self.is_csv and keep == 0:  # not even the header: a kill right after the file was created
             f.seek(0)
             f.truncate(0)
-            f.write(self._csv_text([self.header]).encode("utf-8"))
+            f.write(csv_text([self.header]).encode("utf-8"))
             keep = f.tell()
         f.truncate(keep)
         f.seek(keep)
@@ -321,24 +324,19 @@ def _csv_records(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
         yield record, False
 
 
-def _csv_value(v: Any) -> Any:
-    return "" if v is None else v
-
-
 class _ParquetWriter(RowWriter):
     """Parquet: one complete part file per batch in ``NAME.parts/``, merged into ``NAME`` on close."""
 
     def __init__(
         self, path: Path, fields: Sequence[Field], id_field: str, resume: bool, meta: Mapping[str, str]
     ) -> None:
-        super().__init__(path, fields, id_field)
+        super().__init__(path, fields, id_field, meta)
         pa = pyarrow()
         self.pa = pa
         self.schema = pa.schema(
             [pa.field(f.name, _arrow_type(pa, f.kind)) for f in self.fields],
             metadata={WRITER_KEY: WRITER, **meta},
         )
-        self.meta = dict(meta)
         self.parts = Parts.beside(path, ".parquet")
         self.next_part = 0
         if resume:
@@ -409,7 +407,7 @@ def check_rows_output(path: Path, *, resume: bool, overwrite: bool) -> None:
     vitkit did not write, never."""
     output_format(path)
     side = sidecar_path(path)
-    refuse_link(side)
+    refuse_link(side, "--out")
     if os.path.lexists(side) and read_sidecar(path) is None:
         raise ConfigError(f"--out {path}: {side.name} beside it is not vitkit's mark; vitkit never overwrites it")
     precheck(path, Parts.beside(path, ".parquet"), formats=".jsonl, .csv or .parquet", resume=resume,

@@ -41,12 +41,6 @@ RESUME_ADVICE = "continue it with the same checkpoint and options, or write to a
 SIDECAR_MAX_BYTES = 1 << 20  # a mark file vitkit writes is a few hundred bytes
 
 
-def refuse_link(path: Path, option: str = "--out") -> None:
-    """ConfigError naming ``path`` (after ``option``) when it is a symbolic link (dangling or not) or exists and
-    is not a regular file or folder (:func:`vitkit.fileio.refuse_link`)."""
-    fileio.refuse_link(path, option)
-
-
 def sidecar_path(out: Path) -> Path:
     """The mark file beside an output that has no room for metadata of its own: ``out.jsonl.vitkit.json``."""
     return out.with_name(out.name + ".vitkit.json")
@@ -86,7 +80,7 @@ class OutputLock:
 
         self.out = out
         self.path = out.with_name(out.name + ".vitkit.lock")
-        refuse_link(self.path)
+        fileio.refuse_link(self.path, "--out")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.lock = FileLock(os.fspath(self.path), is_singleton=True, thread_local=False)
         for _ in range(100):  # each retry follows a holder's release: a few at most
@@ -304,7 +298,7 @@ def precheck(
     folder (``formats`` names the suffixes a file may have), nor a parts folder holding anything the store did not
     write; given ``ours``, an existing output that is not ``ours(out)`` is refused (where none is given, the
     reader's metadata check refuses it)."""
-    refuse_link(out)
+    fileio.refuse_link(out, "--out")
     if out.is_dir():
         raise ConfigError(f"--out {out}: is a folder; name a {formats} file")
     check_output_location(out)
@@ -312,7 +306,7 @@ def precheck(
     if folder.is_symlink() or (os.path.lexists(folder) and not folder.is_dir()):
         raise ConfigError(f"--out {folder}: is a symbolic link or not a folder; vitkit never writes through links")
     for side in sides:
-        refuse_link(side)
+        fileio.refuse_link(side, "--out")
     foreign = parts.foreign()
     if foreign is not None:
         raise ConfigError(

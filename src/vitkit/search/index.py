@@ -48,14 +48,10 @@ class Hit:
 def _backend_doc(backend: str, count: int) -> dict[str, Any]:
     if backend == "exact":
         return {"name": "exact"}
-    if backend == "hnsw":
+    if backend in ("hnsw", "ivf"):
         from vitkit.search import ann
 
-        return ann.params()
-    if backend == "ivf":
-        from vitkit.search import ann
-
-        return ann.ivf_params(count)
+        return ann.params() if backend == "hnsw" else ann.ivf_params(count)
     raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
 
@@ -98,9 +94,7 @@ class Index:
                             "(embed without --pool tokens)")  # fmt: skip
         if len(set(ids)) != len(ids):
             raise DataError("the ids repeat; an index holds each id once")
-        if not np.isfinite(v).all():
-            raise DataError("some vectors are not finite (NaN: images that failed to embed)")
-        v = normalise(v)
+        v = _finite_normalised(v)
         graph = None
         if doc["name"] != "exact":
             from vitkit.search.ann import structure
@@ -188,10 +182,7 @@ class Index:
                 seen.add(name)
         if not keep:
             return 0
-        new = v[keep]
-        if not np.isfinite(new).all():
-            raise DataError("some vectors are not finite (NaN: images that failed to embed)")
-        new = normalise(new)
+        new = _finite_normalised(v[keep])
         start = len(self)
         self.ids = self.ids + [ids[i] for i in keep]
         self.vectors = np.concatenate([self.vectors, new]) if start else new
@@ -278,6 +269,13 @@ class Index:
         """Neighbours of vectors already in the index (each id itself left out)."""
         hits = self.search(np.stack([self.vector(i) for i in ids]) if ids else np.zeros((0, self.dimension)), k + 1)
         return [[h for h in row if h.id != i][:k] for i, row in zip(ids, hits, strict=True)]
+
+
+def _finite_normalised(v: np.ndarray) -> np.ndarray:
+    """The vectors L2-normalised (:func:`~vitkit.search.exact.normalise`); DataError when some are not finite."""
+    if not np.isfinite(v).all():
+        raise DataError("some vectors are not finite (NaN: images that failed to embed)")
+    return normalise(v)
 
 
 def _usable(e: Embeddings, notes: list[str] | None) -> tuple[list[str], np.ndarray]:

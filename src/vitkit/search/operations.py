@@ -9,9 +9,7 @@ one is complete (:meth:`vitkit.search.index.Index.save`).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
-import io
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -24,6 +22,7 @@ import numpy as np
 from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import clean_stale, write_text_atomic
 from vitkit.outputs.array_reader import EMBED_FORMATS, ids_path, read_embeddings
+from vitkit.outputs.rows import csv_text
 from vitkit.outputs.store import CHECKPOINT, PRECISION, PREPROCESS
 from vitkit.search.index import Hit, Index
 
@@ -264,13 +263,8 @@ def write_results(rows: list[dict[str, Any]], out: str | os.PathLike[str]) -> Pa
     if suffix == ".jsonl":
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     elif suffix == ".csv":
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["query", "rank", "id", "score"])
-        for r in rows:
-            for rank, n in enumerate(r["neighbours"], 1):
-                w.writerow([r["query"], rank, n["id"], n["score"]])
-        text = buf.getvalue()
+        ranked = ([r["query"], rank, n["id"], n["score"]] for r in rows for rank, n in enumerate(r["neighbours"], 1))
+        text = csv_text([["query", "rank", "id", "score"], *ranked])
     else:
         raise ConfigError(f"--out {out}: write search results to .jsonl or .csv")
     return write_text_atomic(p, text)
@@ -290,10 +284,6 @@ def write_groups(index: Index, found: Any, out: str | os.PathLike[str]) -> Path:
     p = Path(out)
     if p.suffix.lower() != ".csv":
         raise ConfigError(f"--out {out}: dedup writes its groups as .csv")
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["group", "image", "score"])
-    for g, (members, scores) in enumerate(zip(found.groups, found.scores, strict=True)):
-        for m, s in zip(members, scores, strict=True):
-            w.writerow([g, index.ids[m], f"{s:.6f}"])
-    return write_text_atomic(p, buf.getvalue())
+    groups = enumerate(zip(found.groups, found.scores, strict=True))
+    members = ([g, index.ids[m], f"{s:.6f}"] for g, (ms, ss) in groups for m, s in zip(ms, ss, strict=True))
+    return write_text_atomic(p, csv_text([["group", "image", "score"], *members]))
