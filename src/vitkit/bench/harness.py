@@ -122,7 +122,6 @@ def flops_per_image(model: VisionTransformer, image_size: int) -> float:
 
 
 def _autocast(precision: str, device: torch.device) -> Any:
-
     if precision == "bf16-autocast":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -193,21 +192,15 @@ def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, 
     xin = x.to(_input_dtype(precision)) if impl != "vitkit-fast" else x
     x1 = xin[:1].clone()
 
+    def call(images: torch.Tensor) -> Any:
+        with torch.no_grad(), _autocast(precision, device):
+            return fn(images)
+
     def output(images: torch.Tensor) -> torch.Tensor:
-        images = images.to(_input_dtype(precision)) if impl != "vitkit-fast" else images
-        with torch.no_grad(), _autocast(precision, device):
-            return fn(images).float()
-
-    def step() -> None:
-        with torch.no_grad(), _autocast(precision, device):
-            fn(xin)
-
-    def latency() -> None:
-        with torch.no_grad(), _autocast(precision, device):
-            fn(x1)
+        return call(images.to(_input_dtype(precision)) if impl != "vitkit-fast" else images).float()
 
     name = f"{impl}{'+compile' if spec.compile and impl != 'vitkit-fast' else ''} [{precision}]"
-    return Runner(name, impl, precision, step, output, latency)
+    return Runner(name, impl, precision, lambda: call(xin), output, lambda: call(x1))
 
 
 def _engine_runner(fn: EngineModel, x: torch.Tensor) -> Runner:

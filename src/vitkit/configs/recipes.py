@@ -221,7 +221,6 @@ def finetune_for_data(
     if n >= PAPER_STEPS_FROM:
         task = "imagenet" if n >= 1_000_000 else "cifar10"
         cfg = paper_finetune(init_from, source, task=task, image_size=image_size[0])
-        cfg.data.image_size = image_size
         why = (
             f"the paper's Table 4 steps for {n:,} training images ({'ImageNet' if task == 'imagenet' else 'CIFAR'}'s "
             f"{FINETUNE_STEPS[task]:,}; epochs sized to the data below {PAPER_STEPS_FROM:,} images)"
@@ -233,7 +232,6 @@ def finetune_for_data(
         e_lo, e_hi = SMALL_DATA_EPOCHS
         epochs = min(e_hi, max(e_lo, -(-SMALL_DATA_STEPS // per_epoch)))
         cfg = paper_finetune(init_from, source, image_size=image_size[0])
-        cfg.data.image_size = image_size
         cfg.data.batch_size, cfg.data.workers = batch, 2
         cfg.aug.crop_scale, cfg.aug.flip = (0.7, 1.0), False
         cfg.optim.lr = SMALL_DATA_LR.get(method, SMALL_DATA_LR["full"])
@@ -244,7 +242,7 @@ def finetune_for_data(
             f"sized for {n:,} training images: about {SMALL_DATA_STEPS} steps in whole epochs, a tenth warming up "
             f"(the paper's {FINETUNE_STEPS['cifar10']:,}+ steps from {PAPER_STEPS_FROM:,} images)"
         )
-    cfg.name, cfg.recipe = "finetune", "data-sized"
+    cfg.name, cfg.recipe, cfg.data.image_size = "finetune", "data-sized", image_size
     return cfg, why
 
 

@@ -41,8 +41,10 @@ __all__ = ["LoraAdapter", "NormInput", "TorchKernels", "TrainingKernels", "linea
 class TorchKernels:
     """:class:`TrainingKernels` in PyTorch's own ops, for any dtype and device."""
 
-    def gelu_supported(self, h: torch.Tensor) -> bool:
+    def _takes_any(self, *args: Any, **kwargs: Any) -> bool:
         return True
+
+    gelu_supported = linear_supported = softmax_supported = attention_supported = _takes_any
 
     def gelu(self, h: torch.Tensor) -> torch.Tensor:
         return F.gelu(h)
@@ -51,20 +53,11 @@ class TorchKernels:
         dh = torch.ops.aten.gelu_backward(grad, h)
         return dh, dh.sum(0, dtype=torch.promote_types(dh.dtype, torch.float32))
 
-    def linear_supported(self, x: torch.Tensor) -> bool:
-        return True
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def softmax_supported(self, x: torch.Tensor) -> bool:
-        return True
-
     def softmax_(self, x: torch.Tensor) -> torch.Tensor:
         return x.copy_(torch.softmax(x, dim=-1))
-
-    def attention_supported(self, qkv: torch.Tensor, num_heads: int) -> bool:
-        return True
 
     def attention(self, qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         return attention_reference(qkv, num_heads, scale)

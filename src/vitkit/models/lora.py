@@ -238,22 +238,19 @@ def fused_lora(
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters' tensors in peft's file naming (``blocks.0.attn.qkv.lora_A.weight``: the state-dict name without
     the adapter's, what ``peft.get_peft_model_state_dict`` returns), detached on the CPU."""
-    state = {}
-    for name, layer in adapted_layers(model):
-        for part in ("lora_A", "lora_B"):
-            w = getattr(layer, part)[ADAPTER].weight
-            state[f"{name}.{part}.weight"] = w.detach().cpu().contiguous()
-    return state
+    return {k: w.detach().cpu().contiguous() for k, w in _adapter_weights(model).items()}
+
+
+def _adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every adapter's weights by their :func:`adapter_state` name, in module order (A before B)."""
+    layers = adapted_layers(model)
+    return {f"{n}.{part}.weight": getattr(m, part)[ADAPTER].weight for n, m in layers for part in ("lora_A", "lora_B")}
 
 
 @torch.no_grad()
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Load :func:`adapter_state` tensors into an adapted model; every adapter must be given, nothing else."""
-    expected = {
-        f"{name}.{part}.weight": getattr(layer, part)[ADAPTER].weight
-        for name, layer in adapted_layers(model)
-        for part in ("lora_A", "lora_B")
-    }
+    expected = _adapter_weights(model)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or extra:
         what = f"lacks {missing[0]}" if missing else f"has an unexpected tensor {extra[0]}"

@@ -66,10 +66,8 @@ def resample_grid(
     x = grid.reshape(1, gh, gw, d).permute(0, 3, 1, 2).to(torch.float64)  # (1, D, gh, gw)
     if method == "bilinear":
         x = _zoom_linear(x, new_grid)
-    elif method == "bicubic":
-        x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False, antialias=True)
-    elif method == "bicubic_plain":
-        x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False)
+    elif method in ("bicubic", "bicubic_plain"):  # timm's antialiased kernel, or the plain one
+        x = F.interpolate(x, size=new_grid, mode="bicubic", align_corners=False, antialias=method == "bicubic")
     elif method == "bicubic_offset":
         scale = ((new_grid[0] + 0.1) / gh, (new_grid[1] + 0.1) / gw)
         x = F.interpolate(x, scale_factor=scale, mode="bicubic", align_corners=False)

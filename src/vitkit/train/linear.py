@@ -123,9 +123,7 @@ class LinearRun(Run):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         logs.write_config(self.run_dir, self.cfg.to_dict())
         fit = fit_linear_head(self)
-        metrics: dict[str, float] = {}
-        if self.val_set is not None:
-            metrics = self.evaluate(self.val_set)
+        metrics = self.evaluate(self.val_set) if self.val_set is not None else {}
         seconds = time.perf_counter() - t0
         self.save_model("model", val_top1=metrics.get("val_top1"), l2=fit.l2)
         write_probe_report(self, fit, {**metrics, "seconds": seconds})
@@ -144,8 +142,7 @@ class LinearRun(Run):
     def evaluate(self, dataset: ImageDataset) -> dict[str, float]:
         """Top-1 and mean loss of the model on ``dataset``, from its (cached) features through the head."""
         feats = _features(self, dataset, None, f"features ({dataset.split})", backbone_digest(self.net))
-        head = self.net.head
-        logits = head(torch.from_numpy(feats.features).to(self.device)).float()  # (N, K), as the model computes
+        logits = self.net.head(torch.from_numpy(feats.features).to(self.device)).float()  # (N, K), as the model does
         y = torch.from_numpy(feats.labels).to(self.device)
         n = max(len(y), 1)
         return {

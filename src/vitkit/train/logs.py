@@ -114,11 +114,9 @@ def plot_curves(metrics_csv: Path, out_png: Path) -> None:
     ax1, ax2 = fig.subplots(1, 2)
     ax1.plot(ep, [float(r["train_loss"]) for r in rows], label="train loss")
     ax1.plot(ep, [float(r["val_loss"]) for r in rows], label="validation loss")
-    ax1.set_xlabel("epoch")
-    ax1.set_ylabel("loss")
+    ax1.set(xlabel="epoch", ylabel="loss")
     ax1.legend()
     ax2.plot(ep, [100 * float(r["val_top1"]) for r in rows], color="C2")
-    ax2.set_xlabel("epoch")
-    ax2.set_ylabel("validation top-1 (%)")
+    ax2.set(xlabel="epoch", ylabel="validation top-1 (%)")
     fig.tight_layout()
     write_file_atomic(out_png, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))  # a link there is refused

@@ -198,8 +198,7 @@ class Run:
         with ctx:
             state = self._full_model_state()
         if self.dist.is_main:
-            cfg = self.net.cfg
-            model = empty_model(cfg)
+            model = empty_model(self.net.cfg)
             if self.lora is not None:
                 add_lora(model, self.lora)
             model.load_state_dict(state, strict=True)

@@ -179,13 +179,11 @@ class Trainer(ValidatedRun):
             loss_sum += loss.detach()
         params = [p for p in self.net.parameters() if p.grad is not None]
         max_norm = cfg.optim.clip_norm if cfg.optim.clip_norm else float("inf")
-        gnorm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        gnorm = distr.full_tensor(gnorm)
+        gnorm = distr.full_tensor(torch.nn.utils.clip_grad_norm_(params, max_norm))
         stats = torch.stack([loss_sum / len(micro), (~torch.isfinite(gnorm.detach())).float()]).to(self.device)
         stats = distr.all_reduce_sum(stats, self.dist)
         loss_mean = float(stats[0]) / self.dist.world
-        bad = float(stats[1]) > 0 or not math.isfinite(loss_mean)
-        if bad:
+        if float(stats[1]) > 0 or not math.isfinite(loss_mean):
             if not cfg.skip_nonfinite:
                 raise NonFiniteLossError(
                     f"non-finite loss or gradient at step {self.step} (loss {loss_mean}); lower the learning "

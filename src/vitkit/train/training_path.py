@@ -91,7 +91,7 @@ def choose_training_path(
         return TrainingPath(False, c, "sdpa", {}, "built-in rule")
     builtin = "c" if c is not None and precision == "bf16" else "explicit"  # the C kernels take bf16 tensors only
     built = {builtin: (True, c)}  # today's path, exactly: the explicit attention, the kernels handed over
-    built |= {o: _path(o) for o in ("explicit", "sdpa") if o != builtin}
+    built |= {o: (o == "explicit", None) for o in ("explicit", "sdpa") if o != builtin}  # alternatives: PyTorch's ops
     # a fresh block of the model's shape (weights do not change the timing; the run's own may be sharded already);
     # the race draws from a forked generator, so the run's own random stream is what it would have been
     with torch.random.fork_rng(devices=[]):
@@ -106,11 +106,6 @@ def choose_training_path(
     best = min(times, key=lambda k: times[k])
     winner = best if times[best] * MIN_GAIN <= times[builtin] else builtin
     return TrainingPath(*built[winner], winner, times, "measured")
-
-
-def _path(option: str) -> tuple[bool, TrainingKernels | None]:
-    """(explicit attention, kernels) of an alternative: PyTorch's ops, explicit or fused attention."""
-    return option == "explicit", None
 
 
 def _block_step(
