@@ -66,14 +66,6 @@ def file_mode() -> int:
     return 0o666 & ~umask()
 
 
-def set_modes(path: Path) -> None:
-    """Give ``path`` (a file) or every file under it (a folder) :func:`file_mode`."""
-    mode = file_mode()
-    files = [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]
-    for f in files:
-        os.chmod(f, mode)
-
-
 def fsync(path: Path) -> None:
     """Flush a file's (or a folder's entries') data to disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -104,25 +96,6 @@ def _mine(path: Path) -> bool:
     return not stat.S_ISLNK(st.st_mode) and st.st_uid == os.geteuid()
 
 
-def _asides(path: Path) -> list[Path]:
-    """The folders a replace of ``path`` set aside (``.NAME.vitkit-old-...``) and a kill left, this user's."""
-    if not path.parent.is_dir():
-        return []
-    found = [e for e in path.parent.iterdir() if temp_target(e.name, "old") == path.name]
-    return sorted(e for e in found if _mine(e) and e.is_dir())
-
-
-def make_temp_dir(target: Path) -> Path:
-    """A new empty private folder (0700) beside ``target`` (same file system, so renaming it into place is
-    atomic); given the folder mode (``0777 & ~umask``) by :func:`write_dir_atomic` once complete."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    while True:
-        tmp = temp_path(target)
-        with contextlib.suppress(FileExistsError):
-            tmp.mkdir(mode=0o700)
-            return tmp
-
-
 def remove_tree(path: Path) -> None:
     """Delete a folder vitkit wrote: renamed to a hidden name first, so a kill mid-way leaves no partial
     folder under its real name (the hidden rest is cleaned by :func:`clean_stale`)."""
@@ -144,14 +117,6 @@ def set_aside(path: Path) -> Path:
     return doomed
 
 
-def sync_tree(folder: Path) -> None:
-    """fsync every file in ``folder`` and the folder itself."""
-    for f in folder.iterdir():
-        if f.is_file():
-            fsync(f)
-    fsync(folder)
-
-
 def replace_dir(src: Path, dst: Path) -> None:
     """Move the finished folder ``src`` to ``dst`` by renames only. An existing ``dst`` is first renamed aside
     to ``.dst.vitkit-old-...`` and removed after the new one is in place, so at every instant one complete
@@ -171,12 +136,12 @@ def replace_dir(src: Path, dst: Path) -> None:
 
 
 def complete_dir(path: Path) -> Path:
-    """``path``, or the version a replace set aside when it was interrupted between its two renames."""
-    if not os.path.lexists(path):
-        found = _asides(path)
-        if found:
-            return found[0]
-    return path
+    """``path``, or the version a replace set aside when it was interrupted between its two renames (a
+    ``.NAME.vitkit-old-...`` folder of this user's that a kill left; the first by name)."""
+    if os.path.lexists(path) or not path.parent.is_dir():
+        return path
+    found = [e for e in path.parent.iterdir() if temp_target(e.name, "old") == path.name]
+    return min((e for e in found if _mine(e) and e.is_dir()), default=path)
 
 
 def clean_stale(folder: Path, names: Iterable[str] | None = None) -> list[str]:
@@ -310,11 +275,9 @@ def _private_dir(parent: int, target: Path) -> tuple[str, int]:
     ``parent``, opened without following links and checked to be the one made here (owned by this user, private)."""
     while True:
         name = temp_path(target).name
-        try:
+        with contextlib.suppress(FileExistsError):
             os.mkdir(name, 0o700, dir_fd=parent)
             break
-        except FileExistsError:
-            continue
     fd = os.open(name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent)
     st = os.fstat(fd)
     if st.st_uid != os.geteuid() or st.st_mode & 0o077:
@@ -339,19 +302,25 @@ def _finish_files(tmp: int, parent: int, out: Path) -> None:
         raise CheckpointError(f"{out}: the writer produced no file")
     mode = file_mode()
     for name in names:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=tmp)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CheckpointError(f"{out}: the writer left {name!r}, which is not a regular file")
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _seal(name, mode, f"{out}: the writer left {name!r}, which is not a regular file", dir_fd=tmp)
     for name in names:
         refuse_link(out.parent / name, dir_fd=parent)  # again right here: a link planted since is refused
         os.replace(name, name, src_dir_fd=tmp, dst_dir_fd=parent)  # replaces a name, never follows one
     with contextlib.suppress(OSError):
         os.fsync(parent)
+
+
+def _seal(path: str | Path, mode: int, refusal: str, *, dir_fd: int | None = None) -> None:
+    """Give the regular file ``path`` (opened without following a link) ``mode`` and flush it to disk; anything
+    else is CheckpointError(``refusal``)."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(refusal)
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _drop_private(tmp: int, parent: int, name: str) -> None:
@@ -408,14 +377,7 @@ def publish(src: Path, dst: Path) -> None:
     if src.is_dir() and not src.is_symlink():
         replace_dir(src, dst)
         return
-    fd = os.open(src, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{src}: is not a regular file; vitkit puts only its own files in place")
-        os.fchmod(fd, file_mode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _seal(src, file_mode(), f"{src}: is not a regular file; vitkit puts only its own files in place")
     refuse_link(dst)
     if dst.is_dir():
         raise ConfigError(f"{dst}: is a folder; vitkit puts a file there only in place of a file")
@@ -431,15 +393,26 @@ def write_dir_atomic(out: Path, write: Callable[[Path], object]) -> Path:
     CheckpointError naming ``out`` (:func:`write_errors`) and leaves no temporary folder."""
     refuse_link(out)
     with write_errors(out):
-        tmp = make_temp_dir(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        while True:  # a new empty private folder beside it: the same file system, so the rename is atomic
+            tmp = temp_path(out)
+            with contextlib.suppress(FileExistsError):
+                tmp.mkdir(mode=0o700)
+                break
         try:
             fd = os.open(tmp, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
             try:
                 write(_where(fd, tmp))
             finally:
                 os.close(fd)
-            set_modes(tmp)
-            sync_tree(tmp)
+            mode = file_mode()
+            for f in tmp.rglob("*"):  # every file under it gets the file mode
+                if f.is_file() and not f.is_symlink():
+                    os.chmod(f, mode)
+            for f in tmp.iterdir():  # its files and the folder itself flushed to disk
+                if f.is_file():
+                    fsync(f)
+            fsync(tmp)
             os.chmod(tmp, 0o777 & ~umask())
             replace_dir(tmp, out)
         finally:
