@@ -40,7 +40,7 @@ import torch
 
 from vitkit.checkpoints import timm_format, torch_files
 from vitkit.checkpoints.keymap import Rule, shape_reader
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, refusing
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -121,7 +121,7 @@ def infer_config(weights: Mapping[str, torch.Tensor], source: str, *, num_heads:
     else:
         mlp, mlp_dim = "plain", shape("blocks.0.mlp.fc1.weight")[0]
     depth = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks."))
-    try:
+    with refusing(source):
         return ViTConfig(
             image_size=(side * P, side * P),
             patch_size=P,
@@ -138,8 +138,6 @@ def infer_config(weights: Mapping[str, torch.Tensor], source: str, *, num_heads:
             pos_resample="bicubic_offset",  # the official interpolate_pos_encoding (interpolate_offset 0.1)
             name=f"DINOv2 {D}/{P}" + (f" reg{registers}" if registers else ""),
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
 
 
 def load(path: Path, *, num_heads: int | None = None) -> Checkpoint:

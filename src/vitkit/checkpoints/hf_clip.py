@@ -35,6 +35,7 @@ from vitkit.checkpoints.loaded import (
     CheckpointMeta,
     convert,
     export_state,
+    refusing,
     require,
     with_learned_posemb,
 )
@@ -226,10 +227,8 @@ def preprocess_from(folder: Path, family: str, image_size: tuple[int, int]) -> P
             raise CheckpointError(
                 f"{src}: crop_size {crop!r} after a resize to {list(kw['image_size'])} is not supported"
             )
-    try:
+    with refusing(src):
         return Preprocess(mean=mean, std=std, interpolation=RESAMPLE[resample], **kw)
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"{src}: {e}") from None
 
 
 def preprocessor_config(family: str, pre: Preprocess) -> dict[str, Any] | None:
@@ -367,9 +366,8 @@ def save(
     return hf.write_folder(path, torch_files.from_arrays(arrays), hf_config(cfg, family), pre, overwrite)
 
 
-def _save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
-    return save(model, path, meta, overwrite=overwrite)
-
-
 # config.json's model_type -> this module's reader and writer (:func:`vitkit.checkpoints.hf_folder.families`)
-FAMILIES = {t: Family(load, _save, claims) for t in ("clip_vision_model", "clip", "siglip_vision_model", "siglip")}
+FAMILIES = {
+    t: Family(load, lambda model, path, meta, overwrite: save(model, path, meta, overwrite=overwrite), claims)
+    for t in ("clip_vision_model", "clip", "siglip_vision_model", "siglip")
+}

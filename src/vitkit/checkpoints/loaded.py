@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,16 @@ def check_preprocess(cfg: ViTConfig, pre: Preprocess, source: str) -> None:
             f"{source}: preprocessing image size {h}x{w} is more than {MAX_PREPROCESS_SCALE} times the model's "
             f"{mh}x{mw} per side"
         )
+
+
+@contextlib.contextmanager
+def refusing(source: str) -> Iterator[None]:
+    """A ValueError or TypeError in the block (a value a reader's ViTConfig or Preprocess refuses) as one
+    CheckpointError naming ``source``."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def convert(

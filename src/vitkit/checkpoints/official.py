@@ -102,11 +102,6 @@ def resnet_rules(cfg: ViTConfig) -> list[Rule]:
     return rules
 
 
-def looks_like(keys: Mapping[str, Any] | list[str]) -> bool:
-    """True for the vit_jax layout (pre-Linen names; no prefix or an ``opt/target/`` one)."""
-    return npz_files.layout(list(keys)) == "official"
-
-
 def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, ...], float] | None:
     """(stage depths, width factor) of a hybrid's ResNet stem, or None for a plain ViT.
 

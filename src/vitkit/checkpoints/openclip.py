@@ -39,7 +39,7 @@ import torch
 
 from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.keymap import Array, Rule, expand, rule, shape_reader, weight_bias
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, refusing
 from vitkit.checkpoints.preprocess import CLIP_MEAN, CLIP_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -171,7 +171,7 @@ def infer_config(weights: Mapping[str, torch.Tensor], vision: Mapping[str, Any],
             raise CheckpointError(f"{source}: {CONFIG} vision_cfg.{key}={vision[key]!r}, the weights say {have}")
     scaled = BLOCK.format(i=0) + "ls_1.gamma" in weights
     proj = shape(V + "proj")[1] if V + "proj" in weights else None
-    try:
+    with refusing(source):
         return ViTConfig(
             image_size=(side * P, side * P),
             patch_size=P,
@@ -190,8 +190,6 @@ def infer_config(weights: Mapping[str, torch.Tensor], vision: Mapping[str, Any],
             pos_resample="bicubic",
             name=f"CLIP {D}/{P}",
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
 
 
 def load(path: Path, *, gelu: str | None = None) -> Checkpoint:
@@ -204,7 +202,7 @@ def load(path: Path, *, gelu: str | None = None) -> Checkpoint:
     cfg = infer_config(weights, _vision_cfg(doc, str(path)), act, str(path))
     state = convert(cfg, weights, str(path), key_map)
     pc = dict((doc or {}).get("preprocess_cfg") or {})
-    try:
+    with refusing(f"{path.with_name(CONFIG)}: preprocess_cfg"):
         pre = Preprocess(
             image_size=cfg.image_size,
             mean=tuple(pc.get("mean", CLIP_MEAN)),
@@ -212,8 +210,6 @@ def load(path: Path, *, gelu: str | None = None) -> Checkpoint:
             resize="shortest",
             interpolation=str(pc.get("interpolation", "bicubic")),
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{path.with_name(CONFIG)}: preprocess_cfg: {e}") from None
     meta = CheckpointMeta(
         format=FORMAT,
         source=str(path),

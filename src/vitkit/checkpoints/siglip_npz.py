@@ -43,7 +43,7 @@ from vitkit.checkpoints.keymap import (
     split_heads_in_bias,
     split_heads_out,
 )
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, refusing, require
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -122,7 +122,7 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     except ValueError as e:
         raise CheckpointError(f"{source}: pos_embedding: {e}") from None
     depth = 1 + max(int(k.split("/")[1].split("_")[1]) for k in arrays if k.startswith("Transformer/encoderblock_"))
-    try:
+    with refusing(source):
         return ViTConfig(
             image_size=(side * kh, side * kh),
             patch_size=kh,
@@ -137,8 +137,6 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
             layer_norm_eps=1e-6,
             name=f"SigLIP {D}/{kh}",
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
 
 
 def load(path: Path) -> Checkpoint:

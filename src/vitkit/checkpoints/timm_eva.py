@@ -42,6 +42,7 @@ from vitkit.checkpoints.loaded import (
     CheckpointMeta,
     convert,
     export_state,
+    refusing,
     require,
     require_unseen,
 )
@@ -169,7 +170,7 @@ def infer_config(
     if pool not in ("token", "avg"):
         raise CheckpointError(f"{source}: global_pool {pool!r} is not supported (token or avg)")
     size = args.get("img_size") or (sidecar.get("pretrained_cfg") or {}).get("input_size", [0, 224, 224])[1:]
-    try:
+    with refusing(source):
         cfg = ViTConfig(
             image_size=_size(size, source),
             patch_size=P,
@@ -192,8 +193,6 @@ def infer_config(
             rope="dinov3",
             rope_theta=float(args.get("rope_temperature", ROPE_TEMPERATURE)),
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
     return cfg, args, split
 
 

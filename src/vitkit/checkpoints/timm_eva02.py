@@ -40,7 +40,7 @@ import torch
 
 from vitkit.checkpoints import timm_eva, timm_format, timm_writer
 from vitkit.checkpoints.keymap import Array, Rule, expand, from_state_dict, rule, weight_bias
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, require
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, refusing, require
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -138,7 +138,7 @@ def infer_config(
                               "them: norm on the tokens, or fc_norm on the mean of the patch tokens)")  # fmt: skip
     ref = args.get("ref_feat_shape")
     size = args.get("img_size") or (doc.get("pretrained_cfg") or {}).get("input_size", [0, 224, 224])[1:]
-    try:
+    with refusing(source):
         cfg = ViTConfig(
             image_size=timm_eva._size(size, source),
             patch_size=P,
@@ -165,8 +165,6 @@ def infer_config(
             rope_theta=float(args.get("rope_temperature", TEMPERATURE)),
             rope_ref_grid=None if ref is None else timm_eva._size(ref, source),
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
     return cfg, {**args, "qkv_fused": fused}, split
 
 

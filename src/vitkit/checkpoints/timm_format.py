@@ -53,7 +53,7 @@ import torch
 
 from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.keymap import Array, Rule, expand, rule, stacked, weight_bias
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, refusing
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -239,7 +239,7 @@ def infer_config(
     size = image_size or args.get("img_size") or (doc.get("pretrained_cfg") or {}).get("input_size", [])[1:]
     slots = int(tokens["class_token"]) + int(tokens["distilled"])
     image, no_embed_class = _grid_layout(n, slots, P, size, args.get("no_embed_class"), source)
-    try:
+    with refusing(source):
         cfg = ViTConfig(
             image_size=image,
             patch_size=P,
@@ -262,8 +262,6 @@ def infer_config(
             patch_bias="patch_embed.proj.bias" in weights,
             **tokens,
         )
-    except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{source}: {e}") from None
     return cfg, Layout(no_embed_class, split)
 
 
