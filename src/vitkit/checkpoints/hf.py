@@ -285,17 +285,25 @@ def hf_config(cfg: ViTConfig, class_names: list[str] | None) -> dict[str, Any]:
     return doc
 
 
-def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
+def processor_fields(pre: Preprocess) -> dict[str, Any]:
+    """The fields of ``pre`` that every transformers image processor config writes alike: resample, the rescale by
+    1/255, mean and std."""
     return {
-        "image_processor_type": "ViTImageProcessor",
-        "do_resize": True,
-        "size": {"height": pre.image_size[0], "width": pre.image_size[1]},
-        "resample": RESAMPLE_CODE.get(pre.interpolation, 2),
+        "resample": RESAMPLE_CODE[pre.interpolation],
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "image_mean": list(pre.mean),
         "image_std": list(pre.std),
+    }
+
+
+def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
+    return {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": pre.image_size[0], "width": pre.image_size[1]},
+        **processor_fields(pre),
     }
 
 

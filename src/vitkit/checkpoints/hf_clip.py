@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _read_json
+from vitkit.checkpoints.hf import GELU, PREPROCESSOR, RESAMPLE, Family, _read_json
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -237,12 +237,7 @@ def preprocessor_config(family: str, pre: Preprocess) -> dict[str, Any] | None:
     doc: dict[str, Any] = {
         "image_processor_type": "CLIPImageProcessor" if family == "clip" else "SiglipImageProcessor",
         "do_resize": True,
-        "resample": RESAMPLE_CODE[pre.interpolation],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(pre.mean),
-        "image_std": list(pre.std),
+        **hf.processor_fields(pre),
         "do_convert_rgb": True,
     }
     if pre.resize == "squash":

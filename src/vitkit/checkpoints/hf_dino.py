@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
+from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, RESAMPLE, _pair
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -254,12 +254,7 @@ def preprocessor_config(pre: Preprocess, processor: str) -> dict[str, Any] | Non
         "size": size,
         "do_center_crop": pre.resize != "squash",
         "crop_size": {"height": H, "width": W},
-        "resample": RESAMPLE_CODE[pre.interpolation],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(pre.mean),
-        "image_std": list(pre.std),
+        **hf.processor_fields(pre),
         "do_convert_rgb": True,
     }
 
