@@ -119,12 +119,13 @@ def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
     raise CheckpointError(f"{source}: invalid {what} {value!r}")
 
 
-def gelu_of(doc: Mapping[str, Any], source: str) -> str:
-    """vitkit's GELU for config.json's ``hidden_act`` (default "gelu"); an activation vitkit lacks is refused."""
+def gelu_of(doc: Mapping[str, Any], source: str, known: Mapping[str, str] = GELU) -> str:
+    """vitkit's GELU for config.json's ``hidden_act`` (default "gelu"), by ``known`` (transformers' activation names
+    -> vitkit's); an activation vitkit lacks is refused."""
     act = doc.get("hidden_act", "gelu")
-    if act not in GELU:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
-    return GELU[act]
+    if act not in known:
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(known)})")
+    return known[act]
 
 
 def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:

@@ -144,9 +144,7 @@ def _field(v: Mapping[str, Any], name: str, source: str) -> int:
 
 def config_from_hf(family: str, v: Mapping[str, Any], source: str) -> ViTConfig:
     """vitkit's config from a CLIP/SigLIP vision config (:func:`vision_doc`)."""
-    act = v["hidden_act"]
-    if act not in ACT:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(ACT)})")
+    gelu = hf.gelu_of(v, source, ACT)
     if family == "siglip" and not v.get("vision_use_head", True):
         raise CheckpointError(f"{source}: vision_use_head false (a SigLIP tower without its MAP head) is not supported")
     clip = family == "clip"
@@ -165,7 +163,7 @@ def config_from_hf(family: str, v: Mapping[str, Any], source: str) -> ViTConfig:
             norm_pre=clip,
             patch_bias=not clip,
             projection_size=_field(v, "projection_dim", source) if clip and v["projection_dim"] is not None else None,
-            gelu=ACT[act],  # type: ignore[arg-type]
+            gelu=gelu,  # type: ignore[arg-type]
             layer_norm_eps=float(v["layer_norm_eps"]),
             attention_dropout=float(v["attention_dropout"]),
             pos_resample="bicubic_plain",  # transformers' interpolate_pos_encoding

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from vitkit.checkpoints import hf, hf_dino, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _pair
+from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, _pair
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -142,8 +142,7 @@ def dinov3_config(doc: Mapping[str, Any], source: str) -> ViTConfig:
     act = get("hidden_act")
     if gated and act not in SILU:
         raise CheckpointError(f"{source}: hidden_act {act!r} with use_gated_mlp is not supported (silu only)")
-    if not gated and act not in GELU:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
+    gelu = "exact" if gated else hf.gelu_of(doc, source)  # DEFAULTS' hidden_act is gelu_of's default
     layer_scale = get("layerscale_value")
     if not isinstance(layer_scale, (int, float)) or isinstance(layer_scale, bool):
         raise CheckpointError(f"{source}: layerscale_value {layer_scale!r} is not a number")
@@ -160,7 +159,7 @@ def dinov3_config(doc: Mapping[str, Any], source: str) -> ViTConfig:
         num_heads=int(get("num_attention_heads")),
         mlp_dim=int(get("intermediate_size")),
         attention_dropout=float(get("attention_dropout")),
-        gelu="exact" if gated else GELU[act],  # type: ignore[arg-type]
+        gelu=gelu,  # type: ignore[arg-type]
         layer_norm_eps=float(get("layer_norm_eps")),
         qkv_bias=q,
         num_registers=int(get("num_register_tokens")),
