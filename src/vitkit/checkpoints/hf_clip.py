@@ -249,17 +249,13 @@ def preprocessor_config(family: str, pre: Preprocess) -> dict[str, Any] | None:
 # ---- load and save --------------------------------------------------------------------------------
 
 
-def _prefix(weights: Mapping[str, Any], full: bool) -> str:
-    return "vision_model." if full or any(k.startswith("vision_model.") for k in weights) else ""
-
-
 def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     """Read a CLIP/SigLIP vision (or full text+vision) folder: the image tower, shape-checked, with its
     preprocessing."""
     source = str(path)
     family, full, v = vision_doc(doc, source)
     weights = torch_files.read_folder_weights(path)
-    prefix = _prefix(weights, full)
+    prefix = "vision_model." if full or any(k.startswith("vision_model.") for k in weights) else ""
     cfg = hf.parse_config(path, lambda: config_from_hf(family, v, source))
     text = sorted(k for k in weights if full and k.startswith(TEXT_KEYS))
     tower = {k: t for k, t in weights.items() if k not in text}

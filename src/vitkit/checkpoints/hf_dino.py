@@ -316,10 +316,6 @@ def claims_dino(cfg: ViTConfig) -> bool:
     return not cfg.distilled and (cfg.layer_scale is not None or cfg.num_registers > 0 or cfg.mlp == "swiglu")
 
 
-def claims_deit(cfg: ViTConfig) -> bool:
-    return cfg.distilled
-
-
 def _unrepresentable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> str | None:
     """Why transformers' ``family`` cannot compute this model: the checks DINOv2 and DeiT share (named for the family),
     then the ``extra`` (bad, why) of one; None when it can."""
@@ -427,5 +423,5 @@ def _write(
 FAMILIES = {
     DINO: hf.Family(load_dino, save_dino, claims_dino),
     DINO_REG: hf.Family(load_dino, save_dino, lambda cfg: False),  # written by dinov2's saver (registers)
-    DEIT: hf.Family(load_deit, save_deit, claims_deit),
+    DEIT: hf.Family(load_deit, save_deit, lambda cfg: cfg.distilled),  # a distilled model is written as DeiT
 }
