@@ -233,6 +233,15 @@ def checkpoint(
     return Checkpoint(cfg, state, CheckpointMeta(FORMAT, str(path), pre, names, provenance))
 
 
+def provenance(layout: str, doc: Mapping[str, Any], ignored: list[str] | str | None) -> dict[str, Any]:
+    """A transformers folder's provenance: its ``layout``, config.json's architectures, and what of the weights was
+    ``ignored`` (when anything was)."""
+    out: dict[str, Any] = {"layout": layout, "architectures": doc.get("architectures")}
+    if ignored:
+        out["ignored"] = ignored
+    return out
+
+
 def load(path: Path) -> Checkpoint:
     """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
     doc = _read_json(path / CONFIG)
@@ -245,14 +254,9 @@ def load(path: Path) -> Checkpoint:
     rules = lambda c: key_map(c, prefix, _style(weights, prefix, str(path)))  # noqa: E731
     state = convert(cfg, weights, str(path), rules, ignore=lambda k: k in ignored)
     style = _style(weights, prefix, str(path))
-    provenance: dict[str, Any] = {
-        "layout": f"transformers {'ViTForImageClassification' if prefix else 'ViTModel'} ({style} names)",
-        "architectures": doc.get("architectures"),
-    }
-    skipped = sorted(k for k in ignored if k in weights)
-    if skipped:
-        provenance["ignored"] = skipped
-    return checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
+    layout = f"transformers {'ViTForImageClassification' if prefix else 'ViTModel'} ({style} names)"
+    about = provenance(layout, doc, sorted(k for k in ignored if k in weights))
+    return checkpoint(path, cfg, state, about, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
 def hf_config(cfg: ViTConfig, class_names: list[str] | None) -> dict[str, Any]:

@@ -263,12 +263,8 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     buffer = f"{prefix}embeddings.position_ids"  # arange(T), saved by older transformers
     state = convert(cfg, tower, source, lambda c: key_map(c, family, prefix), ignore=lambda k: k == buffer)
     name = {"clip": "CLIP", "siglip": "Siglip"}[family]
-    provenance: dict[str, Any] = {
-        "layout": f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel",
-        "architectures": doc.get("architectures"),
-    }
-    if text:
-        provenance["ignored"] = f"the text tower ({len(text)} tensors)"
+    layout = f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel"
+    provenance = hf.provenance(layout, doc, f"the text tower ({len(text)} tensors)" if text else None)
     return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, family, cfg.image_size))
 
 

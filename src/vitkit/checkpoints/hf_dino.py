@@ -263,9 +263,13 @@ def preprocessor_config(pre: Preprocess, processor: str) -> dict[str, Any] | Non
 
 
 def _finish(
-    path: Path, doc: Mapping[str, Any], cfg: ViTConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any]
+    path: Path, doc: Mapping[str, Any], cfg: ViTConfig, state: dict[str, torch.Tensor], layout: str, ignored: set[str]
 ) -> Checkpoint:
-    provenance = {**provenance, "architectures": doc.get("architectures")}
+    """The folder's checkpoint, its provenance the ``layout``, the weights ``ignored`` (if any), the architectures."""
+    provenance: dict[str, Any] = {"layout": layout}
+    if ignored:
+        provenance["ignored"] = sorted(ignored)
+    provenance["architectures"] = doc.get("architectures")
     return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
@@ -281,10 +285,7 @@ def load_dino(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     cfg = hf.parse_config(path, lambda: dino_config(doc, model_type, str(path / CONFIG)))
     ignored = {"embeddings.mask_token"}
     state = convert(cfg, weights, str(path), dino_key_map, ignore=lambda k: k in ignored)
-    provenance: dict[str, Any] = {"layout": f"transformers {ARCH[model_type]}"}
-    if ignored & set(weights):
-        provenance["ignored"] = sorted(ignored & set(weights))
-    return _finish(path, doc, cfg, state, provenance)
+    return _finish(path, doc, cfg, state, f"transformers {ARCH[model_type]}", ignored & set(weights))
 
 
 def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
@@ -302,10 +303,7 @@ def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     ignored = {f"{prefix}embeddings.mask_token", f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}
     state = convert(cfg, weights, str(path), lambda c: deit_key_map(c, prefix), ignore=lambda k: k in ignored)
     arch = "DeiTForImageClassificationWithTeacher" if cfg.num_classes else "DeiTModel"
-    provenance: dict[str, Any] = {"layout": f"transformers {arch}"}
-    if ignored & set(weights):
-        provenance["ignored"] = sorted(ignored & set(weights))
-    return _finish(path, doc, cfg, state, provenance)
+    return _finish(path, doc, cfg, state, f"transformers {arch}", ignored & set(weights))
 
 
 # ---- writing -----------------------------------------------------------------------------------------

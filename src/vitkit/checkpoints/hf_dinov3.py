@@ -251,9 +251,7 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     if cfg.num_registers == 0 and reg is not None and reg.numel() == 0:
         ignored.add("embeddings.register_tokens")  # transformers' (1, 0, D) parameter
     state = convert(cfg, weights, str(path), key_map, ignore=lambda k: k in ignored)
-    provenance: dict[str, Any] = {"layout": f"transformers {ARCH}", "architectures": doc.get("architectures")}
-    if ignored & set(weights):
-        provenance["ignored"] = sorted(ignored & set(weights))
+    provenance = hf.provenance(f"transformers {ARCH}", doc, sorted(ignored & set(weights)))
     return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size))
 
 
