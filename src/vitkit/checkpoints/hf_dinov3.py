@@ -227,10 +227,7 @@ def preprocessor_config(pre: Preprocess) -> dict[str, Any] | None:
     """``pre`` as a DINOv3ViTImageProcessor config (a resize to a size, optionally a centre crop after it); None for
     a shorter-side resize, which that processor does not compute."""
     doc = hf_dino.preprocessor_config(pre, "DeiTImageProcessor")  # the same fields: size, crop, resample, stats
-    if doc is None:
-        return None
-    doc["image_processor_type"] = PROCESSOR
-    return doc
+    return None if doc is None else {**doc, "image_processor_type": PROCESSOR}
 
 
 # ---- reading -----------------------------------------------------------------------------------------
