@@ -255,11 +255,6 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
 # ---- writing -----------------------------------------------------------------------------------------
 
 
-def claims(cfg: ViTConfig) -> bool:
-    """A model with DINOv3's RoPE is written as DINOv3."""
-    return cfg.rope == "dinov3"
-
-
 def unrepresentable(cfg: ViTConfig) -> str | None:
     checks = [
         (cfg.num_classes > 0, "DINOv3ViTModel has no classifier (export with num_classes=0)"),
@@ -290,4 +285,5 @@ def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, over
     return hf.write_folder(path, torch_files.from_arrays(arrays), config_json(cfg), pre, overwrite)
 
 
-FAMILIES = {MODEL_TYPE: hf.Family(load, save, claims)}
+# a model with DINOv3's RoPE is written as DINOv3
+FAMILIES = {MODEL_TYPE: hf.Family(load, save, lambda cfg: cfg.rope == "dinov3")}
