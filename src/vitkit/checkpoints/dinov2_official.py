@@ -65,15 +65,14 @@ def key_map(cfg: ViTConfig) -> list[Rule]:
     return out
 
 
-def _is_official(keys: set[str]) -> bool:
-    blocks = "blocks.0.attn.qkv.weight" in keys or any(_CHUNKED.match(k) for k in keys)
-    return "patch_embed.proj.weight" in keys and ("mask_token" in keys or "register_tokens" in keys) and blocks
-
-
 def looks_like(path: Path) -> bool:
     """An official DINOv2 state dict: ``patch_embed.proj.weight``, ``mask_token`` or ``register_tokens`` (which
     timm's and vitkit's layouts never hold) and blocks, plain or chunked."""
-    return path.is_file() and path.suffix in SUFFIXES and _is_official(torch_files.readable_keys(path))
+    if not (path.is_file() and path.suffix in SUFFIXES):
+        return False
+    keys = torch_files.readable_keys(path)
+    blocks = "blocks.0.attn.qkv.weight" in keys or any(_CHUNKED.match(k) for k in keys)
+    return "patch_embed.proj.weight" in keys and ("mask_token" in keys or "register_tokens" in keys) and blocks
 
 
 def unchunk(weights: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:

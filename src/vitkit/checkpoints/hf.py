@@ -119,12 +119,13 @@ def _pair(value: Any, what: str, source: str) -> tuple[int, int]:
     raise CheckpointError(f"{source}: invalid {what} {value!r}")
 
 
-def gelu_of(doc: Mapping[str, Any], source: str) -> str:
-    """vitkit's GELU for config.json's ``hidden_act`` (default "gelu"); an activation vitkit lacks is refused."""
+def gelu_of(doc: Mapping[str, Any], source: str, known: Mapping[str, str] = GELU) -> str:
+    """vitkit's GELU for config.json's ``hidden_act`` (default "gelu"), by ``known`` (transformers' activation names
+    -> vitkit's); an activation vitkit lacks is refused."""
     act = doc.get("hidden_act", "gelu")
-    if act not in GELU:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
-    return GELU[act]
+    if act not in known:
+        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(known)})")
+    return known[act]
 
 
 def config_from_hf(doc: Mapping[str, Any], weights: Mapping[str, Any], prefix: str, source: str) -> ViTConfig:
@@ -232,6 +233,15 @@ def checkpoint(
     return Checkpoint(cfg, state, CheckpointMeta(FORMAT, str(path), pre, names, provenance))
 
 
+def provenance(layout: str, doc: Mapping[str, Any], ignored: list[str] | str | None) -> dict[str, Any]:
+    """A transformers folder's provenance: its ``layout``, config.json's architectures, and what of the weights was
+    ``ignored`` (when anything was)."""
+    out: dict[str, Any] = {"layout": layout, "architectures": doc.get("architectures")}
+    if ignored:
+        out["ignored"] = ignored
+    return out
+
+
 def load(path: Path) -> Checkpoint:
     """Read an HF ViT folder into vitkit's layout, shape-checked, with config, labels and preprocessing."""
     doc = _read_json(path / CONFIG)
@@ -244,14 +254,9 @@ def load(path: Path) -> Checkpoint:
     rules = lambda c: key_map(c, prefix, _style(weights, prefix, str(path)))  # noqa: E731
     state = convert(cfg, weights, str(path), rules, ignore=lambda k: k in ignored)
     style = _style(weights, prefix, str(path))
-    provenance: dict[str, Any] = {
-        "layout": f"transformers {'ViTForImageClassification' if prefix else 'ViTModel'} ({style} names)",
-        "architectures": doc.get("architectures"),
-    }
-    skipped = sorted(k for k in ignored if k in weights)
-    if skipped:
-        provenance["ignored"] = skipped
-    return checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
+    layout = f"transformers {'ViTForImageClassification' if prefix else 'ViTModel'} ({style} names)"
+    about = provenance(layout, doc, sorted(k for k in ignored if k in weights))
+    return checkpoint(path, cfg, state, about, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
 def hf_config(cfg: ViTConfig, class_names: list[str] | None) -> dict[str, Any]:
@@ -285,17 +290,25 @@ def hf_config(cfg: ViTConfig, class_names: list[str] | None) -> dict[str, Any]:
     return doc
 
 
-def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
+def processor_fields(pre: Preprocess) -> dict[str, Any]:
+    """The fields of ``pre`` that every transformers image processor config writes alike: resample, the rescale by
+    1/255, mean and std."""
     return {
-        "image_processor_type": "ViTImageProcessor",
-        "do_resize": True,
-        "size": {"height": pre.image_size[0], "width": pre.image_size[1]},
-        "resample": RESAMPLE_CODE.get(pre.interpolation, 2),
+        "resample": RESAMPLE_CODE[pre.interpolation],
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "image_mean": list(pre.mean),
         "image_std": list(pre.std),
+    }
+
+
+def preprocessor_config(pre: Preprocess) -> dict[str, Any]:
+    return {
+        "image_processor_type": "ViTImageProcessor",
+        "do_resize": True,
+        "size": {"height": pre.image_size[0], "width": pre.image_size[1]},
+        **processor_fields(pre),
     }
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import GELU, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, Family, _read_json
+from vitkit.checkpoints.hf import GELU, PREPROCESSOR, RESAMPLE, Family, _read_json
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -144,9 +144,7 @@ def _field(v: Mapping[str, Any], name: str, source: str) -> int:
 
 def config_from_hf(family: str, v: Mapping[str, Any], source: str) -> ViTConfig:
     """vitkit's config from a CLIP/SigLIP vision config (:func:`vision_doc`)."""
-    act = v["hidden_act"]
-    if act not in ACT:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(ACT)})")
+    gelu = hf.gelu_of(v, source, ACT)
     if family == "siglip" and not v.get("vision_use_head", True):
         raise CheckpointError(f"{source}: vision_use_head false (a SigLIP tower without its MAP head) is not supported")
     clip = family == "clip"
@@ -165,7 +163,7 @@ def config_from_hf(family: str, v: Mapping[str, Any], source: str) -> ViTConfig:
             norm_pre=clip,
             patch_bias=not clip,
             projection_size=_field(v, "projection_dim", source) if clip and v["projection_dim"] is not None else None,
-            gelu=ACT[act],  # type: ignore[arg-type]
+            gelu=gelu,  # type: ignore[arg-type]
             layer_norm_eps=float(v["layer_norm_eps"]),
             attention_dropout=float(v["attention_dropout"]),
             pos_resample="bicubic_plain",  # transformers' interpolate_pos_encoding
@@ -237,12 +235,7 @@ def preprocessor_config(family: str, pre: Preprocess) -> dict[str, Any] | None:
     doc: dict[str, Any] = {
         "image_processor_type": "CLIPImageProcessor" if family == "clip" else "SiglipImageProcessor",
         "do_resize": True,
-        "resample": RESAMPLE_CODE[pre.interpolation],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(pre.mean),
-        "image_std": list(pre.std),
+        **hf.processor_fields(pre),
         "do_convert_rgb": True,
     }
     if pre.resize == "squash":
@@ -256,17 +249,13 @@ def preprocessor_config(family: str, pre: Preprocess) -> dict[str, Any] | None:
 # ---- load and save --------------------------------------------------------------------------------
 
 
-def _prefix(weights: Mapping[str, Any], full: bool) -> str:
-    return "vision_model." if full or any(k.startswith("vision_model.") for k in weights) else ""
-
-
 def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     """Read a CLIP/SigLIP vision (or full text+vision) folder: the image tower, shape-checked, with its
     preprocessing."""
     source = str(path)
     family, full, v = vision_doc(doc, source)
     weights = torch_files.read_folder_weights(path)
-    prefix = _prefix(weights, full)
+    prefix = "vision_model." if full or any(k.startswith("vision_model.") for k in weights) else ""
     cfg = hf.parse_config(path, lambda: config_from_hf(family, v, source))
     text = sorted(k for k in weights if full and k.startswith(TEXT_KEYS))
     tower = {k: t for k, t in weights.items() if k not in text}
@@ -274,12 +263,8 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     buffer = f"{prefix}embeddings.position_ids"  # arange(T), saved by older transformers
     state = convert(cfg, tower, source, lambda c: key_map(c, family, prefix), ignore=lambda k: k == buffer)
     name = {"clip": "CLIP", "siglip": "Siglip"}[family]
-    provenance: dict[str, Any] = {
-        "layout": f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel",
-        "architectures": doc.get("architectures"),
-    }
-    if text:
-        provenance["ignored"] = f"the text tower ({len(text)} tensors)"
+    layout = f"transformers {name}Model, vision tower only" if full else f"transformers {name}VisionModel"
+    provenance = hf.provenance(layout, doc, f"the text tower ({len(text)} tensors)" if text else None)
     return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, family, cfg.image_size))
 
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import hf, torch_files
-from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, RESAMPLE, RESAMPLE_CODE, _pair
+from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, RESAMPLE, _pair
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -254,12 +254,7 @@ def preprocessor_config(pre: Preprocess, processor: str) -> dict[str, Any] | Non
         "size": size,
         "do_center_crop": pre.resize != "squash",
         "crop_size": {"height": H, "width": W},
-        "resample": RESAMPLE_CODE[pre.interpolation],
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "image_mean": list(pre.mean),
-        "image_std": list(pre.std),
+        **hf.processor_fields(pre),
         "do_convert_rgb": True,
     }
 
@@ -268,9 +263,13 @@ def preprocessor_config(pre: Preprocess, processor: str) -> dict[str, Any] | Non
 
 
 def _finish(
-    path: Path, doc: Mapping[str, Any], cfg: ViTConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any]
+    path: Path, doc: Mapping[str, Any], cfg: ViTConfig, state: dict[str, torch.Tensor], layout: str, ignored: set[str]
 ) -> Checkpoint:
-    provenance = {**provenance, "architectures": doc.get("architectures")}
+    """The folder's checkpoint, its provenance the ``layout``, the weights ``ignored`` (if any), the architectures."""
+    provenance: dict[str, Any] = {"layout": layout}
+    if ignored:
+        provenance["ignored"] = sorted(ignored)
+    provenance["architectures"] = doc.get("architectures")
     return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size), doc)
 
 
@@ -286,10 +285,7 @@ def load_dino(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     cfg = hf.parse_config(path, lambda: dino_config(doc, model_type, str(path / CONFIG)))
     ignored = {"embeddings.mask_token"}
     state = convert(cfg, weights, str(path), dino_key_map, ignore=lambda k: k in ignored)
-    provenance: dict[str, Any] = {"layout": f"transformers {ARCH[model_type]}"}
-    if ignored & set(weights):
-        provenance["ignored"] = sorted(ignored & set(weights))
-    return _finish(path, doc, cfg, state, provenance)
+    return _finish(path, doc, cfg, state, f"transformers {ARCH[model_type]}", ignored & set(weights))
 
 
 def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
@@ -307,10 +303,7 @@ def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     ignored = {f"{prefix}embeddings.mask_token", f"{prefix}pooler.dense.weight", f"{prefix}pooler.dense.bias"}
     state = convert(cfg, weights, str(path), lambda c: deit_key_map(c, prefix), ignore=lambda k: k in ignored)
     arch = "DeiTForImageClassificationWithTeacher" if cfg.num_classes else "DeiTModel"
-    provenance: dict[str, Any] = {"layout": f"transformers {arch}"}
-    if ignored & set(weights):
-        provenance["ignored"] = sorted(ignored & set(weights))
-    return _finish(path, doc, cfg, state, provenance)
+    return _finish(path, doc, cfg, state, f"transformers {arch}", ignored & set(weights))
 
 
 # ---- writing -----------------------------------------------------------------------------------------
@@ -319,10 +312,6 @@ def load_deit(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
 def claims_dino(cfg: ViTConfig) -> bool:
     """A model that is written as DINOv2: layer scale, registers or a SwiGLU MLP (and no distillation)."""
     return not cfg.distilled and (cfg.layer_scale is not None or cfg.num_registers > 0 or cfg.mlp == "swiglu")
-
-
-def claims_deit(cfg: ViTConfig) -> bool:
-    return cfg.distilled
 
 
 def _unrepresentable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> str | None:
@@ -432,5 +421,5 @@ def _write(
 FAMILIES = {
     DINO: hf.Family(load_dino, save_dino, claims_dino),
     DINO_REG: hf.Family(load_dino, save_dino, lambda cfg: False),  # written by dinov2's saver (registers)
-    DEIT: hf.Family(load_deit, save_deit, claims_deit),
+    DEIT: hf.Family(load_deit, save_deit, lambda cfg: cfg.distilled),  # a distilled model is written as DeiT
 }

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from vitkit.checkpoints import hf, hf_dino, torch_files
-from vitkit.checkpoints.hf import CONFIG, GELU, PREPROCESSOR, _pair
+from vitkit.checkpoints.hf import CONFIG, PREPROCESSOR, _pair
 from vitkit.checkpoints.keymap import Rule, expand, from_state_dict, rule, stacked, weight_bias
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -142,8 +142,7 @@ def dinov3_config(doc: Mapping[str, Any], source: str) -> ViTConfig:
     act = get("hidden_act")
     if gated and act not in SILU:
         raise CheckpointError(f"{source}: hidden_act {act!r} with use_gated_mlp is not supported (silu only)")
-    if not gated and act not in GELU:
-        raise CheckpointError(f"{source}: hidden_act {act!r} is not supported (known: {', '.join(GELU)})")
+    gelu = "exact" if gated else hf.gelu_of(doc, source)  # DEFAULTS' hidden_act is gelu_of's default
     layer_scale = get("layerscale_value")
     if not isinstance(layer_scale, (int, float)) or isinstance(layer_scale, bool):
         raise CheckpointError(f"{source}: layerscale_value {layer_scale!r} is not a number")
@@ -160,7 +159,7 @@ def dinov3_config(doc: Mapping[str, Any], source: str) -> ViTConfig:
         num_heads=int(get("num_attention_heads")),
         mlp_dim=int(get("intermediate_size")),
         attention_dropout=float(get("attention_dropout")),
-        gelu="exact" if gated else GELU[act],  # type: ignore[arg-type]
+        gelu=gelu,  # type: ignore[arg-type]
         layer_norm_eps=float(get("layer_norm_eps")),
         qkv_bias=q,
         num_registers=int(get("num_register_tokens")),
@@ -228,10 +227,7 @@ def preprocessor_config(pre: Preprocess) -> dict[str, Any] | None:
     """``pre`` as a DINOv3ViTImageProcessor config (a resize to a size, optionally a centre crop after it); None for
     a shorter-side resize, which that processor does not compute."""
     doc = hf_dino.preprocessor_config(pre, "DeiTImageProcessor")  # the same fields: size, crop, resample, stats
-    if doc is None:
-        return None
-    doc["image_processor_type"] = PROCESSOR
-    return doc
+    return None if doc is None else {**doc, "image_processor_type": PROCESSOR}
 
 
 # ---- reading -----------------------------------------------------------------------------------------
@@ -252,18 +248,11 @@ def load(path: Path, doc: Mapping[str, Any]) -> Checkpoint:
     if cfg.num_registers == 0 and reg is not None and reg.numel() == 0:
         ignored.add("embeddings.register_tokens")  # transformers' (1, 0, D) parameter
     state = convert(cfg, weights, str(path), key_map, ignore=lambda k: k in ignored)
-    provenance: dict[str, Any] = {"layout": f"transformers {ARCH}", "architectures": doc.get("architectures")}
-    if ignored & set(weights):
-        provenance["ignored"] = sorted(ignored & set(weights))
+    provenance = hf.provenance(f"transformers {ARCH}", doc, sorted(ignored & set(weights)))
     return hf.checkpoint(path, cfg, state, provenance, lambda: preprocess_from(path, cfg.image_size))
 
 
 # ---- writing -----------------------------------------------------------------------------------------
-
-
-def claims(cfg: ViTConfig) -> bool:
-    """A model with DINOv3's RoPE is written as DINOv3."""
-    return cfg.rope == "dinov3"
 
 
 def unrepresentable(cfg: ViTConfig) -> str | None:
@@ -296,4 +285,5 @@ def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, over
     return hf.write_folder(path, torch_files.from_arrays(arrays), config_json(cfg), pre, overwrite)
 
 
-FAMILIES = {MODEL_TYPE: hf.Family(load, save, claims)}
+# a model with DINOv3's RoPE is written as DINOv3
+FAMILIES = {MODEL_TYPE: hf.Family(load, save, lambda cfg: cfg.rope == "dinov3")}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -220,12 +221,8 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: no such file")
     try:
         with safe_open(str(path), "pt") as f:
-            names, total = list(f.keys()), 0
-            for k in names:
-                n = 1
-                for s in f.get_slice(k).get_shape():
-                    n *= s
-                total += n
+            names = list(f.keys())
+            total = sum(math.prod(f.get_slice(k).get_shape()) for k in names)
             if total > MAX_TENSOR_VALUES:
                 raise CheckpointError(f"{path}: {total:,} values, more than any adapter set holds")
             return {k: f.get_tensor(k) for k in names}
@@ -243,18 +240,17 @@ def check_declared_base(path: Path, name: str) -> None:
     if is_url(name):
         if is_cached(name):
             return
-        how = f"download it yourself (vitkit download {name}) if you trust it"
     elif registry.lookup(name) is not None:
         return
     elif (hub := parse_hub_id(name)) is not None:
         if _hub_cached(*hub):
             return
-        how = f"download it yourself (vitkit download {name}) if you trust it"
     else:
         return  # neither remote nor a registry name: the loader's "not found" says what was tried
     raise RemoteBase(
         f"{path / CONFIG}: its base checkpoint {name} is remote and named by the adapter folder, not by you; "
-        f"it is not fetched: {how}, or name a local copy with lora_base="
+        f"it is not fetched: download it yourself (vitkit download {name}) if you trust it, or name a local copy "
+        "with lora_base="
     )
 
 

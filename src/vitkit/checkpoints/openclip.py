@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.keymap import Array, Rule, expand, rule, shape_reader, weight_bias
+from vitkit.checkpoints.keymap import Rule, expand, rule, shape_reader, weight_bias
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, refusing
 from vitkit.checkpoints.preprocess import CLIP_MEAN, CLIP_STD, Preprocess
 from vitkit.errors import CheckpointError
@@ -79,12 +79,8 @@ def key_map(cfg: ViTConfig) -> list[Rule]:
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", BLOCK + f"ls_{n}.gamma") for n in (1, 2)]
     if cfg.projection_size:
-        rules.append(rule("projection.weight", V + "proj", _transpose, lambda w: (w.T,)))
+        rules.append(rule("projection.weight", V + "proj", lambda a: np.ascontiguousarray(a.T), lambda w: (w.T,)))
     return expand(rules, cfg.depth)
-
-
-def _transpose(a: Array) -> Array:
-    return np.ascontiguousarray(a.T)
 
 
 def looks_like(path: Path) -> bool:
