@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 
 from vitkit.commands.serve import add_model_options, require_extra
-from vitkit.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,9 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from vitkit.serve.net import check_free
     from vitkit.serve.served_model import ServedModel
 
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port {args.port}: must be 1..65535")
-    check_free(args.host, args.port)  # a taken port is one line here, before the model loads or any banner
+    check_free(args.host, args.port)  # a bad or taken port is one line here, before the model loads or any banner
     samples = [Path(s) for s in args.samples]
     for s in samples:
         load_image(s)  # a bad sample is an error naming it, before the page starts

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from vitkit.commands.args import note_emulated_bf16, positive_float, positive_int
-from vitkit.errors import ConfigError, VitkitError
+from vitkit.errors import VitkitError
 
 
 def require_extra(*modules: str, extra: str = "serve") -> None:
@@ -152,9 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from vitkit.serve.served_model import ServedModel, check_calibration_used, uses_calibration
     from vitkit.serve.server import ServeOptions
 
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port {args.port}: must be 1..65535")
-    sock = bind(args.host, args.port)  # a taken port is one line here, before the model loads or any banner
+    sock = bind(args.host, args.port)  # a bad or taken port is one line here, before the model loads or any banner
     calibration = None
     if args.calibration is not None:  # a bad folder fails here, before the model is loaded
         check_calibration_used(args.backend, args.precision)

@@ -25,17 +25,14 @@ from vitkit.analysis.attention_maps import attention_maps, rollout_maps, upsampl
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
-    CALIBRATION_MAX_IMAGES,
     InferenceEngine,
     calibration_batch,
     check_calibration_used,
     uses_calibration,
 )
-from vitkit.inference.policy import PRECISIONS, plan_engine, resolve_precision
+from vitkit.inference.policy import plan_engine, resolve_precision
 
 __all__ = [
-    "CALIBRATION_MAX_IMAGES",
-    "PRECISIONS",
     "Answer",
     "RequestError",
     "ServedModel",
