@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from vitkit.commands.args import (
@@ -105,8 +106,6 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from vitkit.evaluate.evaluate import check_eval_report_dir, evaluate_dataset, write_eval_report
 
     out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
@@ -171,8 +170,6 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from vitkit.evaluate.fewshot import fewshot_dataset, fewshot_embeddings
     from vitkit.hardware import resolve_device
     from vitkit.output_paths import check_output_file
@@ -201,8 +198,6 @@ def _print_fewshot(args: argparse.Namespace, source: dict[str, Any], what: str, 
 
 def _report(args: argparse.Namespace, doc: dict[str, Any], lines: list[str]) -> int:
     """An evaluator's result: written to ``--out`` as JSON, then printed as JSON (``--json``) or as ``lines``."""
-    from pathlib import Path
-
     from vitkit.fileio import write_file_atomic
 
     if args.out:
@@ -258,8 +253,6 @@ def check_embedding_inputs(args: argparse.Namespace) -> bool:
 
 
 def cmd_knn(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from vitkit.evaluate.knn import knn_dataset, knn_embeddings
     from vitkit.output_paths import check_output_file
 
