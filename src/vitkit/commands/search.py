@@ -17,6 +17,7 @@ from vitkit.commands.args import (
     report_engine,
     resolve_workers,
 )
+from vitkit.textids import printable
 
 
 def _cosine(text: str) -> float:
@@ -100,7 +101,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.search import operations
-    from vitkit.textids import printable
 
     workers = resolve_workers(args.workers, args.device)
     settings = operations.EmbedSettings(pool=args.pool, layer=args.layer, precision=args.precision,
@@ -144,7 +144,6 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from vitkit.search import Index, operations
-    from vitkit.textids import printable
 
     index = Index.open(args.index)
     settings = operations.settings_of(index)
@@ -167,7 +166,6 @@ def cmd_dedup(args: argparse.Namespace) -> int:
 
     from vitkit.search import Index, operations
     from vitkit.search.dedup import DEFAULT_THRESHOLD, find_groups, plot_scores
-    from vitkit.textids import printable
 
     index = Index.open(args.index)
     found = find_groups(index, DEFAULT_THRESHOLD if args.threshold is None else args.threshold, args.k)
