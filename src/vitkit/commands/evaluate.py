@@ -29,7 +29,7 @@ from vitkit.commands.args import (
     report_engine,
     resolve_workers,
 )
-from vitkit.errors import VitkitError
+from vitkit.errors import ConfigError, VitkitError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -181,18 +181,15 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     if check_embedding_inputs(args):
         result = fewshot_embeddings(args.train_embeddings, args.test_embeddings, **probe)
         source = {"train_embeddings": args.train_embeddings, "test_embeddings": args.test_embeddings}
-        return _print_fewshot(args, source, f"{args.train_embeddings} -> {args.test_embeddings}", result)
-    loaded = load_checkpoint_args(args)
-    train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
-    result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
-                             opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
-    print_notes(result.notes)
-    source = {"checkpoint": args.checkpoint, "data": args.data}
-    return _print_fewshot(args, source, f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})",
-                          result)  # fmt: skip
-
-
-def _print_fewshot(args: argparse.Namespace, source: dict[str, Any], what: str, result: Any) -> int:
+        what = f"{args.train_embeddings} -> {args.test_embeddings}"
+    else:
+        loaded = load_checkpoint_args(args)
+        train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
+        result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
+                                 opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
+        print_notes(result.notes)
+        source = {"checkpoint": args.checkpoint, "data": args.data}
+        what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"
     return _report(args, {**source, **result.to_dict()}, [f"{what}: few-shot linear probe", result.table()])
 
 
@@ -238,8 +235,6 @@ def _add_knn(sub: argparse._SubParsersAction) -> None:
 def check_embedding_inputs(args: argparse.Namespace) -> bool:
     """Whether a command reads features from ``--train-embeddings``/``--test-embeddings`` (both given) or computes
     them from a checkpoint and ``--data``; ConfigError for any other mix."""
-    from vitkit.errors import ConfigError
-
     given = [args.train_embeddings is not None, args.test_embeddings is not None]
     if any(given):
         if not all(given):
