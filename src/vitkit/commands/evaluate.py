@@ -23,6 +23,7 @@ from vitkit.commands.args import (
     join_processes,
     leave_processes,
     load_checkpoint_args,
+    parsed,
     positive_float,
     positive_int,
     print_notes,
@@ -52,10 +53,7 @@ def _shots(text: str) -> list[int]:
 def _l2(text: str) -> float | str:
     if text == "auto":
         return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid l2 {text!r} (a positive number, or auto)") from None
+    value = parsed(text, float, f"invalid l2 {text!r} (a positive number, or auto)")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"l2 must be positive, got {text}")
     return value

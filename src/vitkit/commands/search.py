@@ -11,6 +11,7 @@ from vitkit.commands.args import (
     add_engine_args,
     add_ray_args,
     add_workers_arg,
+    parsed,
     positive_int,
     print_notes,
     ray_steps,
@@ -21,10 +22,7 @@ from vitkit.textids import printable
 
 
 def _cosine(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid cosine similarity {text!r} (a number in -1..1)") from None
+    value = parsed(text, float, f"invalid cosine similarity {text!r} (a number in -1..1)")
     if not -1.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{text}: a cosine similarity is in -1..1")
     return value
