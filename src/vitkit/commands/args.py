@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterable
-from typing import Any, NoReturn
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn, TypeVar
+
+T = TypeVar("T")
 
 
 class Parser(argparse.ArgumentParser):
@@ -34,12 +36,19 @@ class IntermixedParser(Parser):
             self._inner = False
 
 
+def parsed(text: str, convert: Callable[[str], T], invalid: str) -> T:
+    """``convert(text)`` for an argument type; argparse's error ``invalid`` when it raises ValueError."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(invalid) from None
+
+
 def image_size(text: str) -> tuple[int, int]:
     """ "224" -> (224, 224); "224x320" -> (224, 320)."""
-    try:
-        parts = [int(p) for p in text.lower().split("x")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)") from None
+    parts = parsed(
+        text, lambda t: [int(p) for p in t.lower().split("x")], f"invalid image size {text!r} (use 224 or 224x320)"
+    )
     if len(parts) == 1:
         parts = parts * 2
     if len(parts) != 2 or min(parts) <= 0:
@@ -48,10 +57,7 @@ def image_size(text: str) -> tuple[int, int]:
 
 
 def _int_from(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
+    value = parsed(text, int, f"invalid integer {text!r}")
     if value < least:
         raise argparse.ArgumentTypeError(f"must be {'positive' if least else '0 or more'}, got {value}")
     return value
@@ -103,10 +109,7 @@ def note_emulated_bf16(device: str | None, advice: str) -> None:
 
 
 def positive_float(text: str, allow_zero: bool = False) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    value = parsed(text, float, f"invalid number {text!r}")
     if not (value >= 0 if allow_zero else value > 0) or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be {'non-negative' if allow_zero else 'positive'}, got {text}")
     return value

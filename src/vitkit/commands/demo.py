@@ -7,8 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from vitkit.commands.serve import add_model_options, require_extra
-from vitkit.errors import ConfigError
+from vitkit.commands.serve import add_model_options, open_served, require_extra
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -34,29 +33,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     require_extra("gradio", extra="demo")
-    import torch
-
     from vitkit.images import load_image
     from vitkit.serve.demo import build_demo, launch
     from vitkit.serve.net import check_free
-    from vitkit.serve.served_model import ServedModel
 
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port {args.port}: must be 1..65535")
-    check_free(args.host, args.port)  # a taken port is one line here, before the model loads or any banner
+    check_free(args.host, args.port)  # a bad or taken port is one line here, before the model loads or any banner
     samples = [Path(s) for s in args.samples]
     for s in samples:
         load_image(s)  # a bad sample is an error naming it, before the page starts
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    served = ServedModel.from_checkpoint(
-        args.checkpoint, format=args.format, precision="fp32", device=args.device, fast=False
-    )
-    similar = None
-    if args.index is not None:
-        from vitkit.serve.similar import SimilarImages
-
-        similar = SimilarImages.open(args.index, served)
+    served, similar = open_served(args, precision="fp32", fast=False)
     with tempfile.TemporaryDirectory(prefix="vitkit-demo-") as work:
         demo = build_demo(served, Path(work), samples, similar)
         card = served.card()

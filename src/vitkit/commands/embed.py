@@ -13,6 +13,7 @@ from vitkit.commands.args import (
     check_out_of_inputs,
     finish_job,
     join_processes,
+    parsed,
     ray_steps,
     report_engine,
     resolve_workers,
@@ -20,10 +21,7 @@ from vitkit.commands.args import (
 
 
 def _layer(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid layer {text!r} (a block number 1..L, or -1 for the last)") from None
+    value = parsed(text, int, f"invalid layer {text!r} (a block number 1..L, or -1 for the last)")
     if value == 0:
         raise argparse.ArgumentTypeError("blocks count from 1 (or from the end: -1 is the last)")
     return value

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from vitkit.commands.args import (
@@ -22,13 +23,14 @@ from vitkit.commands.args import (
     join_processes,
     leave_processes,
     load_checkpoint_args,
+    parsed,
     positive_float,
     positive_int,
     print_notes,
     report_engine,
     resolve_workers,
 )
-from vitkit.errors import VitkitError
+from vitkit.errors import ConfigError, VitkitError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,10 +53,7 @@ def _shots(text: str) -> list[int]:
 def _l2(text: str) -> float | str:
     if text == "auto":
         return text
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid l2 {text!r} (a positive number, or auto)") from None
+    value = parsed(text, float, f"invalid l2 {text!r} (a positive number, or auto)")
     if not value > 0:
         raise argparse.ArgumentTypeError(f"l2 must be positive, got {text}")
     return value
@@ -105,8 +104,6 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from vitkit.evaluate.evaluate import check_eval_report_dir, evaluate_dataset, write_eval_report
 
     out = Path(args.out or Path("eval") / f"{Path(args.checkpoint).resolve().name}-{args.split}")
@@ -171,8 +168,6 @@ def _add_fewshot(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_fewshot(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from vitkit.evaluate.fewshot import fewshot_dataset, fewshot_embeddings
     from vitkit.hardware import resolve_device
     from vitkit.output_paths import check_output_file
@@ -184,25 +179,20 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
     if check_embedding_inputs(args):
         result = fewshot_embeddings(args.train_embeddings, args.test_embeddings, **probe)
         source = {"train_embeddings": args.train_embeddings, "test_embeddings": args.test_embeddings}
-        return _print_fewshot(args, source, f"{args.train_embeddings} -> {args.test_embeddings}", result)
-    loaded = load_checkpoint_args(args)
-    train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
-    result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
-                             opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
-    print_notes(result.notes)
-    source = {"checkpoint": args.checkpoint, "data": args.data}
-    return _print_fewshot(args, source, f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})",
-                          result)  # fmt: skip
-
-
-def _print_fewshot(args: argparse.Namespace, source: dict[str, Any], what: str, result: Any) -> int:
+        what = f"{args.train_embeddings} -> {args.test_embeddings}"
+    else:
+        loaded = load_checkpoint_args(args)
+        train, test = _open_split(args, args.train_split), _open_split(args, args.test_split)
+        result = fewshot_dataset(loaded.model, train, test, loaded.meta.preprocess, **probe,
+                                 opts=_run_options(args, resolve_device(args.device)))  # fmt: skip
+        print_notes(result.notes)
+        source = {"checkpoint": args.checkpoint, "data": args.data}
+        what = f"{args.checkpoint} on {args.data} ({args.train_split} -> {args.test_split})"
     return _report(args, {**source, **result.to_dict()}, [f"{what}: few-shot linear probe", result.table()])
 
 
 def _report(args: argparse.Namespace, doc: dict[str, Any], lines: list[str]) -> int:
     """An evaluator's result: written to ``--out`` as JSON, then printed as JSON (``--json``) or as ``lines``."""
-    from pathlib import Path
-
     from vitkit.fileio import write_file_atomic
 
     if args.out:
@@ -243,8 +233,6 @@ def _add_knn(sub: argparse._SubParsersAction) -> None:
 def check_embedding_inputs(args: argparse.Namespace) -> bool:
     """Whether a command reads features from ``--train-embeddings``/``--test-embeddings`` (both given) or computes
     them from a checkpoint and ``--data``; ConfigError for any other mix."""
-    from vitkit.errors import ConfigError
-
     given = [args.train_embeddings is not None, args.test_embeddings is not None]
     if any(given):
         if not all(given):
@@ -258,8 +246,6 @@ def check_embedding_inputs(args: argparse.Namespace) -> bool:
 
 
 def cmd_knn(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from vitkit.evaluate.knn import knn_dataset, knn_embeddings
     from vitkit.output_paths import check_output_file
 

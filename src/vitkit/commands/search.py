@@ -11,19 +11,18 @@ from vitkit.commands.args import (
     add_engine_args,
     add_ray_args,
     add_workers_arg,
+    parsed,
     positive_int,
     print_notes,
     ray_steps,
     report_engine,
     resolve_workers,
 )
+from vitkit.textids import printable
 
 
 def _cosine(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid cosine similarity {text!r} (a number in -1..1)") from None
+    value = parsed(text, float, f"invalid cosine similarity {text!r} (a number in -1..1)")
     if not -1.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{text}: a cosine similarity is in -1..1")
     return value
@@ -100,7 +99,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_index(args: argparse.Namespace) -> int:
     from vitkit.errors import ConfigError
     from vitkit.search import operations
-    from vitkit.textids import printable
 
     workers = resolve_workers(args.workers, args.device)
     settings = operations.EmbedSettings(pool=args.pool, layer=args.layer, precision=args.precision,
@@ -144,7 +142,6 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 def cmd_search(args: argparse.Namespace) -> int:
     from vitkit.search import Index, operations
-    from vitkit.textids import printable
 
     index = Index.open(args.index)
     settings = operations.settings_of(index)
@@ -167,7 +164,6 @@ def cmd_dedup(args: argparse.Namespace) -> int:
 
     from vitkit.search import Index, operations
     from vitkit.search.dedup import DEFAULT_THRESHOLD, find_groups, plot_scores
-    from vitkit.textids import printable
 
     index = Index.open(args.index)
     found = find_groups(index, DEFAULT_THRESHOLD if args.threshold is None else args.threshold, args.k)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from vitkit.commands.args import note_emulated_bf16, positive_float, positive_int
-from vitkit.errors import ConfigError, VitkitError
+from vitkit.errors import VitkitError
 
 
 def require_extra(*modules: str, extra: str = "serve") -> None:
@@ -27,6 +28,27 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for the model (default: torch's, one per core)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+
+
+def open_served(args: argparse.Namespace, **options: Any) -> tuple[Any, Any]:
+    """What ``serve`` and ``demo`` answer with, from :func:`add_model_options`' options: the checkpoint as a
+    :class:`~vitkit.serve.ServedModel` (with the command's ``options``) on ``--threads`` CPU threads, and ``--index``'s
+    :class:`~vitkit.serve.similar.SimilarImages` for it (None without ``--index``)."""
+    import torch
+
+    from vitkit.serve.served_model import ServedModel
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    served = ServedModel.from_checkpoint(args.checkpoint, format=args.format, device=args.device, **options)
+    if options.get("precision") == "bf16":
+        note_emulated_bf16(args.device, "--precision auto picks fp32 here")
+    similar = None
+    if args.index is not None:
+        from vitkit.serve.similar import SimilarImages
+
+        similar = SimilarImages.open(args.index, served)
+    return served, similar
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -143,18 +165,15 @@ def _add_load_options(p: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     require_extra("fastapi", "uvicorn", "prometheus_client", "multipart")
-    import torch
     import uvicorn
 
     from vitkit.data.folder import list_image_files
     from vitkit.serve.app import create_app
     from vitkit.serve.net import bind, server_config
-    from vitkit.serve.served_model import ServedModel, check_calibration_used, uses_calibration
+    from vitkit.serve.served_model import check_calibration_used, uses_calibration
     from vitkit.serve.server import ServeOptions
 
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port {args.port}: must be 1..65535")
-    sock = bind(args.host, args.port)  # a taken port is one line here, before the model loads or any banner
+    sock = bind(args.host, args.port)  # a bad or taken port is one line here, before the model loads or any banner
     calibration = None
     if args.calibration is not None:  # a bad folder fails here, before the model is loaded
         check_calibration_used(args.backend, args.precision)
@@ -165,8 +184,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "sample photos and digits; --calibration DIR calibrates on images like the ones you will serve",
             file=sys.stderr,
         )
-    if args.threads:
-        torch.set_num_threads(args.threads)
     opts = ServeOptions(
         max_batch=args.max_batch,
         max_wait_ms=args.max_wait_ms,
@@ -180,22 +197,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout,
         decode_timeout_s=args.decode_timeout,
     )
-    served = ServedModel.from_checkpoint(
-        args.checkpoint,
-        format=args.format,
-        precision=args.precision,
-        max_batch=args.max_batch,
-        device=args.device,
-        backend=args.backend,
-        calibration=calibration,
+    served, similar = open_served(
+        args, precision=args.precision, max_batch=args.max_batch, backend=args.backend, calibration=calibration
     )
-    if args.precision == "bf16":
-        note_emulated_bf16(args.device, "--precision auto picks fp32 here")
-    similar = None
-    if args.index is not None:
-        from vitkit.serve.similar import SimilarImages
-
-        similar = SimilarImages.open(args.index, served)
     served.warm_up(args.max_batch)
     app = create_app(served, opts, similar)
     card = served.card()

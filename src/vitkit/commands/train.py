@@ -18,6 +18,8 @@ from vitkit.commands.args import (
     print_notes,
     worker_count,
 )
+from vitkit.configs.recipes import RECIPES
+from vitkit.configs.schema import ADAPT_METHODS
 from vitkit.errors import VitkitError
 
 if TYPE_CHECKING:
@@ -128,8 +130,6 @@ def _changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from vitkit.configs.recipes import RECIPES
-
     p = sub.add_parser(
         "train",
         help="train a ViT from scratch (default: the bundled 8x8 digits)",
@@ -185,9 +185,6 @@ def _note_emulated_bf16(cfg: TrainConfig) -> None:
 
 
 def _add_finetune(sub: argparse._SubParsersAction) -> None:
-    from vitkit.configs.recipes import RECIPES
-    from vitkit.configs.schema import ADAPT_METHODS
-
     p = sub.add_parser(
         "finetune",
         help="adapt a checkpoint to your images: full fine-tuning, a linear head, LP-FT or LoRA",

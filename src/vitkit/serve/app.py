@@ -41,6 +41,7 @@ from vitkit.serve.routes import ERROR_HANDLERS, add_routes
 from vitkit.serve.served_model import ServedModel
 from vitkit.serve.server import ServeOptions, Server, ServerMetrics
 from vitkit.serve.similar import SimilarImages
+from vitkit.version import __version__
 
 ROUTES = ("/predict", "/search", "/thumbnail", "/health", "/metrics", "/model", "/docs", "/openapi.json")
 
@@ -54,7 +55,7 @@ def create_app(served: ServedModel, opts: ServeOptions | None = None, similar: S
     app = FastAPI(
         title="vitkit serve",
         summary=f"{server.card['name']} ({server.card['checkpoint']}): image classification with a Vision Transformer",
-        version=_version(),
+        version=__version__,
         lifespan=server.lifespan,
         docs_url=None if assets else "/docs",
         exception_handlers=ERROR_HANDLERS,
@@ -118,9 +119,3 @@ def _swagger_assets() -> str | None:
     except ImportError:
         return None
     return str(swagger_ui_path)
-
-
-def _version() -> str:
-    from vitkit.version import __version__
-
-    return __version__

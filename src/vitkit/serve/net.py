@@ -18,9 +18,11 @@ def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` the way uvicorn binds one (SO_REUSEADDR; IPv6 when the host has a
     colon), not yet listening; uvicorn takes it as it is (``Server.run(sockets=[...])``).
 
-    Raises ConfigError naming ``--port`` when the port is taken or needs privileges, ``--host`` when the host is
-    not an address of this machine.
+    Raises ConfigError naming ``--port`` when the port is not 1..65535, is taken or needs privileges, ``--host``
+    when the host is not an address of this machine.
     """
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port {port}: must be 1..65535")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:

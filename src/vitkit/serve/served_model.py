@@ -25,17 +25,14 @@ from vitkit.analysis.attention_maps import attention_maps, rollout_maps, upsampl
 from vitkit.checkpoints import Loaded, load_checkpoint
 from vitkit.errors import ConfigError, VitkitError
 from vitkit.inference.engine import (  # re-exported: the serve command and its tests name them here
-    CALIBRATION_MAX_IMAGES,
     InferenceEngine,
     calibration_batch,
     check_calibration_used,
     uses_calibration,
 )
-from vitkit.inference.policy import PRECISIONS, plan_engine, resolve_precision
+from vitkit.inference.policy import plan_engine, resolve_precision
 
 __all__ = [
-    "CALIBRATION_MAX_IMAGES",
-    "PRECISIONS",
     "Answer",
     "RequestError",
     "ServedModel",
@@ -122,19 +119,10 @@ class ServedModel:
         self.backend = self.engine.backend
 
     @classmethod
-    def from_checkpoint(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        format: str | None = None,
-        precision: str = "auto",
-        max_batch: int = 8,
-        device: torch.device | str = "cpu",
-        fast: bool = True,
-        backend: str = "torch",
-        calibration: Sequence[str | os.PathLike[str]] | None = None,
-    ) -> ServedModel:
-        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast, backend, calibration)
+    def from_checkpoint(cls, path: str | os.PathLike[str], *, format: str | None = None, **options: Any) -> ServedModel:
+        """The checkpoint at ``path`` (read as :func:`~vitkit.checkpoints.load_checkpoint` reads it, ``format``
+        overriding the detection) served with ``options``: the class's own keywords (``precision``, ...)."""
+        return cls(load_checkpoint(path, format=format), **options)
 
     # ---- facts ----------------------------------------------------------------------------------------
 
