@@ -119,10 +119,19 @@ class ServedModel:
         self.backend = self.engine.backend
 
     @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike[str], *, format: str | None = None, **options: Any) -> ServedModel:
-        """The checkpoint at ``path`` (read as :func:`~vitkit.checkpoints.load_checkpoint` reads it, ``format``
-        overriding the detection) served with ``options``: the class's own keywords (``precision``, ...)."""
-        return cls(load_checkpoint(path, format=format), **options)
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        format: str | None = None,
+        precision: str = "auto",
+        max_batch: int = 8,
+        device: torch.device | str = "cpu",
+        fast: bool = True,
+        backend: str = "torch",
+        calibration: Sequence[str | os.PathLike[str]] | None = None,
+    ) -> ServedModel:
+        return cls(load_checkpoint(path, format=format), precision, max_batch, device, fast, backend, calibration)
 
     # ---- facts ----------------------------------------------------------------------------------------
 
