@@ -178,3 +178,7 @@ class ViTConfig:
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)
+
+    def replace(self, **changes: Any) -> ViTConfig:
+        """A copy with fields changed, checked as every new config is (``from_dict``: unknown names refused)."""
+        return ViTConfig.from_dict({**self.to_dict(), **changes})
