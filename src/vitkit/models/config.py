@@ -161,8 +161,7 @@ class ViTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["image_size"] = list(self.image_size)
-        for key in ("resnet_layers", "rope_ref_grid"):
+        for key in ("image_size", "resnet_layers", "rope_ref_grid"):
             if d[key] is not None:
                 d[key] = list(d[key])
         return d
