@@ -194,8 +194,7 @@ class Run:
 
     def save_model(self, folder: str, **provenance: Any) -> None:
         """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
-        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-        with ctx:
+        with self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext():
             state = self._full_model_state()
         if self.dist.is_main:
             model = empty_model(self.net.cfg)
