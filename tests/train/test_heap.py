@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import SRC
-from vitkit.train.heap import _glibc
+from vitkit.train.heap import glibc
 
 MIB = 64  # above glibc's largest mmap threshold (32 MiB): by default mapped afresh at every allocation
 
@@ -36,7 +36,7 @@ print(json.dumps([kept, default, inside]))
 """
 
 
-@pytest.mark.skipif(_glibc() is None, reason="glibc's allocator only")
+@pytest.mark.skipif(glibc() is None, reason="glibc's allocator only")
 def test_kept_heap_reuses_freed_blocks_without_page_faults() -> None:
     pages = (MIB << 20) // resource.getpagesize()
     env = {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}

@@ -148,10 +148,6 @@ def _compiled(module: nn.Module, task: str) -> nn.Module:
     return torch.compile(module, options=options or None)  # type: ignore[return-value]
 
 
-def _input_dtype(precision: str) -> torch.dtype:
-    return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
 def _logits_fn(module: nn.Module, hf: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     return (lambda x: module(pixel_values=x).logits) if hf else module
 
@@ -189,7 +185,9 @@ def inference_runners(spec: BenchSpec, model: VisionTransformer, x: torch.Tensor
 
 def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, spec: BenchSpec) -> Runner:
     device = x.device
-    xin = x.to(_input_dtype(precision)) if impl != "vitkit-fast" else x
+    # bf16 weights take bf16 images; the fast path casts for itself (the images are float32: x.to(float32) is x)
+    dtype = torch.bfloat16 if precision == "bf16" and impl != "vitkit-fast" else torch.float32
+    xin = x.to(dtype)
     x1 = xin[:1].clone()
 
     def call(images: torch.Tensor) -> Any:
@@ -197,7 +195,7 @@ def _inference_runner(impl: str, precision: str, fn: Callable, x: torch.Tensor, 
             return fn(images)
 
     def output(images: torch.Tensor) -> torch.Tensor:
-        return call(images.to(_input_dtype(precision)) if impl != "vitkit-fast" else images).float()
+        return call(images.to(dtype)).float()
 
     name = f"{impl}{'+compile' if spec.compile and impl != 'vitkit-fast' else ''} [{precision}]"
     return Runner(name, impl, precision, lambda: call(xin), output, lambda: call(x1))

@@ -3,7 +3,6 @@ alternating runners is :mod:`vitkit.timing` (inference's ``backend="auto"`` time
 
 from __future__ import annotations
 
-import contextlib
 import resource
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from vitkit.timing import synchronize
+from vitkit.train.heap import glibc
 
 
 def _rss_bytes(field_name: str) -> int | None:
@@ -22,16 +22,6 @@ def _rss_bytes(field_name: str) -> int | None:
     except OSError:
         pass
     return None
-
-
-def _malloc_trim() -> None:
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(name).malloc_trim(0)
 
 
 def peak_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, float | None]:
@@ -52,7 +42,8 @@ def peak_memory(fn: Callable[[], Any], device: torch.device) -> dict[str, float 
         synchronize(device)
         top = torch.cuda.max_memory_allocated(device)
         return {"peak_mib": top / mib, "delta_mib": (top - held) / mib}
-    _malloc_trim()  # hand freed heap pages back to the OS, so that reuse of them shows as growth
+    if (libc := glibc()) is not None:  # hand freed heap pages back to the OS, so that reuse of them shows as growth
+        libc.malloc_trim(0)
     before = _rss_bytes("VmRSS")
     try:
         Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS

@@ -11,20 +11,19 @@ from typing import Any
 # top-1 agreement 0.375): it is reported, but not a peer to be faster than
 PEER_MAX_REL_ERR = 0.1
 PEER_ERR_FACTOR = 5.0
+OURS = ("vitkit", "vitkit-fast")  # the runners' impl names that are vitkit's; every other impl is a peer
 
 
 def _invalid_peers(rows: list[dict[str, Any]]) -> None:
     """Mark (``left_out``, with the reason) the peer rows whose outputs fail the bound above."""
     for p in rows:
         agree = p.get("agreement_vs_fp32")
-        if p["impl"] in ("vitkit", "vitkit-fast") or not agree:
+        if p["impl"] in OURS or not agree:
             continue
         ours = [
             r["agreement_vs_fp32"]["rel_err"]
             for r in rows
-            if r["impl"] in ("vitkit", "vitkit-fast")
-            and r["precision"] == p["precision"]
-            and r.get("agreement_vs_fp32")
+            if r["impl"] in OURS and r["precision"] == p["precision"] and r.get("agreement_vs_fp32")
         ]
         bound = max([PEER_MAX_REL_ERR, *(PEER_ERR_FACTOR * e for e in ours)])
         if agree["rel_err"] > bound:
@@ -39,11 +38,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     kind (floating point or int8; with or without activation checkpointing). Peers whose outputs are not the
     model's function (:func:`_invalid_peers`) are left out, with the reason in their row."""
     _invalid_peers(rows)
-    peers = [r for r in rows if r["impl"] not in ("vitkit", "vitkit-fast") and "left_out" not in r]
+    peers = [r for r in rows if r["impl"] not in OURS and "left_out" not in r]
     if not peers:
         return
     for r in rows:
-        if r["impl"] not in ("vitkit", "vitkit-fast"):
+        if r["impl"] not in OURS:
             continue
         same = [p for p in peers if p["precision"] == r["precision"] and "+ckpt" not in p["runner"]]
         if "+ckpt" in r["runner"]:

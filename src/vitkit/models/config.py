@@ -161,8 +161,7 @@ class ViTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d["image_size"] = list(self.image_size)
-        for key in ("resnet_layers", "rope_ref_grid"):
+        for key in ("image_size", "resnet_layers", "rope_ref_grid"):
             if d[key] is not None:
                 d[key] = list(d[key])
         return d
@@ -178,3 +177,7 @@ class ViTConfig:
             if isinstance(d.get(key), list):
                 d[key] = tuple(d[key])
         return cls(**d)
+
+    def replace(self, **changes: Any) -> ViTConfig:
+        """A copy with fields changed, checked as every new config is (``from_dict``: unknown names refused)."""
+        return ViTConfig.from_dict({**self.to_dict(), **changes})

@@ -68,61 +68,42 @@ class TorchKernels:
         return attention_backward_reference(grad, qkv, probs, num_heads, scale)
 
 
-class _LinearGelu(torch.autograd.Function):
+class _Linear(torch.autograd.Function):
+    """x W^T + b with its GEMMs through ``kernels`` (:func:`linear`), or with ``gelu`` exact GELU of it, whose
+    backward pass computes GELU's and the bias's gradients in one (``gelu_backward_bias``; :func:`linear_gelu`,
+    its forward GEMM ``addmm`` where the kernels' does not take x); dx goes through the forward's GEMM."""
+
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, kernels: TrainingKernels
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels, gelu: bool
     ) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
         w = weight.to(x.dtype)  # (D_out, D_in)
-        ctx.gemm = kernels.linear_supported(x2)
-        h = kernels.linear(x2, w, bias.to(x.dtype)) if ctx.gemm else torch.addmm(bias.to(x.dtype), x2, w.t())
-        ctx.save_for_backward(x2, w, h)  # h: (N, D_out)
-        ctx.kernels, ctx.lead, ctx.dtypes = kernels, lead, (weight.dtype, bias.dtype)
-        return kernels.gelu(h).reshape(*lead, h.shape[1])
+        b = None if bias is None else bias.to(x.dtype)
+        ctx.gemm = not gelu or kernels.linear_supported(x2)
+        h = kernels.linear(x2, w, b) if ctx.gemm else torch.addmm(b, x2, w.t())  # type: ignore[arg-type]
+        ctx.save_for_backward(x2, w, h if gelu else None)
+        ctx.kernels, ctx.lead, ctx.gelu = kernels, lead, gelu
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return (kernels.gelu(h) if gelu else h).reshape(*lead, h.shape[1])
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, w, h = ctx.saved_tensors
-        g = grad.reshape(h.shape).to(h.dtype).contiguous()  # (N, D_out)
-        dh, db = ctx.kernels.gelu_backward_bias(g, h)
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
-        dx = _input_grad(ctx, dh, w).reshape(*ctx.lead, w.shape[1]) if need_x else None
-        dw = torch.mm(dh.t(), x2).to(ctx.dtypes[0]) if need_w else None
-        return dx, dw, db.to(ctx.dtypes[1]) if need_b else None, None
-
-
-def _input_grad(ctx: Any, grad: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """grad W: (N, D_out) x (D_out, D_in), through the kernels' GEMM where the forward pass used it."""
-    return ctx.kernels.linear(grad, w.t(), None) if ctx.gemm else torch.mm(grad, w)
-
-
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels
-    ) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])  # (N, D_in)
-        w = weight.to(x.dtype)  # (D_out, D_in)
-        y = kernels.linear(x2, w, None if bias is None else bias.to(x.dtype))  # (N, D_out)
-        ctx.save_for_backward(x2, w)
-        ctx.kernels, ctx.lead, ctx.gemm = kernels, lead, True
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return y.reshape(*lead, w.shape[0])
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2, w = ctx.saved_tensors
         g = grad.reshape(-1, w.shape[0]).to(w.dtype).contiguous()  # (N, D_out)
-        need_x, need_w, need_b, _ = ctx.needs_input_grad
-        dx = _input_grad(ctx, g, w).reshape(*ctx.lead, w.shape[1]) if need_x else None
+        db = None
+        if ctx.gelu:
+            g, db = ctx.kernels.gelu_backward_bias(g, h)  # dh, and its sum over rows
+        need_x, need_w, need_b, _, _ = ctx.needs_input_grad
+        dx = None
+        if need_x:  # grad W: (N, D_out) x (D_out, D_in), through the kernels' GEMM where the forward pass used it
+            dx = (ctx.kernels.linear(g, w.t(), None) if ctx.gemm else torch.mm(g, w)).reshape(*ctx.lead, w.shape[1])
         dw = torch.mm(g.t(), x2).to(ctx.dtypes[0]) if need_w else None
-        db = g.sum(0).to(ctx.dtypes[1]) if need_b else None  # as autograd's (sum(dtype=fp32) is 5-50x slower)
-        return dx, dw, db, None
+        if need_b and db is None:
+            db = g.sum(0)  # as autograd's (sum(dtype=fp32) is 5-50x slower)
+        return dx, dw, db.to(ctx.dtypes[1]) if need_b and db is not None else None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels) -> torch.Tensor:
@@ -136,7 +117,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ker
     if not kernels.linear_supported(x.new_empty(0)):
         return F.linear(x, weight, bias)
     with torch.autocast(device, enabled=False):
-        out: torch.Tensor = _Linear.apply(x, weight, bias, kernels)
+        out: torch.Tensor = _Linear.apply(x, weight, bias, kernels, False)
     return out
 
 
@@ -154,7 +135,7 @@ def linear_gelu(
     if bias is None or not kernels.gelu_supported(probe):
         return F.gelu(F.linear(x, weight, bias))
     with torch.autocast(device, enabled=False):
-        out: torch.Tensor = _LinearGelu.apply(x, weight, bias, kernels)
+        out: torch.Tensor = _Linear.apply(x, weight, bias, kernels, True)
     return out
 
 

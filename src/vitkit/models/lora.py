@@ -183,17 +183,13 @@ def add_lora(model: M, spec: LoraSpec, seed: int | None = None) -> M:
                 raise VitkitError(f"LoRA: {name} is a {type(layer).__name__}, not a plain Linear layer")
             _replace(model, name, LoraLinear(layer, spec.rank, spec.alpha, spec.dropout))
     for name, p in model.named_parameters():
-        p.requires_grad_(_is_adapter(name) or name.startswith(("head.", "pre_logits.")))
+        p.requires_grad_(".lora_A." in name or ".lora_B." in name or name.startswith(("head.", "pre_logits.")))
     return model
 
 
 def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
-
-
-def _is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
 
 
 def adapted_layers(model: nn.Module) -> list[tuple[str, LoraLinear]]:

@@ -119,7 +119,6 @@ class ResNetStem(nn.Module):
             stages.append((f"block{n + 1}", nn.Sequential(OrderedDict(units))))
         self.stages = nn.Sequential(OrderedDict(stages))
         self.out_channels = channels
-        self.reduction = resnet_reduction(layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, C, H, W) -> (B, out_channels, H / reduction, W / reduction)

@@ -92,10 +92,8 @@ def create_model(name: str | ViTConfig, **overrides: Any) -> VisionTransformer:
     >>> m = create_model("Ti/16", num_classes=10, image_size=32)
     """
     if isinstance(name, ViTConfig):
-        d = name.to_dict()
-        d.update(overrides)
         try:
-            cfg = ViTConfig.from_dict(d)
+            cfg = name.replace(**overrides)
         except (TypeError, ValueError) as e:
             raise ConfigError(str(e)) from None
     else:

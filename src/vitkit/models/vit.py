@@ -14,7 +14,7 @@ the class token when there is one), D = width, h = heads, d = D / h.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -452,7 +452,7 @@ class VisionTransformer(nn.Module):
         timm's (antialiased), ``"bicubic_plain"`` transformers', ``"bicubic_offset"`` the official DINOv2 code's (see
         ``resample_grid``).
         """
-        new_cfg = _replace(self.cfg, image_size=image_size)  # checks that the stride divides the new size
+        new_cfg = self.cfg.replace(image_size=image_size)  # checks that the stride divides the new size
         if self.pos_embed is not None:
             pe = resample_grid(
                 self.pos_embed.data,
@@ -487,11 +487,7 @@ class VisionTransformer(nn.Module):
         self.head = fresh()
         if self.head_dist is not None:
             self.head_dist = fresh()
-        self.cfg = _replace(self.cfg, num_classes=num_classes, representation_size=rep, head_bias_init=0.0)
-
-
-def _replace(cfg: ViTConfig, **changes: Any) -> ViTConfig:
-    return ViTConfig.from_dict({**cfg.to_dict(), **changes})
+        self.cfg = self.cfg.replace(num_classes=num_classes, representation_size=rep, head_bias_init=0.0)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -79,10 +79,8 @@ def train_transform(cfg: TrainConfig, preprocess: Preprocess) -> TrainTransform:
 
 def _with_overrides(net: VisionTransformer, overrides: dict[str, Any], source: str) -> VisionTransformer:
     """The same weights in a model whose config has ``overrides`` (only non-shape fields can change)."""
-    d = net.cfg.to_dict()
-    d.update(overrides)
     try:
-        new = VisionTransformer(ViTConfig.from_dict(d))
+        new = VisionTransformer(net.cfg.replace(**overrides))
         new.load_state_dict(net.state_dict(), strict=True)
     except (ValueError, TypeError, RuntimeError) as e:
         raise ConfigError(f"{source}: model overrides {sorted(overrides)} cannot apply to a checkpoint ({e})") from None

@@ -24,7 +24,8 @@ TRIM_KEEP = (1 << 31) - 1  # the largest value mallopt takes: never trim while t
 MMAP_MAX_DEFAULT = 65536  # glibc's DEFAULT_MMAP_MAX
 
 
-def _glibc() -> ctypes.CDLL | None:
+def glibc() -> ctypes.CDLL | None:
+    """The process's C library when it is glibc (with ``mallopt`` and ``malloc_trim``), else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -41,7 +42,7 @@ def _glibc() -> ctypes.CDLL | None:
 def heap_kept() -> Iterator[bool]:
     """Within the block, allocations come from the heap and freed memory stays there; yields whether the
     allocator is glibc's (False: nothing changed)."""
-    libc = _glibc()
+    libc = glibc()
     if libc is None:
         yield False
         return

@@ -194,8 +194,7 @@ class Run:
 
     def save_model(self, folder: str, **provenance: Any) -> None:
         """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
-        ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-        with ctx:
+        with self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext():
             state = self._full_model_state()
         if self.dist.is_main:
             model = empty_model(self.net.cfg)
@@ -333,10 +332,6 @@ def _missing_dirs(path: Path) -> list[Path]:
     return missing
 
 
-def _holds_run(path: Path) -> bool:
-    return any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json"))
-
-
 def _taken(path: Path) -> bool:
     return any((path / name).exists() or (path / name).is_symlink() for name in RUN_ENTRIES)
 
@@ -359,7 +354,7 @@ def check_run_dir(path: Path, numbered: bool = False) -> None:
     check_output_location(path, inside=True)
     if numbered:
         return
-    if _holds_run(path):
+    if any((path / name).exists() for name in ("checkpoints", "model", "metrics.csv", "config.json")):
         raise ConfigError(
             f"{path} already holds a run; continue it with: vitkit train --resume {path} (a run stopped before its "
             "first checkpoint starts again from step 0), or choose another --out"

@@ -69,7 +69,7 @@ class Trainer(ValidatedRun):
         self.epoch_loss = [0.0, 0]  # running sum and count of the current epoch's step losses
         self.history: list[dict[str, float]] = []
         self.epoch_rows: list[dict[str, Any]] = []
-        self.explicit_attention = self._explicit_attention()
+        self.explicit_attention = explicit_attention(cfg.attention, self.device, self.net.cfg, self._micro_batch())
         self.training_path: TrainingPath | None = None
         set_fused_attention(self.net, not self.explicit_attention)
         self.model = distr.wrap(
@@ -131,9 +131,6 @@ class Trainer(ValidatedRun):
 
     def _micro_batch(self) -> int:
         return math.ceil(self.cfg.data.batch_size / (self.dist.world * self.cfg.accum_steps))
-
-    def _explicit_attention(self) -> bool:
-        return explicit_attention(self.cfg.attention, self.device, self.net.cfg, self._micro_batch())
 
     def _training_path(self) -> TrainingPath:
         """The CPU step's kernels: the built-in rule, or raced (``vitkit.train.training_path``) with
