@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,17 +78,13 @@ def bf16_is_faster(device: torch.device | str = "cpu", repeats: int = 3) -> bool
     if device.type != "cpu":
         return True
     a, w = torch.randn(512, 768), torch.randn(3072, 768)
-    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    linear = torch.nn.functional.linear
     with torch.inference_mode():
-        pairs = {dt: (a.to(dt), w.to(dt)) for dt in best}
-        for x, y in pairs.values():
-            torch.nn.functional.linear(x, y)  # warm-up: oneDNN creates its primitive
-        for _ in range(repeats):
-            for dt, (x, y) in pairs.items():
-                start = time.perf_counter()
-                torch.nn.functional.linear(x, y)
-                best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] >= BF16_MIN_SPEEDUP * best[torch.bfloat16]
+        fns = {"fp32": functools.partial(linear, a, w), "bf16": functools.partial(linear, a.bfloat16(), w.bfloat16())}
+        for fn in fns.values():
+            fn()  # warm-up: oneDNN creates its primitive
+        timings = time_alternating(fns, repeats, device, torch.get_num_threads())
+    return min(timings["fp32"].times) >= BF16_MIN_SPEEDUP * min(timings["bf16"].times)
 
 
 def resolve_precision(precision: str, device: torch.device | str = "cpu", backend: str = "torch") -> str:
