@@ -164,24 +164,12 @@ class EngineSpec:
     built: InferenceEngine | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def planned(
-        cls,
-        model: VisionTransformer,
-        preprocess: Preprocess,
-        precision: str = "fp32",
-        backend: str = "torch",
-        device: torch.device | str = "cpu",
-        labels: Sequence[str] | None = None,
+    def of(
+        cls, loaded: Loaded, *, precision: str = "fp32", backend: str = "torch", device: torch.device | str = "cpu"
     ) -> EngineSpec:
-        """The spec of ``model`` in ``precision`` on ``backend`` and ``device``: planned now (ConfigError for a
-        request that cannot run)."""
-        return cls(model, preprocess, plan_engine(precision, backend, device), labels)
-
-    @classmethod
-    def of(cls, loaded: Loaded, **kwargs: Any) -> EngineSpec:
-        """The spec of a loaded checkpoint: its model, preprocessing and class names (``kwargs``: ``precision``,
-        ``backend``, ``device``, as :meth:`planned`)."""
-        return cls.planned(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
+        """The spec of a loaded checkpoint (its model, preprocessing and class names) in ``precision`` on ``backend``
+        and ``device``: planned now (ConfigError for a request that cannot run)."""
+        return cls(loaded.model, loaded.meta.preprocess, plan_engine(precision, backend, device), class_labels(loaded))
 
     @classmethod
     def of_engine(cls, engine: InferenceEngine) -> EngineSpec:
@@ -232,7 +220,7 @@ def engine_spec(
         return model
     if isinstance(model, InferenceEngine):
         return EngineSpec.of_engine(model)
-    return EngineSpec.planned(model, preprocess, precision, backend, "auto" if device is None else device)
+    return EngineSpec(model, preprocess, plan_engine(precision, backend, "auto" if device is None else device))
 
 
 Items = Iterable[tuple[Any, str, int]]  # (file path or PIL image, id, label): a source read once, in order
