@@ -181,14 +181,13 @@ class EnginePlan:
             batch_size=SMALL_BATCH if self.compile_mode == "reduce-overhead" else None, compile=self.compile,
         )  # fmt: skip
 
-    def describe(self, what: str | None = None, attention: str | None = None) -> str:
+    def describe(self) -> str:
         """One line: ``--precision auto -> bf16; bf16 fast path on cpu``, with what building measured (the kernel
-        races' choice, the plain model where it won, the fastest SDPA backend). ``what``: other words for the
-        path; ``attention``: the SDPA backend measured fastest (default: the plan's)."""
+        races' choice, the plain model where it won, the fastest SDPA backend)."""
         auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""
-        return f"{auto}{what or self._what(attention or self.attention)} on {self.device}"
+        return f"{auto}{self._what()} on {self.device}"
 
-    def _what(self, attention: str | None) -> str:
+    def _what(self) -> str:
         if self.path == "reference":
             return "fp32 reference (the checkpoint's own model)"
         if self.path == "plain":
@@ -202,8 +201,8 @@ class EnginePlan:
             what += f" ({self.kernels})"
         if self.compile:
             what += f", torch.compile ({self.compile_mode or 'default'} mode)"
-        if attention:
-            what += f", attention: {attention} (measured)"
+        if self.attention:
+            what += f", attention: {self.attention} (measured)"
         elif self.sdpa_candidates:
             what += f", attention: fastest of {'/'.join(self.sdpa_candidates)}"
         return what
