@@ -55,7 +55,7 @@ from vitkit.data.stream import (
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.hardware import CpuShare, total_memory
-from vitkit.inference.engine import InferenceEngine, class_labels
+from vitkit.inference.engine import CALIBRATION_MAX_IMAGES, InferenceEngine, class_labels
 from vitkit.inference.policy import EnginePlan, plan_engine
 from vitkit.models.vit import VisionTransformer
 from vitkit.textids import text_id
@@ -451,7 +451,7 @@ def join(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def calibration_sample(source: ImageSource, transform: Transform, limit: int = 300) -> torch.Tensor:
+def calibration_sample(source: ImageSource, transform: Transform, limit: int = CALIBRATION_MAX_IMAGES) -> torch.Tensor:
     """Up to ``limit`` images spread evenly over ``source``, transformed (OpenVINO int8's calibration set);
     images that fail to decode are left out."""
     n = len(source)
