@@ -89,11 +89,11 @@ def test_auto_precision_follows_the_measured_bf16_speed(monkeypatch: pytest.Monk
     monkeypatch.setattr(policy, "fp32_fast_path_pays", lambda device="cpu": True)
     eng = InferenceEngine(_model(), PRE, precision="auto", tune=False)  # fp32, but the fast path: not the reference
     assert eng.plan.path == "fast" and eng.precision == "fp32"
-    assert eng.describe().startswith("--precision auto -> fp32; fp32 fast") and eng.reduced_decode
+    assert eng.describe().startswith("--precision auto -> fp32; fp32 fast") and not eng.plan.full_decode
     monkeypatch.setattr(policy, "fp32_fast_path_pays", lambda device="cpu": False)  # an AVX2 CPU
     eng = InferenceEngine(_model(), PRE, precision="auto")
-    assert eng.plan.path != "fast" and eng.reduced_decode and "slower on this CPU" in eng.describe()
-    assert not InferenceEngine(_model(), PRE, precision="fp32").reduced_decode  # the reference decodes fully
+    assert eng.plan.path != "fast" and not eng.plan.full_decode and "slower on this CPU" in eng.describe()
+    assert InferenceEngine(_model(), PRE, precision="fp32").plan.full_decode  # the reference decodes fully
 
 
 AUTO_ON = {"avx2": ("fp32", False), "avx512": ("fp32", True), "amx": ("bf16", True)}  # (precision, fast path)
@@ -109,7 +109,7 @@ def test_auto_on_every_cpu_kind_computes_the_models_function(cpu_kind: str) -> N
     precision, fast = AUTO_ON[cpu_kind]
     eng = InferenceEngine(model, PRE, precision="auto", batch_size=4)
     plan = eng.plan
-    assert (eng.precision, plan.path == "fast", plan.full_decode, eng.reduced_decode) == (precision, fast, False, True)
+    assert (eng.precision, plan.path == "fast", plan.full_decode) == (precision, fast, False)
     assert eng.describe().startswith(f"--precision auto -> {precision}; ")
     out = eng.forward(x, logits=True, features=True)
     tol = dict(PRECISION_TOL)[precision]

@@ -118,7 +118,7 @@ def test_an_engine_runs_the_plan_it_is_given(monkeypatch: pytest.MonkeyPatch) ->
     model = randomize_(create_model("Ti/16", num_classes=10, image_size=32, patch_size=8, depth=2)).eval()
     plan = policy.plan_engine("fp32", fp32_reference=False)
     eng = InferenceEngine(model, Preprocess(image_size=32), precision="bf16", batch_size=4, plan=plan, tune=False)
-    assert eng.plan == plan and eng.precision == "fp32" and eng.runner is not model and eng.reduced_decode
+    assert eng.plan == plan and eng.precision == "fp32" and eng.runner is not model and not eng.plan.full_decode
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         assert rel_err(eng.logits(x), model(x)) < 1e-5

@@ -235,7 +235,7 @@ def test_fast_features_are_the_engines_own(tmp_path: Path) -> None:
     pre = Preprocess((8, 8))
     got = fc.cached_features(model, ds, pre, root=tmp_path / "cache", precision="bf16", progress=False)
     engine = InferenceEngine(model, pre, precision="bf16", batch_size=64)
-    assert engine.reduced_decode and engine.runner is not model
+    assert not engine.plan.full_decode and engine.runner is not model
     want = extract(engine, ds, pre, logits=False, features=True, opts=ExtractOptions(progress=False))
     np.testing.assert_array_equal(got.features, want.features)
     full = engine.features(torch.stack([pre(ds[i][0]) for i in range(len(ds))])).numpy()  # fully decoded JPEGs

@@ -97,36 +97,29 @@ def attention_rollout(attentions: Sequence[torch.Tensor]) -> torch.Tensor:
     return rollout
 
 
-def token_map(
-    matrix: torch.Tensor, grid: tuple[int, int], num_prefix: int, class_token: bool | None = None
-) -> torch.Tensor:
-    """Rows -> one patch-grid map per image: the class-token row, or the mean of the patch tokens' rows without
-    one (module doc for ``class_token``).
-
-    ``matrix`` is (..., T, T) (a rollout or one head's attention); returns (..., gh, gw) over patch keys.
-    """
-    N = grid[0] * grid[1]
-    if matrix.shape[-1] != num_prefix + N:
-        raise ValueError(f"attention over {matrix.shape[-1]} tokens does not match {num_prefix} + {grid[0]}x{grid[1]}")
-    if class_token is None:
-        class_token = num_prefix > 0
-    rows = matrix[..., 0, :] if class_token else matrix[..., num_prefix:, :].mean(dim=-2)  # (..., T)
-    return rows[..., num_prefix:].reshape(*rows.shape[:-1], grid[0], grid[1])
-
-
 def rollout_maps(
     attentions: Sequence[torch.Tensor], grid: tuple[int, int], num_prefix: int, class_token: bool | None = None
 ) -> torch.Tensor:
     """(B, gh, gw): how much each patch flows into the pooled representation, by attention rollout."""
-    return token_map(attention_rollout(attentions), grid, num_prefix, class_token)
+    return attention_maps(attention_rollout(attentions), grid, num_prefix, class_token)
 
 
 def attention_maps(
     attn: torch.Tensor, grid: tuple[int, int], num_prefix: int, class_token: bool | None = None
 ) -> torch.Tensor:
     """(B, h, gh, gw): one layer's attention from the class token (without one: mean over the patch queries) to
-    the patches."""
-    return token_map(attn, grid, num_prefix, class_token)
+    the patches (module doc for ``class_token``).
+
+    ``attn`` is (..., T, T) (one layer's attention, or a rollout: :func:`rollout_maps`); returns (..., gh, gw) over
+    patch keys: per map the class-token row, or the mean of the patch tokens' rows.
+    """
+    N = grid[0] * grid[1]
+    if attn.shape[-1] != num_prefix + N:
+        raise ValueError(f"attention over {attn.shape[-1]} tokens does not match {num_prefix} + {grid[0]}x{grid[1]}")
+    if class_token is None:
+        class_token = num_prefix > 0
+    rows = attn[..., 0, :] if class_token else attn[..., num_prefix:, :].mean(dim=-2)  # (..., T)
+    return rows[..., num_prefix:].reshape(*rows.shape[:-1], grid[0], grid[1])
 
 
 def upsample_maps(maps: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

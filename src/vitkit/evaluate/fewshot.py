@@ -348,10 +348,9 @@ def fewshot_embeddings(
     """:func:`fewshot_dataset` on cached features: two outputs of ``vitkit embed`` (the training split's and the
     test split's, of a labelled dataset) instead of a model's forward passes. The episodes are drawn from the
     training file's labels exactly as from the dataset's, so the same features give the same result."""
-    tr, te = comparable_embeddings(train, test)
+    tr, te, K = comparable_embeddings(train, test)
     if not (np.array_equal(tr.index, np.arange(len(tr))) and np.array_equal(te.index, np.arange(len(te)))):
         raise DataError(f"{train} or {test}: not a whole split in order (the episodes address examples by position)")
-    K = int(max(tr.labels.max(), te.labels.max())) + 1
     x_tr = np.asarray(tr.vectors, dtype=np.float32).reshape(len(tr), -1)
     x_te = np.asarray(te.vectors, dtype=np.float32).reshape(len(te), -1)
     return fewshot_evaluate(x_tr, tr.labels, x_te, te.labels, K, shots, seeds, l2, heldout_per_class, l2_grid)

@@ -195,8 +195,7 @@ def knn_embeddings(
     made from a labelled dataset): :func:`knn_evaluate` of their vectors (flattened) and labels. The rows of
     images that failed (embedded with ``--skip-bad``) are left out, as the dataset path leaves those images out,
     and counted: one line per file in ``notes``."""
-    tr, te = comparable_embeddings(train, test, drop_failed=True, notes=notes)
-    K = int(max(tr.labels.max(), te.labels.max())) + 1
+    tr, te, K = comparable_embeddings(train, test, drop_failed=True, notes=notes)
     return knn_evaluate(tr.vectors.reshape(len(tr), -1), tr.labels, te.vectors.reshape(len(te), -1), te.labels, K,
                         k=k, temperature=temperature, query_chunk=query_chunk, bank_chunk=bank_chunk)  # fmt: skip
 
@@ -240,11 +239,12 @@ def comparable_embeddings(
     *,
     drop_failed: bool = False,
     notes: list[str] | None = None,
-) -> tuple[Embeddings, Embeddings]:
+) -> tuple[Embeddings, Embeddings, int]:
     """The train and test embeddings (:func:`labelled_embeddings`), made by one checkpoint, precision,
-    preprocessing and pooling (:func:`~vitkit.inference.provenance.check_comparable`)."""
+    preprocessing and pooling (:func:`~vitkit.inference.provenance.check_comparable`), and the classes they
+    cover (the largest label + 1)."""
     kw: dict[str, Any] = {"drop_failed": drop_failed, "notes": notes}
     tr = labelled_embeddings(train, "--train-embeddings", **kw)
     te = labelled_embeddings(test, "--test-embeddings", **kw)
     check_comparable(tr.meta, te.meta, f"--train-embeddings {train}", f"--test-embeddings {test}")
-    return tr, te
+    return tr, te, int(max(tr.labels.max(), te.labels.max())) + 1

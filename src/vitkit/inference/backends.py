@@ -27,7 +27,6 @@ import ctypes
 import functools
 import importlib.util
 import io
-import logging
 import sys
 import tempfile
 import threading
@@ -41,6 +40,7 @@ from torch import nn
 
 from vitkit import hardware
 from vitkit.errors import VitkitError
+from vitkit.hub.resolve import quiet_logs
 from vitkit.inference.policy import BACKENDS, fast_dtype
 from vitkit.models.vit import VisionTransformer
 from vitkit.timing import time_alternating
@@ -269,16 +269,12 @@ def _nncf_int8(ov_model: Any, calibration: torch.Tensor) -> Any:
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence what the engines' tools print and log (warnings, progress bars) while they run."""
-    root, nncf_logger = logging.getLogger(), logging.getLogger("nncf")
-    levels = root.level, nncf_logger.level
-    root.setLevel(logging.ERROR)
-    nncf_logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        root.setLevel(levels[0])
-        nncf_logger.setLevel(levels[1])
+    with (
+        quiet_logs("root", "nncf"),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        yield
 
 
 def engine_model(

@@ -228,12 +228,6 @@ class InferenceEngine:
         """Whether :meth:`features` works: the torch paths do; the ONNX engines give logits only."""
         return self.backend == "torch"
 
-    @property
-    def reduced_decode(self) -> bool:
-        """Whether JPEGs may be decoded at reduced scale for this engine: ``not plan.full_decode``
-        (:attr:`vitkit.inference.policy.EnginePlan.full_decode`)."""
-        return not self.plan.full_decode
-
     def label(self, index: int) -> str:
         """The name of class ``index`` (``"class N"`` without class names)."""
         return self.labels[index] if self.labels and index < len(self.labels) else f"class {index}"

@@ -90,7 +90,7 @@ class FeatureProvider:
     def __init__(self, model: VisionTransformer | InferenceEngine | EngineSpec, preprocess: Preprocess,
                  opts: ExtractOptions) -> None:  # fmt: skip
         self.spec = engine_spec(model, preprocess, precision=opts.precision, backend=opts.backend, device=opts.device)
-        self.preprocess, self.opts = preprocess, opts
+        self.opts = opts
         self.engine: InferenceEngine | None = None
 
     @property

@@ -55,7 +55,7 @@ from vitkit.data.stream import (
 from vitkit.distributed import DistInfo, broadcast_from_main, check_same_input, gather_to_main, shard_steps
 from vitkit.errors import ConfigError, DataError, VitkitError
 from vitkit.hardware import CpuShare, total_memory
-from vitkit.inference.engine import InferenceEngine, class_labels
+from vitkit.inference.engine import CALIBRATION_MAX_IMAGES, InferenceEngine, class_labels
 from vitkit.inference.policy import EnginePlan, plan_engine
 from vitkit.models.vit import VisionTransformer
 from vitkit.textids import text_id
@@ -164,24 +164,12 @@ class EngineSpec:
     built: InferenceEngine | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def planned(
-        cls,
-        model: VisionTransformer,
-        preprocess: Preprocess,
-        precision: str = "fp32",
-        backend: str = "torch",
-        device: torch.device | str = "cpu",
-        labels: Sequence[str] | None = None,
+    def of(
+        cls, loaded: Loaded, *, precision: str = "fp32", backend: str = "torch", device: torch.device | str = "cpu"
     ) -> EngineSpec:
-        """The spec of ``model`` in ``precision`` on ``backend`` and ``device``: planned now (ConfigError for a
-        request that cannot run)."""
-        return cls(model, preprocess, plan_engine(precision, backend, device), labels)
-
-    @classmethod
-    def of(cls, loaded: Loaded, **kwargs: Any) -> EngineSpec:
-        """The spec of a loaded checkpoint: its model, preprocessing and class names (``kwargs``: ``precision``,
-        ``backend``, ``device``, as :meth:`planned`)."""
-        return cls.planned(loaded.model, loaded.meta.preprocess, labels=class_labels(loaded), **kwargs)
+        """The spec of a loaded checkpoint (its model, preprocessing and class names) in ``precision`` on ``backend``
+        and ``device``: planned now (ConfigError for a request that cannot run)."""
+        return cls(loaded.model, loaded.meta.preprocess, plan_engine(precision, backend, device), class_labels(loaded))
 
     @classmethod
     def of_engine(cls, engine: InferenceEngine) -> EngineSpec:
@@ -232,7 +220,7 @@ def engine_spec(
         return model
     if isinstance(model, InferenceEngine):
         return EngineSpec.of_engine(model)
-    return EngineSpec.planned(model, preprocess, precision, backend, "auto" if device is None else device)
+    return EngineSpec(model, preprocess, plan_engine(precision, backend, "auto" if device is None else device))
 
 
 Items = Iterable[tuple[Any, str, int]]  # (file path or PIL image, id, label): a source read once, in order
@@ -463,7 +451,7 @@ def join(parts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def calibration_sample(source: ImageSource, transform: Transform, limit: int = 300) -> torch.Tensor:
+def calibration_sample(source: ImageSource, transform: Transform, limit: int = CALIBRATION_MAX_IMAGES) -> torch.Tensor:
     """Up to ``limit`` images spread evenly over ``source``, transformed (OpenVINO int8's calibration set);
     images that fail to decode are left out."""
     n = len(source)

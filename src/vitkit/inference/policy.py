@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -79,17 +78,13 @@ def bf16_is_faster(device: torch.device | str = "cpu", repeats: int = 3) -> bool
     if device.type != "cpu":
         return True
     a, w = torch.randn(512, 768), torch.randn(3072, 768)
-    best = {torch.float32: float("inf"), torch.bfloat16: float("inf")}
+    linear = torch.nn.functional.linear
     with torch.inference_mode():
-        pairs = {dt: (a.to(dt), w.to(dt)) for dt in best}
-        for x, y in pairs.values():
-            torch.nn.functional.linear(x, y)  # warm-up: oneDNN creates its primitive
-        for _ in range(repeats):
-            for dt, (x, y) in pairs.items():
-                start = time.perf_counter()
-                torch.nn.functional.linear(x, y)
-                best[dt] = min(best[dt], time.perf_counter() - start)
-    return best[torch.float32] >= BF16_MIN_SPEEDUP * best[torch.bfloat16]
+        fns = {"fp32": functools.partial(linear, a, w), "bf16": functools.partial(linear, a.bfloat16(), w.bfloat16())}
+        for fn in fns.values():
+            fn()  # warm-up: oneDNN creates its primitive
+        timings = time_alternating(fns, repeats, device, torch.get_num_threads())
+    return min(timings["fp32"].times) >= BF16_MIN_SPEEDUP * min(timings["bf16"].times)
 
 
 def resolve_precision(precision: str, device: torch.device | str = "cpu", backend: str = "torch") -> str:
@@ -186,14 +181,13 @@ class EnginePlan:
             batch_size=SMALL_BATCH if self.compile_mode == "reduce-overhead" else None, compile=self.compile,
         )  # fmt: skip
 
-    def describe(self, what: str | None = None, attention: str | None = None) -> str:
+    def describe(self) -> str:
         """One line: ``--precision auto -> bf16; bf16 fast path on cpu``, with what building measured (the kernel
-        races' choice, the plain model where it won, the fastest SDPA backend). ``what``: other words for the
-        path; ``attention``: the SDPA backend measured fastest (default: the plan's)."""
+        races' choice, the plain model where it won, the fastest SDPA backend)."""
         auto = f"--precision auto -> {self.precision}; " if self.requested == "auto" else ""
-        return f"{auto}{what or self._what(attention or self.attention)} on {self.device}"
+        return f"{auto}{self._what()} on {self.device}"
 
-    def _what(self, attention: str | None) -> str:
+    def _what(self) -> str:
         if self.path == "reference":
             return "fp32 reference (the checkpoint's own model)"
         if self.path == "plain":
@@ -207,8 +201,8 @@ class EnginePlan:
             what += f" ({self.kernels})"
         if self.compile:
             what += f", torch.compile ({self.compile_mode or 'default'} mode)"
-        if attention:
-            what += f", attention: {attention} (measured)"
+        if self.attention:
+            what += f", attention: {self.attention} (measured)"
         elif self.sdpa_candidates:
             what += f", attention: fastest of {'/'.join(self.sdpa_candidates)}"
         return what
