@@ -358,26 +358,20 @@ WORKER_TIMEOUT = 600  # seconds a decoding worker may take for one batch before 
 
 def _checked(batches: Iterable[StreamBatch], skip_bad: bool, buffers: _Buffers | None = None) -> Iterator[StreamBatch]:
     try:
-        yield from _checked_items(batches, skip_bad, buffers)
+        for b in batches:
+            if buffers is not None:
+                buffers.track(b)
+            if not skip_bad:
+                bad = next((e for e in b.errors if e is not None), None)
+                if bad is not None:
+                    raise DataError(bad)
+            yield b
     except RuntimeError as e:  # the DataLoader's timeout: one line, not a traceback
         if "timed out" not in str(e):
             raise
         raise DataError(
             f"a decoding worker gave no batch in {WORKER_TIMEOUT} s; stopped (a file that never ends?)"
         ) from None
-
-
-def _checked_items(
-    batches: Iterable[StreamBatch], skip_bad: bool, buffers: _Buffers | None = None
-) -> Iterator[StreamBatch]:
-    for b in batches:
-        if buffers is not None:
-            buffers.track(b)
-        if not skip_bad:
-            bad = next((e for e in b.errors if e is not None), None)
-            if bad is not None:
-                raise DataError(bad)
-        yield b
 
 
 def stream_batches(
