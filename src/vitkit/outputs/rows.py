@@ -248,22 +248,16 @@ class _TextWriter(RowWriter):
         f.truncate(keep)
         f.seek(keep)
 
-    def _damaged(self, number: int, why: str) -> DataError:
-        return DataError(
-            f"{self.path}: line {number} {why}; vitkit resumes only its own undamaged outputs (write to a new --out, "
-            "or pass --overwrite to start again)"
-        )
-
     def _decode(self, record: bytes, number: int) -> str:
         try:
             return record.decode("utf-8")
         except UnicodeDecodeError:
-            raise self._damaged(number, "is not UTF-8") from None
+            raise _damaged(self.path, number, "is not UTF-8") from None
 
     def _check_header(self, record: bytes, number: int) -> None:
         rows = list(csv.reader(io.StringIO(self._decode(record, number), newline="")))
         if rows != [self.header]:
-            raise self._damaged(number, "is not the header this job writes")
+            raise _damaged(self.path, number, "is not the header this job writes")
 
     def _row_id(self, record: bytes, number: int) -> str:
         text = self._decode(record, number)
@@ -273,20 +267,28 @@ class _TextWriter(RowWriter):
             except csv.Error:
                 rows = []
             if len(rows) != 1 or len(rows[0]) != len(self.header):
-                raise self._damaged(number, f"is not a row of {len(self.header)} columns")
+                raise _damaged(self.path, number, f"is not a row of {len(self.header)} columns")
             return _csv_uncell(rows[0][self.header.index(self.id_field)])
         try:
             row = json.loads(text)
         except ValueError:
-            raise self._damaged(number, "is not a JSON row") from None
+            raise _damaged(self.path, number, "is not a JSON row") from None
         if not isinstance(row, dict) or sorted(row) != sorted(self.columns):
-            raise self._damaged(number, "has other fields than this job writes")
+            raise _damaged(self.path, number, "has other fields than this job writes")
         if not isinstance(row[self.id_field], str):
-            raise self._damaged(number, f"has no {self.id_field!r} string")
+            raise _damaged(self.path, number, f"has no {self.id_field!r} string")
         return row[self.id_field]
 
     def _finish(self) -> None:
         self.file.close()
+
+
+def _damaged(path: Path, number: int, why: str) -> DataError:
+    """The refusal of an output to resume whose line ``number`` is damaged (``why``)."""
+    return DataError(
+        f"{path}: line {number} {why}; vitkit resumes only its own undamaged outputs (write to a new --out, or pass "
+        "--overwrite to start again)"
+    )
 
 
 def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
@@ -316,10 +318,7 @@ def _csv_records(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
             yield record, True
             record, first = b"", number + 1
     if b"\n" in record:
-        raise DataError(
-            f"{path}: line {first} opens a quoted field that never closes (a stray '\"'); vitkit resumes only its "
-            "own undamaged outputs (write to a new --out, or pass --overwrite to start again)"
-        )
+        raise _damaged(path, first, "opens a quoted field that never closes (a stray '\"')")
     if record:
         yield record, False
 
