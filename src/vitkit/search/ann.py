@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from vitkit.errors import ConfigError
+from vitkit.hardware import cpu_count
+from vitkit.search.format import IndexFileError
 
 NAME = "hnsw"
 LIBRARY = "hnswlib"
@@ -55,12 +57,6 @@ def params(ef_search: int = EF_SEARCH) -> dict[str, Any]:
             "ef_construction": EF_CONSTRUCTION, "ef_search": ef_search}  # fmt: skip
 
 
-def _threads() -> int:
-    from vitkit.hardware import cpu_count
-
-    return max(1, cpu_count())
-
-
 class Graph:
     """An hnswlib index over the rows of a vector matrix."""
 
@@ -76,7 +72,7 @@ class Graph:
         index = lib.Index(space="ip", dim=vectors.shape[1])
         index.init_index(max_elements=max(1, len(vectors)), ef_construction=int(backend["ef_construction"]),
                          M=int(backend["M"]), random_seed=0)  # fmt: skip
-        index.set_num_threads(_threads())
+        index.set_num_threads(cpu_count())
         if len(vectors):
             index.add_items(vectors, np.arange(len(vectors), dtype=np.int64))
         return cls(index, int(backend["ef_search"]))
@@ -88,10 +84,8 @@ class Graph:
         index = lib.Index(space="ip", dim=dimension)
         index.load_index(str(path), max_elements=max(1, count))
         if index.get_current_count() != count:
-            from vitkit.search.format import IndexFileError
-
             raise IndexFileError(f"{path.parent}: its graph holds {index.get_current_count()} vectors, not {count}")
-        index.set_num_threads(_threads())
+        index.set_num_threads(cpu_count())
         return cls(index, int(backend["ef_search"]))
 
     def add(self, vectors: np.ndarray, start: int) -> None:
@@ -221,8 +215,6 @@ class Lists:
     @classmethod
     def load(cls, path: Path, dimension: int, count: int, backend: dict[str, Any]) -> Lists:
         """The lists file of a verified index (its size and checksum already checked)."""
-        from vitkit.search.format import IndexFileError
-
         lists = cls.lists_in(path.stat().st_size, count, dimension)
         if not lists or lists > max(1, count):
             raise IndexFileError(f"{path.parent}: its lists file's size does not fit {count} vectors of dimension "
