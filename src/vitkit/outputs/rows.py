@@ -175,19 +175,17 @@ class _TextWriter(RowWriter):
         self.columns = self.header if self.is_csv else [f.name for f in self.fields]
         if resume and os.path.lexists(path):
             self._check_mark()
-            raw = open_regular(path)
+            self.file = open_regular(path)
             try:
-                self._reopen(raw)
+                self._reopen(self.file)
             except BaseException:
-                raw.close()
+                self.file.close()
                 raise
         else:
             write_sidecar(path, {"columns": self.columns, "meta": self.meta})
-            raw = create_new(path)
+            self.file = create_new(path)
             if self.is_csv:
-                raw.write(csv_text([self.header]).encode("utf-8"))
-                raw.flush()
-        self.file = raw
+                self._emit(csv_text([self.header]))
 
     def _check_mark(self) -> None:
         """The file must carry vitkit's mark with this job's columns and meta (DataError naming it otherwise)."""
