@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -69,10 +69,7 @@ class GpuDecodeTransform:
     else -> ``cpu``'s uint8 pixels (see the module docstring). Picklable."""
 
     cpu: EvalTransform  # uint8=True, the fast path: what the workers compute for the rest
-
-    @property
-    def lazy(self) -> bool:
-        return True
+    lazy: ClassVar[bool] = True  # it wants JPEGs read and not decoded
 
     def __call__(self, img: LazyImage, name: str = "image") -> torch.Tensor | EncodedImage:
         pre = self.cpu.preprocess
