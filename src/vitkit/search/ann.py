@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from vitkit.errors import ConfigError
 from vitkit.hardware import cpu_count
@@ -121,8 +122,6 @@ def ivf_lists(n: int) -> int:
 
 def _nearest(x: Any, centres: Any, block: int = 65536) -> Any:
     """Per row of ``x`` (torch, N x D) the index of the centre with the highest inner product."""
-    import torch
-
     out = torch.empty(len(x), dtype=torch.int64)
     for s in range(0, len(x), block):
         out[s : s + block] = (x[s : s + block] @ centres.T).argmax(dim=1)
@@ -131,8 +130,6 @@ def _nearest(x: Any, centres: Any, block: int = 65536) -> Any:
 
 def kmeans(x: np.ndarray, lists: int, iterations: int = IVF_ITERATIONS, seed: int = 0) -> np.ndarray:
     """Spherical k-means: ``lists`` unit centres (lists, D) of the unit rows of ``x`` (a sample, seeded)."""
-    import torch
-
     rng = np.random.default_rng(seed)
     n = len(x)
     take = min(n, lists * IVF_SAMPLE_PER_LIST)
@@ -174,8 +171,6 @@ class Lists:
     @classmethod
     def build(cls, vectors: np.ndarray, backend: dict[str, Any]) -> Lists:
         """Lists over the rows of the unit ``vectors`` (N, D) with the manifest entry ``backend``'s parameters."""
-        import torch
-
         n, d = vectors.shape
         lists = max(1, min(int(backend["lists"]), n))
         if not n:
@@ -188,8 +183,6 @@ class Lists:
 
     def add(self, vectors: np.ndarray, start: int) -> None:
         """Append ``vectors`` as rows ``start``, ... to their nearest lists (the centres stay as trained)."""
-        import torch
-
         if not len(vectors):
             return
         near_new = _nearest(torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)),
@@ -235,8 +228,6 @@ class Lists:
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
         """Rows (M, k) of the top ``k`` per query among the vectors of its ``nprobe`` nearest lists (more lists
         when those hold fewer than ``k``). k at most the number of vectors."""
-        import torch
-
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
         m, lists = len(q), len(self.centres)
         sizes = np.diff(self.offsets)
