@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from vitkit.checkpoints.preprocess import TORCH_RESIZE, Preprocess
 from vitkit.data.eval_transform import MAX_CROP_AMPLIFICATION, EvalTransform
-from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch
+from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch, _pack
 from vitkit.errors import ConfigError, DataError
 from vitkit.images import EncodedJpeg, LazyImage
 
@@ -234,8 +234,6 @@ def measure_rates(
             break
     if not items:
         return None
-    from vitkit.data.stream import _pack
-
     batch = StreamBatch(
         positions=np.arange(len(items)), ids=[n for *_, n in items], labels=np.full(len(items), -1),
         errors=[None] * len(items), images=torch.empty(0), encoded=_pack([(k, e) for k, (_, e, _) in enumerate(items)]),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -423,8 +424,6 @@ def _released_after(batches: Iterator[StreamBatch], count: int) -> Iterator[Stre
     worker in turn, waiting for the process to exit, and the job waited with it -- 2.9 s of an H100 eval's main
     process (cProfile, 15 workers; 40-60 ms for 2-8 workers on 2 cores). The workers are idle then (every batch
     has arrived), and the thread holds the iterator until they are gone, so it is not collected meanwhile."""
-    import threading
-
     for k in range(count):
         b = next(batches)
         if k == count - 1:
