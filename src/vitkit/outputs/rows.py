@@ -330,6 +330,9 @@ class _ParquetWriter(RowWriter):
         super().__init__(path, fields, id_field, meta)
         pa = pyarrow()
         self.pa = pa
+        import pyarrow.parquet as pq  # after pyarrow(): its ConfigError names the extra to install
+
+        self.pq = pq
         self.schema = pa.schema(
             [pa.field(f.name, _arrow_type(pa, f.kind)) for f in self.fields],
             metadata={WRITER_KEY: WRITER, **meta},
@@ -341,8 +344,6 @@ class _ParquetWriter(RowWriter):
         self.parts.folder.mkdir(exist_ok=True)
 
     def _reopen(self) -> None:
-        import pyarrow.parquet as pq
-
         self.parts.drop_temporaries()
         if self.path.exists() and not self.parts.numbered():  # a finished file: reopened as the first part
             self._check_ours(self.path)
@@ -350,15 +351,13 @@ class _ParquetWriter(RowWriter):
                 self.parts.write(0, lambda f: shutil.copyfileobj(done, f, 1 << 20))  # leaves the file as it was
         for number, part in self.parts.numbered():
             self._check_ours(part)
-            for batch in pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed
+            for batch in self.pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed
                 self.ids += [str(v) for v in batch.column(0).to_pylist()]
             self.next_part = number + 1
 
     def _check_ours(self, file: Path) -> None:
-        import pyarrow.parquet as pq
-
         try:
-            schema = pq.read_schema(file)
+            schema = self.pq.read_schema(file)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError...
             raise DataError(f"{file}: not a readable Parquet file ({e})") from None
         if (schema.metadata or {}).get(WRITER_KEY.encode()) != WRITER.encode():
@@ -373,8 +372,6 @@ class _ParquetWriter(RowWriter):
         check_same(found, self.meta, str(file))
 
     def _write(self, n: int, values: list[list[Any]]) -> None:
-        import pyarrow.parquet as pq
-
         table = self.pa.table(
             {
                 f.name: self.pa.array(v, type=self.schema.field(f.name).type)
@@ -382,13 +379,11 @@ class _ParquetWriter(RowWriter):
             },
             schema=self.schema,
         )
-        self.parts.write(self.next_part, lambda f: pq.write_table(table, f))
+        self.parts.write(self.next_part, lambda f: self.pq.write_table(table, f))
         self.next_part += 1
 
     def _finish(self) -> None:
-        import pyarrow.parquet as pq
-
-        batches = (b for _, p in self.parts.numbered() for b in pq.ParquetFile(p).iter_batches())  # streamed
+        batches = (b for _, p in self.parts.numbered() for b in self.pq.ParquetFile(p).iter_batches())  # streamed
         write_parquet(self.path, self.schema, (self.pa.Table.from_batches([b], self.schema) for b in batches))
         self.parts.discard()  # renamed aside first: a kill never leaves some of the parts beside the file
 
