@@ -352,12 +352,10 @@ def cell_roots(path_text: str, datasets: Any) -> tuple[Path, ...]:
     local = Path(path_text)
     if local.exists():
         roots.append(local if local.is_dir() else local.parent)
-    try:
+    with contextlib.suppress(ImportError):
         from huggingface_hub import constants
 
         roots.append(Path(constants.HF_HUB_CACHE))
-    except ImportError:
-        pass
     return tuple(r.resolve() for r in roots)
 
 
