@@ -131,15 +131,6 @@ def gather_to_main(value: Any, info: DistInfo) -> list[Any] | None:
     return out
 
 
-def all_gather(value: Any, info: DistInfo) -> list[Any]:
-    """Every process's ``value`` (any picklable object), in rank order, on every process."""
-    if not info.enabled:
-        return [value]
-    out: list[Any] = [None] * info.world
-    dist.all_gather_object(out, value)
-    return out
-
-
 def broadcast_from_main(value: Any, info: DistInfo) -> Any:
     """Process 0's ``value`` (any picklable object), on every process."""
     if not info.enabled:
@@ -165,7 +156,8 @@ def check_same_input(ids: Iterable[str], info: DistInfo, what: str = "the input"
     list to every other (one collective, so no process goes on alone into steps the others never take)."""
     if not info.enabled:
         return
-    every = all_gather(input_digest(ids), info)
+    every: list[Any] = [None] * info.world
+    dist.all_gather_object(every, input_digest(ids))
     differ = [r for r, d in enumerate(every) if d != every[0]]
     if differ:
         r = differ[0]

@@ -42,29 +42,27 @@ def total_memory() -> int | None:
         return None
 
 
+def _cpuinfo(key: str) -> str | None:
+    """What follows the colon on the first line of /proc/cpuinfo that starts with ``key`` (None when there is no
+    such line, or no readable file)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1] for line in lines if line.startswith(key)), None)
+
+
 def cpu_flags() -> set[str]:
     """The CPU feature flags from /proc/cpuinfo (empty when unavailable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (``platform.processor()`` where it is unavailable; may be empty)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     import platform
 
-    return platform.processor()
+    model = _cpuinfo("model name")
+    return platform.processor() if model is None else model.strip()
 
 
 def has_native_bf16(device: torch.device | str = "cpu") -> bool:

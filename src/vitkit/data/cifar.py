@@ -122,17 +122,14 @@ def _batch(path: Path, label_key: str) -> tuple[np.ndarray, np.ndarray]:
 def _labels(value: Any, n: int, path: Path) -> np.ndarray:
     """A batch's labels, a list of ints (as released) or a 1-D integer array, checked to be ``n`` of them before
     any is converted."""
-    if isinstance(value, list):
-        if len(value) != n:
-            raise DataError(f"{path}: {n} images but {len(value)} labels")
-        if not all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in value):
-            raise DataError(f"{path}: the labels must be integers")
-        return np.asarray(value, dtype=np.int64)
-    if not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or value.ndim != 1:
+    listed = isinstance(value, list)
+    if not listed and (not isinstance(value, np.ndarray) or value.dtype.kind not in "iu" or value.ndim != 1):
         raise DataError(f"{path}: the labels must be a list or 1-D array of integers")
-    if value.shape[0] != n:
-        raise DataError(f"{path}: {n} images but {value.shape[0]} labels")
-    return value.astype(np.int64)
+    if len(value) != n:
+        raise DataError(f"{path}: {n} images but {len(value)} labels")
+    if listed and not all(type(v) is int and -(1 << 63) <= v < 1 << 63 for v in value):
+        raise DataError(f"{path}: the labels must be integers")
+    return np.asarray(value, dtype=np.int64)
 
 
 def open_cifar(root: Path, split: str = "train", *, classes: list[str] | None = None) -> ArrayDataset:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from vitkit.checkpoints.preprocess import TORCH_RESIZE, Preprocess
 from vitkit.data.eval_transform import MAX_CROP_AMPLIFICATION, EvalTransform
-from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch
+from vitkit.data.stream import EncodedBatch, EncodedImage, ImageSource, StreamBatch, _pack
 from vitkit.errors import ConfigError, DataError
 from vitkit.images import EncodedJpeg, LazyImage
 
@@ -69,10 +69,7 @@ class GpuDecodeTransform:
     else -> ``cpu``'s uint8 pixels (see the module docstring). Picklable."""
 
     cpu: EvalTransform  # uint8=True, the fast path: what the workers compute for the rest
-
-    @property
-    def lazy(self) -> bool:
-        return True
+    lazy: ClassVar[bool] = True  # it wants JPEGs read and not decoded
 
     def __call__(self, img: LazyImage, name: str = "image") -> torch.Tensor | EncodedImage:
         pre = self.cpu.preprocess
@@ -237,8 +234,6 @@ def measure_rates(
             break
     if not items:
         return None
-    from vitkit.data.stream import _pack
-
     batch = StreamBatch(
         positions=np.arange(len(items)), ids=[n for *_, n in items], labels=np.full(len(items), -1),
         errors=[None] * len(items), images=torch.empty(0), encoded=_pack([(k, e) for k, (_, e, _) in enumerate(items)]),

@@ -192,14 +192,12 @@ def _load(datasets: Any, path_text: str, split: str) -> Any:
             obj = _load_hub_dataset(datasets, path_text)
     except DataError:
         raise
-    except FileNotFoundError as e:
-        if not path.exists():
+    except (FileNotFoundError, ImportError) as e:  # ImportError: e.g. a builder needing an extra package
+        if isinstance(e, FileNotFoundError) and not path.exists():
             raise DataError(
                 f"{path_text}: no such file or directory, and not a dataset in the local Hugging Face cache "
                 f"(offline mode: download it first with datasets.load_dataset on a connected machine) ({e})"
             ) from None
-        raise DataError(f"{path_text}: {e}") from None
-    except ImportError as e:  # e.g. a builder needing an extra package
         raise DataError(f"{path_text}: {e}") from None
     except Exception as e:  # datasets raises many types (DatasetNotFoundError, ConnectionError, ArrowInvalid...)
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -318,7 +316,12 @@ def decode_cell(value: Any, what: str, roots: tuple[Path, ...] = ()) -> Image.Im
         if isinstance(value, bytes | bytearray):
             if not value:
                 raise DataError(f"{what}: empty image (0 bytes)")
-            return _decode_bytes(bytes(value), what)
+            try:
+                return decode_image(bytes(value), what)
+            except ImageTooLarge:
+                raise
+            except DataError as e:  # the decoder's reason, as an unreadable image of this row
+                raise DataError(f"{what}: unreadable image ({str(e).removeprefix(what + ': ')})") from None
         if value is None:
             raise DataError(f"{what}: no image (null)")
         arr = np.asarray(value)
@@ -342,15 +345,6 @@ def _cell_file(path: str, what: str, roots: tuple[Path, ...]) -> bytes:
     return read_image_file(real)
 
 
-def _decode_bytes(data: bytes, what: str) -> Image.Image:
-    try:
-        return decode_image(data, what)
-    except ImageTooLarge:
-        raise
-    except DataError as e:
-        raise DataError(f"{what}: unreadable image ({str(e).removeprefix(what + ': ')})") from None
-
-
 def cell_roots(path_text: str, datasets: Any) -> tuple[Path, ...]:
     """Where an image cell's ``path`` may point: a local dataset's own folder, and the datasets and Hub caches
     (where a Hub dataset's files are extracted)."""
@@ -358,12 +352,10 @@ def cell_roots(path_text: str, datasets: Any) -> tuple[Path, ...]:
     local = Path(path_text)
     if local.exists():
         roots.append(local if local.is_dir() else local.parent)
-    try:
+    with contextlib.suppress(ImportError):
         from huggingface_hub import constants
 
         roots.append(Path(constants.HF_HUB_CACHE))
-    except ImportError:
-        pass
     return tuple(r.resolve() for r in roots)
 
 

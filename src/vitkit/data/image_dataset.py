@@ -94,7 +94,7 @@ class ImageDataset:
 
     def __getitem__(self, index: int) -> tuple[Image.Image, int]:
         index = self._checked(index)
-        return to_rgb(self.load_image(index)), int(self.labels[index])
+        return convert_image(self.load_image(index), "RGB"), int(self.labels[index])
 
     def _checked(self, index: int) -> int:
         """``index`` in [0, len), counting negative ones from the end; IndexError outside."""
@@ -122,7 +122,7 @@ class ImageDataset:
         region its random crop needs (``images.decode_crop``); any other image as ``ds[index]``."""
         index = self._checked(index)
         img = self.load_lazy(index)
-        return (img if isinstance(img, EncodedJpeg) else to_rgb(img)), int(self.labels[index])
+        return (img if isinstance(img, EncodedJpeg) else convert_image(img, "RGB")), int(self.labels[index])
 
     def describe(self, index: int) -> str:
         """A human-readable name of item ``index`` (its file, or source[index]) for error messages."""
@@ -154,12 +154,6 @@ class ArrayDataset(ImageDataset):
         if arr.ndim == 3 and arr.shape[-1] == 1:
             arr = arr[..., 0]
         return Image.fromarray(np.ascontiguousarray(arr))
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode -> RGB (16-bit and float greyscale are rescaled to 8 bits first): the conversion of
-    every command, :func:`vitkit.images.convert_image`."""
-    return convert_image(img, "RGB")
 
 
 def skipped_note(ds: ImageDataset) -> str | None:

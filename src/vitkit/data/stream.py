@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -358,26 +359,20 @@ WORKER_TIMEOUT = 600  # seconds a decoding worker may take for one batch before 
 
 def _checked(batches: Iterable[StreamBatch], skip_bad: bool, buffers: _Buffers | None = None) -> Iterator[StreamBatch]:
     try:
-        yield from _checked_items(batches, skip_bad, buffers)
+        for b in batches:
+            if buffers is not None:
+                buffers.track(b)
+            if not skip_bad:
+                bad = next((e for e in b.errors if e is not None), None)
+                if bad is not None:
+                    raise DataError(bad)
+            yield b
     except RuntimeError as e:  # the DataLoader's timeout: one line, not a traceback
         if "timed out" not in str(e):
             raise
         raise DataError(
             f"a decoding worker gave no batch in {WORKER_TIMEOUT} s; stopped (a file that never ends?)"
         ) from None
-
-
-def _checked_items(
-    batches: Iterable[StreamBatch], skip_bad: bool, buffers: _Buffers | None = None
-) -> Iterator[StreamBatch]:
-    for b in batches:
-        if buffers is not None:
-            buffers.track(b)
-        if not skip_bad:
-            bad = next((e for e in b.errors if e is not None), None)
-            if bad is not None:
-                raise DataError(bad)
-        yield b
 
 
 def stream_batches(
@@ -429,8 +424,6 @@ def _released_after(batches: Iterator[StreamBatch], count: int) -> Iterator[Stre
     worker in turn, waiting for the process to exit, and the job waited with it -- 2.9 s of an H100 eval's main
     process (cProfile, 15 workers; 40-60 ms for 2-8 workers on 2 cores). The workers are idle then (every batch
     has arrived), and the thread holds the iterator until they are gone, so it is not collected meanwhile."""
-    import threading
-
     for k in range(count):
         b = next(batches)
         if k == count - 1:

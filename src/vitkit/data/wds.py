@@ -141,24 +141,21 @@ class WebDataset(ImageDataset):
         state["_files"] = {}
         return state
 
-    def _read(self, index: int) -> bytes:
-        s = int(self.shard_of[index])
-        f = self._files.get(s)
-        if f is None:
-            f = self._files[s] = open(self.shards[s], "rb")  # noqa: SIM115 (kept open for reuse)
-        if not 0 < int(self.sizes[index]) <= MAX_IMAGE_BYTES:  # the index refuses them; a hand-made one too
-            raise DataError(f"{self.describe(index)}: an image member of {int(self.sizes[index])} bytes")
-        f.seek(int(self.offsets[index]))
-        data = f.read(int(self.sizes[index]))
-        if len(data) != int(self.sizes[index]):
-            raise DataError(f"{self.describe(index)}: truncated shard")
-        return bytes(data)
-
     def _member(self, index: int) -> bytes:
+        s = int(self.shard_of[index])
         try:
-            return self._read(index)
+            f = self._files.get(s)
+            if f is None:
+                f = self._files[s] = open(self.shards[s], "rb")  # noqa: SIM115 (kept open for reuse)
+            if not 0 < int(self.sizes[index]) <= MAX_IMAGE_BYTES:  # the index refuses them; a hand-made one too
+                raise DataError(f"{self.describe(index)}: an image member of {int(self.sizes[index])} bytes")
+            f.seek(int(self.offsets[index]))
+            data = f.read(int(self.sizes[index]))
+            if len(data) != int(self.sizes[index]):
+                raise DataError(f"{self.describe(index)}: truncated shard")
         except OSError as e:
             raise DataError(f"{self.describe(index)}: unreadable shard ({e.strerror or e})") from None
+        return bytes(data)
 
     def load_image(self, index: int) -> Image.Image:
         return decode_image(self._member(index), self.describe(index))

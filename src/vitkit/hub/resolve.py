@@ -16,6 +16,7 @@ A name that resolves nowhere is an error listing what was tried.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -174,8 +175,6 @@ def fetch_hub(repo_id: str, revision: str | None = None) -> Path:
             f"{label}: none of {', '.join(WEIGHT_FILES)} in the repository (or, offline, in the local cache)"
         )
     if weights.endswith(".index.json"):
-        import json
-
         shards = sorted(set(json.loads(Path(weights).read_text()).get("weight_map", {}).values()))
         for shard in shards:
             _hub_file(repo_id, shard, revision, label, required=True)

@@ -176,10 +176,8 @@ def fetch(
                     start, total = 0, _content_length(resp, url)
                 if total is not None and total > max_bytes:
                     raise _too_large(url, total, max_bytes)
-                if total is not None:
-                    free = shutil.disk_usage(part.parent).free
-                    if total - start > free:
-                        raise disk_full(part.parent)
+                if total is not None and total - start > shutil.disk_usage(part.parent).free:
+                    raise disk_full(part.parent)
                 if bar is None:
                     bar = tqdm(
                         total=total, initial=start, unit="B", unit_scale=True, unit_divisor=1024, desc=label,

@@ -175,19 +175,17 @@ class _TextWriter(RowWriter):
         self.columns = self.header if self.is_csv else [f.name for f in self.fields]
         if resume and os.path.lexists(path):
             self._check_mark()
-            raw = open_regular(path)
+            self.file = open_regular(path)
             try:
-                self._reopen(raw)
+                self._reopen(self.file)
             except BaseException:
-                raw.close()
+                self.file.close()
                 raise
         else:
             write_sidecar(path, {"columns": self.columns, "meta": self.meta})
-            raw = create_new(path)
+            self.file = create_new(path)
             if self.is_csv:
-                raw.write(csv_text([self.header]).encode("utf-8"))
-                raw.flush()
-        self.file = raw
+                self._emit(csv_text([self.header]))
 
     def _check_mark(self) -> None:
         """The file must carry vitkit's mark with this job's columns and meta (DataError naming it otherwise)."""
@@ -248,22 +246,16 @@ class _TextWriter(RowWriter):
         f.truncate(keep)
         f.seek(keep)
 
-    def _damaged(self, number: int, why: str) -> DataError:
-        return DataError(
-            f"{self.path}: line {number} {why}; vitkit resumes only its own undamaged outputs (write to a new --out, "
-            "or pass --overwrite to start again)"
-        )
-
     def _decode(self, record: bytes, number: int) -> str:
         try:
             return record.decode("utf-8")
         except UnicodeDecodeError:
-            raise self._damaged(number, "is not UTF-8") from None
+            raise _damaged(self.path, number, "is not UTF-8") from None
 
     def _check_header(self, record: bytes, number: int) -> None:
         rows = list(csv.reader(io.StringIO(self._decode(record, number), newline="")))
         if rows != [self.header]:
-            raise self._damaged(number, "is not the header this job writes")
+            raise _damaged(self.path, number, "is not the header this job writes")
 
     def _row_id(self, record: bytes, number: int) -> str:
         text = self._decode(record, number)
@@ -273,20 +265,28 @@ class _TextWriter(RowWriter):
             except csv.Error:
                 rows = []
             if len(rows) != 1 or len(rows[0]) != len(self.header):
-                raise self._damaged(number, f"is not a row of {len(self.header)} columns")
+                raise _damaged(self.path, number, f"is not a row of {len(self.header)} columns")
             return _csv_uncell(rows[0][self.header.index(self.id_field)])
         try:
             row = json.loads(text)
         except ValueError:
-            raise self._damaged(number, "is not a JSON row") from None
+            raise _damaged(self.path, number, "is not a JSON row") from None
         if not isinstance(row, dict) or sorted(row) != sorted(self.columns):
-            raise self._damaged(number, "has other fields than this job writes")
+            raise _damaged(self.path, number, "has other fields than this job writes")
         if not isinstance(row[self.id_field], str):
-            raise self._damaged(number, f"has no {self.id_field!r} string")
+            raise _damaged(self.path, number, f"has no {self.id_field!r} string")
         return row[self.id_field]
 
     def _finish(self) -> None:
         self.file.close()
+
+
+def _damaged(path: Path, number: int, why: str) -> DataError:
+    """The refusal of an output to resume whose line ``number`` is damaged (``why``)."""
+    return DataError(
+        f"{path}: line {number} {why}; vitkit resumes only its own undamaged outputs (write to a new --out, or pass "
+        "--overwrite to start again)"
+    )
 
 
 def _lines(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
@@ -316,10 +316,7 @@ def _csv_records(f: BinaryIO, path: Path) -> Iterator[tuple[bytes, bool]]:
             yield record, True
             record, first = b"", number + 1
     if b"\n" in record:
-        raise DataError(
-            f"{path}: line {first} opens a quoted field that never closes (a stray '\"'); vitkit resumes only its "
-            "own undamaged outputs (write to a new --out, or pass --overwrite to start again)"
-        )
+        raise _damaged(path, first, "opens a quoted field that never closes (a stray '\"')")
     if record:
         yield record, False
 
@@ -333,6 +330,9 @@ class _ParquetWriter(RowWriter):
         super().__init__(path, fields, id_field, meta)
         pa = pyarrow()
         self.pa = pa
+        import pyarrow.parquet as pq  # after pyarrow(): its ConfigError names the extra to install
+
+        self.pq = pq
         self.schema = pa.schema(
             [pa.field(f.name, _arrow_type(pa, f.kind)) for f in self.fields],
             metadata={WRITER_KEY: WRITER, **meta},
@@ -344,8 +344,6 @@ class _ParquetWriter(RowWriter):
         self.parts.folder.mkdir(exist_ok=True)
 
     def _reopen(self) -> None:
-        import pyarrow.parquet as pq
-
         self.parts.drop_temporaries()
         if self.path.exists() and not self.parts.numbered():  # a finished file: reopened as the first part
             self._check_ours(self.path)
@@ -353,15 +351,13 @@ class _ParquetWriter(RowWriter):
                 self.parts.write(0, lambda f: shutil.copyfileobj(done, f, 1 << 20))  # leaves the file as it was
         for number, part in self.parts.numbered():
             self._check_ours(part)
-            for batch in pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed
+            for batch in self.pq.ParquetFile(part).iter_batches(columns=[self.id_field]):  # the ids alone, streamed
                 self.ids += [str(v) for v in batch.column(0).to_pylist()]
             self.next_part = number + 1
 
     def _check_ours(self, file: Path) -> None:
-        import pyarrow.parquet as pq
-
         try:
-            schema = pq.read_schema(file)
+            schema = self.pq.read_schema(file)
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError...
             raise DataError(f"{file}: not a readable Parquet file ({e})") from None
         if (schema.metadata or {}).get(WRITER_KEY.encode()) != WRITER.encode():
@@ -376,8 +372,6 @@ class _ParquetWriter(RowWriter):
         check_same(found, self.meta, str(file))
 
     def _write(self, n: int, values: list[list[Any]]) -> None:
-        import pyarrow.parquet as pq
-
         table = self.pa.table(
             {
                 f.name: self.pa.array(v, type=self.schema.field(f.name).type)
@@ -385,13 +379,11 @@ class _ParquetWriter(RowWriter):
             },
             schema=self.schema,
         )
-        self.parts.write(self.next_part, lambda f: pq.write_table(table, f))
+        self.parts.write(self.next_part, lambda f: self.pq.write_table(table, f))
         self.next_part += 1
 
     def _finish(self) -> None:
-        import pyarrow.parquet as pq
-
-        batches = (b for _, p in self.parts.numbered() for b in pq.ParquetFile(p).iter_batches())  # streamed
+        batches = (b for _, p in self.parts.numbered() for b in self.pq.ParquetFile(p).iter_batches())  # streamed
         write_parquet(self.path, self.schema, (self.pa.Table.from_batches([b], self.schema) for b in batches))
         self.parts.discard()  # renamed aside first: a kill never leaves some of the parts beside the file
 

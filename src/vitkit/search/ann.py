@@ -20,8 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from vitkit.errors import ConfigError
+from vitkit.hardware import cpu_count
+from vitkit.search.format import IndexFileError
 
 NAME = "hnsw"
 LIBRARY = "hnswlib"
@@ -55,12 +58,6 @@ def params(ef_search: int = EF_SEARCH) -> dict[str, Any]:
             "ef_construction": EF_CONSTRUCTION, "ef_search": ef_search}  # fmt: skip
 
 
-def _threads() -> int:
-    from vitkit.hardware import cpu_count
-
-    return max(1, cpu_count())
-
-
 class Graph:
     """An hnswlib index over the rows of a vector matrix."""
 
@@ -76,7 +73,7 @@ class Graph:
         index = lib.Index(space="ip", dim=vectors.shape[1])
         index.init_index(max_elements=max(1, len(vectors)), ef_construction=int(backend["ef_construction"]),
                          M=int(backend["M"]), random_seed=0)  # fmt: skip
-        index.set_num_threads(_threads())
+        index.set_num_threads(cpu_count())
         if len(vectors):
             index.add_items(vectors, np.arange(len(vectors), dtype=np.int64))
         return cls(index, int(backend["ef_search"]))
@@ -88,10 +85,8 @@ class Graph:
         index = lib.Index(space="ip", dim=dimension)
         index.load_index(str(path), max_elements=max(1, count))
         if index.get_current_count() != count:
-            from vitkit.search.format import IndexFileError
-
             raise IndexFileError(f"{path.parent}: its graph holds {index.get_current_count()} vectors, not {count}")
-        index.set_num_threads(_threads())
+        index.set_num_threads(cpu_count())
         return cls(index, int(backend["ef_search"]))
 
     def add(self, vectors: np.ndarray, start: int) -> None:
@@ -127,8 +122,6 @@ def ivf_lists(n: int) -> int:
 
 def _nearest(x: Any, centres: Any, block: int = 65536) -> Any:
     """Per row of ``x`` (torch, N x D) the index of the centre with the highest inner product."""
-    import torch
-
     out = torch.empty(len(x), dtype=torch.int64)
     for s in range(0, len(x), block):
         out[s : s + block] = (x[s : s + block] @ centres.T).argmax(dim=1)
@@ -137,8 +130,6 @@ def _nearest(x: Any, centres: Any, block: int = 65536) -> Any:
 
 def kmeans(x: np.ndarray, lists: int, iterations: int = IVF_ITERATIONS, seed: int = 0) -> np.ndarray:
     """Spherical k-means: ``lists`` unit centres (lists, D) of the unit rows of ``x`` (a sample, seeded)."""
-    import torch
-
     rng = np.random.default_rng(seed)
     n = len(x)
     take = min(n, lists * IVF_SAMPLE_PER_LIST)
@@ -180,8 +171,6 @@ class Lists:
     @classmethod
     def build(cls, vectors: np.ndarray, backend: dict[str, Any]) -> Lists:
         """Lists over the rows of the unit ``vectors`` (N, D) with the manifest entry ``backend``'s parameters."""
-        import torch
-
         n, d = vectors.shape
         lists = max(1, min(int(backend["lists"]), n))
         if not n:
@@ -194,8 +183,6 @@ class Lists:
 
     def add(self, vectors: np.ndarray, start: int) -> None:
         """Append ``vectors`` as rows ``start``, ... to their nearest lists (the centres stay as trained)."""
-        import torch
-
         if not len(vectors):
             return
         near_new = _nearest(torch.from_numpy(np.ascontiguousarray(vectors, dtype=np.float32)),
@@ -221,8 +208,6 @@ class Lists:
     @classmethod
     def load(cls, path: Path, dimension: int, count: int, backend: dict[str, Any]) -> Lists:
         """The lists file of a verified index (its size and checksum already checked)."""
-        from vitkit.search.format import IndexFileError
-
         lists = cls.lists_in(path.stat().st_size, count, dimension)
         if not lists or lists > max(1, count):
             raise IndexFileError(f"{path.parent}: its lists file's size does not fit {count} vectors of dimension "
@@ -243,8 +228,6 @@ class Lists:
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
         """Rows (M, k) of the top ``k`` per query among the vectors of its ``nprobe`` nearest lists (more lists
         when those hold fewer than ``k``). k at most the number of vectors."""
-        import torch
-
         q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
         m, lists = len(q), len(self.centres)
         sizes = np.diff(self.offsets)

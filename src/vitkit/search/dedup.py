@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from vitkit.errors import ConfigError
+from vitkit.fileio import write_file_atomic
 from vitkit.search.index import Index
 
 DEFAULT_THRESHOLD = 0.95
@@ -77,8 +78,6 @@ def plot_scores(found: Groups, path: str | os.PathLike[str]) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from PIL import Image
-
-    from vitkit.fileio import write_file_atomic
 
     best = found.best[np.isfinite(found.best)]
     fig = Figure(figsize=(7, 4), dpi=100)

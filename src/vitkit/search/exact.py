@@ -48,20 +48,18 @@ def exact_search(
     q_all = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32))
     scores = np.empty((len(q_all), kk), dtype=np.float32)
     rows = np.empty((len(q_all), kk), dtype=np.int64)
-    blocks = [
-        torch.from_numpy(np.ascontiguousarray(bank[b0 : b0 + bank_block], dtype=np.float32))
-        for b0 in range(0, n, bank_block)
-    ] if n <= 4 * bank_block else None  # fmt: skip
+
+    def bank_at(b0: int) -> torch.Tensor:
+        """The bank's block of rows from ``b0``, as float32."""
+        return torch.from_numpy(np.ascontiguousarray(bank[b0 : b0 + bank_block], dtype=np.float32))
+
+    blocks = [bank_at(b0) for b0 in range(0, n, bank_block)] if n <= 4 * bank_block else None  # converted once
     for q0 in range(0, len(q_all), query_block):
         q = q_all[q0 : q0 + query_block]
         best_s = torch.full((len(q), 0), -float("inf"))
         best_i = torch.zeros((len(q), 0), dtype=torch.int64)
         for j, b0 in enumerate(range(0, n, bank_block)):
-            block = (
-                blocks[j]
-                if blocks is not None
-                else torch.from_numpy(np.ascontiguousarray(bank[b0 : b0 + bank_block], dtype=np.float32))
-            )
+            block = blocks[j] if blocks is not None else bank_at(b0)
             sim = q @ block.T
             s, i = sim.topk(min(kk, sim.shape[1]), dim=1)
             cand_s, cand_i = torch.cat([best_s, s], dim=1), torch.cat([best_i, i + b0], dim=1)

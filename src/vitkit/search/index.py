@@ -25,6 +25,7 @@ from vitkit.errors import ConfigError, DataError
 from vitkit.fileio import clean_stale, complete_dir, write_dir_atomic
 from vitkit.outputs.array_reader import Embeddings, read_embeddings
 from vitkit.outputs.store import CHECKPOINT, PREPROCESS, check_same
+from vitkit.search import ann
 from vitkit.search import format as fmt
 from vitkit.search.exact import exact_search, normalise
 from vitkit.textids import text_id
@@ -49,8 +50,6 @@ def _backend_doc(backend: str, count: int) -> dict[str, Any]:
     if backend == "exact":
         return {"name": "exact"}
     if backend in ("hnsw", "ivf"):
-        from vitkit.search import ann
-
         return ann.params() if backend == "hnsw" else ann.ivf_params(count)
     raise ConfigError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
 
@@ -97,9 +96,7 @@ class Index:
         v = _finite_normalised(v)
         graph = None
         if doc["name"] != "exact":
-            from vitkit.search.ann import structure
-
-            graph = structure(doc["name"]).build(v, doc)
+            graph = ann.structure(doc["name"]).build(v, doc)
         return cls(ids, v, dict(provenance or {}), doc, graph)
 
     @classmethod
@@ -128,10 +125,8 @@ class Index:
             vectors = np.memmap(folder / fmt.VECTORS, dtype="<f4", mode="r", shape=(count, dim))
         graph = None
         if name in ("hnsw", "ivf"):
-            from vitkit.search.ann import structure
-
-            graph = structure(name).load(folder / (fmt.GRAPH if name == "hnsw" else fmt.LISTS), dim, count,
-                                         doc["backend"])  # fmt: skip
+            graph = ann.structure(name).load(folder / (fmt.GRAPH if name == "hnsw" else fmt.LISTS), dim, count,
+                                             doc["backend"])  # fmt: skip
         elif name != "exact":
             raise fmt.IndexFileError(f"{folder}: backend {name!r} is not one this vitkit knows ({', '.join(BACKENDS)})")
         return cls(ids, vectors, doc["provenance"], doc["backend"], graph)
@@ -210,9 +205,7 @@ class Index:
         self.ids = [self.ids[i] for i in keep]
         self.vectors = np.ascontiguousarray(self.vectors[keep])
         if self._graph is not None:
-            from vitkit.search.ann import structure
-
-            self._graph = structure(self.backend["name"]).build(self.vectors, self.backend)
+            self._graph = ann.structure(self.backend["name"]).build(self.vectors, self.backend)
         self._rows = None
         return len(drop)
 
