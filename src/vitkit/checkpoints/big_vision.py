@@ -52,6 +52,7 @@ from vitkit.checkpoints.loaded import (
     CheckpointMeta,
     convert,
     export_state,
+    is_square,
     require,
     require_unseen,
 )
@@ -161,7 +162,7 @@ def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEF
     if POS in arrays:
         n = int(arrays[POS].shape[1])
         try:
-            side = grid_side(n - 1) if token and _is_square(n - 1) and not _is_square(n) else grid_side(n)
+            side = grid_side(n - 1) if token and is_square(n - 1) and not is_square(n) else grid_side(n)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
         size = side * patch
@@ -182,10 +183,6 @@ def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEF
         gelu="tanh",
         layer_norm_eps=1e-6,
     )
-
-
-def _is_square(n: int) -> bool:
-    return n > 0 and int(np.sqrt(n)) ** 2 == n
 
 
 def load(path: Path) -> Checkpoint:
