@@ -56,7 +56,6 @@ from vitkit.checkpoints.loaded import (
     require,
     require_unseen,
 )
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -200,13 +199,7 @@ def load(path: Path) -> Checkpoint:
         provenance["ignored_keys"] = len(outside)
     if cfg.pos_embed == "sincos2d":
         provenance["note"] = f"sin-cos position embedding: no stored grid, image size assumed {DEFAULT_IMAGE}"
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return npz_files.checkpoint(FORMAT, path, cfg, state, provenance)
 
 
 def write(

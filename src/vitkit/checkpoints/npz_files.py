@@ -17,12 +17,17 @@ import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from vitkit.checkpoints.keymap import Array
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError, VitkitError
 from vitkit.fileio import write_file_atomic
+from vitkit.models.vit import ViTConfig
 from vitkit.output_paths import check_output_file
 
 # what reading a corrupt .npz (a zip of .npy members) raises: zip structure, CRC, deflate, header errors, and an
@@ -122,6 +127,15 @@ def read_npz(path: str | Path) -> dict[str, Array]:
         raise CheckpointError(f"{path}: no such file") from None
     except NPZ_ERRORS as e:
         raise CheckpointError(f"{path}: not a readable .npz checkpoint ({e})") from None
+
+
+def checkpoint(
+    format: str, path: Path, cfg: ViTConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any]
+) -> Checkpoint:
+    """A checkpoint read from one of Google's ``.npz`` formats, which hold no metadata: the preprocessing is Google's
+    code's (squash to the model's size, inputs scaled to [-1, 1])."""
+    preprocess = Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD)
+    return Checkpoint(cfg, state, CheckpointMeta(format, str(path), preprocess, provenance=provenance))
 
 
 def strip_prefix(arrays: Mapping[str, Array], source: str) -> tuple[dict[str, Array], str, list[str]]:

@@ -47,7 +47,6 @@ from vitkit.checkpoints.loaded import (
     require_unseen,
     with_learned_posemb,
 )
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.resnet import GN_GROUPS, resnet_reduction
@@ -183,13 +182,7 @@ def load(path: Path) -> Checkpoint:
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
     if prefix:
         provenance.update(prefix=prefix, ignored_keys=len(outside))
-    meta = CheckpointMeta(
-        format="official",
-        source=str(path),
-        preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return npz_files.checkpoint("official", path, cfg, state, provenance)
 
 
 def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path, *, overwrite: bool = False) -> Path:

@@ -44,7 +44,6 @@ from vitkit.checkpoints.keymap import (
     split_heads_out,
 )
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, refusing, require
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -149,13 +148,7 @@ def load(path: Path) -> Checkpoint:
     provenance: dict[str, Any] = {"layout": "big_vision SigLIP", "prefix": prefix, "scan": scan}
     if outside:
         provenance["ignored_keys"] = len(outside)  # the text tower, t and b
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return npz_files.checkpoint(FORMAT, path, cfg, state, provenance)
 
 
 def check_writable(cfg: ViTConfig) -> None:
