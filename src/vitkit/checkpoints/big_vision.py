@@ -46,6 +46,7 @@ from vitkit.checkpoints.keymap import (
     from_state_dict,
     layernorm,
     rule,
+    shape_reader,
 )
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -147,16 +148,14 @@ def normalise(arrays: Mapping[str, Array], source: str) -> dict[str, Array]:
 
 def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEFAULT_IMAGE) -> ViTConfig:
     """The architecture, from the arrays' shapes."""
-    try:
-        emb = arrays["embedding/kernel"]
-        q = arrays[f"{ATTN.format(i=0)}/query/kernel"]
-        fc1 = arrays[f"{BLOCK.format(i=0)}/MlpBlock_0/Dense_0/kernel"]
-    except KeyError as e:
-        raise CheckpointError(f"{source}: not a complete big_vision ViT checkpoint, missing {e.args[0]}") from None
-    if emb.ndim != 4 or emb.shape[0] != emb.shape[1]:
-        raise CheckpointError(f"{source}: patch embedding {emb.shape} is not a square conv kernel")
+    shape = shape_reader(arrays, "big_vision ViT checkpoint", source)
+    emb = shape("embedding/kernel")
+    q = shape(f"{ATTN.format(i=0)}/query/kernel")
+    fc1 = shape(f"{BLOCK.format(i=0)}/MlpBlock_0/Dense_0/kernel")
+    if len(emb) != 4 or emb[0] != emb[1]:
+        raise CheckpointError(f"{source}: patch embedding {emb} is not a square conv kernel")
     depth = 1 + max(int(m.group(1)) for k in arrays if (m := re.match(r"Transformer/encoderblock_(\d+)/", k)))
-    patch, width = int(emb.shape[0]), int(emb.shape[3])
+    patch, width = emb[0], emb[3]
     token = "cls" in arrays
     if POS in arrays:
         n = int(arrays[POS].shape[1])
@@ -170,12 +169,12 @@ def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEF
     return ViTConfig(
         image_size=(size, size),
         patch_size=patch,
-        in_channels=int(emb.shape[2]),
+        in_channels=emb[2],
         num_classes=int(arrays["head/kernel"].shape[1]) if "head/kernel" in arrays else 0,
         hidden_size=width,
         depth=depth,
-        num_heads=int(q.shape[1]),
-        mlp_dim=int(fc1.shape[1]),
+        num_heads=q[1],
+        mlp_dim=fc1[1],
         classifier="token" if token else "gap",
         pos_embed="learned" if POS in arrays else "sincos2d",
         representation_size=int(arrays["pre_logits/kernel"].shape[1]) if "pre_logits/kernel" in arrays else None,

@@ -37,6 +37,7 @@ from vitkit.checkpoints.keymap import (
     group_norm,
     layernorm,
     rule,
+    shape_reader,
 )
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -124,16 +125,14 @@ def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, .
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     """Read the architecture off the arrays' shapes (the checkpoint stores no config)."""
-    try:
-        emb = arrays["embedding/kernel"]
-        q = arrays[f"{ATTN.format(i=0)}/query/kernel"]
-        fc1 = arrays[f"{BLOCK.format(i=0)}/MlpBlock_3/Dense_0/kernel"]
-    except KeyError as e:
-        raise CheckpointError(f"{source}: not a complete official ViT checkpoint, missing {e.args[0]}") from None
+    shape = shape_reader(arrays, "official ViT checkpoint", source)
+    emb = shape("embedding/kernel")
+    q = shape(f"{ATTN.format(i=0)}/query/kernel")
+    fc1 = shape(f"{BLOCK.format(i=0)}/MlpBlock_3/Dense_0/kernel")
     depth = 1 + max(int(m.group(1)) for k in arrays if (m := re.match(r"Transformer/encoderblock_(\d+)/", k)))
-    if emb.shape[0] != emb.shape[1]:
-        raise CheckpointError(f"{source}: non-square patches {emb.shape[:2]} are not supported")
-    patch, channels, width = int(emb.shape[0]), int(emb.shape[2]), int(emb.shape[3])
+    if emb[0] != emb[1]:
+        raise CheckpointError(f"{source}: non-square patches {emb[:2]} are not supported")
+    patch, channels, width = emb[0], emb[2], emb[3]
     resnet = infer_resnet(arrays, source)
     stride = patch
     if resnet is not None:
@@ -157,8 +156,8 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
         num_classes=num_classes,
         hidden_size=width,
         depth=depth,
-        num_heads=int(q.shape[1]),
-        mlp_dim=int(fc1.shape[1]),
+        num_heads=q[1],
+        mlp_dim=fc1[1],
         classifier=classifier,  # type: ignore[arg-type]
         representation_size=rep,
         gelu="tanh",
