@@ -65,15 +65,21 @@ def layout(keys: Iterable[str]) -> str | None:
     return None
 
 
-def file_layout(path: Path) -> str | None:
-    """The layout of an ``.npz`` file (reads only its index), or None."""
+def file_keys(path: Path) -> list[str] | None:
+    """The array names of an ``.npz`` file (reads only its index), or None when it is no readable ``.npz``."""
     if path.suffix != ".npz" or not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
-            return layout(z.files)
+            return list(z.files)
     except NPZ_ERRORS:
         return None
+
+
+def file_layout(path: Path) -> str | None:
+    """The layout of an ``.npz`` file (reads only its index), or None."""
+    keys = file_keys(path)
+    return None if keys is None else layout(keys)
 
 
 def check_npz_members(path: str | Path, error: type[VitkitError]) -> None:
