@@ -106,8 +106,7 @@ def key_map(cfg: ViTConfig, split_swiglu: bool = True) -> list[Rule]:
     rules += timm_format._mlp_rules(cfg, split_swiglu) + weight_bias("norm", "norm")
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
-    rules += [rule(t, t) for t in ("cls_token", "reg_token") if (t == "cls_token" and cfg.class_token) or
-              (t == "reg_token" and cfg.num_registers)]  # fmt: skip
+    rules += [rule(t, t) for t in ("cls_token", "reg_token") if timm_format._has_token(cfg, t)]
     if cfg.num_classes > 0:
         rules += weight_bias("head", "head")
     return expand(rules, cfg.depth)
