@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.checkpoints import npz_files
+from vitkit.checkpoints import npz_files, official
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -231,7 +231,5 @@ def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
 
 def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point (the format holds no metadata); exact-GELU models are refused as for ``official``."""
-    from vitkit.checkpoints.official import require_tanh_gelu
-
-    require_tanh_gelu(model.cfg, "big_vision .npz")
+    official.require_tanh_gelu(model.cfg, "big_vision .npz")
     return write(model, path, overwrite=overwrite)
