@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitkit.checkpoints import npz_files
+from vitkit.checkpoints import npz_files, official
 from vitkit.checkpoints.keymap import (
     Array,
     Rule,
@@ -46,16 +46,17 @@ from vitkit.checkpoints.keymap import (
     from_state_dict,
     layernorm,
     rule,
+    shape_reader,
 )
 from vitkit.checkpoints.loaded import (
     Checkpoint,
     CheckpointMeta,
     convert,
     export_state,
+    is_square,
     require,
     require_unseen,
 )
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -147,21 +148,19 @@ def normalise(arrays: Mapping[str, Array], source: str) -> dict[str, Array]:
 
 def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEFAULT_IMAGE) -> ViTConfig:
     """The architecture, from the arrays' shapes."""
-    try:
-        emb = arrays["embedding/kernel"]
-        q = arrays[f"{ATTN.format(i=0)}/query/kernel"]
-        fc1 = arrays[f"{BLOCK.format(i=0)}/MlpBlock_0/Dense_0/kernel"]
-    except KeyError as e:
-        raise CheckpointError(f"{source}: not a complete big_vision ViT checkpoint, missing {e.args[0]}") from None
-    if emb.ndim != 4 or emb.shape[0] != emb.shape[1]:
-        raise CheckpointError(f"{source}: patch embedding {emb.shape} is not a square conv kernel")
+    shape = shape_reader(arrays, "big_vision ViT checkpoint", source)
+    emb = shape("embedding/kernel")
+    q = shape(f"{ATTN.format(i=0)}/query/kernel")
+    fc1 = shape(f"{BLOCK.format(i=0)}/MlpBlock_0/Dense_0/kernel")
+    if len(emb) != 4 or emb[0] != emb[1]:
+        raise CheckpointError(f"{source}: patch embedding {emb} is not a square conv kernel")
     depth = 1 + max(int(m.group(1)) for k in arrays if (m := re.match(r"Transformer/encoderblock_(\d+)/", k)))
-    patch, width = int(emb.shape[0]), int(emb.shape[3])
+    patch, width = emb[0], emb[3]
     token = "cls" in arrays
     if POS in arrays:
         n = int(arrays[POS].shape[1])
         try:
-            side = grid_side(n - 1) if token and _is_square(n - 1) and not _is_square(n) else grid_side(n)
+            side = grid_side(n - 1) if token and is_square(n - 1) and not is_square(n) else grid_side(n)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
         size = side * patch
@@ -170,22 +169,18 @@ def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEF
     return ViTConfig(
         image_size=(size, size),
         patch_size=patch,
-        in_channels=int(emb.shape[2]),
+        in_channels=emb[2],
         num_classes=int(arrays["head/kernel"].shape[1]) if "head/kernel" in arrays else 0,
         hidden_size=width,
         depth=depth,
-        num_heads=int(q.shape[1]),
-        mlp_dim=int(fc1.shape[1]),
+        num_heads=q[1],
+        mlp_dim=fc1[1],
         classifier="token" if token else "gap",
         pos_embed="learned" if POS in arrays else "sincos2d",
         representation_size=int(arrays["pre_logits/kernel"].shape[1]) if "pre_logits/kernel" in arrays else None,
         gelu="tanh",
         layer_norm_eps=1e-6,
     )
-
-
-def _is_square(n: int) -> bool:
-    return n > 0 and int(np.sqrt(n)) ** 2 == n
 
 
 def load(path: Path) -> Checkpoint:
@@ -203,13 +198,7 @@ def load(path: Path) -> Checkpoint:
         provenance["ignored_keys"] = len(outside)
     if cfg.pos_embed == "sincos2d":
         provenance["note"] = f"sin-cos position embedding: no stored grid, image size assumed {DEFAULT_IMAGE}"
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return npz_files.checkpoint(FORMAT, path, cfg, state, provenance)
 
 
 def write(
@@ -242,7 +231,5 @@ def stack_scan(arrays: Mapping[str, Array], depth: int) -> dict[str, Array]:
 
 def save(model: VisionTransformer, path: Path, meta: CheckpointMeta | None = None, *, overwrite: bool = False) -> Path:
     """Registry entry point (the format holds no metadata); exact-GELU models are refused as for ``official``."""
-    from vitkit.checkpoints.official import require_tanh_gelu
-
-    require_tanh_gelu(model.cfg, "big_vision .npz")
+    official.require_tanh_gelu(model.cfg, "big_vision .npz")
     return write(model, path, overwrite=overwrite)

@@ -48,11 +48,7 @@ class Rule:
 def rule(ours: str, theirs: str | Sequence[str], load: LoadFn | None = None, save: SaveFn | None = None) -> Rule:
     """A rule; without functions the array is copied unchanged."""
     keys = (theirs,) if isinstance(theirs, str) else tuple(theirs)
-    return Rule(ours, keys, load or _identity, save or (lambda a: (a,)))
-
-
-def _identity(a: Array) -> Array:
-    return a
+    return Rule(ours, keys, load or (lambda a: a), save or (lambda a: (a,)))
 
 
 # ---- array transforms shared by the formats ---------------------------------------------------------

@@ -155,6 +155,11 @@ def with_learned_posemb(cfg: ViTConfig, state: dict[str, torch.Tensor]) -> tuple
     return dataclasses.replace(cfg, pos_embed="learned"), {**state, "pos_embed": table}
 
 
+def is_square(n: int) -> bool:
+    """Whether ``n`` position entries can be a square grid of patches (a positive perfect square)."""
+    return n > 0 and int(np.sqrt(n)) ** 2 == n
+
+
 def state_digest(state: dict[str, torch.Tensor]) -> str:
     """SHA-256 of a state dict's names, dtypes, shapes and values: the identity of a model's weights, whatever
     file or format they came from (two loads of one checkpoint agree; any changed value, resolution or head

@@ -17,12 +17,17 @@ import zipfile
 import zlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from vitkit.checkpoints.keymap import Array
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta
+from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError, VitkitError
 from vitkit.fileio import write_file_atomic
+from vitkit.models.vit import ViTConfig
 from vitkit.output_paths import check_output_file
 
 # what reading a corrupt .npz (a zip of .npy members) raises: zip structure, CRC, deflate, header errors, and an
@@ -60,15 +65,21 @@ def layout(keys: Iterable[str]) -> str | None:
     return None
 
 
-def file_layout(path: Path) -> str | None:
-    """The layout of an ``.npz`` file (reads only its index), or None."""
+def file_keys(path: Path) -> list[str] | None:
+    """The array names of an ``.npz`` file (reads only its index), or None when it is no readable ``.npz``."""
     if path.suffix != ".npz" or not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
-            return layout(z.files)
+            return list(z.files)
     except NPZ_ERRORS:
         return None
+
+
+def file_layout(path: Path) -> str | None:
+    """The layout of an ``.npz`` file (reads only its index), or None."""
+    keys = file_keys(path)
+    return None if keys is None else layout(keys)
 
 
 def check_npz_members(path: str | Path, error: type[VitkitError]) -> None:
@@ -122,6 +133,15 @@ def read_npz(path: str | Path) -> dict[str, Array]:
         raise CheckpointError(f"{path}: no such file") from None
     except NPZ_ERRORS as e:
         raise CheckpointError(f"{path}: not a readable .npz checkpoint ({e})") from None
+
+
+def checkpoint(
+    format: str, path: Path, cfg: ViTConfig, state: dict[str, torch.Tensor], provenance: dict[str, Any]
+) -> Checkpoint:
+    """A checkpoint read from one of Google's ``.npz`` formats, which hold no metadata: the preprocessing is Google's
+    code's (squash to the model's size, inputs scaled to [-1, 1])."""
+    preprocess = Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD)
+    return Checkpoint(cfg, state, CheckpointMeta(format, str(path), preprocess, provenance=provenance))
 
 
 def strip_prefix(arrays: Mapping[str, Array], source: str) -> tuple[dict[str, Array], str, list[str]]:

@@ -37,6 +37,7 @@ from vitkit.checkpoints.keymap import (
     group_norm,
     layernorm,
     rule,
+    shape_reader,
 )
 from vitkit.checkpoints.loaded import (
     Checkpoint,
@@ -47,7 +48,6 @@ from vitkit.checkpoints.loaded import (
     require_unseen,
     with_learned_posemb,
 )
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.resnet import GN_GROUPS, resnet_reduction
@@ -125,16 +125,14 @@ def infer_resnet(arrays: Mapping[str, Array], source: str) -> tuple[tuple[int, .
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     """Read the architecture off the arrays' shapes (the checkpoint stores no config)."""
-    try:
-        emb = arrays["embedding/kernel"]
-        q = arrays[f"{ATTN.format(i=0)}/query/kernel"]
-        fc1 = arrays[f"{BLOCK.format(i=0)}/MlpBlock_3/Dense_0/kernel"]
-    except KeyError as e:
-        raise CheckpointError(f"{source}: not a complete official ViT checkpoint, missing {e.args[0]}") from None
+    shape = shape_reader(arrays, "official ViT checkpoint", source)
+    emb = shape("embedding/kernel")
+    q = shape(f"{ATTN.format(i=0)}/query/kernel")
+    fc1 = shape(f"{BLOCK.format(i=0)}/MlpBlock_3/Dense_0/kernel")
     depth = 1 + max(int(m.group(1)) for k in arrays if (m := re.match(r"Transformer/encoderblock_(\d+)/", k)))
-    if emb.shape[0] != emb.shape[1]:
-        raise CheckpointError(f"{source}: non-square patches {emb.shape[:2]} are not supported")
-    patch, channels, width = int(emb.shape[0]), int(emb.shape[2]), int(emb.shape[3])
+    if emb[0] != emb[1]:
+        raise CheckpointError(f"{source}: non-square patches {emb[:2]} are not supported")
+    patch, channels, width = emb[0], emb[2], emb[3]
     resnet = infer_resnet(arrays, source)
     stride = patch
     if resnet is not None:
@@ -158,8 +156,8 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
         num_classes=num_classes,
         hidden_size=width,
         depth=depth,
-        num_heads=int(q.shape[1]),
-        mlp_dim=int(fc1.shape[1]),
+        num_heads=q[1],
+        mlp_dim=fc1[1],
         classifier=classifier,  # type: ignore[arg-type]
         representation_size=rep,
         gelu="tanh",
@@ -183,13 +181,7 @@ def load(path: Path) -> Checkpoint:
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
     if prefix:
         provenance.update(prefix=prefix, ignored_keys=len(outside))
-    meta = CheckpointMeta(
-        format="official",
-        source=str(path),
-        preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return npz_files.checkpoint("official", path, cfg, state, provenance)
 
 
 def write(model_state: Mapping[str, Any], cfg: ViTConfig, path: str | Path, *, overwrite: bool = False) -> Path:

@@ -25,8 +25,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from vitkit.checkpoints import big_vision, npz_files
 from vitkit.checkpoints.keymap import (
     Array,
@@ -44,7 +42,6 @@ from vitkit.checkpoints.keymap import (
     split_heads_out,
 )
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, export_state, refusing, require
-from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -79,20 +76,10 @@ def key_map(cfg: ViTConfig) -> list[Rule]:
     return big_vision.key_map(cfg) + map_rules(cfg.num_heads)
 
 
-def _has_map_head(keys: list[str]) -> bool:
-    p = npz_files.find_prefix(keys)
-    return p is not None and f"{p}{MAP}/probe" in set(keys)
-
-
 def looks_like(path: Path) -> bool:
     """A big_vision .npz whose image tower has a MAP head (``MAPHead_0/probe``)."""
-    if npz_files.file_layout(path) != "big_vision":
-        return False
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return _has_map_head(list(z.files))
-    except npz_files.NPZ_ERRORS:
-        return False
+    keys = npz_files.file_keys(path) or []
+    return npz_files.layout(keys) == "big_vision" and f"{npz_files.find_prefix(keys)}{MAP}/probe" in keys
 
 
 def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
@@ -149,13 +136,7 @@ def load(path: Path) -> Checkpoint:
     provenance: dict[str, Any] = {"layout": "big_vision SigLIP", "prefix": prefix, "scan": scan}
     if outside:
         provenance["ignored_keys"] = len(outside)  # the text tower, t and b
-    meta = CheckpointMeta(
-        format=FORMAT,
-        source=str(path),
-        preprocess=Preprocess(image_size=cfg.image_size, mean=INCEPTION_MEAN, std=INCEPTION_STD),
-        provenance=provenance,
-    )
-    return Checkpoint(cfg, state, meta)
+    return npz_files.checkpoint(FORMAT, path, cfg, state, provenance)
 
 
 def check_writable(cfg: ViTConfig) -> None:

@@ -59,7 +59,8 @@ SHAPES = {"tiny": (192, 12), "small": (384, 12), "small_plus": (384, 12), "base"
 HEADS = {192: 3, 384: 6, 768: 12, 1024: 16, 1280: 20, 4096: 32}
 ROPE_TEMPERATURE = 100.0  # every DINOv3 entry point's
 EPS = 1e-5  # every DINOv3 entry point's norm_layer
-# keys only timm's Eva has (timm's VisionTransformer: ls1.gamma, attn.qkv.bias, no norm inside the MLP)
+# keys only timm's Eva has: layer scale as gamma_1, q/v biases beside a fused qkv, EVA-02's own names (timm's
+# VisionTransformer: ls1.gamma, attn.qkv.bias, no norm inside the MLP)
 MARKERS = ("blocks.0.gamma_1", "blocks.0.attn.q_bias", "blocks.0.attn.q_proj.weight", "blocks.0.mlp.ffn_ln.weight",
            "blocks.0.mlp.norm.weight")  # fmt: skip
 # what timm's Eva holds that vitkit's ViT does not compute (key -> what it is)
@@ -75,18 +76,12 @@ REFUSED = {
 }
 
 
-def is_eva(keys: set[str] | Mapping[str, Any]) -> bool:
-    """Whether a timm state dict's keys are Eva's (layer scale as ``gamma_1``, q/v biases beside a fused qkv, or
-    EVA-02's own names)."""
-    return any(m in keys for m in MARKERS)
-
-
 def looks_like(path: Path) -> bool:
     """A timm Eva state dict (file or timm folder): Eva's keys, or timm's config naming an Eva architecture."""
     keys = timm_format.timm_keys(path)
     if keys is None or "patch_embed.proj.weight" not in keys:
         return False
-    if is_eva(keys):
+    if any(m in keys for m in MARKERS):
         return True  # the config is read only when the keys do not tell
     arch = str((timm_format._sidecar(path) or {}).get("architecture", ""))
     return bool(ENTRY.match(arch)) or arch.startswith("eva")
@@ -106,8 +101,7 @@ def key_map(cfg: ViTConfig, split_swiglu: bool = True) -> list[Rule]:
     rules += timm_format._mlp_rules(cfg, split_swiglu) + weight_bias("norm", "norm")
     if cfg.layer_scale is not None:
         rules += [rule(f"blocks.{{i}}.ls{n}.gamma", f"blocks.{{i}}.gamma_{n}") for n in (1, 2)]
-    rules += [rule(t, t) for t in ("cls_token", "reg_token") if (t == "cls_token" and cfg.class_token) or
-              (t == "reg_token" and cfg.num_registers)]  # fmt: skip
+    rules += [rule(t, t) for t in ("cls_token", "reg_token") if timm_format._has_token(cfg, t)]
     if cfg.num_classes > 0:
         rules += weight_bias("head", "head")
     return expand(rules, cfg.depth)

@@ -53,7 +53,7 @@ import torch
 
 from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.keymap import Array, Rule, expand, rule, stacked, weight_bias
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, refusing
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, convert, is_square, refusing
 from vitkit.checkpoints.preprocess import INCEPTION_MEAN, INCEPTION_STD, Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.posembed import grid_side
@@ -361,10 +361,6 @@ def _activation(act: Any, mlp: str, gelu: str | None, family: str, source: str) 
     return "exact"
 
 
-def _square(n: int) -> bool:
-    return n > 0 and int(np.sqrt(n)) ** 2 == n
-
-
 def _grid_layout(
     n: int, slots: int, patch: int, size: Any, no_embed_class: Any, source: str
 ) -> tuple[tuple[int, int], bool]:
@@ -391,7 +387,7 @@ def _grid_layout(
             f"{source}: pos_embed has {n} entries, but the image size {image} with {patch} px patches gives "
             f"{grid} grid tokens{f' (plus {what} unless no_embed_class)' if slots else ''}"
         )
-    if slots and no_embed_class is None and _square(n) and n > 1:
+    if slots and no_embed_class is None and is_square(n) and n > 1:
         raise CheckpointError(
             f"{source}: {n} position entries are either a {math.isqrt(n)}x{math.isqrt(n)} grid with no class slot "
             f"(timm no_embed_class) or {what} plus a non-square grid of {n - slots}; put timm's config.json "

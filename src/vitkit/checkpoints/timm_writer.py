@@ -173,8 +173,7 @@ def save(
     out = Path(path)
     check_output(out, overwrite)
     cfg = model.cfg
-    target = "a timm state dict"
-    _check_representable(cfg, target)
+    _check_representable(cfg, "a timm state dict")
     cfg, state = with_learned_posemb(cfg, export_state(model))
     arrays = from_state_dict(key_map(cfg, no_embed_class=_no_embed_class(cfg)), _fold_slots(cfg, state))
     tensors = torch_files.from_arrays(arrays)

@@ -19,13 +19,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from vitkit import fileio
 from vitkit.checkpoints import torch_files
-from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, check_preprocess
+from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, check_preprocess, export_state
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError
 from vitkit.models.vit import VisionTransformer, ViTConfig
@@ -46,13 +44,8 @@ REQUIRED_MODEL_FIELDS = (
 
 
 def looks_like(path: Path) -> bool:
-    cfg = path / CONFIG
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        return json.loads(cfg.read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    """A folder whose ``config.json``, a regular file, says it is vitkit's."""
+    return (path / CONFIG).is_file() and torch_files.native_looks_like(path)
 
 
 def load(path: Path) -> Checkpoint:
@@ -127,13 +120,10 @@ def save(
         "class_names": class_names,
         "provenance": provenance or {},
     }
-    state = state_dict_tensors(model)
-
-    def write(tmp: Path) -> None:
-        save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", fileio.WRITER_KEY: fileio.WRITER})
-        (tmp / CONFIG).write_text(json.dumps(doc, indent=2) + "\n")
-
-    return fileio.write_dir_atomic(out, write)
+    # (write_folder checks ``out`` again: the check above comes first, before the class names)
+    return torch_files.write_folder(
+        out, export_state(model), {CONFIG: json.dumps(doc, indent=2) + "\n"}, overwrite=overwrite
+    )
 
 
 def check_output(out: Path, overwrite: bool) -> None:
@@ -141,7 +131,3 @@ def check_output(out: Path, overwrite: bool) -> None:
     hf, timm): ``convert --to vitkit --overwrite`` replaces what ``--to timm`` wrote there -- and that only with
     ``overwrite``."""
     torch_files.check_folder_output(out, overwrite)
-
-
-def state_dict_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
