@@ -134,7 +134,7 @@ FORMATS: dict[str, Format] = {
         vitkit_format.looks_like,
         vitkit_format.load,
         _save_vitkit,
-        vitkit_format.check_output,
+        torch_files.check_folder_output,
     ),
     "lora": Format(
         "lora",

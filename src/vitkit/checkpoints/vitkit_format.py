@@ -109,7 +109,7 @@ def save(
     ``overwrite`` is true; any other folder is refused with a CheckpointError, and nothing is deleted.
     """
     out = Path(path)
-    check_output(out, overwrite)
+    torch_files.check_folder_output(out, overwrite)
     if class_names is not None and len(class_names) != model.cfg.num_classes:
         raise CheckpointError(f"{len(class_names)} class names for a model with {model.cfg.num_classes} classes")
     doc = {
@@ -124,10 +124,3 @@ def save(
     return torch_files.write_folder(
         out, export_state(model), {CONFIG: json.dumps(doc, indent=2) + "\n"}, overwrite=overwrite
     )
-
-
-def check_output(out: Path, overwrite: bool) -> None:
-    """Refuse to replace anything but a checkpoint folder vitkit wrote -- in any of its folder formats (vitkit,
-    hf, timm): ``convert --to vitkit --overwrite`` replaces what ``--to timm`` wrote there -- and that only with
-    ``overwrite``."""
-    torch_files.check_folder_output(out, overwrite)
