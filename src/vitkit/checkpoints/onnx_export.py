@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ import torch
 
 from vitkit.errors import VitkitError
 from vitkit.fileio import write_file_atomic
+from vitkit.hub.resolve import quiet_logs
 from vitkit.models.vit import VisionTransformer
 from vitkit.output_paths import check_output_file
 
@@ -89,15 +89,9 @@ def export_onnx(
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """The exporter prints progress on stdout and logs optional-op skips; keep the CLI's output clean."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            yield
-    finally:
-        logger.setLevel(level)
+    with quiet_logs("torch.onnx"), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
 
 
 def validate_onnx(

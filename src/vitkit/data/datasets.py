@@ -26,9 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from PIL import Image
-
 from vitkit.data.image_dataset import ClassMapError, ImageDataset, MissingSplitError, check_class_map, relabel
 from vitkit.errors import DataError
 
@@ -154,17 +151,3 @@ def open_split_or_none(
         return open_dataset(source, split, skip_bad=skip_bad, classes=classes, predecode=predecode)
     except MissingSplitError:
         return None
-
-
-def sample_images(dataset: ImageDataset | Any, n: int) -> tuple[list[Image.Image], list[str]]:
-    """``n`` examples spread evenly over a dataset (the first ``n`` of a stream), with names such as
-    ``"test[12] cat"`` (split, index, class)."""
-    classes = list(dataset.classes)
-    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
-        idx = np.unique(np.linspace(0, len(dataset) - 1, num=min(n, len(dataset))).round().astype(int)).tolist()
-        picked = [(i, *dataset[i]) for i in idx]
-    else:
-        picked = [(i, img, label) for i, (img, label) in zip(range(n), dataset, strict=False)]
-    split = getattr(dataset, "split", "")
-    names = [f"{split}[{i}] {classes[label] if label < len(classes) else label}" for i, _, label in picked]
-    return [img for _, img, _ in picked], names
