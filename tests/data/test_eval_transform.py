@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from vitkit.checkpoints.preprocess import IMAGENET_MEAN, IMAGENET_STD, Preprocess, normalize
-from vitkit.data.eval_transform import EvalTransform, Normalizer, normalize_batch, reduced_scale
+from vitkit.data.eval_transform import EvalTransform, Normalizer, reduced_scale
 from vitkit.errors import DataError
 from vitkit.images import load_image, open_lazy
 
@@ -120,7 +120,7 @@ def test_normalising_uint8_is_the_float_path_for_every_value_bit_for_bit(pre: Pr
     for x in (chw, chw.contiguous(), torch.cat([chw, chw.flip(2)])):
         got = norm(x)
         assert got.dtype == torch.float32 and torch.equal(got[0], want)
-    assert len(norm._consts) == 1 and torch.equal(normalize_batch(chw, pre)[0], want)
+    assert len(norm._consts) == 1 and torch.equal(Normalizer(pre)(chw)[0], want)
     with pytest.raises(ValueError, match="uint8"):
         norm(chw.float())
 
@@ -135,11 +135,11 @@ def test_uint8_transform_then_normalised_is_the_float_transform_bit_for_bit(tmp_
             float_path = EvalTransform(pre, reference=reference)
             u8 = EvalTransform(pre, reference=reference, uint8=True)(open_lazy(path))
             assert u8.dtype == torch.uint8 and u8.shape == (3, *pre.image_size)
-            assert torch.equal(normalize_batch(u8[None], pre)[0], float_path(open_lazy(path)))
+            assert torch.equal(Normalizer(pre)(u8[None])[0], float_path(open_lazy(path)))
     png = tmp_path / "p.png"
     Image.open(path).save(png)
     u8 = EvalTransform(pre, uint8=True)(load_image(png))
-    assert torch.equal(normalize_batch(u8[None], pre)[0], pre.to_tensor(load_image(png)))
+    assert torch.equal(Normalizer(pre)(u8[None])[0], pre.to_tensor(load_image(png)))
 
 
 _LINE_RSS = """
@@ -176,7 +176,7 @@ def test_a_line_of_pixels_is_not_resized_whole_on_the_fast_path(tmp_path: Path, 
     ref = EvalTransform(pre, reference=True)(open_lazy(path))
     torch.testing.assert_close(fast, ref, atol=0, rtol=0)
     u8 = EvalTransform(pre, reference=False, uint8=True)(open_lazy(path))  # a GPU job's worker: uint8, unnormalised
-    assert u8.dtype == torch.uint8 and torch.equal(normalize_batch(u8[None], pre)[0], fast)
+    assert u8.dtype == torch.uint8 and torch.equal(Normalizer(pre)(u8[None])[0], fast)
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     photo = tmp_path / "photo.jpg"
     Image.fromarray(rng.integers(0, 256, (300, 400, 3), dtype=np.uint8)).save(photo)

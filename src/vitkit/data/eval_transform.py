@@ -17,7 +17,7 @@
 
 With ``uint8=True`` either path stops before normalisation and returns the pixels, (C, H, W) uint8: a batch job
 hands a batch of them to the engine (a quarter of the bytes through shared memory and to the device), and
-:func:`normalize_batch` computes on the device the float values the worker would have computed, bit for bit
+:class:`Normalizer` computes on the device the float values the worker would have computed, bit for bit
 (the same float32 operations in the same order: tests/data/test_eval_transform.py checks every uint8 value).
 """
 
@@ -61,7 +61,7 @@ class EvalTransform:
 
     preprocess: Preprocess
     reference: bool = False
-    uint8: bool = False  # the pixels before normalisation, (C, H, W) uint8; normalize_batch finishes them
+    uint8: bool = False  # the pixels before normalisation, (C, H, W) uint8; a Normalizer finishes them
 
     @property
     def lazy(self) -> bool:
@@ -160,8 +160,3 @@ class Normalizer:
             raise ValueError(f"expected uint8 pixels (B, {self.channels}, H, W), got {x.dtype} {tuple(x.shape)}")
         scale, mean, std = self._on(x.device)
         return x.to(torch.float32).div_(scale).sub_(mean).div_(std)
-
-
-def normalize_batch(x: torch.Tensor, pre: Preprocess) -> torch.Tensor:
-    """:class:`Normalizer` of ``pre`` applied once: uint8 pixels (B, C, H, W) -> the model's float32 input."""
-    return Normalizer(pre)(x)

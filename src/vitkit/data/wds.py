@@ -70,11 +70,6 @@ def iter_braces(pattern: str, limit: int = MAX_SHARDS) -> Iterator[str]:
         yield "".join(p + str(v).zfill(w) for p, v, (_, w) in zip(parts, values, ranges, strict=True)) + tail
 
 
-def expand_braces(pattern: str, limit: int = MAX_SHARDS) -> list[str]:
-    """All names of a brace pattern (see :func:`iter_braces`)."""
-    return list(iter_braces(pattern, limit))
-
-
 def is_shard_source(name: str) -> bool:
     """Whether ``name`` denotes WebDataset shards (a .tar, a brace pattern, or a folder of .tar files)."""
     if name.endswith(".tar") or ("{" in name and ".tar" in name):
