@@ -23,7 +23,6 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -261,22 +260,16 @@ def validation_plan(
     return plan_engine(chosen, "torch", device, fp32_reference=False, batch_size=batch_size)
 
 
-def _sdpa_enum(name: str) -> Any:
-    from torch.nn.attention import SDPBackend
-
-    kinds = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
-    return dict(zip(SDPA, kinds, strict=True))[name]
-
-
 @contextlib.contextmanager
 def sdpa_backend(name: str | None) -> Iterator[None]:
     """PyTorch's ``scaled_dot_product_attention`` restricted to one backend inside (None: unrestricted)."""
     if name is None:
         yield
         return
-    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel([_sdpa_enum(name)]):
+    kinds = (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    with sdpa_kernel([dict(zip(SDPA, kinds, strict=True))[name]]):
         yield
 
 

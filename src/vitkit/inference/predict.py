@@ -168,13 +168,9 @@ def predict(
     built = EngineSpec.of_engine(spec.build(batch_size, None))  # now: a bad option is an error of this call
     job = Job(image_source(images), built, batch_size, workers=workers, skip_bad=skip_bad, progress=progress,
               desc="predict")  # fmt: skip
-    found = _predict(job, top_k)
+    steps = job_steps(job, lambda engine, batch: prediction_columns(engine, batch, top_k, errors=True))
+    found = (p for _, _, columns in steps for p in _predictions(columns))
     return list(found) if isinstance(images, list | tuple) else found
-
-
-def _predict(job: Job, top_k: int) -> Iterator[Prediction]:
-    for _, _, columns in job_steps(job, lambda engine, batch: prediction_columns(engine, batch, top_k, errors=True)):
-        yield from _predictions(columns)
 
 
 # ---- the job behind ``vitkit predict`` -------------------------------------------------------------------

@@ -122,7 +122,10 @@ class Tuning:
         """A cached entry, checked field by field (ValueError/TypeError/KeyError on anything else)."""
         if not isinstance(d, dict) or not isinstance(d["kernels"], dict) or not isinstance(d["plain"], bool):
             raise ValueError("not a tuning entry")
-        kernels = Kernels(**{p: _opt_str(d["kernels"].get(p)) for p in Kernels.CHOICES})
+        names = {p: d["kernels"].get(p) for p in Kernels.CHOICES}
+        if not all(v is None or isinstance(v, str) for v in names.values()):
+            raise TypeError("not a string")
+        kernels = Kernels(**names)
         races = []
         for r in d["races"]:
             times = {str(k): float(v) for k, v in r["times_ms"].items()}
@@ -130,12 +133,6 @@ class Tuning:
                 raise ValueError("bad times")
             races.append(Race(str(r["piece"]), times, str(r["winner"]), str(r["builtin"])))
         return cls(kernels, d["plain"], tuple(races), "cached")
-
-
-def _opt_str(v: Any) -> str | None:
-    if v is not None and not isinstance(v, str):
-        raise TypeError("not a string")
-    return v
 
 
 def candidates(dtype: torch.dtype, int8: bool) -> dict[str, tuple[str, ...]]:

@@ -77,8 +77,7 @@ def training_features(run: Run, weights: str) -> tuple[np.ndarray, np.ndarray, n
 def fit_linear_head(run: Run) -> ProbeFit:
     """Fit the head on the run's training features and write it into ``run.net`` (the head must already map
     the features to the run's classes: ``build.build_model`` does for linear and lp-ft)."""
-    weights = backbone_digest(run.net)
-    x, y, examples, clean = training_features(run, weights)
+    x, y, examples, clean = training_features(run, backbone_digest(run.net))
     a = run.cfg.adapt
     fit = fit_probe(
         x, y, len(run.classes), examples=examples, clean=clean, l2=a.l2, heldout_fraction=a.heldout_fraction,
@@ -102,8 +101,7 @@ def probe_summary(fit: ProbeFit) -> str:
 
 def write_probe_report(run: Run, fit: ProbeFit, extra: dict[str, Any]) -> None:
     doc = {"method": run.cfg.adapt.method, **fit.to_dict(), **extra}
-    path = run.run_dir / PROBE_FILE
-    write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
+    write_text_atomic(run.run_dir / PROBE_FILE, json.dumps(doc, indent=2) + "\n")
 
 
 class LinearRun(Run):
