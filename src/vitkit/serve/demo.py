@@ -146,15 +146,12 @@ class SimilarView:
         self.thumbs = work_dir / "thumbnails"
         self.thumbs.mkdir(parents=True, exist_ok=True)
 
-    def _decode(self, data: bytes, px: int) -> Image.Image:
-        return decode_image(data, "indexed image", draft=(px, px))  # a JPEG at reduced scale
-
     def thumbnail_file(self, id: str) -> str | None:
         """The thumbnail of the indexed image ``id`` as a JPEG in the page's folder; None when it is not served."""
         path = self.thumbs / f"{hashlib.sha256(id.encode()).hexdigest()[:32]}.jpg"
         if not path.exists():
-            try:
-                data = self.similar.thumbnail(id, self._decode)
+            try:  # vitkit's decoder, a JPEG at reduced scale
+                data = self.similar.thumbnail(id, lambda d, px: decode_image(d, "indexed image", draft=(px, px)))
             except DataError as e:
                 logger.warning("vitkit demo: no thumbnail for %s: %s", id, e)
                 return None
