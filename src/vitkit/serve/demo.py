@@ -90,8 +90,7 @@ class DemoModel:
         x = self.served.to_tensor(img)[None]  # (1, C, H, W)
         attns, logits, grid = self.served.attentions(x)
         probs = logits.softmax(dim=-1)[0]
-        k = min(5, self.served.num_classes)
-        top = self.served.top_k(probs, k)
+        top = self.served.top_k(probs, 5)  # fewer with fewer classes
         size = (x.shape[-2], x.shape[-1])
         shown = display_image(img, self.served.preprocess)
         roll = upsample_maps(rollout_maps(attns, grid, self.prefix, self.class_token), size)[0].numpy()
