@@ -47,3 +47,16 @@ def test_demo_figures_of_a_rope_model(tmp_path: Path) -> None:
     figs = model_figures(s, tmp_path)
     assert isinstance(figs["position"], str) and "RoPE" in figs["position"]
     assert isinstance(figs["filters"], Path) and figs["filters"].is_file()
+
+
+def test_the_demo_page_of_a_rope_model_says_why_and_draws_no_broken_image(tmp_path: Path) -> None:
+    """The page put the position figure's message into a gr.Image (an image of a file named by the message)."""
+    pytest.importorskip("gradio")
+    from vitkit.serve.demo import build_demo
+
+    demo = build_demo(served(tmp_path, pos_embed="none", rope="dinov3", classifier="gap"), tmp_path)
+    blocks = list(demo.blocks.values())
+    assert not any(getattr(c, "label", None) == "Position-embedding similarity" for c in blocks)
+    notes = [c.value for c in blocks if type(c).__name__ == "Markdown" and "Position-embedding" in str(c.value)]
+    assert len(notes) == 1 and "not shown" in notes[0] and "RoPE" in notes[0]
+    assert any(getattr(c, "label", None) == "Patch-embedding filters (PCA)" for c in blocks)

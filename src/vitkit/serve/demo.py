@@ -277,8 +277,11 @@ def _prediction_tab(gr: Any, demo_model: DemoModel, examples: list[list[str]], h
                 label=f"Raw attention of the {query}", interactive=False, elem_id="raw-attention", format="png"
             )
     with gr.Row():  # no label badge over the figures: it covered their titles, which say what they show
-        gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False,
-                 show_label=False, elem_id="position-figure")  # fmt: skip
+        if isinstance(figs["position"], Path):
+            gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False,
+                     show_label=False, elem_id="position-figure")  # fmt: skip
+        else:  # RoPE: no position embedding to draw (gr.Image of the message made a broken image)
+            gr.Markdown(f"Position-embedding similarity: not shown ({figs['position']}).")
         if isinstance(figs["filters"], Path):
             gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False,
                      show_label=False, elem_id="filters-figure")  # fmt: skip
