@@ -319,8 +319,6 @@ def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     from vitkit.errors import ConfigError
     from vitkit.output_paths import overlaps
 
-    if out is None:
-        return
     given: list[Any] = []
     for item in inputs:
         given += list(item) if isinstance(item, (list, tuple)) else [item]

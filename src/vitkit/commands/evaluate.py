@@ -174,7 +174,7 @@ def cmd_fewshot(args: argparse.Namespace) -> int:
 
     if args.out:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
-        check_out_of_inputs(args.out, getattr(args, "data", None))
+        check_out_of_inputs(args.out, args.data)
     probe = {"shots": args.shots, "seeds": range(args.seeds), "l2": args.l2, "heldout_per_class": args.heldout}
     if check_embedding_inputs(args):
         result = fewshot_embeddings(args.train_embeddings, args.test_embeddings, **probe)
@@ -252,7 +252,7 @@ def cmd_knn(args: argparse.Namespace) -> int:
     info = join_processes(args.device)  # under torchrun: this process's share of the images
     if args.out and info.is_main:  # refused before the work, never after it
         check_output_file(Path(args.out), overwrite=args.overwrite)
-        check_out_of_inputs(args.out, getattr(args, "data", None))
+        check_out_of_inputs(args.out, args.data)
     chunks = {"k": args.k, "temperature": args.temperature, "query_chunk": args.query_chunk,
               "bank_chunk": args.bank_chunk}  # fmt: skip
     if check_embedding_inputs(args):
