@@ -12,7 +12,7 @@ from vitkit.hub.cache import ENV_VAR, cache_dir
 from vitkit.hub.download import DownloadError, Record, download, gs_to_https, is_cached, read_record, sha256_file
 from vitkit.hub.labels import label_names, label_set_for
 from vitkit.hub.registry import AmbiguousName, Entry, entries, lookup, search
-from vitkit.hub.resolve import NotFound, Resolved, is_cached_name, resolve
+from vitkit.hub.resolve import NotFound, Resolved, resolve
 
 __all__ = [
     "ENV_VAR",
@@ -27,7 +27,6 @@ __all__ = [
     "entries",
     "gs_to_https",
     "is_cached",
-    "is_cached_name",
     "label_names",
     "label_set_for",
     "lookup",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from vitkit.errors import CheckpointError, VitkitError
 from vitkit.hub import families, registry
-from vitkit.hub.download import DownloadError, download, gs_to_https, is_cached, is_url
+from vitkit.hub.download import DownloadError, download, gs_to_https, is_url
 from vitkit.hub.families import FamilyEntry
 from vitkit.hub.registry import Entry
 
@@ -146,15 +146,6 @@ def looks_like_path(text: str) -> bool:
         or (os.sep != "/" and os.sep in text)
         or Path(text).suffix.lower() in (".npz", ".safetensors", ".pth", ".pt", ".bin", ".onnx", ".json")
     )
-
-
-def is_cached_name(name: str, cache_dir: str | os.PathLike[str] | None = None) -> bool:
-    """Whether a registry name or URL is already in the cache (no network)."""
-    family = families.lookup(name) if not is_url(name) else None
-    if family is not None:
-        return is_hub_cached(family.repo_id, families.split_revision(name)[1])
-    entry = registry.lookup(name) if not is_url(name) else None
-    return is_cached(entry.url if entry else name, cache_dir)
 
 
 # ---- Hugging Face Hub ----------------------------------------------------------------------------------
