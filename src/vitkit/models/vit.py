@@ -228,7 +228,10 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         D = cfg.hidden_size
-        self.patch_embed: nn.Module = self._make_stem(cfg)
+        if cfg.resnet_layers is None:
+            self.patch_embed: nn.Module = PatchEmbed(cfg.patch_size, cfg.in_channels, D, cfg.patch_bias)
+        else:  # hybrid (paper sec. 3.1): ResNet feature map -> patch conv
+            self.patch_embed = HybridEmbed(cfg.resnet_layers, cfg.resnet_width, cfg.patch_size, cfg.in_channels, D)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.class_token else None
         self.dist_token = nn.Parameter(torch.zeros(1, 1, D)) if cfg.distilled else None
         self.reg_token = nn.Parameter(torch.zeros(1, cfg.num_registers, D)) if cfg.num_registers else None
@@ -262,12 +265,6 @@ class VisionTransformer(nn.Module):
         """Compute the fixed (non-learned) tensors: the sin-cos table when there is one."""
         if self.cfg.pos_embed == "sincos2d":
             self.pos_table = sincos_2d(self.cfg.grid_size, self.cfg.hidden_size, device=self.pos_table.device)
-
-    @staticmethod
-    def _make_stem(cfg: ViTConfig) -> nn.Module:
-        if cfg.resnet_layers is not None:  # hybrid (paper sec. 3.1): ResNet feature map -> patch conv
-            return HybridEmbed(cfg.resnet_layers, cfg.resnet_width, cfg.patch_size, cfg.in_channels, cfg.hidden_size)
-        return PatchEmbed(cfg.patch_size, cfg.in_channels, cfg.hidden_size, cfg.patch_bias)
 
     @property
     def num_features(self) -> int:
