@@ -51,7 +51,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argpar
     with its --help), not the top-level parser's ("vitkit: error: ...")."""
     args, extra = parser.parse_known_args(argv)
     if extra:
-        owner = args.commands.get(args.command, parser) if args.command else parser
+        owner = args.commands.get(args.command, parser)  # no command: the top-level parser
         owner.error(f"unrecognized arguments: {' '.join(extra)}")
     return args
 

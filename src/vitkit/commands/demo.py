@@ -44,7 +44,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     served, similar = open_served(args, precision="fp32", fast=False)
     with tempfile.TemporaryDirectory(prefix="vitkit-demo-") as work:
         demo = build_demo(served, Path(work), samples, similar)
-        card = served.card()
-        print(f"vitkit demo: {card['name']} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        print(f"vitkit demo: {served.card()['name']} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         launch(demo, args.host, args.port, [work, *{str(s.resolve().parent) for s in samples}])
     return 0

@@ -100,7 +100,6 @@ def cmd_embed(args: argparse.Namespace) -> int:
         precision=args.precision, device=args.device, workers=resolve_workers(args.workers, args.device),
         skip_bad=args.skip_bad, decode=args.decode,
     )  # fmt: skip
-    opts.check(loaded.model.cfg.depth, bool(loaded.model.cfg.class_token))
     summary = embed_job(
         loaded, source, opts, args.out, resume=args.resume, overwrite=args.overwrite, on_engine=report_engine,
         dist=info, steps=ray_steps(args),

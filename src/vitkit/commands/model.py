@@ -82,7 +82,6 @@ WRITABLE_FORMATS = ("vitkit", "official", "big_vision", "hf", "timm", "timm_eva"
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    writable = list(WRITABLE_FORMATS)
     p = sub.add_parser(
         "convert",
         help="convert a checkpoint to another format (vitkit, official, big_vision, hf, timm, timm_eva, siglip)",
@@ -93,7 +92,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("input", help="checkpoint path (file or folder)")
     p.add_argument("output", help="output path (.npz for official/big_vision/siglip; folder for vitkit/hf; "
                    ".safetensors/.pth or folder for timm)")  # fmt: skip
-    p.add_argument("--to", required=True, choices=writable, help="output format")
+    p.add_argument("--to", required=True, choices=WRITABLE_FORMATS, help="output format")
     add_load_options(p)
     p.add_argument("--num-classes", type=class_count, help="replace the head by a zero-initialised one for N classes")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file or vitkit-written folder")

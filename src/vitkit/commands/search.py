@@ -131,7 +131,7 @@ def cmd_index(args: argparse.Namespace) -> int:
         raise ConfigError("give --out INDEX (or --add / --remove an existing one)")
     if not args.inputs and not args.data:
         raise ConfigError("give SOURCE: an output of vitkit embed, or images with -c")
-    backend = "exact" if args.exact or not args.backend else args.backend
+    backend = args.backend or "exact"  # the default, and --exact's (mutually exclusive with --backend)
     index = operations.build_index(args.inputs, args.out, checkpoint=args.checkpoint, data=args.data, split=args.split,
                              backend=backend, overwrite=args.overwrite, settings=settings, notes=notes,
                              on_engine=report_engine)  # fmt: skip

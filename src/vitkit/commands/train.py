@@ -76,6 +76,8 @@ ADAPT_OPTIONS: tuple[tuple[str, str, dict[str, Any], tuple[str, ...]], ...] = (
 # train's options that mean nothing to a linear head fitted in closed form
 GRADIENT_OPTIONS = ("epochs", "steps", "data.batch_size", "optim.lr", "precision", "compile", "grad_checkpointing",
                     "skip_nonfinite")  # fmt: skip
+# the flag of each config field a named option sets: OPTIONS', --data's and (train's) --model's
+FLAGS = {field: flag for flag, field, _ in OPTIONS} | {"data.source": "--data", "model.name": "--model"}
 
 
 def _l2(text: str) -> float | str:
@@ -125,8 +127,7 @@ def _add_options(p: argparse.ArgumentParser) -> None:
 
 def _changes(args: argparse.Namespace) -> dict[str, Any]:
     """The named options given, by config field."""
-    fields = [field for _, field, _ in OPTIONS] + ["data.source", "model.name"]
-    return {f: getattr(args, f) for f in fields if getattr(args, f, None) is not None}
+    return {f: getattr(args, f) for f in FLAGS if getattr(args, f, None) is not None}
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -153,9 +154,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from vitkit.configs import apply_overrides, get_recipe
     from vitkit.train import train
 
-    flags = {field: flag for flag, field, _ in OPTIONS} | {"data.source": "--data", "model.name": "--model"}
     if args.resume:
-        given = [flags[f] for f in _changes(args)] + (["--set"] if args.sets else [])
+        given = [FLAGS[f] for f in _changes(args)] + (["--set"] if args.sets else [])
         given += ["--out"] if args.out is not None else []
         if given or args.recipe is not None:
             raise VitkitError(
@@ -237,8 +237,7 @@ def _adapt_changes(args: argparse.Namespace) -> dict[str, Any]:
         raise VitkitError("--sweep does not apply to --method linear: its L2 strength is already chosen on held-out "
                           "data (--l2 auto)")  # fmt: skip
     if method == "linear":
-        flags = {field: flag for flag, field, _ in OPTIONS}
-        given = [flags[f] for f in GRADIENT_OPTIONS if getattr(args, f, None) is not None]
+        given = [FLAGS[f] for f in GRADIENT_OPTIONS if getattr(args, f, None) is not None]
         if given:
             raise VitkitError(
                 f"{given[0]} does not apply to --method linear: its head is fitted in closed form, with no gradient "
