@@ -246,3 +246,21 @@ def test_a_bad_set_value_is_one_line_naming_the_key(capsys: pytest.CaptureFixtur
     code, _, err = run_cli(capsys, "train", "--steps", "1", "--quiet", "--set", "optim.lr=abc")
     assert code == 2
     assert err.strip() == "vitkit train: error: --set optim.lr=abc: expected a number"
+
+
+def test_every_batch_size_help_states_the_default_the_command_uses() -> None:
+    """analyze's --help said 64 (the shared option's) while analyze runs 16 (its set_defaults)."""
+    import argparse
+    import re
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    seen = 0
+    for name, p in sub.choices.items():
+        for action in p._actions:
+            if "--batch-size" in action.option_strings and action.help:
+                stated = re.search(r"\(default (\d+)\)", action.help % {"default": action.default})
+                if stated:
+                    seen += 1
+                    default = p.get_default("batch_size")  # bench takes a list (a sweep)
+                    assert [int(stated.group(1))] in (default, [default]), name
+    assert seen >= 6  # eval, fewshot, knn, analyze, predict, embed at least

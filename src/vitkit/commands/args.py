@@ -134,7 +134,7 @@ def add_checkpoint_args(p: argparse.ArgumentParser, optional: bool = False) -> N
     )  # fmt: skip
     p.add_argument("--format", help="checkpoint format, if detection should be overridden")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1, mps or auto (default: auto)")
-    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default 64)")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="images per forward pass (default %(default)s)")
     w = p.add_mutually_exclusive_group()
     w.add_argument(
         "--ema", dest="weights", action="store_const", const="ema", default="default",
