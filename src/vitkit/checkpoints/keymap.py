@@ -244,9 +244,7 @@ def to_state_dict(
     return out
 
 
-def from_state_dict(
-    rules: Sequence[Rule], state: Mapping[str, torch.Tensor], *, skip_missing: bool = False
-) -> dict[str, Array]:
+def from_state_dict(rules: Sequence[Rule], state: Mapping[str, torch.Tensor]) -> dict[str, Array]:
     """Our state dict -> the foreign mapping (the inverse of :func:`to_state_dict`). A parameter of ours that no
     rule writes is refused (the format has no place for it: the file would compute another function)."""
     unwritten = sorted(set(state) - {r.ours for r in rules})
@@ -255,7 +253,7 @@ def from_state_dict(
     out: dict[str, Array] = {}
     for r in rules:
         if r.ours not in state:
-            if r.optional or skip_missing:
+            if r.optional:
                 continue
             raise CheckpointError(f"cannot export: the model has no parameter {r.ours}")
         arr = state[r.ours].detach().cpu().float().numpy()
