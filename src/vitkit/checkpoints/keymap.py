@@ -12,7 +12,7 @@ together, each naming the parameter.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,13 +36,7 @@ class Rule:
     optional: bool = False  # for parameters that a format may legitimately omit
 
     def expand(self, i: int) -> Rule:
-        return Rule(
-            self.ours.format(i=i),
-            tuple(t.format(i=i) for t in self.theirs),
-            self.load,
-            self.save,
-            self.optional,
-        )
+        return replace(self, ours=self.ours.format(i=i), theirs=tuple(t.format(i=i) for t in self.theirs))
 
 
 def rule(ours: str, theirs: str | Sequence[str], load: LoadFn | None = None, save: SaveFn | None = None) -> Rule:

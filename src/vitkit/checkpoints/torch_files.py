@@ -172,17 +172,13 @@ def folder_config(folder: Path, max_bytes: int | None = None) -> dict[str, Any]:
 
 
 def readable_keys(path: Path) -> set[str]:
-    """:func:`state_keys`, or none when the file is unreadable (then it is not the format a detector asks about)."""
+    """The tensor names of a state-dict file (safetensors: from its header; else :func:`read_state_file`), without
+    building a model: what the format detectors look at; none when the file is unreadable (then it is not the
+    format a detector asks about)."""
     try:
-        return state_keys(path)
+        return set(safetensors_shapes(path) if path.suffix == ".safetensors" else read_state_file(path))
     except CheckpointError:
         return set()
-
-
-def state_keys(path: Path) -> set[str]:
-    """The tensor names of a state-dict file (safetensors: from its header; else :func:`read_state_file`), without
-    building a model: what the format detectors look at. CheckpointError naming the file when it is unreadable."""
-    return set(safetensors_shapes(path) if path.suffix == ".safetensors" else read_state_file(path))
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
