@@ -9,11 +9,10 @@ ViT folder.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from vitkit.checkpoints import hf, hf_clip, hf_dino, hf_dinov3
+from vitkit.checkpoints import hf, hf_clip, hf_dino, hf_dinov3, torch_files
 from vitkit.checkpoints.hf import CONFIG, Family
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta
 from vitkit.errors import CheckpointError
@@ -27,14 +26,7 @@ def families() -> dict[str, Family]:
 
 def looks_like(path: Path) -> bool:
     """A folder whose config.json names ``vit`` or one of :func:`families` as its ``model_type``."""
-    cfg = path / CONFIG
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        doc = json.loads(cfg.read_text())
-    except (OSError, ValueError):
-        return False
-    model_type = doc.get("model_type") if isinstance(doc, dict) else None
+    model_type = torch_files.folder_config(path).get("model_type")
     return isinstance(model_type, str) and (model_type == "vit" or model_type in families())
 
 

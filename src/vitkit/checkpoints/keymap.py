@@ -12,7 +12,7 @@ together, each naming the parameter.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -36,13 +36,7 @@ class Rule:
     optional: bool = False  # for parameters that a format may legitimately omit
 
     def expand(self, i: int) -> Rule:
-        return Rule(
-            self.ours.format(i=i),
-            tuple(t.format(i=i) for t in self.theirs),
-            self.load,
-            self.save,
-            self.optional,
-        )
+        return replace(self, ours=self.ours.format(i=i), theirs=tuple(t.format(i=i) for t in self.theirs))
 
 
 def rule(ours: str, theirs: str | Sequence[str], load: LoadFn | None = None, save: SaveFn | None = None) -> Rule:
@@ -244,9 +238,7 @@ def to_state_dict(
     return out
 
 
-def from_state_dict(
-    rules: Sequence[Rule], state: Mapping[str, torch.Tensor], *, skip_missing: bool = False
-) -> dict[str, Array]:
+def from_state_dict(rules: Sequence[Rule], state: Mapping[str, torch.Tensor]) -> dict[str, Array]:
     """Our state dict -> the foreign mapping (the inverse of :func:`to_state_dict`). A parameter of ours that no
     rule writes is refused (the format has no place for it: the file would compute another function)."""
     unwritten = sorted(set(state) - {r.ours for r in rules})
@@ -255,7 +247,7 @@ def from_state_dict(
     out: dict[str, Array] = {}
     for r in rules:
         if r.ours not in state:
-            if r.optional or skip_missing:
+            if r.optional:
                 continue
             raise CheckpointError(f"cannot export: the model has no parameter {r.ours}")
         arr = state[r.ours].detach().cpu().float().numpy()

@@ -39,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from vitkit import fileio, output_paths
+from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, Loaded, state_digest
 from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, VitkitError
@@ -74,15 +75,7 @@ class LoraChain(CheckpointError):
 
 
 def looks_like(path: Path) -> bool:
-    cfg = path / CONFIG
-    if not (path.is_dir() and cfg.is_file()):
-        return False
-    try:
-        with open(cfg, "rb") as f:
-            text = f.read(MAX_CONFIG_BYTES + 1)
-        return len(text) <= MAX_CONFIG_BYTES and json.loads(text).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
+    return torch_files.folder_config(path, MAX_CONFIG_BYTES).get("format") == FORMAT
 
 
 def trained_rest(model: VisionTransformer) -> dict[str, torch.Tensor]:

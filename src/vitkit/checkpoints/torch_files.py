@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from vitkit import fileio, output_paths
@@ -119,7 +119,7 @@ FOLDER_FILES = ("model.safetensors", "config.json", "preprocessor_config.json")
 def _folder_owned(folder: Path) -> bool:
     """vitkit wrote it: its weights carry vitkit's writer mark, or it is a vitkit-format folder (which older
     versions wrote without the mark)."""
-    return fileio.safetensors_marked(folder / "model.safetensors") or native_looks_like(folder)
+    return fileio.safetensors_marked(folder / "model.safetensors") or folder_config(folder).get("format") == "vitkit"
 
 
 def check_folder_output(out: Path, overwrite: bool) -> None:
@@ -153,31 +153,39 @@ def write_folder(
     return fileio.write_dir_atomic(out, write)
 
 
-def native_looks_like(folder: Path) -> bool:
-    """A vitkit-format folder (config.json says so); checked without importing the native module."""
+def folder_config(folder: Path, max_bytes: int | None = None) -> dict[str, Any]:
+    """The JSON object in ``folder``'s config.json, as the format detectors look at it: empty when there is no
+    such regular file, or it is unreadable, not a JSON object, or (``max_bytes``) larger than that."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return {}
     try:
-        return json.loads((folder / "config.json").read_text()).get("format") == "vitkit"
-    except (OSError, ValueError, AttributeError):
-        return False
+        if max_bytes is None:
+            doc = json.loads(path.read_text())
+        else:
+            with open(path, "rb") as f:
+                text = f.read(max_bytes + 1)
+            doc = json.loads(text) if len(text) <= max_bytes else None
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def readable_keys(path: Path) -> set[str]:
-    """:func:`state_keys`, or none when the file is unreadable (then it is not the format a detector asks about)."""
+    """The tensor names of a state-dict file (safetensors: from its header; else :func:`read_state_file`), without
+    building a model: what the format detectors look at; none when the file is unreadable (then it is not the
+    format a detector asks about)."""
     try:
-        return state_keys(path)
+        return set(safetensors_shapes(path) if path.suffix == ".safetensors" else read_state_file(path))
     except CheckpointError:
         return set()
 
 
-def state_keys(path: Path) -> set[str]:
-    """The tensor names of a state-dict file (safetensors: from its header; else :func:`read_state_file`), without
-    building a model: what the format detectors look at. CheckpointError naming the file when it is unreadable."""
-    if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), "pt") as f:
-                return set(f.keys())
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None
-    return set(read_state_file(path))
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """The tensor shapes in a .safetensors file's header (nothing else read: sizes before any allocation);
+    CheckpointError naming the file when it is unreadable."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors file ({e})") from None

@@ -19,9 +19,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
-
 from vitkit.checkpoints import torch_files
 from vitkit.checkpoints.loaded import Checkpoint, CheckpointMeta, check_fits_file, check_preprocess, export_state
 from vitkit.checkpoints.preprocess import Preprocess
@@ -45,7 +42,7 @@ REQUIRED_MODEL_FIELDS = (
 
 def looks_like(path: Path) -> bool:
     """A folder whose ``config.json``, a regular file, says it is vitkit's."""
-    return (path / CONFIG).is_file() and torch_files.native_looks_like(path)
+    return torch_files.folder_config(path).get("format") == FORMAT
 
 
 def load(path: Path) -> Checkpoint:
@@ -74,13 +71,9 @@ def load(path: Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_path}: invalid vitkit config ({type(e).__name__}: {printable(str(e))})") from None
     if not w_path.is_file():
         raise CheckpointError(f"{w_path}: no such file")
-    try:
-        with safe_open(str(w_path), "pt") as f:  # the header only: sizes before any allocation
-            numel = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-        check_fits_file(cfg, numel, str(path))
-        state = load_file(str(w_path))
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{w_path}: unreadable safetensors file ({e})") from None
+    numel = sum(math.prod(shape) for shape in torch_files.safetensors_shapes(w_path).values())
+    check_fits_file(cfg, numel, str(path))
+    state = torch_files.read_state_file(w_path)
     return Checkpoint(
         cfg,
         state,
