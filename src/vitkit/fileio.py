@@ -177,13 +177,13 @@ def refuse_link(path: Path, option: str = "", *, dir_fd: int | None = None) -> N
     """ConfigError naming ``path`` when it is a symbolic link (dangling or not) or exists and is neither a
     regular file nor a folder: an output is never written through a link, into a FIFO or a device. ``dir_fd``:
     ``path.name`` is looked up in the folder open as that descriptor."""
+    where = f"{option} {path}" if option else str(path)
     try:
         st = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False) if dir_fd is not None else os.lstat(path)
     except FileNotFoundError:
         return
     except OSError as e:
-        raise ConfigError(f"{option}{' ' if option else ''}{path}: cannot be checked ({e.strerror})") from None
-    where = f"{option} {path}" if option else str(path)
+        raise ConfigError(f"{where}: cannot be checked ({e.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(
             f"{where}: is a symbolic link; vitkit never writes through links (remove it, or name another path)"
@@ -200,15 +200,13 @@ def is_regular(path: Path) -> bool:
         return False
 
 
-def create_new(path: Path, option: str = "--out") -> BinaryIO:
+def create_new(path: Path) -> BinaryIO:
     """A new file at ``path`` opened for writing: created here (``O_EXCL``), never through a symbolic link; an
     existing entry of any kind (a link planted since it was checked included) is ConfigError naming it."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
     except FileExistsError:
-        raise ConfigError(
-            f"{option} {path}: appeared while vitkit was writing it (another process?); untouched"
-        ) from None
+        raise ConfigError(f"--out {path}: appeared while vitkit was writing it (another process?); untouched") from None
     return os.fdopen(fd, "wb")
 
 

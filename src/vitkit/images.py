@@ -66,19 +66,17 @@ def read_image_file(path: str | os.PathLike[str], *, empty_ok: bool = False) -> 
     p = os.fspath(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
+        try:
+            _check_stat(p, os.fstat(fd), empty_ok)
+            os.set_blocking(fd, True)
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_IMAGE_BYTES + 1)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:  # only the open can say it: the rest reads the file it opened
         raise DataError(f"{p}: no such file") from None
     except OSError as e:
         raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
-    try:
-        _check_stat(p, os.fstat(fd), empty_ok)
-        os.set_blocking(fd, True)
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_IMAGE_BYTES + 1)
-    except OSError as e:
-        raise DataError(f"{p}: unreadable ({e.strerror or e})") from None
-    finally:
-        os.close(fd)
     if len(data) > MAX_IMAGE_BYTES:
         raise DataError(f"{p}: more than {MAX_IMAGE_BYTES >> 20} MiB, the most vitkit reads for one image")
     if not data and not empty_ok:
@@ -406,8 +404,7 @@ def decode_image(
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # the limit is enforced below
             with Image.open(fp, formats=IMAGE_FORMATS) as img:
                 w, h = img.size
-                _check_pixels(w, h, limit, name)
-                _check_mode(w, h, img.mode, limit, name)
+                _check_pixels(w, h, limit, name, img.mode)
                 if w * h == 0:
                     raise DataError(f"{name}: image of {w}x{h} pixels has no pixels")
                 if draft is not None:
@@ -435,24 +432,20 @@ def _read_named(path: str | os.PathLike[str], name: str) -> bytes:
         raise DataError(f"{name}: {str(e).removeprefix(os.fspath(path) + ': ')}") from None
 
 
-def _check_pixels(width: int, height: int, limit: int | None, name: str | Callable[[], str]) -> None:
+def _check_pixels(width: int, height: int, limit: int | None, name: str | Callable[[], str], mode: str = "") -> None:
     """:class:`ImageTooLarge` naming the image when its header's ``width`` x ``height`` is over ``limit`` pixels
-    (None: no limit), before any pixel memory is allocated."""
+    (None: no limit), or when a 16- or 32-bit greyscale ``mode`` (:data:`MODE_PIXEL_WEIGHT`) is over its share of
+    ``limit``: from its header, before any pixel memory is allocated."""
+    weight = MODE_PIXEL_WEIGHT.get(mode, 1)
     if limit is not None and width * height > limit:
         raise ImageTooLarge(
             f"{_named(name)}: image of {width}x{height} = {width * height} pixels exceeds the limit of {limit} "
             "pixels (a decompression bomb or a corrupt header)"
         )
-
-
-def _check_mode(width: int, height: int, mode: str, limit: int | None, name: str) -> None:
-    """:class:`ImageTooLarge` when a 16- or 32-bit greyscale image (:data:`MODE_PIXEL_WEIGHT`) is over its share
-    of ``limit``, from its header before any pixel is decoded."""
-    weight = MODE_PIXEL_WEIGHT.get(mode, 1)
     if limit is not None and weight > 1 and width * height * weight > limit:
         raise ImageTooLarge(
-            f"{name}: a {mode}-mode image of {width}x{height} pixels; such images count {weight} pixels per pixel "
-            f"(their conversion to 8 bits takes {weight}x the memory), so at most {limit // weight} pixels"
+            f"{_named(name)}: a {mode}-mode image of {width}x{height} pixels; such images count {weight} pixels per "
+            f"pixel (their conversion to 8 bits takes {weight}x the memory), so at most {limit // weight} pixels"
         )
 
 

@@ -45,7 +45,6 @@ import json
 import logging
 import os
 import re
-import stat
 import urllib.parse
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -53,7 +52,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from vitkit.errors import VitkitError
-from vitkit.fileio import publish, write_text_atomic
+from vitkit.fileio import is_regular, publish, write_text_atomic
 from vitkit.hub.cache import ENV_VAR, cache_dir, private_dirs, untrusted
 from vitkit.hub.transfer import (
     CHUNK,
@@ -285,12 +284,10 @@ def _adopt_legacy(url: str, final: Path, cache: str | os.PathLike[str] | None) -
     parts = _legacy_parts(url)
     downloads = _downloads(cache)  # no part climbs out: "."/".." path segments are dropped, such hosts refused
     old, old_record = downloads.joinpath(*parts), downloads.joinpath(".records", *parts[:-1], parts[-1] + ".json")
-    try:
-        old_is_file = stat.S_ISREG(os.lstat(old).st_mode)
-    except OSError:
+    if not is_regular(old):
         return
     rec = _read_json(old_record)
-    if not old_is_file or rec is None or rec.url != url or untrusted(old.parent) or untrusted(old_record.parent):
+    if rec is None or rec.url != url or untrusted(old.parent) or untrusted(old_record.parent):
         return
     target = record_path(url, cache)
     try:

@@ -48,11 +48,8 @@ def sidecar_path(out: Path) -> Path:
 
 def read_sidecar(out: Path) -> dict[str, Any] | None:
     """The mark :func:`write_sidecar` left beside ``out`` (None when there is none, or it is not vitkit's)."""
-    side = sidecar_path(out)
-    if not os.path.lexists(side):
-        return None
-    try:
-        with open_regular(side, write=False) as f:
+    try:  # none there: open_regular's ConfigError, as for a link or a FIFO
+        with open_regular(sidecar_path(out), write=False) as f:
             data = f.read(SIDECAR_MAX_BYTES + 1)
         doc = json.loads(data) if len(data) <= SIDECAR_MAX_BYTES else None
     except (ConfigError, ValueError):
