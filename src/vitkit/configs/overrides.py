@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from vitkit.configs.recipes import finetune_for_data, get_recipe
-from vitkit.configs.schema import TrainConfig, coerce
+from vitkit.configs.schema import AdaptConfig, TrainConfig, coerce
 from vitkit.errors import ConfigError
 from vitkit.models.vit import ViTConfig
 
@@ -184,8 +184,7 @@ def finetune_config(
     if recipe is None:
         native = read_checkpoint(checkpoint).cfg.image_size
         size = image_size or native
-        cfg = get_recipe("paper-finetune")  # only to read the adaptation defaults from
-        trained, held = training_images(data, cfg.adapt.val_fraction, select=method != "linear", skip_bad=skip_bad)
+        trained, held = training_images(data, AdaptConfig().val_fraction, select=method != "linear", skip_bad=skip_bad)
         cfg, why = finetune_for_data(trained, size, checkpoint, data, method)
         if notes is not None and method != "linear":
             notes.append(schedule_line(cfg, trained, held, native, why))
