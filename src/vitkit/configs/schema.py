@@ -15,25 +15,15 @@ from typing import Any, Literal
 
 from vitkit.errors import ConfigError
 
-AUGREG_LEVELS = ("none", "light1", "light2", "medium1", "medium2", "strong1", "strong2")
-# AugReg ("How to train your ViT", Steiner et al. 2021): RandAugment (layers, magnitude) and Mixup alpha.
-AUGREG_RANDAUG: dict[str, tuple[int, float] | None] = {
-    "none": None,
-    "light1": (2, 0.0),  # magnitude 0 is not a no-op in TF's RandAugment (posterize, solarize...)
-    "light2": (2, 10.0),
-    "medium1": (2, 15.0),
-    "medium2": (2, 15.0),
-    "strong1": (2, 20.0),
-    "strong2": (2, 20.0),
-}
-AUGREG_MIXUP = {
-    "none": 0.0,
-    "light1": 0.0,
-    "light2": 0.2,
-    "medium1": 0.2,
-    "medium2": 0.5,
-    "strong1": 0.5,
-    "strong2": 0.8,
+# AugReg ("How to train your ViT", Steiner et al. 2021) by level: RandAugment (layers, magnitude), Mixup alpha.
+AUGREG_LEVELS: dict[str, tuple[int, float, float]] = {
+    "none": (0, 0.0, 0.0),
+    "light1": (2, 0.0, 0.0),  # magnitude 0 is not a no-op in TF's RandAugment (posterize, solarize...)
+    "light2": (2, 10.0, 0.2),
+    "medium1": (2, 15.0, 0.2),
+    "medium2": (2, 15.0, 0.5),
+    "strong1": (2, 20.0, 0.5),
+    "strong2": (2, 20.0, 0.8),
 }
 
 
@@ -85,13 +75,8 @@ class AugConfig:
             return self
         if self.augreg not in AUGREG_LEVELS:
             raise ConfigError(f"unknown AugReg level {self.augreg!r}; choose from {', '.join(AUGREG_LEVELS)}")
-        ra = AUGREG_RANDAUG[self.augreg]
-        return dataclasses.replace(
-            self,
-            randaug_layers=ra[0] if ra else 0,
-            randaug_magnitude=ra[1] if ra else 0.0,
-            mixup=AUGREG_MIXUP[self.augreg],
-        )
+        layers, magnitude, mixup = AUGREG_LEVELS[self.augreg]
+        return dataclasses.replace(self, randaug_layers=layers, randaug_magnitude=magnitude, mixup=mixup)
 
 
 @dataclass
