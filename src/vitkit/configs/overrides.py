@@ -183,9 +183,8 @@ def finetune_config(
         check_image_size(image_size, read_checkpoint(checkpoint).cfg, checkpoint)
     if recipe is None:
         native = read_checkpoint(checkpoint).cfg.image_size
-        size = image_size or native
         trained, held = training_images(data, AdaptConfig().val_fraction, select=method != "linear", skip_bad=skip_bad)
-        cfg, why = finetune_for_data(trained, size, checkpoint, data, method)
+        cfg, why = finetune_for_data(trained, image_size or native, checkpoint, data, method)
         if notes is not None and method != "linear":
             notes.append(schedule_line(cfg, trained, held, native, why))
     else:

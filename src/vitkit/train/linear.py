@@ -125,17 +125,16 @@ class LinearRun(Run):
         seconds = time.perf_counter() - t0
         self.save_model("model", val_top1=metrics.get("val_top1"), l2=fit.l2)
         write_probe_report(self, fit, {**metrics, "seconds": seconds})
-        result = TrainResult(
+        return TrainResult(
             self.run_dir,
             0,
             final_top1=metrics.get("val_top1"),
             seconds=time.perf_counter() - t0,
             val_split=self.val_set.split if self.val_set is not None else None,
             final_metrics=metrics,
+            notes=[probe_summary(fit)],
             val_precision=self.cfg.adapt.feature_precision if metrics else None,
         )
-        result.notes.append(probe_summary(fit))
-        return result
 
     def evaluate(self, dataset: ImageDataset) -> dict[str, float]:
         """Top-1 and mean loss of the model on ``dataset``, from its (cached) features through the head."""

@@ -112,8 +112,7 @@ class Run:
         if cfg.adapt.select and cfg.adapt.method != "linear":
             self.train_set, self.select_set = self._selection_split(self.train_set, self.val_set)
         self.classes = self.train_set.classes
-        net, pre = build.build_model(cfg, self.classes)
-        self.preprocess = pre
+        net, self.preprocess = build.build_model(cfg, self.classes)
         self.lora: LoraSpec | None = None
         self._base_digest_value: str | None = None
         if cfg.adapt.method == "lora":  # adapters in place (drawn from the seed), all else but the head frozen

@@ -208,8 +208,7 @@ def resume_config(path: str | Path) -> tuple[TrainConfig, Path, Path | None]:
         if cfg is None:
             raise
         return cfg, Path(path), None
-    meta = read_state_meta(state)
-    saved = _older_defaults(meta["config"])
+    saved = _older_defaults(read_state_meta(state)["config"])
     check_config_unchanged(state.parent.parent / "config.json", saved)
     return TrainConfig.from_dict(saved), state.parent.parent, state
 
