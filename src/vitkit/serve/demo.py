@@ -54,6 +54,13 @@ def overlay(img: np.ndarray, heat: np.ndarray) -> Image.Image:
     return out.resize((out.width * scale, out.height * scale), Image.Resampling.NEAREST)
 
 
+# the weight-only figures on the page: model_figures' key, the figure's label, its name where it is not shown
+FIGURES = (
+    ("position", "Position-embedding similarity", "Position-embedding similarity"),
+    ("filters", "Patch-embedding filters (PCA)", "Patch-embedding filters"),
+)
+
+
 def model_figures(served: ServedModel, out_dir: Path) -> dict[str, Path | str]:
     """The weight-only figures of the model as PNGs in ``out_dir`` (a message where one does not apply)."""
     model = served.model
@@ -277,16 +284,13 @@ def _prediction_tab(gr: Any, demo_model: DemoModel, examples: list[list[str]], h
                 label=f"Raw attention of the {query}", interactive=False, elem_id="raw-attention", format="png"
             )
     with gr.Row():  # no label badge over the figures: it covered their titles, which say what they show
-        if isinstance(figs["position"], Path):
-            gr.Image(value=str(figs["position"]), label="Position-embedding similarity", interactive=False,
-                     show_label=False, elem_id="position-figure")  # fmt: skip
-        else:  # RoPE: no position embedding to draw (gr.Image of the message made a broken image)
-            gr.Markdown(f"Position-embedding similarity: not shown ({figs['position']}).")
-        if isinstance(figs["filters"], Path):
-            gr.Image(value=str(figs["filters"]), label="Patch-embedding filters (PCA)", interactive=False,
-                     show_label=False, elem_id="filters-figure")  # fmt: skip
-        else:
-            gr.Markdown(f"Patch-embedding filters: not shown ({figs['filters']}).")
+        for key, label, name in FIGURES:
+            if isinstance(figs[key], Path):
+                gr.Image(
+                    value=str(figs[key]), label=label, interactive=False, show_label=False, elem_id=f"{key}-figure"
+                )
+            else:  # where a figure does not apply (RoPE: no position embedding), why, not an image of the message
+                gr.Markdown(f"{name}: not shown ({figs[key]}).")
     # preprocess=False: the upload arrives as Gradio's file record and is decoded by vitkit's decoder, so a
     # file that is not an image is one line on the page and in the log rather than Gradio's traceback
     image.change(on_image, [image, layer, head], [top5, rollout, raw, state, verdict], preprocess=False)
