@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vitkit.commands.args import note_emulated_bf16, positive_float, positive_int
 from vitkit.errors import VitkitError
+
+if TYPE_CHECKING:
+    from vitkit.serve.served_model import ServedModel
+    from vitkit.serve.similar import SimilarImages
 
 
 def require_extra(*modules: str, extra: str = "serve") -> None:
@@ -30,7 +34,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
 
 
-def open_served(args: argparse.Namespace, **options: Any) -> tuple[Any, Any]:
+def open_served(args: argparse.Namespace, **options: Any) -> tuple[ServedModel, SimilarImages | None]:
     """What ``serve`` and ``demo`` answer with, from :func:`add_model_options`' options: the checkpoint as a
     :class:`~vitkit.serve.ServedModel` (with the command's ``options``) on ``--threads`` CPU threads, and ``--index``'s
     :class:`~vitkit.serve.similar.SimilarImages` for it (None without ``--index``)."""
