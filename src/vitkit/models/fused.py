@@ -82,6 +82,7 @@ class _Linear(torch.autograd.Function):
         w = weight.to(x.dtype)  # (D_out, D_in)
         b = None if bias is None else bias.to(x.dtype)
         ctx.gemm = not gelu or kernels.linear_supported(x2)
+        # (addmm only for gelu: linear_gelu always passes a bias)
         h = kernels.linear(x2, w, b) if ctx.gemm else torch.addmm(b, x2, w.t())  # type: ignore[arg-type]
         ctx.save_for_backward(x2, w, h if gelu else None)
         ctx.kernels, ctx.lead, ctx.gelu = kernels, lead, gelu
@@ -93,17 +94,16 @@ class _Linear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x2, w, h = ctx.saved_tensors
         g = grad.reshape(-1, w.shape[0]).to(w.dtype).contiguous()  # (N, D_out)
-        db = None
+        need_x, need_w, need_b, _, _ = ctx.needs_input_grad
         if ctx.gelu:
             g, db = ctx.kernels.gelu_backward_bias(g, h)  # dh, and its sum over rows
-        need_x, need_w, need_b, _, _ = ctx.needs_input_grad
+        else:
+            db = g.sum(0) if need_b else None  # as autograd's (sum(dtype=fp32) is 5-50x slower)
         dx = None
         if need_x:  # grad W: (N, D_out) x (D_out, D_in), through the kernels' GEMM where the forward pass used it
             dx = (ctx.kernels.linear(g, w.t(), None) if ctx.gemm else torch.mm(g, w)).reshape(*ctx.lead, w.shape[1])
         dw = torch.mm(g.t(), x2).to(ctx.dtypes[0]) if need_w else None
-        if need_b and db is None:
-            db = g.sum(0)  # as autograd's (sum(dtype=fp32) is 5-50x slower)
-        return dx, dw, db.to(ctx.dtypes[1]) if need_b and db is not None else None, None, None
+        return dx, dw, db.to(ctx.dtypes[1]) if need_b else None, None, None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels) -> torch.Tensor:
