@@ -191,9 +191,14 @@ class Run:
         # copies: on one process these would alias the parameters (and change when EMA weights swap out)
         return {k: v.detach().clone() for k, v in sd.items() if isinstance(v, torch.Tensor) and k in keep}
 
+    def ema_weights(self) -> contextlib.AbstractContextManager[None]:
+        """The EMA (Polyak-averaged) weights in the model for a ``with`` block, the trained ones back after it;
+        nothing changes without EMA. What validation, the selected step and the saved model use."""
+        return self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
+
     def save_model(self, folder: str, **provenance: Any) -> None:
         """The current weights (EMA when on) as a vitkit folder (``model/`` or ``best/``)."""
-        with self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext():
+        with self.ema_weights():
             state = self._full_model_state()
         if self.dist.is_main:
             model = empty_model(self.net.cfg)

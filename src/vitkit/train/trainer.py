@@ -383,8 +383,8 @@ class Trainer(ValidatedRun):
             logs.append_csv(self.run_dir / "selection.csv", {"step": self.step, "val_top1": top1, "val_loss": loss})
         if self.best_step is None or self.best_top1 is None or (top1, -loss) >= (self.best_top1, -self._best_loss):
             self.best_step, self.best_top1, self._best_loss = self.step, top1, loss
-            ctx = self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext()
-            with ctx:  # the frozen weights never change: only what trains is kept (LoRA: MBs, not the model)
+            # the frozen weights never change: only what trains is kept (LoRA: MBs, not the model)
+            with self.ema_weights():
                 self._best_state = self._full_model_state(trained_only=True)
 
     def _keep_selected(self) -> str:

@@ -54,7 +54,7 @@ class ValidatedRun(Run):
         self.model.eval()
         set_fused_attention(self.net, True)  # no backward: the fused kernel, which never holds (B, h, T, T)
         totals = torch.zeros(3, dtype=torch.float64, device=self.device)  # correct, loss sum, count
-        with self.ema.swapped_in(self.net) if self.ema is not None else contextlib.nullcontext():
+        with self.ema_weights():
             forward, autocast = self._validation_forward(ds)
             for b in self._eval_batches(ds):
                 x, y = b.images.to(self.device, non_blocking=True), b.labels.to(self.device, non_blocking=True)
