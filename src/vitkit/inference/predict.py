@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
@@ -287,9 +286,3 @@ def _open_output(
             return open_rows(out, other, id_field="image", resume=True, overwrite=False, meta=meta)
         except ColumnsError:
             raise first from None
-
-
-def default_output_note(out: Path, summary: JobSummary) -> str:
-    """The closing line of ``vitkit predict --out``: rows written, resumed, where."""
-    again = f" ({summary.resumed} were there already)" if summary.resumed else ""
-    return f"wrote {summary.resumed + summary.written} rows to {out}{again}"
