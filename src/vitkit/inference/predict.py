@@ -8,6 +8,7 @@ whatever the number of images.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -203,8 +204,6 @@ class ConsoleRows:
         self.done = 0  # nothing to resume: every run prints its rows
 
     def write(self, columns: Mapping[str, Any]) -> None:
-        import json
-
         lines = []
         for p in _predictions(columns):
             if self.as_json:
