@@ -15,6 +15,7 @@ from matplotlib import colormaps
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from PIL import Image
 
 from vitkit.fileio import write_file_atomic
 
@@ -24,8 +25,6 @@ DPI = 100
 def _save(fig: Figure, path: str | os.PathLike[str]) -> Path:
     """Render on Agg and write a PNG with a 256-colour palette (photo panels stay small on disk), by
     :func:`~vitkit.fileio.write_file_atomic` (a temporary file renamed into place; a link at ``path`` refused)."""
-    from PIL import Image
-
     p = Path(path)
     fig.set_dpi(DPI)
     canvas = FigureCanvasAgg(fig)

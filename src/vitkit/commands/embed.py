@@ -105,6 +105,5 @@ def cmd_embed(args: argparse.Namespace) -> int:
         dist=info, steps=ray_steps(args),
     )  # fmt: skip
     if finish_job(info, summary):
-        again = f" ({summary.resumed} were there already)" if summary.resumed else ""
-        print(f"wrote {summary.resumed + summary.written} embeddings to {args.out}{again}", file=sys.stderr)
+        print(summary.wrote_note("embeddings", args.out), file=sys.stderr)
     return 0

@@ -64,7 +64,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from vitkit.data.stream import open_source
     from vitkit.errors import ConfigError
     from vitkit.inference.jobs import check_batch_fits
-    from vitkit.inference.predict import PredictOptions, default_output_note, predict_job
+    from vitkit.inference.predict import PredictOptions, predict_job
     from vitkit.outputs.rows import check_rows_output
 
     if bool(args.images) == bool(args.data):
@@ -101,5 +101,5 @@ def cmd_predict(args: argparse.Namespace) -> int:
         echo=echo, on_engine=report_engine, dist=info, steps=ray_steps(args),
     )  # fmt: skip
     if finish_job(info, summary) and args.out is not None:
-        print(default_output_note(Path(args.out), summary), file=sys.stderr)
+        print(summary.wrote_note("rows", Path(args.out)), file=sys.stderr)
     return 0

@@ -10,8 +10,6 @@ one :class:`~vitkit.inference.features.ExtractOptions`, and reads the dataset th
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import os
 from collections.abc import Sequence
@@ -30,6 +28,7 @@ from vitkit.inference.features import EXTRACT_DEFAULTS, ExtractOptions, FeatureP
 from vitkit.inference.jobs import EngineSpec
 from vitkit.models.vit import VisionTransformer
 from vitkit.output_paths import check_report_dir
+from vitkit.outputs.rows import csv_text
 
 
 def align_labels(
@@ -174,13 +173,7 @@ def write_eval_report(report: EvalReport, out_dir: str | os.PathLike[str]) -> di
     confusion: list[list[Any]] = [["true \\ predicted", *names]]
     confusion += [[name, *(int(v) for v in row)] for name, row in zip(names, m.confusion, strict=True)]
     write_text_atomic(paths["metrics"], json.dumps(report.to_dict(), indent=2) + "\n")
-    write_text_atomic(paths["per_class"], _csv_text(per_class))
-    write_text_atomic(paths["confusion_csv"], _csv_text(confusion))
+    write_text_atomic(paths["per_class"], csv_text(per_class, "\r\n"))  # \r\n: csv's own default, as ever
+    write_text_atomic(paths["confusion_csv"], csv_text(confusion, "\r\n"))
     plot_confusion(m.confusion, names, paths["confusion_png"])
     return paths
-
-
-def _csv_text(rows: list[list[Any]]) -> str:
-    buf = io.StringIO()
-    csv.writer(buf).writerows(rows)
-    return buf.getvalue()

@@ -29,6 +29,7 @@ from vitkit.inference.jobs import EngineSpec
 from vitkit.inference.provenance import check_comparable
 from vitkit.models.vit import MAX_CLASSES, VisionTransformer
 from vitkit.outputs.array_reader import Embeddings, read_embeddings
+from vitkit.search.exact import exact_search
 
 DEFAULT_K = 20
 DEFAULT_TEMPERATURE = 0.07
@@ -97,34 +98,14 @@ def knn_classify(
         raise DataError("the train bank has no features")
     if labels.min() < 0 or labels.max() >= num_classes:
         raise DataError(f"train labels outside 0..{num_classes - 1}")
-    kk = min(k, len(bank))
-    ranked, votes, largest = [], [], 0
-    for q0 in range(0, len(queries), query_chunk):
-        q = queries[q0 : q0 + query_chunk]  # (C, D)
-        best_s = torch.full((len(q), 0), -float("inf"))
-        best_i = torch.zeros((len(q), 0), dtype=torch.int64)
-        for b0 in range(0, len(bank), bank_chunk):
-            sim = q @ bank[b0 : b0 + bank_chunk].T  # (C, Cb): the only block of similarities held
-            largest = max(largest, sim.numel())
-            s, i = sim.topk(min(kk, sim.shape[1]), dim=1)  # (C, <=k)
-            cand_s, cand_i = torch.cat([best_s, s], dim=1), torch.cat([best_i, i + b0], dim=1)  # (C, <=2k)
-            # ties in similarity: the earlier bank entry first, as a stable sort of the whole bank would
-            order = _rank(cand_s, cand_i)[:, :kk]
-            best_s, best_i = cand_s.gather(1, order), cand_i.gather(1, order)
-        weights = (best_s / temperature).exp()  # (C, k)
-        v = torch.zeros(len(q), num_classes, dtype=torch.float64)
-        v.scatter_add_(1, labels[best_i], weights.double())  # (C, K): summed votes per class
-        top = _rank(v, torch.arange(num_classes).expand(len(q), -1))[:, : min(5, num_classes)]
-        ranked.append(top.numpy())
-        votes.append(v.numpy())
-    return KnnResult(np.concatenate(ranked), np.concatenate(votes), largest)
-
-
-def _rank(values: torch.Tensor, tiebreak: torch.Tensor) -> torch.Tensor:
-    """Per row, the column order by ``values`` descending, ties by ``tiebreak`` ascending."""
-    by_tie = tiebreak.argsort(dim=1, stable=True)
-    v = values.gather(1, by_tie)
-    return by_tie.gather(1, (-v).argsort(dim=1, stable=True))
+    # the k most similar bank features of every query, in blocks (exact_search: ties to the earlier bank entry)
+    scores, rows = exact_search(bank.numpy(), queries.numpy(), k, query_block=query_chunk, bank_block=bank_chunk)
+    weights = (torch.from_numpy(scores) / temperature).exp()  # (M, k)
+    votes = torch.zeros(len(queries), num_classes, dtype=torch.float64)
+    votes.scatter_add_(1, labels[torch.from_numpy(rows)], weights.double())  # (M, K): summed votes per class
+    ranked = (-votes).argsort(dim=1, stable=True)[:, : min(5, num_classes)]  # ties: the lower class first
+    largest = min(query_chunk, len(queries)) * min(bank_chunk, len(bank))  # exact_search's first block, its largest
+    return KnnResult(ranked.numpy(), votes.numpy(), largest)
 
 
 def knn_evaluate(

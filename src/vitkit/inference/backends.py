@@ -23,6 +23,7 @@ precision, times them alternately on this machine and keeps the fastest (``.back
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import functools
 import importlib.util
@@ -39,7 +40,9 @@ import torch
 from torch import nn
 
 from vitkit import hardware
+from vitkit.checkpoints.onnx_export import export_onnx
 from vitkit.errors import VitkitError
+from vitkit.fileio import write_file_atomic
 from vitkit.hub.resolve import quiet_logs
 from vitkit.inference.policy import BACKENDS, fast_dtype
 from vitkit.models.vit import VisionTransformer
@@ -99,12 +102,8 @@ class EngineModel(nn.Module):
 
 def export_for_engines(model: VisionTransformer, folder: str | Path) -> Path:
     """The model as ONNX with a free batch axis, in ``folder`` (what every engine here reads)."""
-    from vitkit.checkpoints.onnx_export import export_onnx
-
     model = model.eval()
     if next(model.parameters()).device.type != "cpu" or next(model.parameters()).dtype != torch.float32:
-        import copy
-
         model = copy.deepcopy(model).to("cpu", torch.float32)
     return export_onnx(model, Path(folder) / "model.onnx", dynamic_batch=True, overwrite=True)
 
@@ -119,8 +118,6 @@ def without_initializer_shapes(onnx_path: Path, out: Path) -> Path:
     10 classes. Without the redundant entries there is nothing stale to disagree with, whatever the version.
     Weights stored as external data stay where they are (they are neither read nor rewritten)."""
     import onnx
-
-    from vitkit.fileio import write_file_atomic
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     weights = {t.name for t in model.graph.initializer}

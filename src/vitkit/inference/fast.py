@@ -49,6 +49,7 @@ from vitkit.inference.attention import FusedAttention
 from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_amx as load_amx_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
+from vitkit.inference.backends import optimize_with_backend
 from vitkit.inference.gemm_int8 import Int8Gemm
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.int8 import (
@@ -473,8 +474,6 @@ def optimize_for_inference(
     choose all of this for the model's device, see ``vitkit.inference.policy.plan_engine``.
     """
     if backend != "torch":
-        from vitkit.inference.backends import optimize_with_backend
-
         ours = functools.partial(
             optimize_for_inference, model, dtype, compile=compile, int8=int8, batch_size=batch_size
         )

@@ -94,6 +94,12 @@ class JobSummary:
             return None
         return f"{self.failed} of {self.written} image(s) failed and are marked as such (first: {self.first_failure})"
 
+    def wrote_note(self, what: str, out: str | os.PathLike[str]) -> str:
+        """The closing line of a job that wrote ``out``: the ``what`` (rows, embeddings) it holds, resumed ones
+        counted."""
+        again = f" ({self.resumed} were there already)" if self.resumed else ""
+        return f"wrote {self.resumed + self.written} {what} to {out}{again}"
+
 
 def plan_decode(
     decode: str,

@@ -8,10 +8,10 @@ whatever the number of images.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
@@ -204,8 +204,6 @@ class ConsoleRows:
         self.done = 0  # nothing to resume: every run prints its rows
 
     def write(self, columns: Mapping[str, Any]) -> None:
-        import json
-
         lines = []
         for p in _predictions(columns):
             if self.as_json:
@@ -287,9 +285,3 @@ def _open_output(
             return open_rows(out, other, id_field="image", resume=True, overwrite=False, meta=meta)
         except ColumnsError:
             raise first from None
-
-
-def default_output_note(out: Path, summary: JobSummary) -> str:
-    """The closing line of ``vitkit predict --out``: rows written, resumed, where."""
-    again = f" ({summary.resumed} were there already)" if summary.resumed else ""
-    return f"wrote {summary.resumed + summary.written} rows to {out}{again}"

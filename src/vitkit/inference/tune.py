@@ -50,7 +50,7 @@ from vitkit.fileio import write_file_atomic
 from vitkit.inference.attention import load as load_fused_attention
 from vitkit.inference.attention import load_amx as load_amx_attention
 from vitkit.inference.attention import load_int8 as load_int8_attention
-from vitkit.inference.fast import FastBlock, Kernels, block_parts
+from vitkit.inference.fast import FastBlock, Kernels, block_parts, optimize_for_inference
 from vitkit.inference.fp8 import CastModel
 from vitkit.inference.gemm_int8 import load as load_int8_gemm
 from vitkit.inference.layernorm import load as load_layernorm
@@ -334,8 +334,6 @@ def build_fast(
     model in ``dtype`` where that measured faster (``tune=False``: the built-in rules, as
     ``optimize_for_inference``). The engines (``--precision auto/bf16/fp32/int8``) and ``vitkit bench``'s
     ``vitkit-fast`` runner build through here; the second value says what was chosen and why."""
-    from vitkit.inference.fast import optimize_for_inference
-
     tuning = tune_kernels(model, dtype, batch_size, int8, timer=timer, cache=cache) if tune else Tuning()
     if tuning.plain:
         return PlainModel(model, dtype), tuning

@@ -125,10 +125,10 @@ def _csv_cell(v: Any) -> Any:
     return "'" + v if isinstance(v, str) and v[:1] in _FORMULA else v
 
 
-def csv_text(rows: Iterable[Sequence[Any]]) -> str:
-    """``rows`` as CSV text, as Python's csv module writes them (lines ending in ``\\n``)."""
+def csv_text(rows: Iterable[Sequence[Any]], lineterminator: str = "\n") -> str:
+    """``rows`` as CSV text, as Python's csv module writes them (lines ending in ``lineterminator``)."""
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(rows)
+    csv.writer(buf, lineterminator=lineterminator).writerows(rows)
     return buf.getvalue()
 
 
