@@ -46,13 +46,12 @@ def parsed(text: str, convert: Callable[[str], T], invalid: str) -> T:
 
 def image_size(text: str) -> tuple[int, int]:
     """ "224" -> (224, 224); "224x320" -> (224, 320)."""
-    parts = parsed(
-        text, lambda t: [int(p) for p in t.lower().split("x")], f"invalid image size {text!r} (use 224 or 224x320)"
-    )
+    invalid = f"invalid image size {text!r} (use 224 or 224x320)"
+    parts = parsed(text, lambda t: [int(p) for p in t.lower().split("x")], invalid)
     if len(parts) == 1:
         parts = parts * 2
     if len(parts) != 2 or min(parts) <= 0:
-        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)")
+        raise argparse.ArgumentTypeError(invalid)
     return parts[0], parts[1]
 
 
