@@ -318,12 +318,10 @@ def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     from vitkit.errors import ConfigError
     from vitkit.output_paths import overlaps
 
-    given: list[Any] = []
     for item in inputs:
-        given += list(item) if isinstance(item, (list, tuple)) else [item]
-    for src in given:
-        if src is not None and os.path.exists(src) and overlaps(Path(out), Path(src)):
-            raise ConfigError(
-                f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would be "
-                "read as input by the next run on it); write it outside the input"
-            )
+        for src in item if isinstance(item, (list, tuple)) else [item]:
+            if src is not None and os.path.exists(src) and overlaps(Path(out), Path(src)):
+                raise ConfigError(
+                    f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would "
+                    "be read as input by the next run on it); write it outside the input"
+                )
