@@ -46,13 +46,12 @@ def parsed(text: str, convert: Callable[[str], T], invalid: str) -> T:
 
 def image_size(text: str) -> tuple[int, int]:
     """ "224" -> (224, 224); "224x320" -> (224, 320)."""
-    parts = parsed(
-        text, lambda t: [int(p) for p in t.lower().split("x")], f"invalid image size {text!r} (use 224 or 224x320)"
-    )
+    invalid = f"invalid image size {text!r} (use 224 or 224x320)"
+    parts = parsed(text, lambda t: [int(p) for p in t.lower().split("x")], invalid)
     if len(parts) == 1:
         parts = parts * 2
     if len(parts) != 2 or min(parts) <= 0:
-        raise argparse.ArgumentTypeError(f"invalid image size {text!r} (use 224 or 224x320)")
+        raise argparse.ArgumentTypeError(invalid)
     return parts[0], parts[1]
 
 
@@ -319,12 +318,10 @@ def check_out_of_inputs(out: Any, *inputs: Any) -> None:
     from vitkit.errors import ConfigError
     from vitkit.output_paths import overlaps
 
-    given: list[Any] = []
     for item in inputs:
-        given += list(item) if isinstance(item, (list, tuple)) else [item]
-    for src in given:
-        if src is not None and os.path.exists(src) and overlaps(Path(out), Path(src)):
-            raise ConfigError(
-                f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would be "
-                "read as input by the next run on it); write it outside the input"
-            )
+        for src in item if isinstance(item, (list, tuple)) else [item]:
+            if src is not None and os.path.exists(src) and overlaps(Path(out), Path(src)):
+                raise ConfigError(
+                    f"--out {out}: is, holds or lies inside the input {src}, which is read as data (the output would "
+                    "be read as input by the next run on it); write it outside the input"
+                )

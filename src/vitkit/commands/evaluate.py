@@ -41,10 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _shots(text: str) -> list[int]:
-    try:
-        values = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid shots {text!r} (use e.g. 1,5,10,25)") from None
+    invalid = f"invalid shots {text!r} (use e.g. 1,5,10,25)"
+    values = parsed(text, lambda t: sorted({int(s) for s in t.split(",") if s.strip()}), invalid)
     if not values or values[0] <= 0:
         raise argparse.ArgumentTypeError(f"invalid shots {text!r}: positive integers, e.g. 1,5,10,25")
     return values
