@@ -159,10 +159,7 @@ def infer_config(arrays: Mapping[str, Array], source: str, image_size: int = DEF
     token = "cls" in arrays
     if POS in arrays:
         n = int(arrays[POS].shape[1])
-        try:
-            side = grid_side(n - 1) if token and is_square(n - 1) and not is_square(n) else grid_side(n)
-        except ValueError as e:
-            raise CheckpointError(f"{source}: {e}") from None
+        side = grid_side(n - 1) if token and is_square(n - 1) and not is_square(n) else grid_side(n)
         size = side * patch
     else:
         size = image_size
@@ -190,7 +187,7 @@ def load(path: Path) -> Checkpoint:
     arrays = normalise(arrays, str(path))
     try:
         cfg = infer_config(arrays, str(path))
-    except ValueError as e:
+    except ValueError as e:  # a position grid that is not square, a value ViTConfig refuses
         raise CheckpointError(f"{path}: {e}") from None
     state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "big_vision", "prefix": prefix, "scan": scan}

@@ -314,9 +314,9 @@ def claims_dino(cfg: ViTConfig) -> bool:
     return not cfg.distilled and (cfg.layer_scale is not None or cfg.num_registers > 0 or cfg.mlp == "swiglu")
 
 
-def _unrepresentable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> str | None:
-    """Why transformers' ``family`` cannot compute this model: the checks DINOv2 and DeiT share (named for the family),
-    then the ``extra`` (bad, why) of one; None when it can."""
+def _check_representable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> None:
+    """CheckpointError ("cannot write a transformers {family} folder") unless transformers' ``family`` computes this
+    model: the checks DINOv2 and DeiT share (named for the family), then the ``extra`` (bad, why) of one."""
     checks = [
         (cfg.resnet_layers is not None, "no hybrid ResNet stem"),
         (cfg.classifier != "token", f"it pools the class token; this model uses classifier {cfg.classifier!r}"),
@@ -328,7 +328,8 @@ def _unrepresentable(cfg: ViTConfig, family: str, *extra: tuple[bool, str]) -> s
         (cfg.gelu == "quick", "no quick GELU"),
     ]
     common = next((f"transformers' {family}: {why}" for bad, why in checks if bad), None)
-    return common or next((why for bad, why in extra if bad), None)
+    why = common or next((why for bad, why in extra if bad), None)
+    require(why is None, f"a transformers {family} folder", why or "")
 
 
 def _mlp_ratio(cfg: ViTConfig) -> int | None:
@@ -372,14 +373,13 @@ def dino_config_json(cfg: ViTConfig) -> dict[str, Any]:
 def save_dino(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
     """``model`` as a Dinov2Model folder (Dinov2WithRegistersModel with registers)."""
     cfg = model.cfg
-    why = _unrepresentable(
+    _check_representable(
         cfg,
         "DINOv2",
         (cfg.num_classes > 0, "Dinov2Model has no classifier (export with num_classes=0)"),
         (cfg.layer_scale is None, "transformers' DINOv2 always has layer scale"),
         (_mlp_ratio(cfg) is None, f"no mlp_ratio gives transformers' DINOv2 an MLP width of {cfg.mlp_dim}"),
     )
-    require(why is None, "a transformers DINOv2 folder", why or "")
     cfg, state = with_learned_posemb(cfg, export_state(model))
     tensors = from_state_dict(dino_key_map(cfg), state)
     tensors["embeddings.mask_token"] = np.zeros((1, cfg.hidden_size), np.float32)
@@ -390,14 +390,13 @@ def save_dino(model: VisionTransformer, path: Path, meta: CheckpointMeta | None,
 def save_deit(model: VisionTransformer, path: Path, meta: CheckpointMeta | None, overwrite: bool) -> Path:
     """``model`` as a DeiTForImageClassificationWithTeacher folder (DeiTModel without a head, no pooler)."""
     cfg = model.cfg
-    why = _unrepresentable(
+    _check_representable(
         cfg,
         "DeiT",
         (cfg.pos_embed != "learned", "a learned position embedding only"),
         (cfg.layer_scale is not None or cfg.num_registers > 0, "no layer scale or registers"),
         (cfg.mlp != "plain", "a plain GELU MLP only"),
     )
-    require(why is None, "a transformers DeiT folder", why or "")
     prefix = "deit." if cfg.num_classes > 0 else ""
     tensors = from_state_dict(deit_key_map(cfg, prefix), export_state(model))
     doc = hf.hf_config(cfg, meta.class_names if meta else None)

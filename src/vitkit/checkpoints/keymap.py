@@ -67,19 +67,17 @@ def dense(prefix_ours: str, prefix_theirs: str, kernel: str = "kernel", bias: st
     ]
 
 
-def layernorm(prefix_ours: str, prefix_theirs: str) -> list[Rule]:
+def layernorm(prefix_ours: str, prefix_theirs: str, load: LoadFn | None = None) -> list[Rule]:
+    """A Flax norm's scale and bias <-> torch's weight and bias (``load``: how both are read; else copied)."""
     return [
-        rule(f"{prefix_ours}.weight", f"{prefix_theirs}/scale"),
-        rule(f"{prefix_ours}.bias", f"{prefix_theirs}/bias"),
+        rule(f"{prefix_ours}.weight", f"{prefix_theirs}/scale", load),
+        rule(f"{prefix_ours}.bias", f"{prefix_theirs}/bias", load),
     ]
 
 
 def group_norm(prefix_ours: str, prefix_theirs: str) -> list[Rule]:
-    """Flax GroupNorm scale/bias, stored (C,) or, in older checkpoints, (1, 1, 1, C)."""
-    return [
-        rule(f"{prefix_ours}.weight", f"{prefix_theirs}/scale", channel_vector),
-        rule(f"{prefix_ours}.bias", f"{prefix_theirs}/bias", channel_vector),
-    ]
+    """Flax GroupNorm scale/bias (LayerNorm's names), stored (C,) or, in older checkpoints, (1, 1, 1, C)."""
+    return layernorm(prefix_ours, prefix_theirs, channel_vector)
 
 
 def channel_vector(a: Array) -> Array:

@@ -143,10 +143,7 @@ def infer_config(arrays: Mapping[str, Array], source: str) -> ViTConfig:
     pos_key = "Transformer/posembed_input/pos_embedding"
     if pos_key not in arrays:
         raise CheckpointError(f"{source}: missing {pos_key}")
-    try:
-        side = grid_side(arrays[pos_key].shape[1] - prefix)
-    except ValueError as e:
-        raise CheckpointError(f"{source}: {e}") from None
+    side = grid_side(arrays[pos_key].shape[1] - prefix)
     rep = int(arrays["pre_logits/kernel"].shape[1]) if "pre_logits/kernel" in arrays else None
     num_classes = int(arrays["head/kernel"].shape[1]) if "head/kernel" in arrays else 0
     return ViTConfig(
@@ -175,7 +172,7 @@ def load(path: Path) -> Checkpoint:
     arrays, prefix, outside = npz_files.strip_prefix(read_npz(str(path)), str(path))
     try:
         cfg = infer_config(arrays, str(path))
-    except ValueError as e:
+    except ValueError as e:  # a position grid that is not square, a value ViTConfig refuses
         raise CheckpointError(f"{path}: {e}") from None
     state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
