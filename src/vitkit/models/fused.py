@@ -106,37 +106,32 @@ class _Linear(torch.autograd.Function):
         return dx, dw, db.to(ctx.dtypes[1]) if need_b else None, None, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels) -> torch.Tensor:
-    """F.linear(x, weight, bias) with its GEMMs (forward, input gradient) through ``kernels`` where they take the
-    activations (autocast applied as for a Linear), else PyTorch's Linear."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels, *, gelu: bool = False
+) -> torch.Tensor:
+    """F.linear(x, weight, bias), with ``gelu`` then exact GELU (:func:`linear_gelu`), with its GEMMs (forward,
+    input gradient) through ``kernels`` where they take the activations (autocast applied as for a Linear), else
+    through PyTorch's ops."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         x = x.to(torch.get_autocast_dtype(device))
-    elif weight.dtype != x.dtype:  # as F.linear would: no silent promotion
-        return F.linear(x, weight, bias)
-    if not kernels.linear_supported(x.new_empty(0)):
-        return F.linear(x, weight, bias)
-    with torch.autocast(device, enabled=False):
-        out: torch.Tensor = _Linear.apply(x, weight, bias, kernels, False)
-    return out
+        fits = True
+    else:
+        fits = weight.dtype == x.dtype  # else as F.linear would: no silent promotion
+    probe = x.new_empty(0)
+    if fits and (bias is not None and kernels.gelu_supported(probe) if gelu else kernels.linear_supported(probe)):
+        with torch.autocast(device, enabled=False):
+            out: torch.Tensor = _Linear.apply(x, weight, bias, kernels, gelu)
+        return out
+    y = F.linear(x, weight, bias)
+    return F.gelu(y) if gelu else y
 
 
 def linear_gelu(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernels: TrainingKernels
 ) -> torch.Tensor:
-    """gelu(F.linear(x, weight, bias)) (exact GELU) through ``kernels`` where they take the activations
-    (autocast applied as for a Linear), else through PyTorch's ops."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        x = x.to(torch.get_autocast_dtype(device))
-    elif weight.dtype != x.dtype:  # as F.linear would: no silent promotion
-        return F.gelu(F.linear(x, weight, bias))
-    probe = x.new_empty(0)
-    if bias is None or not kernels.gelu_supported(probe):
-        return F.gelu(F.linear(x, weight, bias))
-    with torch.autocast(device, enabled=False):
-        out: torch.Tensor = _Linear.apply(x, weight, bias, kernels, True)
-    return out
+    """gelu(F.linear(x, weight, bias)) (exact GELU): :func:`linear` with ``gelu``."""
+    return linear(x, weight, bias, kernels, gelu=True)
 
 
 class LoraAdapter(NamedTuple):

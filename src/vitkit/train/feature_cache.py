@@ -222,7 +222,11 @@ def cached_features(
     folder.mkdir(exist_ok=True)
     chunks = Parts(folder, ".safetensors", prefix="chunk-", digits=6, extra=[KEY_FILE])
     key_path = folder / KEY_FILE
-    if _read_key(key_path) != key:  # absent, unreadable or another key under this digest: start the folder anew
+    try:
+        stored = json.loads(key_path.read_text())
+    except (OSError, ValueError):
+        stored = None
+    if stored != key:  # absent, unreadable or another key under this digest: start the folder anew
         chunks.clear(temporary=False)  # another run filling this folder now keeps the chunk it is writing
         write_file_atomic(key_path, lambda tmp: tmp.write_text(json.dumps(key, indent=1, sort_keys=True) + "\n"))
     source: Any = dataset if augment is None else _AugmentedView(dataset, augment)
@@ -257,14 +261,6 @@ def cached_features(
     if cached and progress:
         print(f"note: {desc}: {cached} of {len(starts)} chunk(s) from the feature cache {folder}", file=sys.stderr)
     return Features(feats, labels, cached, computed, folder)
-
-
-def _read_key(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 def _read_chunk(path: Path, idx: np.ndarray, labels: np.ndarray, width: int) -> np.ndarray | None:
