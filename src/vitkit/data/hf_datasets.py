@@ -265,17 +265,13 @@ def _pick(
         if given not in columns:
             raise DataError(f"{source}: no column {given!r} (columns: {', '.join(columns)})")
         return given
-    if len(typed) == 1:
-        return typed[0]
-    if len(typed) > 1:
-        raise DataError(f"{source}: several {kind} columns ({', '.join(typed)}); choose one with {option}")
-    named = [c for c in columns if c.lower() in names]
-    if len(named) == 1:
-        return named[0]
+    found = typed or [c for c in columns if c.lower() in names]  # the columns of the kind's feature type, else by name
+    if len(found) == 1:
+        return found[0]
     raise DataError(
         f"{source}: cannot tell the {kind} column among {', '.join(columns)}; name it with {option}"
-        if not named
-        else f"{source}: several {kind} columns ({', '.join(named)}); choose one with {option}"
+        if not found
+        else f"{source}: several {kind} columns ({', '.join(found)}); choose one with {option}"
     )
 
 

@@ -197,12 +197,11 @@ class TrainLoader:
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[list[Batch]]:
         """Yield, for each step from ``start_step`` to the end of the epoch, the list of A micro-batches."""
         order = self.order(epoch)
-        keys = [
+        self._schedule.keys = [
             [(epoch, int(i)) for i in micro]
             for step in range(start_step, self.steps_per_epoch)
             for micro in self.step_indices(order, step)
         ]
-        self._schedule.keys = keys
         if self._dl is None:
             self._dl = _dataloader(self.samples, self._schedule, self.workers, self.pin_memory, persistent=True)
         it = _batches(self._dl)

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from PIL import Image
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from vitkit.data import globs
 from vitkit.data.folder import IMAGE_EXTENSIONS, is_image_name
@@ -339,8 +340,6 @@ class _Buffers:
     def track(self, batch: StreamBatch) -> None:
         """In the job's process, for each batch as it arrives: free the slots whose batches it no longer holds,
         and watch this one's."""
-        from torch.multiprocessing.reductions import StorageWeakRef
-
         held = []
         for slot, ref in self._held:
             if ref.expired():

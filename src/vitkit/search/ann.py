@@ -16,6 +16,7 @@ indices load with theirs.
 
 from __future__ import annotations
 
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +52,6 @@ def library() -> Any:
 
 def params(ef_search: int = EF_SEARCH) -> dict[str, Any]:
     """The backend entry of a new index's manifest: library, version and graph parameters."""
-    from importlib.metadata import version
-
     library()
     return {"name": NAME, "library": LIBRARY, "version": version(LIBRARY), "M": M,
             "ef_construction": EF_CONSTRUCTION, "ef_search": ef_search}  # fmt: skip

@@ -89,11 +89,10 @@ class Server:
     def __init__(self, served: ServedModel, opts: ServeOptions, similar: SimilarImages | None = None) -> None:
         self.served, self.opts, self.similar = served, opts, similar
         self.card = served.card() if similar is None else {**served.card(), "search": similar.card()}
-        self.batcher: Batcher[tuple[torch.Tensor, bool, bool], Answer] = Batcher(
-            self._run, opts.max_batch, opts.max_wait_ms, opts.max_queue
-        )
         self.metrics = ServerMetrics(lambda: self.batcher.depth)
-        self.batcher.on_batch = self.metrics.observe_batch
+        self.batcher: Batcher[tuple[torch.Tensor, bool, bool], Answer] = Batcher(
+            self._run, opts.max_batch, opts.max_wait_ms, opts.max_queue, self.metrics.observe_batch
+        )
         self.admitted = 0
         self.abandoned = 0  # decodings of timed-out requests still running, outside the slots
         self.decoding = asyncio.Semaphore(opts.decoders)  # replaced by one of the serving event loop

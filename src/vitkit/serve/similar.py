@@ -32,7 +32,7 @@ from vitkit.errors import DataError
 from vitkit.images import convert_image, read_image_file
 from vitkit.inference.embed import EmbedOptions, vector_shape
 from vitkit.search.index import Index
-from vitkit.search.operations import checkpoint_meta
+from vitkit.search.operations import checkpoint_meta, settings_of
 from vitkit.serve.served_model import ServedModel
 
 THUMBNAIL_PX = 256  # the longest side of a thumbnail, in pixels
@@ -62,17 +62,10 @@ class SimilarImages:
         where = f"--index {path}"
         found = {**index.provenance, **checkpoint_meta(served.loaded)}
         index.check_comparable(found, where)
-        pool = index.provenance.get("vitkit.embed.pool", "pre-logits")
-        layer = index.provenance.get("vitkit.embed.layer", "final")
-        if pool == "tokens":
+        if index.provenance.get("vitkit.embed.pool") == "tokens":
             raise DataError(f"{where}: an index of token grids (--pool tokens) cannot be searched by image")
-        similar = cls(
-            index,
-            str(path),
-            None if pool == "pre-logits" else pool,
-            None if layer == "final" else int(layer),
-            indexed_folder(index.ids, os.getcwd()),
-        )
+        s = settings_of(index)  # the pooling and layer the index's images were embedded with
+        similar = cls(index, str(path), s.pool, s.layer, indexed_folder(index.ids, os.getcwd()))
         (dim,) = vector_shape(served.loaded, EmbedOptions(pool=similar.pool, layer=similar.layer))
         if dim != index.dimension:
             raise DataError(f"{where}: the index holds vectors of dimension {index.dimension}, the checkpoint "
