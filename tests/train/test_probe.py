@@ -9,8 +9,9 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.linear_model import LogisticRegression
 
+from vitkit.data.subset import stratified_holdout
 from vitkit.errors import DataError
-from vitkit.train.probe import STD_EPS, fit_logistic, fit_probe, heldout_split
+from vitkit.train.probe import HELDOUT_SALT, STD_EPS, fit_logistic, fit_probe
 
 
 def digits(n: int = 500) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +56,7 @@ def test_l2_is_chosen_on_heldout_examples_that_are_never_fitted() -> None:
     grid = (1e-3, 1e-1, 10.0)
     fit = fit_probe(rows, labels, 10, examples=examples, clean=clean, grid=grid, seed=3)
     assert fit.l2_mode == "auto" and [h["l2"] for h in fit.heldout] == sorted(grid, reverse=True)
-    held = heldout_split(y, 10, 0.2, 3)
+    held = stratified_holdout(y, 10, 0.2, 3, salt=HELDOUT_SALT)
     assert held is not None and fit.heldout_count == held.sum() == sum(round(0.2 * c) for c in np.bincount(y))
     # redo the held-out fits by hand: every pass of a held-out example left out, clean rows scored
     keep = ~np.isin(examples, np.flatnonzero(held))

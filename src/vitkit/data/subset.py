@@ -10,9 +10,12 @@ from vitkit.data.image_dataset import ImageDataset
 from vitkit.images import LazyImage
 
 
-def stratified_holdout(labels: np.ndarray, num_classes: int, fraction: float, seed: int) -> np.ndarray | None:
+def stratified_holdout(
+    labels: np.ndarray, num_classes: int, fraction: float, seed: int, *, salt: int = 0x5E1C
+) -> np.ndarray | None:
     """A boolean mask over examples: ``fraction`` of every class (at least one, never all) held out, drawn from
-    (seed, class); None when some class has fewer than two examples (nothing would be left to train on)."""
+    (seed, class, salt); None when some class has fewer than two examples (nothing would be left to train on).
+    ``salt`` keeps apart the draws of two uses of one seed (the validation split; the probe's L2 choice)."""
     labels = np.asarray(labels, dtype=np.int64)
     counts = np.bincount(labels, minlength=num_classes)
     if len(labels) == 0 or counts.min() < 2:
@@ -20,7 +23,7 @@ def stratified_holdout(labels: np.ndarray, num_classes: int, fraction: float, se
     held = np.zeros(len(labels), dtype=bool)
     for c in range(num_classes):
         members = np.flatnonzero(labels == c)
-        rng = np.random.default_rng([seed, c, 0x5E1C])
+        rng = np.random.default_rng([seed, c, salt])
         held[rng.permutation(members)[: holdout_count(len(members), fraction)]] = True
     return held
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from vitkit.data.subset import stratified_holdout
 from vitkit.errors import DataError
 from vitkit.evaluate.fewshot import STD_EPS, l2_grid  # one grid rule and one epsilon for both probes
 from vitkit.models.vit import VisionTransformer
@@ -35,6 +36,7 @@ from vitkit.models.vit import VisionTransformer
 L2_GRID = l2_grid(10.0, -6.0, 0.0, 0.5)  # 1e-6 .. 1, per row (the loss is a mean)
 DEFAULT_L2 = 1e-3  # when held-out examples cannot be set aside (a class with a single example)
 GRID_TOL = 1e-5  # gradient tolerance of the held-out fits (their accuracies only rank the grid)
+HELDOUT_SALT = 0x4E1D  # the held-out examples' draw, apart from the validation split's of the same seed
 
 
 def fit_logistic(
@@ -102,21 +104,6 @@ class ProbeFit:
         }  # fmt: skip
 
 
-def heldout_split(labels: np.ndarray, num_classes: int, fraction: float, seed: int) -> np.ndarray | None:
-    """A boolean mask over examples: ``fraction`` of every class (at least one) held out, drawn from
-    (seed, class); None when some class has fewer than two examples (nothing could be left to fit)."""
-    counts = np.bincount(labels, minlength=num_classes)
-    if counts.min() < 2:
-        return None
-    held = np.zeros(len(labels), dtype=bool)
-    for c in range(num_classes):
-        members = np.flatnonzero(labels == c)
-        rng = np.random.default_rng([seed, c, 0x4E1D])
-        k = min(len(members) - 1, max(1, round(fraction * len(members))))
-        held[rng.permutation(members)[:k]] = True
-    return held
-
-
 def fit_probe(
     x: np.ndarray,
     y: np.ndarray,
@@ -149,7 +136,8 @@ def fit_probe(
     yt = torch.from_numpy(y)
     fit = ProbeFit(np.zeros(0), np.zeros(0), float(l2 or DEFAULT_L2), "fixed" if l2 is not None else "auto")
     if l2 is None:
-        held_clean = heldout_split(y[clean], num_classes, heldout_fraction, seed)  # over the clean rows
+        # held out over the clean rows
+        held_clean = stratified_holdout(y[clean], num_classes, heldout_fraction, seed, salt=HELDOUT_SALT)
         if held_clean is None:
             fit.l2_mode = "default"
             fit.notes.append(
