@@ -82,7 +82,7 @@ class _Linear(torch.autograd.Function):
         w = weight.to(x.dtype)  # (D_out, D_in)
         b = None if bias is None else bias.to(x.dtype)
         ctx.gemm = not gelu or kernels.linear_supported(x2)
-        # (addmm only for gelu: linear_gelu always passes a bias)
+        # (addmm only for gelu: linear routes gelu here only with a bias)
         h = kernels.linear(x2, w, b) if ctx.gemm else torch.addmm(b, x2, w.t())  # type: ignore[arg-type]
         ctx.save_for_backward(x2, w, h if gelu else None)
         ctx.kernels, ctx.lead, ctx.gelu = kernels, lead, gelu
@@ -119,7 +119,8 @@ def linear(
     else:
         fits = weight.dtype == x.dtype  # else as F.linear would: no silent promotion
     probe = x.new_empty(0)
-    if fits and (bias is not None and kernels.gelu_supported(probe) if gelu else kernels.linear_supported(probe)):
+    supported = bias is not None and kernels.gelu_supported(probe) if gelu else kernels.linear_supported(probe)
+    if fits and supported:
         with torch.autocast(device, enabled=False):
             out: torch.Tensor = _Linear.apply(x, weight, bias, kernels, gelu)
         return out
