@@ -270,8 +270,6 @@ def choose_decode(
     ``gpu`` without a CUDA job or without nvImageCodec is a ConfigError (one line). ``auto``: the GPU when
     nvImageCodec is installed, the job is on CUDA and ``rates()`` (:func:`measure_rates`, called only then)
     measures the GPU decoder faster than the workers; else the CPU."""
-    if decode not in DECODES:
-        raise ConfigError(f"--decode {decode!r}: choose one of {', '.join(DECODES)}")
     if decode == "cpu":
         return False
     if decode == "gpu":
