@@ -129,8 +129,6 @@ def read_npz(path: str | Path) -> dict[str, Array]:
     try:
         with np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file") from None
     except NPZ_ERRORS as e:
         raise CheckpointError(f"{path}: not a readable .npz checkpoint ({e})") from None
 
