@@ -14,6 +14,7 @@ from loopback_http import Server, http_server_fixture, private_caches_fixture  #
 
 import vitkit
 from helpers import FIXTURES, run_cli
+from vitkit.checkpoints import save_checkpoint
 from vitkit.checkpoints.loaded import state_digest
 from vitkit.checkpoints.lora_format import RemoteBase, save
 from vitkit.errors import CheckpointError
@@ -70,6 +71,26 @@ def test_a_hub_id_named_only_by_the_folder_is_not_fetched(tmp_path: Path) -> Non
     folder = _adapters(tmp_path, "someone/planted-base")
     with pytest.raises(RemoteBase, match="someone/planted-base is remote"):
         vitkit.load_checkpoint(folder)
+
+
+def test_a_hub_base_is_read_only_when_its_weights_are_cached(tmp_path: Path) -> None:
+    """The folder's Hub base with only its config.json in huggingface_hub's cache (a listing fetched it, say): loading
+    would download the weights the folder chose, so it is refused as an uncached base is; with the weights cached
+    too (the user ran ``vitkit download``) it is read, from the cache (the Hub is offline here)."""
+    import huggingface_hub.constants as c
+
+    base = save_checkpoint(vitkit.load_checkpoint(NPZ).model, tmp_path / "base", "vitkit")
+    folder = _adapters(tmp_path, "someone/cached-base")
+    repo = Path(c.HF_HUB_CACHE) / "models--someone--cached-base"
+    snapshot = repo / "snapshots" / ("e" * 40)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("e" * 40)
+    (snapshot / "config.json").write_bytes((base / "config.json").read_bytes())
+    with pytest.raises(RemoteBase, match="someone/cached-base is remote"):
+        vitkit.load_checkpoint(folder)
+    (snapshot / "model.safetensors").write_bytes((base / "model.safetensors").read_bytes())
+    assert vitkit.load_checkpoint(folder).model.cfg.num_classes == 5
 
 
 def test_a_local_base_still_loads(tmp_path: Path) -> None:

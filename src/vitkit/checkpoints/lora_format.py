@@ -45,7 +45,7 @@ from vitkit.checkpoints.preprocess import Preprocess
 from vitkit.errors import CheckpointError, VitkitError
 from vitkit.hub import registry
 from vitkit.hub.download import is_cached, is_url
-from vitkit.hub.resolve import looks_like_path, parse_hub_id
+from vitkit.hub.resolve import is_hub_cached, looks_like_path, parse_hub_id
 from vitkit.models.lora import LoraSpec, adapter_state, add_lora, load_adapter_state, merge_lora
 from vitkit.models.vit import VisionTransformer, ViTConfig
 
@@ -225,9 +225,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def check_declared_base(path: Path, name: str) -> None:
     """RemoteBase unless the base that the folder's config.json names (not the user) may be read: a local path,
-    a registry name (vitkit's own list of Google's checkpoints, digests published), or a URL already in the
-    download cache (``vitkit download URL``: the user fetched it). A URL or Hub id that only the folder names
-    is never fetched: whoever wrote the folder would choose what is downloaded."""
+    a registry name (vitkit's own list of Google's checkpoints, digests published), or a URL or Hub id already
+    downloaded (``vitkit download``: the user fetched it; for a Hub id, config.json and weights in the Hub cache).
+    A URL or Hub id only the folder names is never fetched: whoever wrote the folder would choose what is downloaded."""
     if os.path.exists(name) or (not is_url(name) and looks_like_path(name)):
         return  # local: a missing path is "no such file" below, never a download
     if is_url(name):
@@ -236,7 +236,7 @@ def check_declared_base(path: Path, name: str) -> None:
     elif registry.lookup(name) is not None:
         return
     elif (hub := parse_hub_id(name)) is not None:
-        if _hub_cached(*hub):
+        if is_hub_cached(*hub):
             return
     else:
         return  # neither remote nor a registry name: the loader's "not found" says what was tried
@@ -245,13 +245,6 @@ def check_declared_base(path: Path, name: str) -> None:
         f"it is not fetched: download it yourself (vitkit download {name}) if you trust it, or name a local copy "
         "with lora_base="
     )
-
-
-def _hub_cached(repo_id: str, revision: str | None) -> bool:
-    """Whether huggingface_hub's cache holds the repository's config.json (``vitkit download org/name``)."""
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(repo_id, "config.json", revision=revision), str)
 
 
 def load(path: Path, base: str | os.PathLike[str] | None = None, *, load_base: Callable[[str], Loaded]) -> Checkpoint:
