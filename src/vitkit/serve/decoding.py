@@ -106,7 +106,11 @@ class _Worker:
 
     def _read_line(self, deadline: float, job: Decoding) -> bytes:
         while b"\n" not in self._buffer:
-            self._fill(deadline, job)
+            self._wait(deadline, job)
+            chunk = os.read(self._from_child, 1 << 16)
+            if not chunk:
+                self._gone(job)
+            self._buffer += chunk
         line, _, rest = bytes(self._buffer).partition(b"\n")
         self._buffer = bytearray(rest)
         return line
@@ -124,13 +128,6 @@ class _Worker:
                 self._gone(job)
             got += chunk
         return out
-
-    def _fill(self, deadline: float, job: Decoding) -> None:
-        self._wait(deadline, job)
-        chunk = os.read(self._from_child, 1 << 16)
-        if not chunk:
-            self._gone(job)
-        self._buffer += chunk
 
     def _wait(self, deadline: float, job: Decoding) -> None:
         """Until the child has written something; DecodeTimeout at ``deadline`` or when ``job`` is cancelled."""

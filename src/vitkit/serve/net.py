@@ -28,9 +28,6 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-    except socket.gaierror as e:
-        sock.close()
-        raise ConfigError(f"--host {host}: not a name or address of this machine ({e.strerror})") from None
     except OSError as e:
         sock.close()
         raise ConfigError(_bind_error(host, port, e)) from None
@@ -44,6 +41,8 @@ def check_free(host: str, port: int) -> None:
 
 
 def _bind_error(host: str, port: int, e: OSError) -> str:
+    if isinstance(e, socket.gaierror):
+        return f"--host {host}: not a name or address of this machine ({e.strerror})"
     if e.errno == errno.EADDRINUSE:
         return f"--port {port}: {host}:{port} is already in use by another program; choose another --port"
     if e.errno == errno.EACCES:
