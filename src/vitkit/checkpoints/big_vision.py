@@ -54,6 +54,7 @@ from vitkit.checkpoints.loaded import (
     convert,
     export_state,
     is_square,
+    refusing,
     require,
     require_unseen,
 )
@@ -185,10 +186,8 @@ def load(path: Path) -> Checkpoint:
     arrays, prefix, outside = npz_files.strip_prefix(npz_files.read_npz(path), str(path))
     scan = any(k.startswith(SCAN) for k in arrays)
     arrays = normalise(arrays, str(path))
-    try:
+    with refusing(str(path)):  # a position grid that is not square, a value ViTConfig refuses
         cfg = infer_config(arrays, str(path))
-    except ValueError as e:  # a position grid that is not square, a value ViTConfig refuses
-        raise CheckpointError(f"{path}: {e}") from None
     state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "big_vision", "prefix": prefix, "scan": scan}
     if outside:

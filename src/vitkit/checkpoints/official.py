@@ -44,6 +44,7 @@ from vitkit.checkpoints.loaded import (
     CheckpointMeta,
     convert,
     export_state,
+    refusing,
     require,
     require_unseen,
     with_learned_posemb,
@@ -170,10 +171,8 @@ read_npz = npz_files.read_npz
 def load(path: Path) -> Checkpoint:
     """Read an official .npz into vitkit's layout, shape-checked, with the official preprocessing."""
     arrays, prefix, outside = npz_files.strip_prefix(read_npz(str(path)), str(path))
-    try:
+    with refusing(str(path)):  # a position grid that is not square, a value ViTConfig refuses
         cfg = infer_config(arrays, str(path))
-    except ValueError as e:  # a position grid that is not square, a value ViTConfig refuses
-        raise CheckpointError(f"{path}: {e}") from None
     state = convert(cfg, arrays, str(path), key_map)
     provenance: dict[str, Any] = {"layout": "vit_jax (google-research/vision_transformer)"}
     if prefix:
