@@ -224,8 +224,7 @@ def comparable_embeddings(
     """The train and test embeddings (:func:`labelled_embeddings`), made by one checkpoint, precision,
     preprocessing and pooling (:func:`~vitkit.inference.provenance.check_comparable`), and the classes they
     cover (the largest label + 1)."""
-    kw: dict[str, Any] = {"drop_failed": drop_failed, "notes": notes}
-    tr = labelled_embeddings(train, "--train-embeddings", **kw)
-    te = labelled_embeddings(test, "--test-embeddings", **kw)
+    tr = labelled_embeddings(train, "--train-embeddings", drop_failed=drop_failed, notes=notes)
+    te = labelled_embeddings(test, "--test-embeddings", drop_failed=drop_failed, notes=notes)
     check_comparable(tr.meta, te.meta, f"--train-embeddings {train}", f"--test-embeddings {test}")
     return tr, te, int(max(tr.labels.max(), te.labels.max())) + 1
