@@ -3,6 +3,7 @@ alternating runners is :mod:`vitkit.timing` (inference's ``backend="auto"`` time
 
 from __future__ import annotations
 
+import contextlib
 import resource
 from collections.abc import Callable
 from pathlib import Path
@@ -15,12 +16,10 @@ from vitkit.train.heap import glibc
 
 
 def _rss_bytes(field_name: str) -> int | None:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith(field_name + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
     return None
 
 

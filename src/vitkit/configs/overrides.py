@@ -6,6 +6,7 @@ Every value is checked against the schema's annotation (``TrainConfig`` and, und
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import types
@@ -98,10 +99,8 @@ def parse_value(tp: Any, text: str, key: str) -> Any:
 
 def _json_string(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] == '"':
-        try:
+        with contextlib.suppress(ValueError):
             return str(json.loads(text))
-        except ValueError:
-            pass
     return text
 
 
