@@ -213,8 +213,6 @@ def test_choose_decode_follows_the_option_the_device_and_the_measurement() -> No
         choose_decode("gpu", False, module=lambda: fake)
     with pytest.raises(ConfigError, match=r"^--decode gpu: nvImageCodec is not installed.*vitkit\[gpu\]"):
         choose_decode("gpu", True, module=lambda: None)
-    with pytest.raises(ConfigError, match="choose one of cpu, gpu, auto"):
-        choose_decode("nvjpeg", True)
 
 
 def test_measure_rates_times_both_decoders_on_the_jobs_own_jpegs(tmp_path: Path) -> None:

@@ -138,6 +138,9 @@ def test_the_job_plans_the_decoder_the_option_device_and_installation_say(
     assert jobs.plan_decode("auto", ref, gpu_plan, src, range(3), 2) == (ref, None)
     with pytest.raises(vitkit.errors.ConfigError, match=r"^--decode gpu: --precision fp32 is the reference"):
         jobs.plan_decode("gpu", ref, gpu_plan, src, range(3), 2)
+    for transform in (t, ref):  # an unknown value: refused first, by the job's one check (choose_decode has none)
+        with pytest.raises(vitkit.errors.ConfigError, match=r"^--decode 'nvjpeg': choose one of cpu, gpu, auto$"):
+            jobs.plan_decode("nvjpeg", transform, gpu_plan, src, range(3), 2)
 
 
 def test_predict_job_decoding_on_the_gpu_gives_the_rows_of_the_cpu_decode(
