@@ -164,3 +164,16 @@ def private_caches_fixture(tmp_path_factory: pytest.TempPathFactory, monkeypatch
     monkeypatch.setenv("VITKIT_HOME", str(root / "vitkit"))
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(root / "hf-hub"))
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+
+
+def put_in_hub_cache(folder: Path, repo_id: str, commit: str, refs: tuple[str, ...] = ("main",)) -> Path:
+    """Lay a folder out as huggingface_hub's cache does: models--org--name/{snapshots/<commit>, refs/<ref>}; the
+    snapshot folder."""
+    import huggingface_hub.constants as c
+
+    repo = Path(c.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).write_text(commit)
+    return repo / "snapshots" / commit

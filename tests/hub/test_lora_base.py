@@ -6,11 +6,17 @@ is allocated."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-from loopback_http import Server, http_server_fixture, private_caches_fixture  # noqa: F401 (fixtures)
+from loopback_http import (  # noqa: F401 (fixtures)
+    Server,
+    http_server_fixture,
+    private_caches_fixture,
+    put_in_hub_cache,
+)
 
 import vitkit
 from helpers import FIXTURES, run_cli
@@ -77,19 +83,14 @@ def test_a_hub_base_is_read_only_when_its_weights_are_cached(tmp_path: Path) -> 
     """The folder's Hub base with only its config.json in huggingface_hub's cache (a listing fetched it, say): loading
     would download the weights the folder chose, so it is refused as an uncached base is; with the weights cached
     too (the user ran ``vitkit download``) it is read, from the cache (the Hub is offline here)."""
-    import huggingface_hub.constants as c
-
     base = save_checkpoint(vitkit.load_checkpoint(NPZ).model, tmp_path / "base", "vitkit")
     folder = _adapters(tmp_path, "someone/cached-base")
-    repo = Path(c.HF_HUB_CACHE) / "models--someone--cached-base"
-    snapshot = repo / "snapshots" / ("e" * 40)
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text("e" * 40)
-    (snapshot / "config.json").write_bytes((base / "config.json").read_bytes())
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(base / "config.json", tmp_path / "config-only")
+    snapshot = put_in_hub_cache(tmp_path / "config-only", "someone/cached-base", "e" * 40)
     with pytest.raises(RemoteBase, match="someone/cached-base is remote"):
         vitkit.load_checkpoint(folder)
-    (snapshot / "model.safetensors").write_bytes((base / "model.safetensors").read_bytes())
+    shutil.copy(base / "model.safetensors", snapshot)
     assert vitkit.load_checkpoint(folder).model.cfg.num_classes == 5
 
 

@@ -15,7 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from loopback_http import Server, http_server_fixture, private_caches_fixture  # noqa: F401 (fixtures)
+from loopback_http import (  # noqa: F401 (fixtures)
+    Server,
+    http_server_fixture,
+    private_caches_fixture,
+    put_in_hub_cache,
+)
 
 from helpers import FIXTURES, SRC, randomize_
 from vitkit.checkpoints import load_checkpoint, save_checkpoint
@@ -97,17 +102,6 @@ def hf_folder(path: Path, seed: int) -> Path:
             p.normal_(0.0, 0.05)
     model.save_pretrained(path)
     return path
-
-
-def put_in_hub_cache(folder: Path, repo_id: str, commit: str, refs: tuple[str, ...] = ("main",)) -> None:
-    """Lay a folder out as huggingface_hub's cache does: models--org--name/{snapshots/<commit>, refs/<ref>}."""
-    import huggingface_hub.constants as c
-
-    repo = Path(c.HF_HUB_CACHE) / ("models--" + repo_id.replace("/", "--"))
-    shutil.copytree(folder, repo / "snapshots" / commit)
-    (repo / "refs").mkdir(parents=True, exist_ok=True)
-    for ref in refs:
-        (repo / "refs" / ref).write_text(commit)
 
 
 def test_hub_ids_with_revisions_load_equal_to_the_folders(tmp_path: Path) -> None:
