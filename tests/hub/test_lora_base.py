@@ -79,7 +79,9 @@ def test_a_hub_id_named_only_by_the_folder_is_not_fetched(tmp_path: Path) -> Non
         vitkit.load_checkpoint(folder)
 
 
-def test_a_hub_base_is_read_only_when_its_weights_are_cached(tmp_path: Path) -> None:
+def test_a_hub_base_is_read_only_when_its_weights_are_cached(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The folder's Hub base with only its config.json in huggingface_hub's cache (a listing fetched it, say): loading
     would download the weights the folder chose, so it is refused as an uncached base is; with the weights cached
     too (the user ran ``vitkit download``) it is read, from the cache (the Hub is offline here)."""
@@ -90,6 +92,9 @@ def test_a_hub_base_is_read_only_when_its_weights_are_cached(tmp_path: Path) -> 
     snapshot = put_in_hub_cache(tmp_path / "config-only", "someone/cached-base", "e" * 40)
     with pytest.raises(RemoteBase, match="someone/cached-base is remote"):
         vitkit.load_checkpoint(folder)
+    code, _, err = run_cli(capsys, "info", str(folder))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "not fetched" in err, err
+    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json"]  # nothing fetched, nothing removed
     shutil.copy(base / "model.safetensors", snapshot)
     assert vitkit.load_checkpoint(folder).model.cfg.num_classes == 5
 
